@@ -1,0 +1,40 @@
+"""kvpool: a shared, tiered KV-cache pool for LLM inference (client library and data plane).
+
+Engines import this package: keys (:class:`KeySpace`), hit planning (:func:`plan_hit`),
+``connect()`` to a sidecar and ``LocalCluster`` for an embedded pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .keys import KeySpace, chain_keys
+from .planning import (
+    FetchDecision,
+    HitPlan,
+    kv_bytes_per_token,
+    plan_hit,
+    should_fetch,
+    state_bytes,
+    state_store_position,
+)
+from .ring import Member, Ring, owners
+
+__all__ = [
+    "FetchDecision", "HitPlan", "KeySpace", "LocalCluster", "Member", "Ring", "chain_keys",
+    "connect", "kv_bytes_per_token", "owners", "plan_hit", "should_fetch", "state_bytes",
+    "state_store_position",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The client and the embedded cluster pull in grpc and subprocess machinery; load lazily so
+    # that `import kvpool` stays cheap for engines that only compute keys.
+    if name == "connect":
+        from .client import connect
+        return connect
+    if name == "LocalCluster":
+        from .local import LocalCluster
+        return LocalCluster
+    raise AttributeError(name)

@@ -1,0 +1,92 @@
+"""The `kvpool` command: store node, sidecar, operator, local pool and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '4G', '1048576' → bytes; a clear error for anything else."""
+    s = text.strip().lower().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (use e.g. 512MiB, 4GiB, 1048576)")
+    try:
+        value = float(num) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("byte sizes must be non-negative")
+    return int(value)
+
+
+def _store(args: argparse.Namespace) -> int:
+    from .store.config import load_node_config, load_tenants
+    from .store.service import serve_forever
+
+    cfg = load_node_config(args)
+    tenants = load_tenants(args.tenants) if args.tenants else []
+    admin = args.admin_token or ""
+    if args.admin_token_file:
+        with open(args.admin_token_file) as f:
+            admin = f.read().strip()
+    return serve_forever(cfg, args.listen, args.transfer_port, admin, tenants)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvpool", description="Shared, tiered KV-cache pool for LLM inference")
+    ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "WARNING"))
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    st = sub.add_parser("store", help="run a store node")
+    st.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT of the control API (gRPC)")
+    st.add_argument("--transfer-port", type=int, default=None,
+                    help="port of the transfer server (default: listen port + 1, or ephemeral for port 0)")
+    st.add_argument("--dram", type=parse_bytes, default=None, help="DRAM arena payload capacity")
+    st.add_argument("--ssd-path", default=None)
+    st.add_argument("--ssd", type=parse_bytes, default=None, help="SSD tier capacity")
+    st.add_argument("--sharedfs", default=None, help="directory of a shared-filesystem tier")
+    st.add_argument("--node-id", default=None)
+    st.add_argument("--config", default=None, help="JSON node configuration (the operator's ConfigMap)")
+    st.add_argument("--tenants", default=None, help="JSON file of tenants (id, token, salt, quota, ttl)")
+    st.add_argument("--closed", action="store_true", help="refuse calls without a tenant token")
+    st.add_argument("--admin-token", default=None)
+    st.add_argument("--admin-token-file", default=None)
+    st.set_defaults(func=_store)
+
+    for name, mod in (("sidecar", "sidecar.main"), ("up", "local"), ("demo", "demo"),
+                      ("operator", None)):
+        p = sub.add_parser(name, add_help=False)
+        p.set_defaults(func=None, delegate=(name, mod))
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    # Subcommands with their own parsers (sidecar, demo, up, operator) get the rest verbatim.
+    args, rest = ap.parse_known_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.func is not None:
+        if rest:
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        return int(args.func(args))
+    name, mod = args.delegate
+    if name == "operator":
+        from kvpool_operator.main import main as op_main  # type: ignore[import-not-found]
+        return int(op_main(rest))
+    import importlib
+    module = importlib.import_module(f"kvpool.{mod}")
+    return int(module.main(rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

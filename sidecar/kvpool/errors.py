@@ -1,0 +1,130 @@
+"""One exception tree for the data plane, mapped to result codes and gRPC status in one place.
+
+Batch calls return per-item :class:`~kvpool.proto.store_pb2.Code` values; whole-call failures
+raise a :class:`KvpoolError` subclass.  ``error_for_code`` and ``GRPC_STATUS`` are the only
+translations between the three forms.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from .proto import store_pb2 as pb
+
+Code = pb.Code
+
+
+class KvpoolError(Exception):
+    """Base of every kvpool data-plane error."""
+
+    code: int = pb.INVALID
+
+
+class NotFound(KvpoolError, KeyError):
+    code = pb.NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "not found"
+
+
+class QuotaExceeded(KvpoolError):
+    code = pb.QUOTA_EXCEEDED
+
+
+class NoSpace(KvpoolError):
+    code = pb.NO_SPACE
+
+
+class LeaseExpired(KvpoolError):
+    code = pb.LEASE_EXPIRED
+
+
+class ChecksumMismatch(KvpoolError):
+    code = pb.CHECKSUM
+
+
+class InvalidArgument(KvpoolError, ValueError):
+    code = pb.INVALID
+
+
+class WrongOwner(KvpoolError):
+    code = pb.WRONG_OWNER
+
+
+class InFlight(KvpoolError):
+    code = pb.IN_FLIGHT
+
+
+class Draining(KvpoolError):
+    code = pb.DRAINING
+
+
+class TooLarge(KvpoolError):
+    code = pb.TOO_LARGE
+
+
+class Unauthenticated(KvpoolError):
+    code = pb.INVALID
+
+
+class PermissionDenied(KvpoolError):
+    code = pb.INVALID
+
+
+class Unavailable(KvpoolError):
+    """The peer (store node or sidecar) cannot be reached."""
+
+
+_BY_CODE: dict[int, type[KvpoolError]] = {
+    pb.NOT_FOUND: NotFound, pb.QUOTA_EXCEEDED: QuotaExceeded, pb.NO_SPACE: NoSpace,
+    pb.LEASE_EXPIRED: LeaseExpired, pb.CHECKSUM: ChecksumMismatch, pb.INVALID: InvalidArgument,
+    pb.WRONG_OWNER: WrongOwner, pb.IN_FLIGHT: InFlight, pb.DRAINING: Draining,
+    pb.TOO_LARGE: TooLarge,
+}
+
+GRPC_STATUS: dict[type[KvpoolError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NoSpace: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    LeaseExpired: grpc.StatusCode.FAILED_PRECONDITION,
+    WrongOwner: grpc.StatusCode.FAILED_PRECONDITION,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+_FROM_GRPC: dict[grpc.StatusCode, type[KvpoolError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpace,
+    grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
+}
+
+
+def code_name(code: int) -> str:
+    return str(pb.Code.Name(code))
+
+
+def error_for_code(code: int, message: str = "") -> KvpoolError:
+    cls = _BY_CODE.get(code, KvpoolError)
+    return cls(message or code_name(code))
+
+
+def grpc_status_for(exc: KvpoolError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in GRPC_STATUS:
+            return GRPC_STATUS[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+def from_rpc_error(err: grpc.RpcError) -> KvpoolError:
+    """Translate a failed call into the exception tree (client side)."""
+    status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    detail = err.details() if hasattr(err, "details") else str(err)
+    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                  grpc.StatusCode.CANCELLED):
+        return Unavailable(f"{status.name}: {detail}")
+    return _FROM_GRPC.get(status, KvpoolError)(detail or status.name)

@@ -1,0 +1,136 @@
+"""The ring: who owns which key (DESIGN §6), as pure, vectorized functions.
+
+Owner of a key = rendezvous (highest-random-weight) hashing over the active members; with
+replication R, the R highest weights.  Weights are a 64-bit mix of the key's first 8 bytes
+(keys are SHA-256 outputs, already uniform) and a per-member hash of its id, computed in numpy
+for all keys × members at once: no Python loop over keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from .keys import KEY_BYTES, pack_keys
+
+MemberState = Literal["active", "draining"]
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def member_hash(member_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(b"kvpool.member\x00" + member_id.encode()).digest()[:8], "little")
+
+
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    # splitmix64 finalizer; uint64 arithmetic wraps in numpy, which is what we want.
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        return x ^ (x >> np.uint64(31))
+
+
+def key_prefixes(keys: Sequence[bytes] | bytes) -> npt.NDArray[np.uint64]:
+    """The first 8 bytes of each key as little-endian uint64 (vectorized)."""
+    blob = keys if isinstance(keys, bytes | bytearray | memoryview) else pack_keys(keys)
+    arr = np.frombuffer(blob, dtype="<u8")
+    return arr.reshape(-1, KEY_BYTES // 8)[:, 0].astype(np.uint64)
+
+
+def weights(keys: Sequence[bytes] | bytes, member_ids: Sequence[str]) -> npt.NDArray[np.uint64]:
+    """Rendezvous weights, shape (n_keys, n_members)."""
+    k = key_prefixes(keys)
+    m = np.array([member_hash(i) for i in member_ids], dtype=np.uint64)
+    return _mix(k[:, None] ^ m[None, :])
+
+
+def owners(keys: Sequence[bytes] | bytes, member_ids: Sequence[str], replicas: int = 1) -> npt.NDArray[np.intp]:
+    """Indices into ``member_ids`` of each key's owners, shape (n_keys, min(replicas, n)).
+
+    Column 0 is the primary owner.  Empty membership raises.
+    """
+    if not member_ids:
+        raise ValueError("no members to own keys")
+    r = max(1, min(replicas, len(member_ids)))
+    w = weights(keys, member_ids)
+    if r == 1:
+        return np.argmax(w, axis=1)[:, None]
+    # argsort descending on the weights; stable tie-break by member order (ties are ~impossible).
+    return np.argsort(_desc(w), axis=1, kind="stable")[:, :r]
+
+
+def _desc(w: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    return np.uint64(0xFFFFFFFFFFFFFFFF) - w
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    address: str
+    state: MemberState = "active"
+    transfer_address: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"id": self.id, "address": self.address, "state": self.state,
+                "transferAddress": self.transfer_address}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Member:
+        state = d.get("state", "active")
+        if state not in ("active", "draining"):
+            raise ValueError(f"member state must be active or draining, got {state!r}")
+        return Member(id=str(d["id"]), address=str(d["address"]), state=state,
+                      transfer_address=str(d.get("transferAddress", "")))
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Membership at one epoch; the operator is its single writer."""
+
+    epoch: int
+    members: tuple[Member, ...] = field(default_factory=tuple)
+    replicas: int = 1
+
+    @property
+    def active(self) -> list[Member]:
+        return [m for m in self.members if m.state == "active"]
+
+    @property
+    def draining(self) -> list[Member]:
+        return [m for m in self.members if m.state == "draining"]
+
+    def member(self, member_id: str) -> Member | None:
+        return next((m for m in self.members if m.id == member_id), None)
+
+    def owners_of(self, keys: Sequence[bytes] | bytes) -> npt.NDArray[np.intp]:
+        """Primary owner (index into :attr:`active`) of each key; -1 when no member is active."""
+        act = self.active
+        n = len(keys) // KEY_BYTES if isinstance(keys, bytes) else len(keys)
+        if not act:
+            return np.full(n, -1, dtype=np.intp)
+        return owners(keys, [m.id for m in act], 1)[:, 0]
+
+    def read_fallbacks(self, keys: Sequence[bytes] | bytes) -> npt.NDArray[np.intp]:
+        """During a drain: the owner among active + draining members (index into :attr:`members`).
+
+        A read tries the active owner first, then this one when it differs (DESIGN §6).
+        """
+        n = len(keys) // KEY_BYTES if isinstance(keys, bytes) else len(keys)
+        if not self.members:
+            return np.full(n, -1, dtype=np.intp)
+        return owners(keys, [m.id for m in self.members], 1)[:, 0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "replicas": self.replicas,
+                "members": [m.to_dict() for m in self.members]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Ring:
+        return Ring(epoch=int(d.get("epoch", 0)), replicas=int(d.get("replicas", 1)),
+                    members=tuple(Member.from_dict(m) for m in d.get("members", [])))

@@ -1,0 +1,299 @@
+"""gRPC adapter of the store node (`kvpool store`): protobuf in, :class:`StoreNode` calls, protobuf out.
+
+Authentication happens here (the tenant comes from the token in the call's metadata, never from
+the message); errors are mapped to gRPC status in exactly one place (``kvpool.errors``).  The
+DRAM arena is served to peers by a :class:`~kvpool.transfer.TransferServer` with the node as
+its guard.  The drain runs in a background thread and reports through ``GetDrainStatus``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from .. import errors
+from ..keys import unpack_keys
+from ..proto import store_pb2 as pb
+from ..proto import store_pb2_grpc as pbg
+from ..ring import Member, Ring
+from ..transfer import Segment, SegmentRegistry, TransferServer
+from .node import NodeConfig, StoreNode, Tenant
+
+log = logging.getLogger("kvpool.store")
+
+SEGMENT_NAME = "dram"
+T = TypeVar("T")
+
+
+def ring_to_pb(ring: Ring) -> pb.Ring:
+    return pb.Ring(epoch=ring.epoch, replicas=ring.replicas, members=[
+        pb.RingMember(id=m.id, address=m.address, state=m.state, transfer_address=m.transfer_address)
+        for m in ring.members])
+
+
+def ring_from_pb(msg: pb.Ring) -> Ring:
+    members = []
+    for m in msg.members:
+        if m.state not in ("active", "draining", ""):
+            raise errors.InvalidArgument(f"member {m.id}: state must be active or draining")
+        members.append(Member(m.id, m.address, m.state or "active", m.transfer_address))  # type: ignore[arg-type]
+    return Ring(epoch=msg.epoch, members=tuple(members), replicas=msg.replicas or 1)
+
+
+def _bearer(context: grpc.ServicerContext) -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == "authorization" and isinstance(v, str) and v.startswith("Bearer "):
+            return v[7:]
+    return ""
+
+
+@dataclass
+class DrainProgress:
+    state: str = "idle"
+    moved_objects: int = 0
+    moved_bytes: int = 0
+    dropped_objects: int = 0
+    dropped_bytes: int = 0
+    remaining_objects: int = 0
+    deadline_unix_ms: int = 0
+    epoch: int = 0
+
+    def to_pb(self) -> pb.DrainStatus:
+        return pb.DrainStatus(**self.__dict__)
+
+
+class StoreService(pbg.StoreServicer):
+    def __init__(self, node: StoreNode, transfer_address: str, admin_token: str = "") -> None:
+        self.node = node
+        self.transfer_address = transfer_address
+        self.admin_token = admin_token
+        self.location = pb.Location(segment=SEGMENT_NAME, transfer_address=transfer_address,
+                                    shm_path=node.dram.path)
+        self.drain = DrainProgress()
+        self._drain_thread: threading.Thread | None = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except errors.KvpoolError as exc:
+            context.abort(errors.grpc_status_for(exc), str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise AssertionError("unreachable")
+
+    def _tenant(self, context: grpc.ServicerContext) -> str:
+        tid = self.node.authenticate(_bearer(context))
+        if tid is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown or missing tenant token")
+        return tid  # type: ignore[return-value]
+
+    def _admin(self, context: grpc.ServicerContext) -> None:
+        if self.admin_token and _bearer(context) != self.admin_token:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "admin token required")
+
+    @staticmethod
+    def _keys(blob: bytes) -> list[bytes]:
+        try:
+            return unpack_keys(blob)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
+
+    # -- data calls -------------------------------------------------------------------------
+
+    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext) -> pb.ExistsReply:
+        tenant = self._tenant(context)
+
+        def run() -> pb.ExistsReply:
+            prefix, present, lease = self.node.exists(
+                tenant, self._keys(request.keys), request.kind, request.prefix_only, request.pin,
+                request.lease_ms)
+            return pb.ExistsReply(prefix=prefix, present=present, lease_id=lease.lease_id if lease else 0,
+                                  lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
+                                  epoch=self.node.ring.epoch)
+        return self._call(context, run)
+
+    def PutStart(self, request: pb.PutStartRequest, context: grpc.ServicerContext) -> pb.PutStartReply:
+        tenant = self._tenant(context)
+
+        def run() -> pb.PutStartReply:
+            codes, offsets, tokens, rid = self.node.put_start(
+                tenant, self._keys(request.keys), list(request.sizes), request.traffic_class or "chatbot",
+                request.kind, request.timeout_ms)
+            return pb.PutStartReply(codes=codes, offsets=offsets, tokens=tokens, reservation_id=rid,
+                                    location=self.location, epoch=self.node.ring.epoch)
+        return self._call(context, run)
+
+    def PutCommit(self, request: pb.PutCommitRequest, context: grpc.ServicerContext) -> pb.PutCommitReply:
+        tenant = self._tenant(context)
+        return self._call(context, lambda: pb.PutCommitReply(codes=self.node.put_commit(
+            tenant, request.reservation_id, list(request.checksums), request.revoke)))
+
+    def PutRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
+        tenant = self._tenant(context)
+        self.node.put_revoke(tenant, request.reservation_id)
+        return pb.Empty()
+
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
+        tenant = self._tenant(context)
+
+        def run() -> pb.GetReply:
+            codes, found, lease = self.node.get(tenant, self._keys(request.keys), request.kind,
+                                                request.lease_ms, request.lease_id)
+            n = len(found)
+            offsets, sizes, sums, tokens = [0] * n, [0] * n, [0] * n, [0] * n
+            for i, e in enumerate(found):
+                if e is not None:
+                    offsets[i], sizes[i], sums[i], tokens[i] = e.offset, e.size, e.checksum, e.token
+            return pb.GetReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums, tokens=tokens,
+                               lease_id=lease.lease_id if lease else 0,
+                               lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
+                               location=self.location, epoch=self.node.ring.epoch)
+        return self._call(context, run)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self._tenant(context)
+        self.node.release(list(request.lease_ids))
+        return pb.Empty()
+
+    def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.CodesReply:
+        tenant = self._tenant(context)
+        return self._call(context, lambda: pb.CodesReply(
+            codes=self.node.remove(tenant, self._keys(request.keys), request.kind)))
+
+    def Health(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.HealthReply:
+        return pb.HealthReply(ok=True, node_id=self.node.node_id, epoch=self.node.ring.epoch,
+                              transfer_address=self.transfer_address)
+
+    def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
+        s: dict[str, Any] = self.node.stats()
+        counters = s["counters"]
+        return pb.StatsReply(
+            node_id=s["node_id"], epoch=s["epoch"], draining=s["draining"],
+            tiers=[pb.TierStats(name=n, capacity_bytes=c, used_bytes=u, objects=o) for n, c, u, o in s["tiers"]],
+            tenants=[pb.TenantStats(tenant_id=t, used_bytes=u, quota_bytes=q, objects=max(o, 0), counters=c)
+                     for t, u, q, o, c in s["tenants"]],
+            counters=counters, hit_blocks=counters.get("hit_blocks", 0),
+            lookup_blocks=counters.get("lookup_blocks", 0))
+
+    # -- admin calls ------------------------------------------------------------------------
+
+    def GetRing(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Ring:
+        return ring_to_pb(self.node.ring)
+
+    def SetRing(self, request: pb.Ring, context: grpc.ServicerContext) -> pb.Ring:
+        self._admin(context)
+        return self._call(context, lambda: ring_to_pb(self.node.set_ring(ring_from_pb(request))))
+
+    def SetTenants(self, request: pb.SetTenantsRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self._admin(context)
+        self.node.set_tenants([Tenant(t.tenant_id, t.token, bytes(t.salt), t.quota_bytes,
+                                      {k: float(v) for k, v in t.ttl_seconds.items()}, t.evict_own_on_quota)
+                               for t in request.tenants], request.replace)
+        return pb.Empty()
+
+    def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self._admin(context)
+        self.node.set_policy({k: float(v) for k, v in request.ttl_seconds.items()},
+                             request.high_watermark, request.low_watermark)
+        return pb.Empty()
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainStatus:
+        self._admin(context)
+        ring = self._call(context, lambda: ring_from_pb(request.ring))
+        self.node.set_ring(ring)
+        if self.drain.state == "running" and self.drain.epoch == ring.epoch:
+            return self.drain.to_pb()  # idempotent: the operator may call again after a restart
+        if self.drain.state == "done" and self.drain.epoch == ring.epoch:
+            return self.drain.to_pb()
+        self.drain = DrainProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
+        from .drain import run_drain  # the pusher needs the store client (a module cycle otherwise)
+        self._drain_thread = threading.Thread(target=run_drain, args=(self.node, ring, self.drain),
+                                              name="drain", daemon=True)
+        self._drain_thread.start()
+        return self.drain.to_pb()
+
+    def GetDrainStatus(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DrainStatus:
+        return self.drain.to_pb()
+
+
+@dataclass
+class RunningStore:
+    node: StoreNode
+    server: grpc.Server
+    transfer: TransferServer
+    address: str
+    transfer_address: str
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.server.stop(grace).wait()
+        self.transfer.stop()
+        self.node.close()
+
+
+def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, admin_token: str = "",
+                workers: int = 8) -> RunningStore:
+    host, _, port_s = listen.rpartition(":")
+    host = host or "127.0.0.1"
+    node = StoreNode(cfg)
+    registry = SegmentRegistry()
+    registry.register(Segment(SEGMENT_NAME, node.dram.view), guard=_Guard(node))
+    tport = transfer_port if transfer_port is not None else (int(port_s) + 1 if int(port_s) else 0)
+    transfer = TransferServer(registry, host=host, port=tport)
+    transfer.start()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+                         options=[("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.max_send_message_length", 64 << 20),
+                                  ("grpc.so_reuseport", 0)])
+    service = StoreService(node, transfer.address, admin_token)
+    pbg.add_StoreServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port_s}")
+    if bound == 0:
+        transfer.stop()
+        node.close()
+        raise OSError(f"cannot listen on {listen}")
+    server.start()
+    return RunningStore(node, server, transfer, f"{host}:{bound}", transfer.address)
+
+
+class _Guard:
+    """Adapts the node to the transfer server's guard protocol."""
+
+    def __init__(self, node: StoreNode) -> None:
+        self.node = node
+
+    def acquire(self, op: str, offset: int, length: int, token: int) -> object | None:
+        return self.node.acquire(op, offset, length, token)
+
+    def release(self, handle: object) -> None:
+        self.node.release_guard(handle)  # type: ignore[arg-type]
+
+
+def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin_token: str,
+                  tenants: list[Tenant] | None = None, expire_interval: float = 30.0) -> int:
+    running = start_store(cfg, listen, transfer_port, admin_token)
+    if tenants:
+        running.node.set_tenants(tenants)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"READY {running.address} transfer={running.transfer_address} node={cfg.node_id}", flush=True)
+    while not stop.wait(expire_interval):
+        try:
+            running.node.expire_sweep()
+        except Exception:  # never let housekeeping kill the node
+            log.exception("expire sweep failed")
+    running.stop()
+    time.sleep(0)
+    return 0
+
+

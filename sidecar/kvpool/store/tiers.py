@@ -1,0 +1,212 @@
+"""Storage tiers of a store node: the DRAM arena, an SSD slot file, a shared-filesystem directory.
+
+Only this module and the transfer engine touch files and memory on the data path.  Every tier is
+one preallocated region (or a directory) addressed by locations the index keeps; bytes move with
+``os.pwritev``/``os.preadv`` between the arena and files, never through Python objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+
+import xxhash
+
+from .allocator import ExtentAllocator
+
+
+def checksum(view: memoryview | bytes) -> int:
+    """XXH3-64 of a buffer (the checksum carried by every blob)."""
+    return int(xxhash.xxh3_64_intdigest(view))
+
+
+class DramTier:
+    """One preallocated shared-memory arena (a file in /dev/shm, so same-host peers can map it)."""
+
+    name = "dram"
+
+    def __init__(self, capacity: int, shm_dir: str = "/dev/shm", label: str = "store",
+                 align: int = 4096) -> None:
+        self.alloc = ExtentAllocator(capacity, align)
+        self.capacity = self.alloc.capacity
+        fd, self.path = tempfile.mkstemp(prefix=f"kvpool-{label}-", suffix=".arena", dir=shm_dir)
+        try:
+            os.ftruncate(fd, self.capacity)
+            self._mmap = mmap.mmap(fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._mmap)
+
+    def slice(self, offset: int, size: int) -> memoryview:
+        return self.view[offset:offset + size]
+
+    def prefault(self) -> None:
+        """Touch every page once so the first measured writes do not pay page faults."""
+        step = mmap.PAGESIZE
+        for off in range(0, self.capacity, 1 << 24):
+            end = min(self.capacity, off + (1 << 24))
+            self.view[off:end:step] = bytes(len(range(off, end, step)))
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self._mmap.close()
+        except (BufferError, ValueError):
+            pass  # views still exported; the mapping goes with the process
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class SsdTier:
+    """A preallocated file divided into extents; created empty at start, so a restarted node
+    never serves bytes of a previous life (its index is gone, its slots are unreachable)."""
+
+    name = "ssd"
+
+    def __init__(self, directory: str, capacity: int, node_id: str, align: int = 4096) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.alloc = ExtentAllocator(capacity, align)
+        self.capacity = self.alloc.capacity
+        self.path = os.path.join(directory, f"kvpool-{node_id}.slots")
+        # O_TRUNC: discard any previous life's content before serving (restart safety).
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(self._fd, 0, self.capacity)
+        except OSError:
+            os.ftruncate(self._fd, self.capacity)
+
+    def write(self, offset: int, src: memoryview) -> None:
+        done = 0
+        while done < len(src):
+            done += os.pwritev(self._fd, [src[done:]], offset + done)
+
+    def read_into(self, offset: int, dst: memoryview) -> None:
+        done = 0
+        while done < len(dst):
+            n = os.preadv(self._fd, [dst[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"short read from {self.path} at {offset + done}")
+            done += n
+
+    def close(self) -> None:
+        os.close(self._fd)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _advance(bufs: list[bytes | memoryview], n: int) -> list[bytes | memoryview]:
+    """Drop the first ``n`` bytes written by writev from a buffer list."""
+    out: list[bytes | memoryview] = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(memoryview(b)[n:] if n else b)
+        n = 0
+    return out
+
+
+_SFS_MAGIC = b"KVPF"
+_SFS_HEADER = struct.Struct("<4sHHQQ")  # magic, version, kind, size, checksum
+
+
+@dataclass(frozen=True)
+class SharedFsHeader:
+    kind: int
+    size: int
+    checksum: int
+
+
+class SharedFsTier:
+    """A directory every node can read (3FS, NFS, Lustre mounts); one file per object.
+
+    File names are keyed hashes of (tenant salt, key) so the directory reveals nothing; files are
+    written to a temporary name and renamed, so a reader never sees a partial object.
+    """
+
+    name = "sharedfs"
+
+    def __init__(self, directory: str, capacity: int = 0) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.capacity = capacity
+
+    def path_for(self, salt: bytes, key: bytes) -> str:
+        name = hmac.new(salt, key, hashlib.sha256).hexdigest()
+        return os.path.join(self.directory, name[:2], name)
+
+    def write(self, salt: bytes, key: bytes, kind: int, src: memoryview, csum: int) -> str:
+        path = self.path_for(salt, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        try:
+            try:
+                header = _SFS_HEADER.pack(_SFS_MAGIC, 1, kind, len(src), csum)
+                data = [header, src]
+                while data:
+                    n = os.writev(fd, data)
+                    data = _advance(data, n)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return path
+
+    def stat(self, salt: bytes, key: bytes) -> SharedFsHeader | None:
+        try:
+            with open(self.path_for(salt, key), "rb") as f:
+                raw = f.read(_SFS_HEADER.size)
+        except FileNotFoundError:
+            return None
+        if len(raw) != _SFS_HEADER.size:
+            return None
+        magic, version, kind, size, csum = _SFS_HEADER.unpack(raw)
+        if magic != _SFS_MAGIC or version != 1:
+            return None
+        return SharedFsHeader(kind, size, csum)
+
+    def read_into(self, salt: bytes, key: bytes, dst: memoryview) -> SharedFsHeader | None:
+        """Read the object's bytes into ``dst`` (sized from :meth:`stat`); None if gone/bad."""
+        try:
+            fd = os.open(self.path_for(salt, key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            raw = os.pread(fd, _SFS_HEADER.size, 0)
+            if len(raw) != _SFS_HEADER.size:
+                return None
+            magic, version, kind, size, csum = _SFS_HEADER.unpack(raw)
+            if magic != _SFS_MAGIC or size != len(dst):
+                return None
+            done = 0
+            while done < size:
+                n = os.preadv(fd, [dst[done:]], _SFS_HEADER.size + done)
+                if n == 0:
+                    return None
+                done += n
+            return SharedFsHeader(kind, size, csum)
+        finally:
+            os.close(fd)
+
+    def remove(self, salt: bytes, key: bytes) -> None:
+        try:
+            os.unlink(self.path_for(salt, key))
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,217 @@
+"""Client of one store node: gRPC for metadata, the transfer engine for bytes.
+
+Used by the sidecar (one per store node), by the drain (node → node) and by benchmarks.  Every
+call carries the tenant's token; every read is verified against the blob's checksum, so a slot
+recycled under a stale lease can never hand back another object's bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from . import errors
+from .keys import pack_keys
+from .proto import store_pb2 as pb
+from .proto import store_pb2_grpc as pbg
+from .store.tiers import checksum
+from .transfer import TransferEngine, TransferRequest
+
+Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.enable_http_proxy", 0),
+    ("grpc.keepalive_time_ms", 20000),
+]
+
+
+def as_bytes_view(value: Buffer) -> memoryview:
+    """A flat unsigned-byte view of any buffer (no copy)."""
+    mv = memoryview(value)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B") if mv.c_contiguous else memoryview(bytes(mv))
+    return mv
+
+
+@dataclass(frozen=True)
+class ExistsResult:
+    prefix: int
+    present: list[bool]
+    lease_id: int
+    epoch: int
+
+
+@dataclass
+class GetPlan:
+    """What a node answered to Get: where each object is and the lease pinning them."""
+
+    codes: list[int]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    tokens: list[int]
+    lease_id: int
+    location: pb.Location
+    epoch: int
+
+
+class StoreClient:
+    """Thread-safe client of one store node."""
+
+    def __init__(self, address: str, token: str = "", engine: TransferEngine | None = None,
+                 timeout: float = 10.0, verify: bool = True) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.verify = verify
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = pbg.StoreStub(self._channel)
+        self._own_engine = engine is None
+        self.engine = engine or TransferEngine()
+        self._lock = threading.Lock()
+        self.epoch_seen = 0
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _rpc(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            reply = method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        epoch = getattr(reply, "epoch", 0)
+        if epoch > self.epoch_seen:
+            self.epoch_seen = epoch
+        return reply
+
+    def close(self) -> None:
+        self._channel.close()
+        if self._own_engine:
+            self.engine.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[bytes], pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
+               kind: int = pb.BLOCK, epoch: int = 0) -> ExistsResult:
+        reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
+            keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
+        return ExistsResult(reply.prefix, [b == 1 for b in reply.present], reply.lease_id, reply.epoch)
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        ids = [i for i in lease_ids if i]
+        if ids:
+            self._rpc(self.stub.Release, pb.ReleaseRequest(lease_ids=ids))
+
+    def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
+        return list(self._rpc(self.stub.Remove, pb.RemoveRequest(keys=pack_keys(keys), kind=kind)).codes)
+
+    def stats(self) -> pb.StatsReply:
+        return self._rpc(self.stub.Stats, pb.Empty())
+
+    def health(self, timeout: float = 2.0) -> pb.HealthReply:
+        return self._rpc(self.stub.Health, pb.Empty(), timeout)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = "chatbot",
+            kind: int = pb.BLOCK, epoch: int = 0, checksums: Sequence[int] | None = None) -> list[int]:
+        """Store objects (two-phase); per-item codes (OK, ALREADY_EXISTS, QUOTA_EXCEEDED, ...)."""
+        if len(keys) != len(values):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
+        views = [as_bytes_view(v) for v in values]
+        start = self._rpc(self.stub.PutStart, pb.PutStartRequest(
+            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=kind,
+            epoch=epoch))
+        codes = list(start.codes)
+        todo = [i for i, c in enumerate(codes) if c == pb.OK]
+        if not todo:
+            return codes
+        reqs = [TransferRequest("write", views[i], start.location.segment, start.offsets[i], len(views[i]),
+                                start.tokens[i]) for i in todo]
+        handle = self.engine.submit(start.location.transfer_address, reqs)
+        # Hash while the bytes fly: the checksum travels with the commit, not the payload.
+        sums = [0] * len(codes)
+        for i in todo:
+            sums[i] = checksums[i] if checksums is not None else checksum(views[i])
+        statuses = handle.wait()
+        revoke = bytearray(len(codes))
+        for i, st in zip(todo, statuses, strict=True):
+            if not st.ok:
+                revoke[i] = 1
+        commit = self._rpc(self.stub.PutCommit, pb.PutCommitRequest(
+            reservation_id=start.reservation_id, checksums=sums, revoke=bytes(revoke)))
+        for i in todo:
+            codes[i] = pb.LEASE_EXPIRED if revoke[i] else commit.codes[i]
+        return codes
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get_plan(self, keys: Sequence[bytes], lease_ms: int = 0, lease_id: int = 0, kind: int = pb.BLOCK,
+                 epoch: int = 0) -> GetPlan:
+        r = self._rpc(self.stub.Get, pb.GetRequest(keys=pack_keys(keys), lease_ms=lease_ms, lease_id=lease_id,
+                                                   kind=kind, epoch=epoch))
+        return GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums), list(r.tokens),
+                       r.lease_id, r.location, r.epoch)
+
+    def fetch_into(self, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[int]:
+        """Move the bytes of a :class:`GetPlan` into ``buffers`` (sized to ``plan.sizes``); verify."""
+        codes = list(plan.codes)
+        todo = [i for i, c in enumerate(codes) if c == pb.OK and buffers[i] is not None]
+        reqs = []
+        for i in todo:
+            buf = buffers[i]
+            assert buf is not None
+            if len(buf) < plan.sizes[i]:
+                raise errors.InvalidArgument(f"buffer {i} has {len(buf)} bytes, object has {plan.sizes[i]}")
+            reqs.append(TransferRequest("read", buf[:plan.sizes[i]], plan.location.segment, plan.offsets[i],
+                                        plan.sizes[i], plan.tokens[i]))
+        if reqs:
+            statuses = self.engine.submit(plan.location.transfer_address, reqs).wait()
+            for i, st in zip(todo, statuses, strict=True):
+                if not st.ok:
+                    codes[i] = pb.LEASE_EXPIRED
+                elif self.verify:
+                    buf = buffers[i]
+                    assert buf is not None
+                    if checksum(buf[:plan.sizes[i]]) != plan.checksums[i]:
+                        codes[i] = pb.CHECKSUM
+        return codes
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], lease_ms: int = 0,
+                 kind: int = pb.BLOCK) -> list[int]:
+        """Read objects into caller-owned buffers; per-item codes (NOT_FOUND, CHECKSUM, ...)."""
+        plan = self.get_plan(keys, lease_ms, kind=kind)
+        try:
+            return self.fetch_into(plan, [as_bytes_view(b) for b in buffers])
+        finally:
+            self.release([plan.lease_id])
+
+    def get(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[bytearray | None]:
+        """Convenience read into fresh buffers (tests, tools); None for misses."""
+        plan = self.get_plan(keys, kind=kind)
+        bufs: list[bytearray | None] = [bytearray(s) if c == pb.OK else None
+                                        for c, s in zip(plan.codes, plan.sizes, strict=True)]
+        try:
+            codes = self.fetch_into(plan, [memoryview(b) if b is not None else None for b in bufs])
+        finally:
+            self.release([plan.lease_id])
+        return [b if c == pb.OK else None for b, c in zip(bufs, codes, strict=True)]
+
+    # -- admin ------------------------------------------------------------------------------
+
+    def set_ring(self, ring: pb.Ring) -> pb.Ring:
+        return self._rpc(self.stub.SetRing, ring)
+
+    def get_ring(self) -> pb.Ring:
+        return self._rpc(self.stub.GetRing, pb.Empty())

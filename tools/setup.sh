@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install everything kvpool needs on a fresh machine (idempotent; quick when already done).
+# Expensive artefacts (Go builds of the control plane, peer packages) are cached under
+# ${KVPOOL_CACHE:-$HOME/.cache/kvpool}, which survives between runs on the same machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export KVPOOL_CACHE="${KVPOOL_CACHE:-$HOME/.cache/kvpool}"
+mkdir -p "$KVPOOL_CACHE"
+PY="${PYTHON:-python3}"
+
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || need_apt+=(libibverbs1)
+if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: apt-get install ${need_apt[*]}"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}") >/dev/null \
+    || echo "setup: apt-get failed; tests needing ${need_apt[*]} will skip with the reason"
+fi
+
+stamp="$KVPOOL_CACHE/pip-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -e "$stamp" ] || ! "$PY" -c "import kvpool, grpc, numpy, xxhash" >/dev/null 2>&1; then
+  echo "setup: pip install -e .[dev]"
+  "$PY" -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "as the 'root' user" || true
+  touch "$stamp"
+fi
+"$PY" -c "import kvpool, grpc, numpy, xxhash" || { echo "setup: kvpool is not importable"; exit 1; }
