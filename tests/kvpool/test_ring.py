@@ -1,0 +1,69 @@
+"""Rendezvous ring: vectorized owners match a scalar reference; minimal movement; replicas."""
+
+import hashlib
+import os
+
+import numpy as np
+
+from kvpool.ring import Member, Ring, member_hash, owners
+
+
+def _scalar_owner(key: bytes, ids: list[str]) -> int:
+    def mix(x: int) -> int:
+        m = (1 << 64) - 1
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        return x ^ (x >> 31)
+    k = int.from_bytes(key[:8], "little")
+    return max(range(len(ids)), key=lambda i: mix(k ^ member_hash(ids[i])))
+
+
+def _keys(n: int, seed: int = 0) -> list[bytes]:
+    return [hashlib.sha256(seed.to_bytes(4, "little") + i.to_bytes(4, "little")).digest() for i in range(n)]
+
+
+def test_matches_scalar_reference() -> None:
+    ids = [f"store-{i}" for i in range(5)]
+    keys = _keys(500)
+    vec = owners(keys, ids)[:, 0]
+    assert [int(x) for x in vec] == [_scalar_owner(k, ids) for k in keys]
+
+
+def test_balance_and_minimal_movement() -> None:
+    ids = [f"store-{i}" for i in range(4)]
+    keys = _keys(20000)
+    o4 = owners(keys, ids)[:, 0]
+    counts = np.bincount(o4, minlength=4)
+    assert counts.min() > 0.2 * len(keys)
+    o5 = owners(keys, ids + ["store-4"])[:, 0]
+    moved = o4 != o5
+    # Only keys that now belong to the new member move.
+    assert np.all(o5[moved] == 4)
+    assert 0.15 < moved.mean() < 0.25
+
+
+def test_replicas_distinct_and_primary_first() -> None:
+    ids = [f"n{i}" for i in range(4)]
+    keys = _keys(1000)
+    r = owners(keys, ids, replicas=3)
+    assert r.shape == (1000, 3)
+    assert all(len(set(row)) == 3 for row in r.tolist())
+    assert np.array_equal(r[:, 0], owners(keys, ids)[:, 0])
+    assert owners(keys, ids, replicas=9).shape == (1000, 4)
+
+
+def test_ring_active_and_drain_fallback() -> None:
+    ring = Ring(epoch=3, members=(Member("a", "1"), Member("b", "2"), Member("c", "3", "draining")))
+    keys = [os.urandom(32) for _ in range(300)]
+    act = ring.owners_of(keys)
+    assert set(act.tolist()) <= {0, 1}
+    fb = ring.read_fallbacks(keys)
+    # Keys whose owner among all members is the draining one fall back to it.
+    assert {ring.members[i].id for i in fb.tolist()} == {"a", "b", "c"}
+    assert Ring.from_dict(ring.to_dict()) == ring
+    assert (Ring(epoch=1).owners_of(keys) == -1).all()
+
+
+def test_deterministic_member_hash() -> None:
+    assert member_hash("store-0") == int.from_bytes(
+        hashlib.sha256(b"kvpool.member\x00store-0").digest()[:8], "little")
