@@ -1,0 +1,177 @@
+"""The transfer engine: batch-first byte moves between caller memory and peers' segments.
+
+``submit(peer, requests)`` returns a :class:`BatchHandle` at once; each request is routed to a
+transport: same-host shared memory when the peer's segment was attached with
+:meth:`TransferEngine.attach_shared`, else TCP (RDMA is chosen only when this host has devices
+and the peer's keys were attached; see :mod:`kvpool.transfer.rdma`).
+
+Thread safety: every public method may be called from any thread, concurrently.
+Buffers: ``request.local`` is the caller's memory; it is written (read op) or read (write op)
+until that request's status is final, and never after.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.transfer import rdma
+from kvpool.transfer.batch import BatchHandle, Slice
+from kvpool.transfer.plan import TransferRequest, plan_slices
+from kvpool.transfer.shm import SharedMemoryTransport
+from kvpool.transfer.status import TransferStatus
+from kvpool.transfer.tcp import TcpPeer, TcpSettings, parse_address
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """Tuning of a :class:`TransferEngine`; every field has a working default."""
+
+    connections_per_peer: int = 2
+    """TCP connections (each with its own worker thread) per peer."""
+    slice_bytes: int = 1 << 20
+    """Largest piece a request is cut into; pieces spread over the connections."""
+    min_slice_bytes: int = 64 << 10
+    """Smallest piece worth its own round trip when a small batch is spread over connections."""
+    stall_timeout: float = 10.0
+    """Seconds without progress on a connection before its requests fail with TIMEOUT."""
+    max_inflight: int = 64
+    """Requests pipelined per connection."""
+    window_bytes: int = 4 << 20
+    """Payload bytes outstanding per connection."""
+
+
+class TransferEngine:
+    """Moves bytes for many concurrent batches over persistent per-peer connections."""
+
+    def __init__(
+        self,
+        connections_per_peer: int = 2,
+        slice_bytes: int = 1 << 20,
+        stall_timeout: float = 10.0,
+        *,
+        min_slice_bytes: int = 64 << 10,
+        max_inflight: int = 64,
+        window_bytes: int = 4 << 20,
+    ) -> None:
+        if connections_per_peer < 1:
+            raise ValueError("connections_per_peer must be at least 1")
+        if slice_bytes < 4096:
+            raise ValueError("slice_bytes must be at least 4096")
+        if stall_timeout <= 0:
+            raise ValueError("stall_timeout must be positive")
+        self.settings = EngineSettings(
+            connections_per_peer, slice_bytes, min_slice_bytes, stall_timeout, max_inflight, window_bytes
+        )
+        self._tcp_settings = TcpSettings(connections_per_peer, stall_timeout, max_inflight, window_bytes)
+        self._lock = threading.Lock()
+        self._peers: dict[str, TcpPeer] = {}
+        self._shm = SharedMemoryTransport()
+        self._closed = False
+
+    # -- same-host shared memory -------------------------------------------------------------
+
+    def attach_shared(self, peer: str, segment_name: str, path: str) -> None:
+        """Map ``peer``'s shared segment ``segment_name`` (a :meth:`Segment.shared` file).
+
+        From now on requests for that segment of that peer are plain memory copies.
+        The segment's guard is *not* consulted on this path — verify checksums of what you read.
+        """
+        self._shm.attach(peer, segment_name, path)
+
+    def detach_shared(self, peer: str, segment_name: str) -> None:
+        self._shm.detach(peer, segment_name)
+
+    # -- RDMA ------------------------------------------------------------------------------
+
+    @property
+    def rdma_available(self) -> bool:
+        return bool(rdma.rdma_devices())
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def submit(self, peer: str, requests: Sequence[TransferRequest]) -> BatchHandle:
+        """Start moving ``requests`` to/from ``peer`` (``"host:port"``); returns immediately.
+
+        Shared-memory requests are copied before this returns; TCP requests run on the peer's
+        connection workers.
+        """
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        handle = BatchHandle(len(requests))
+        tcp_indexes: list[int] = []
+        for index, req in enumerate(requests):
+            if req.length and self._shm.handles(peer, req.remote_segment):
+                handle._expect(index, 1)
+                handle._complete(index, self._shm.transfer(peer, req))
+            else:
+                tcp_indexes.append(index)
+        slices: list[Slice] = []
+        if tcp_indexes:
+            settings = self.settings
+            plan = plan_slices(
+                [requests[i].length for i in tcp_indexes],
+                settings.connections_per_peer,
+                settings.slice_bytes,
+                settings.min_slice_bytes,
+            )
+            names: dict[str, bytes] = {}
+            for piece in plan:
+                index = tcp_indexes[piece.index]
+                req = requests[index]
+                name = names.get(req.remote_segment)
+                if name is None:
+                    name = names[req.remote_segment] = req.remote_segment.encode("utf-8")
+                slices.append(
+                    Slice(
+                        handle,
+                        index,
+                        req.op == "read",
+                        req.local[piece.start : piece.start + piece.length],
+                        name,
+                        req.remote_offset + piece.start,
+                        piece.length,
+                        req.token,
+                    )
+                )
+                handle._expect(index, 1)
+        handle._seal()
+        if slices:
+            self._peer(peer).enqueue(slices)
+        return handle
+
+    def transfer(
+        self, peer: str, requests: Sequence[TransferRequest], timeout: float | None = None
+    ) -> list[TransferStatus]:
+        """``submit(...).wait(timeout)`` for callers that just want the statuses."""
+        return self.submit(peer, requests).wait(timeout)
+
+    def _peer(self, address: str) -> TcpPeer:
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        parse_address(address)  # fail fast in the caller's thread on a bad address
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("transfer engine is closed")
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = TcpPeer(address, self._tcp_settings)
+        return peer
+
+    def close(self) -> None:
+        """Fail what is still queued, stop every worker, unmap shared segments."""
+        with self._lock:
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
+        self._shm.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

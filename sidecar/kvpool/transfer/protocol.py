@@ -1,0 +1,124 @@
+"""The TCP wire format of the transfer engine: fixed binary headers, pure encode/decode.
+
+One connection carries a pipelined stream of requests; the server answers each in order.
+
+Request (104 bytes, little-endian), followed by ``length`` payload bytes for a write::
+
+    magic "KVTQ" | version u8 | op u8 (1 read, 2 write) | name_len u16 |
+    request_id u64 | offset u64 | length u64 | token u64 | segment name (64 bytes, NUL padded)
+
+Response (24 bytes), followed by ``msg_len`` bytes of UTF-8 message, then ``payload_len``
+payload bytes (a successful read: exactly the requested length; otherwise 0)::
+
+    magic "KVTS" | version u8 | code u8 | msg_len u16 | request_id u64 | payload_len u64
+
+A bad magic or version means the stream can no longer be trusted, so the receiver closes the
+connection; every other problem (unknown segment, bounds, refused guard) is a per-request code.
+Nothing here does I/O, so all of it is unit-tested without sockets.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvpool.transfer.segment import MAX_SEGMENT_NAME_BYTES
+from kvpool.transfer.status import TransferCode
+
+VERSION = 1
+REQUEST_MAGIC = b"KVTQ"
+RESPONSE_MAGIC = b"KVTS"
+OP_READ = 1
+OP_WRITE = 2
+OPS = {"read": OP_READ, "write": OP_WRITE}
+OP_NAMES = {OP_READ: "read", OP_WRITE: "write"}
+
+REQUEST = struct.Struct(f"<4sBBHQQQQ{MAX_SEGMENT_NAME_BYTES}s")
+RESPONSE = struct.Struct("<4sBBHQQ")
+REQUEST_SIZE = REQUEST.size
+RESPONSE_SIZE = RESPONSE.size
+MAX_MESSAGE_BYTES = 512
+U64_MAX = (1 << 64) - 1
+
+
+class ProtocolError(Exception):
+    """The byte stream is not a valid kvpool transfer stream; the connection must be closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHeader:
+    op: int
+    request_id: int
+    segment: str
+    offset: int
+    length: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHeader:
+    code: TransferCode
+    request_id: int
+    msg_len: int
+    payload_len: int
+
+
+def encode_request(
+    op: int, request_id: int, segment: bytes, offset: int, length: int, token: int
+) -> bytes:
+    """Pack a request header; ``segment`` is the already validated UTF-8 name."""
+    return REQUEST.pack(REQUEST_MAGIC, VERSION, op, len(segment), request_id, offset, length, token, segment)
+
+
+def decode_request(data: bytes | bytearray | memoryview) -> RequestHeader:
+    """Unpack and validate a request header (raises :class:`ProtocolError` if malformed)."""
+    if len(data) != REQUEST_SIZE:
+        raise ProtocolError(f"request header must be {REQUEST_SIZE} bytes, got {len(data)}")
+    magic, version, op, name_len, request_id, offset, length, token, raw_name = REQUEST.unpack(data)
+    if magic != REQUEST_MAGIC:
+        raise ProtocolError(f"bad request magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version}")
+    if op not in OP_NAMES:
+        raise ProtocolError(f"unknown op {op}")
+    if not 0 < name_len <= MAX_SEGMENT_NAME_BYTES:
+        raise ProtocolError(f"bad segment name length {name_len}")
+    if any(raw_name[name_len:]):
+        raise ProtocolError("segment name padding is not zero")
+    try:
+        name = raw_name[:name_len].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("segment name is not UTF-8") from exc
+    return RequestHeader(op, request_id, name, offset, length, token)
+
+
+def encode_response(code: TransferCode, request_id: int, payload_len: int = 0, message: str = "") -> bytes:
+    msg = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
+    return RESPONSE.pack(RESPONSE_MAGIC, VERSION, int(code), len(msg), request_id, payload_len) + msg
+
+
+def decode_response(data: bytes | bytearray | memoryview) -> ResponseHeader:
+    """Unpack and validate a response header (raises :class:`ProtocolError` if malformed)."""
+    if len(data) != RESPONSE_SIZE:
+        raise ProtocolError(f"response header must be {RESPONSE_SIZE} bytes, got {len(data)}")
+    magic, version, code, msg_len, request_id, payload_len = RESPONSE.unpack(data)
+    if magic != RESPONSE_MAGIC:
+        raise ProtocolError(f"bad response magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version}")
+    try:
+        status = TransferCode(code)
+    except ValueError as exc:
+        raise ProtocolError(f"unknown status code {code}") from exc
+    if msg_len > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"response message too long ({msg_len})")
+    return ResponseHeader(status, request_id, msg_len, payload_len)
+
+
+def check_bounds(offset: int, length: int, size: int) -> str | None:
+    """Why ``[offset, offset + length)`` does not fit in ``size`` bytes, or ``None`` if it does."""
+    if offset < 0 or length < 0:
+        return f"negative range ({offset}, {length})"
+    if offset > size or length > size - offset:
+        return f"range [{offset}, {offset + length}) outside segment of {size} bytes"
+    return None

@@ -1,0 +1,245 @@
+"""TCP server side of the transfer engine: serves a :class:`SegmentRegistry` to peers.
+
+One thread per connection; each handles a pipelined stream of requests in order. Payload is
+``recv_into`` straight into the segment (write) or ``sendmsg`` straight from it (read).
+A bad magic/version closes only that connection; every other problem is a per-request status,
+and a write whose request is refused still has its payload consumed so the stream stays in sync
+(unless its length exceeds ``max_request_bytes``, which is treated as a broken stream).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from kvpool.transfer import _sockio
+from kvpool.transfer.protocol import (
+    OP_NAMES,
+    OP_WRITE,
+    REQUEST_SIZE,
+    ProtocolError,
+    check_bounds,
+    decode_request,
+    encode_response,
+)
+from kvpool.transfer.segment import Guard, SegmentRegistry
+from kvpool.transfer.status import TransferCode
+
+log = logging.getLogger(__name__)
+
+_DISCARD_BYTES = 256 * 1024
+
+
+class TransferServer:
+    """Serves the segments of ``registry`` over TCP.
+
+    ``io_timeout`` bounds how long a peer may stall *inside* a request (a half-sent header or
+    payload, an unread response) before its connection is dropped — so a stalled peer cannot pin
+    a guarded slot forever. Idle connections between requests are kept indefinitely.
+    """
+
+    def __init__(
+        self,
+        registry: SegmentRegistry,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        io_timeout: float = 30.0,
+        max_connections: int = 256,
+        max_request_bytes: int = 1 << 30,
+    ) -> None:
+        self.registry = registry
+        self._host = host
+        self._port = port
+        self._io_timeout = io_timeout
+        self._max_connections = max_connections
+        self._max_request_bytes = max_request_bytes
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._stopping = threading.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> TransferServer:
+        if self._listener is not None:
+            raise RuntimeError("server already started")
+        listener = socket.create_server((self._host, self._port), backlog=128, reuse_port=False)
+        self._listener = listener
+        self._stopping.clear()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kvpool-transfer-accept-{self.address}", daemon=True
+        )
+        self._accept_thread.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        if self._listener is None:
+            raise RuntimeError("server not started")
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    @property
+    def connection_count(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, cut every connection, and join the threads."""
+        self._stopping.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            # shutdown() wakes the thread blocked in accept() on Linux; close() alone may not.
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+            self._accept_thread = None
+        with self._lock:
+            connections = list(self._connections.items())
+        for sock, _ in connections:
+            _shutdown(sock)
+        for _, thread in connections:
+            thread.join(timeout)
+
+    def __enter__(self) -> TransferServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- connection handling -----------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                continue  # e.g. EMFILE or ECONNABORTED: keep serving the others
+            with self._lock:
+                too_many = len(self._connections) >= self._max_connections
+                if not too_many:
+                    thread = threading.Thread(
+                        target=self._serve, args=(sock,), name=f"kvpool-transfer-conn-{peer}", daemon=True
+                    )
+                    self._connections[sock] = thread
+            if too_many:
+                log.warning("transfer server %s: refusing %s, %d connections open",
+                            self.address, peer, self._max_connections)
+                sock.close()
+                continue
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            _sockio.tune(sock)
+            _sockio.set_stall_timeout(sock, self._io_timeout)
+            self._serve_stream(sock)
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            if not self._stopping.is_set():
+                log.debug("transfer connection closed: %s", exc)
+        except ProtocolError as exc:
+            log.info("transfer connection dropped: %s", exc)
+        except Exception:  # never let one peer take the server down
+            log.exception("transfer connection failed")
+        finally:
+            with self._lock:
+                self._connections.pop(sock, None)
+            _shutdown(sock)
+            sock.close()
+
+    def _serve_stream(self, sock: socket.socket) -> None:
+        header = bytearray(REQUEST_SIZE)
+        header_view = memoryview(header)
+        scratch: memoryview | None = None
+        registry = self.registry
+        while not self._stopping.is_set():
+            try:
+                got = sock.recv_into(header_view)
+            except _sockio.STALL_ERRORS:
+                continue  # idle between requests is fine; re-check the stop flag
+            if got == 0:
+                return  # clean EOF between requests
+            if got < REQUEST_SIZE:
+                _sockio.recv_exact(sock, header_view[got:])
+            req = decode_request(header)
+
+            code = TransferCode.OK
+            message = ""
+            guard: Guard | None = None
+            view = header_view  # placeholder; only used when code stays OK
+            entry = registry.lookup(req.segment)
+            if entry is None:
+                code, message = TransferCode.NO_SEGMENT, f"no segment {req.segment!r}"
+            else:
+                segment, guard = entry
+                try:
+                    view = segment.view
+                except ValueError:
+                    code, message = TransferCode.NO_SEGMENT, f"segment {req.segment!r} is closed"
+                else:
+                    why = check_bounds(req.offset, req.length, view.nbytes)
+                    if why is not None:
+                        code, message = TransferCode.OUT_OF_BOUNDS, why
+            handle: object | None = None
+            if code is TransferCode.OK and guard is not None:
+                try:
+                    handle = guard.acquire(OP_NAMES[req.op], req.offset, req.length, req.token)  # type: ignore[arg-type]
+                except Exception as exc:  # a broken guard refuses, it does not kill the stream
+                    log.exception("guard of segment %r raised", req.segment)
+                    handle = None
+                    message = f"guard error: {exc}"
+                if handle is None:
+                    code = TransferCode.LEASE_INVALID
+                    message = message or "guard refused the request"
+
+            if req.op == OP_WRITE:
+                if code is TransferCode.OK:
+                    try:
+                        _sockio.recv_exact(sock, view[req.offset : req.offset + req.length])
+                    finally:
+                        if guard is not None:
+                            _release(guard, handle)
+                else:
+                    if req.length > self._max_request_bytes:
+                        raise ProtocolError(f"write of {req.length} bytes exceeds the request limit")
+                    if scratch is None:
+                        scratch = memoryview(bytearray(_DISCARD_BYTES))
+                    _sockio.discard(sock, req.length, scratch)
+                sock.sendall(encode_response(code, req.request_id, 0, message))
+            elif code is TransferCode.OK:
+                try:
+                    _sockio.send_all(
+                        sock,
+                        encode_response(code, req.request_id, req.length),
+                        view[req.offset : req.offset + req.length],
+                    )
+                finally:
+                    if guard is not None:
+                        _release(guard, handle)
+            else:
+                sock.sendall(encode_response(code, req.request_id, 0, message))
+
+
+def _release(guard: Guard, handle: object | None) -> None:
+    try:
+        guard.release(handle)
+    except Exception:
+        log.exception("guard release raised")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,0 +1,293 @@
+"""TCP transport: K persistent connections per peer, each driven by its own worker thread.
+
+Workers take slices from one shared per-peer queue (reads before writes), so a slow connection
+simply takes fewer and large requests spread over all streams. Each worker pipelines: it keeps
+up to ``max_inflight`` slices / ``window_bytes`` bytes outstanding and matches the in-order
+responses. It never starts sending a write payload while read responses are still due on its
+connection: both sides would otherwise block in ``sendall`` with full socket buffers.
+
+Failure policy: a connection error fails every slice outstanding on that connection; each is
+retried once (on whichever connection takes it first — the failed one reconnects first, so it is
+usually another) and fails with ``CONNECTION`` the second time. A stall (no progress for
+``stall_timeout``) fails the outstanding slices *and* the slices still queued for that peer with
+``TIMEOUT`` — retrying into a stalled peer would multiply the wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+
+from kvpool.transfer import _sockio
+from kvpool.transfer.batch import Slice
+from kvpool.transfer.protocol import (
+    OP_READ,
+    OP_WRITE,
+    RESPONSE_SIZE,
+    ProtocolError,
+    decode_response,
+    encode_request,
+)
+from kvpool.transfer.status import STATUS_OK, TransferCode, TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TcpSettings:
+    """Tuning of the TCP transport (see :class:`~kvpool.transfer.TransferEngine`)."""
+
+    connections: int = 2
+    """Persistent connections (and worker threads) per peer."""
+    stall_timeout: float = 10.0
+    """Seconds without progress on a connection before its slices fail with TIMEOUT."""
+    max_inflight: int = 64
+    """Slices outstanding per connection (pipelining depth for small requests)."""
+    window_bytes: int = 4 << 20
+    """Payload bytes outstanding per connection; a slice larger than this still goes alone."""
+
+
+def parse_address(peer: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` → ``(host, port)``; raises ``ValueError``."""
+    host, sep, port = peer.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"peer address must be host:port, not {peer!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    value = int(port)
+    if not 0 < value < 65536:
+        raise ValueError(f"bad port in {peer!r}")
+    return host, value
+
+
+class TcpPeer:
+    """The queue and connection workers for one remote transfer server."""
+
+    def __init__(self, address: str, settings: TcpSettings) -> None:
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.settings = settings
+        self.cond = threading.Condition()
+        self.reads: collections.deque[Slice] = collections.deque()
+        self.writes: collections.deque[Slice] = collections.deque()
+        self.closed = False
+        self.workers = [_Worker(self, i) for i in range(settings.connections)]
+        for worker in self.workers:
+            worker.start()
+
+    def enqueue(self, slices: list[Slice]) -> None:
+        with self.cond:
+            if self.closed:
+                closed = True
+            else:
+                closed = False
+                for s in slices:
+                    (self.reads if s.is_read else self.writes).append(s)
+                self.cond.notify_all()
+        if closed:
+            for s in slices:
+                s.fail(TransferCode.CONNECTION, "transfer engine closed")
+
+    def requeue(self, slices: list[Slice]) -> None:
+        """Put retried slices at the front, in their original order."""
+        with self.cond:
+            if not self.closed:
+                for s in reversed(slices):
+                    (self.reads if s.is_read else self.writes).appendleft(s)
+                self.cond.notify_all()
+                return
+        for s in slices:
+            s.fail(TransferCode.CONNECTION, "transfer engine closed")
+
+    def drain_queued(self) -> list[Slice]:
+        with self.cond:
+            queued = list(self.reads) + list(self.writes)
+            self.reads.clear()
+            self.writes.clear()
+        return queued
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        for worker in self.workers:
+            worker.interrupt()
+        for worker in self.workers:
+            worker.join(timeout)
+        for s in self.drain_queued():
+            s.fail(TransferCode.CONNECTION, "transfer engine closed")
+
+
+class _Worker(threading.Thread):
+    def __init__(self, peer: TcpPeer, index: int) -> None:
+        super().__init__(name=f"kvpool-transfer-{peer.address}-{index}", daemon=True)
+        self.peer = peer
+        self.sock: socket.socket | None = None
+        self.inflight: collections.deque[Slice] = collections.deque()
+        self.inflight_reads = 0
+        self.inflight_bytes = 0
+        self.next_id = 1
+        self.response = bytearray(RESPONSE_SIZE)
+        self.response_view = memoryview(self.response)
+
+    def interrupt(self) -> None:
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except Exception:  # a bug here must not leave batches hanging
+            log.exception("transfer worker %s crashed", self.name)
+            self._abort(TransferCode.CONNECTION, "transfer worker crashed", [])
+        finally:
+            self._disconnect()
+            for s in self.inflight:
+                s.fail(TransferCode.CONNECTION, "transfer engine closed")
+            self.inflight.clear()
+
+    # -- one iteration: take work, send it, receive one response ----------------------------
+
+    def _step(self) -> bool:
+        peer = self.peer
+        settings = peer.settings
+        take: list[Slice] = []
+        with peer.cond:
+            while not peer.closed and not self.inflight and not peer.reads and not peer.writes:
+                peer.cond.wait()
+            if peer.closed:
+                return False
+            count = len(self.inflight)
+            window = self.inflight_bytes
+            reads_due = self.inflight_reads
+            while count < settings.max_inflight and (count == 0 or window < settings.window_bytes):
+                if peer.reads:
+                    s = peer.reads.popleft()
+                    reads_due += 1
+                elif peer.writes and reads_due == 0:
+                    s = peer.writes.popleft()
+                else:
+                    break
+                take.append(s)
+                count += 1
+                window += s.length
+        if take and not self._send(take):
+            return True
+        if self.inflight:
+            self._receive_one()
+        return True
+
+    def _connect(self) -> None:
+        timeout = self.peer.settings.stall_timeout
+        sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
+        _sockio.tune(sock)
+        _sockio.set_stall_timeout(sock, timeout)
+        self.sock = sock
+
+    def _disconnect(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def _send(self, take: list[Slice]) -> bool:
+        sent = 0
+        try:
+            if self.sock is None:
+                self._connect()
+            sock = self.sock
+            assert sock is not None
+            for s in take:
+                s.request_id = self.next_id
+                self.next_id += 1
+                header = encode_request(
+                    OP_READ if s.is_read else OP_WRITE, s.request_id, s.segment, s.remote_offset, s.length, s.token
+                )
+                # Outstanding before the bytes go out: a failure mid-send must retry it too.
+                self._push(s)
+                sent += 1
+                _sockio.send_all(sock, header, None if s.is_read else s.local)
+        except _sockio.STALL_ERRORS as exc:
+            self._abort(TransferCode.TIMEOUT, f"stalled sending to {self.peer.address}: {exc}", take[sent:])
+            return False
+        except OSError as exc:
+            self._abort(TransferCode.CONNECTION, f"{self.peer.address}: {exc}", take[sent:])
+            return False
+        return True
+
+    def _push(self, s: Slice) -> None:
+        self.inflight.append(s)
+        self.inflight_bytes += s.length
+        if s.is_read:
+            self.inflight_reads += 1
+
+    def _pop(self) -> Slice:
+        s = self.inflight.popleft()
+        self.inflight_bytes -= s.length
+        if s.is_read:
+            self.inflight_reads -= 1
+        return s
+
+    def _receive_one(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        s = self.inflight[0]
+        try:
+            _sockio.recv_exact(sock, self.response_view)
+            resp = decode_response(self.response)
+            if resp.request_id != s.request_id:
+                raise ProtocolError(f"response for request {resp.request_id}, expected {s.request_id}")
+            message = ""
+            if resp.msg_len:
+                raw = bytearray(resp.msg_len)
+                _sockio.recv_exact(sock, memoryview(raw))
+                message = raw.decode("utf-8", "replace")
+            if resp.code is TransferCode.OK and s.is_read:
+                if resp.payload_len != s.length:
+                    raise ProtocolError(f"read response carries {resp.payload_len} bytes, expected {s.length}")
+                _sockio.recv_exact(sock, s.local)
+            elif resp.payload_len:
+                raise ProtocolError(f"unexpected payload of {resp.payload_len} bytes")
+        except _sockio.STALL_ERRORS as exc:
+            self._abort(TransferCode.TIMEOUT, f"stalled receiving from {self.peer.address}: {exc}", [])
+            return
+        except ProtocolError as exc:
+            self._abort(TransferCode.PROTOCOL, f"{self.peer.address}: {exc}", [])
+            return
+        except OSError as exc:
+            self._abort(TransferCode.CONNECTION, f"{self.peer.address}: {exc}", [])
+            return
+        self._pop()
+        s.complete(STATUS_OK if resp.code is TransferCode.OK else TransferStatus(resp.code, message))
+
+    def _abort(self, code: TransferCode, message: str, unsent: list[Slice]) -> None:
+        """The connection is unusable: drop it and settle everything that was riding on it."""
+        self._disconnect()
+        failed = list(self.inflight) + unsent
+        self.inflight.clear()
+        self.inflight_bytes = 0
+        self.inflight_reads = 0
+        retry: list[Slice] = []
+        for s in failed:
+            if code is TransferCode.CONNECTION and s.attempts == 0 and not self.peer.closed:
+                s.attempts += 1
+                retry.append(s)
+            else:
+                s.fail(code, message)
+        if retry:
+            self.peer.requeue(retry)
+        if code is TransferCode.TIMEOUT:
+            for s in self.peer.drain_queued():
+                s.fail(code, f"peer {self.peer.address} stalled: {message}")
+        log.debug("transfer connection %s: %s (%d retried)", self.name, message, len(retry))
