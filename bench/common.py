@@ -1,0 +1,371 @@
+"""Shared machinery of the benchmark harness: the measurement plan, result rows, timing and
+statistics, and the process group that starts servers on 127.0.0.1 and always stops them.
+
+Nothing here knows about a particular system; the system modules (ceilings, peers, kvpool_*)
+build rows with these helpers and the runner (run.py) prints and saves them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXISTS_KEYS = 8192
+
+
+def size_label(n: int | None) -> str:
+    """128 KiB -> '128KiB', 1 MiB -> '1MiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{name}"
+    return f"{n}B"
+
+
+# --------------------------------------------------------------------------------------------
+# plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to measure: the value sizes and batch sizes of the put/get cells and how often."""
+
+    quick: bool
+    """Fewer repetitions and only the 1 MiB x 16 cell (plus exists)."""
+    value_sizes: tuple[int, ...]
+    """Bytes per value."""
+    batches: tuple[int, ...]
+    """Values per batch (one batch = one timed operation)."""
+    target_bytes: int
+    """Bytes to move per cell and op; repetitions = target_bytes / batch bytes, clamped."""
+    min_reps: int
+    """Fewest timed repetitions of any cell (so p99 of small counts is close to the max)."""
+    max_reps: int
+    """Most timed repetitions of any cell."""
+    exists_reps: int
+    """Timed repetitions of the 8192-key exists/match."""
+    warmup: int = 2
+    """Untimed repetitions before the timed ones."""
+
+    @classmethod
+    def make(cls, quick: bool) -> Plan:
+        if quick:
+            return cls(quick=True, value_sizes=(MiB,), batches=(16,), target_bytes=160 * MiB,
+                       min_reps=5, max_reps=20, exists_reps=7, warmup=2)
+        return cls(quick=False, value_sizes=(128 * KiB, MiB, 4 * MiB), batches=(1, 16, 64),
+                   target_bytes=512 * MiB, min_reps=5, max_reps=200, exists_reps=21, warmup=2)
+
+    def cells(self) -> list[tuple[int, int]]:
+        return [(v, b) for v in self.value_sizes for b in self.batches]
+
+    def reps(self, value_size: int, batch: int) -> int:
+        n = self.target_bytes // max(1, value_size * batch)
+        return int(min(self.max_reps, max(self.min_reps, n)))
+
+    @property
+    def max_batch_bytes(self) -> int:
+        return max(v * b for v, b in self.cells())
+
+    def total_put_bytes(self) -> int:
+        """Bytes written by the put reps of all cells (warmup included), fresh keys each rep."""
+        return sum((self.reps(v, b) + self.warmup) * v * b for v, b in self.cells())
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["cells"] = [[v, b] for v, b in self.cells()]
+        d["reps"] = {f"{size_label(v)}x{b}": self.reps(v, b) for v, b in self.cells()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Plan:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in fields}
+        return cls(**kw)
+
+
+# --------------------------------------------------------------------------------------------
+# rows and statistics
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table: one system doing one op at one value size and batch size."""
+
+    system: str
+    op: str
+    value_size: int | None
+    batch: int | None
+    gbps: float | None = None
+    """Median throughput, 1e9 bytes per second (batch bytes / median batch latency)."""
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    reps: int = 0
+    note: str = ""
+    status: str = "ok"
+    """'ok', or 'unavailable' (the system could not run; note says why), or 'failed'."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Row:
+        return cls(**d)
+
+
+def row_from_times(system: str, op: str, value_size: int | None, batch: int | None,
+                   seconds: Sequence[float], note: str = "", with_bytes: bool = True) -> Row:
+    """Median throughput and p50/p99 latency of timed batches (seconds per batch)."""
+    t = np.asarray(seconds, dtype=np.float64)
+    p50 = float(np.median(t))
+    p99 = float(np.percentile(t, 99))
+    gbps = None
+    if with_bytes and value_size and batch and p50 > 0:
+        gbps = value_size * batch / p50 / 1e9
+    return Row(system, op, value_size, batch, gbps, p50 * 1e3, p99 * 1e3, len(t), note)
+
+
+def unavailable(system: str, reason: str, op: str = "-") -> Row:
+    return Row(system, op, None, None, status="unavailable", note=reason)
+
+
+def timed(fn: Callable[[int], object], reps: int, warmup: int = 0) -> list[float]:
+    """Call fn(i) warmup times untimed (i < 0) and reps times timed; seconds per call."""
+    for i in range(warmup):
+        fn(-1 - i)
+    out = []
+    pc = time.perf_counter
+    for i in range(reps):
+        t0 = pc()
+        fn(i)
+        out.append(pc() - t0)
+    return out
+
+
+def touched(nbytes: int, fill: int = 0x5A) -> np.ndarray:
+    """A page-aligned uint8 buffer whose pages are all written (no first-touch cost later)."""
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    buf = raw[off:off + nbytes]
+    buf.fill(fill)
+    return buf
+
+
+def pattern(buf: np.ndarray, seed: int) -> None:
+    """Write a cheap, position-dependent pattern so a misplaced item is detected on verify."""
+    n = buf.nbytes
+    if n == 0:
+        return
+    step = 4096
+    buf.fill(seed & 0xFF)
+    idx = np.arange(0, n, step)
+    buf[idx] = ((idx // step) + seed) & 0xFF
+
+
+def keys32(prefix: str, n: int) -> list[bytes]:
+    """n distinct 32-byte keys (the shape of kvpool keys), deterministic in prefix."""
+    import hashlib
+    base = hashlib.sha256(prefix.encode()).digest()
+    return [hashlib.sha256(base + i.to_bytes(8, "little")).digest() for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------
+# processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"port {port} not open after {timeout:.0f}s") from None
+            time.sleep(0.05)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:
+    # Runs in the child between fork and exec: die with the runner even if it is SIGKILLed,
+    # so a crashed or killed benchmark never leaves servers behind.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+
+
+@dataclasses.dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    ready_line: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log_tail(self, n: int = 12) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class Procs:
+    """Every process the benchmark starts, each in its own session (process group), stopped
+    (SIGTERM, then SIGKILL) by stop()/stop_all() — on normal exit, exceptions and Ctrl-C."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.live: list[Proc] = []
+        self._lock = threading.Lock()
+
+    def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
+              ready_line: str | None = None, ready_port: int | None = None,
+              timeout: float = 60.0, cwd: str | Path | None = None) -> Proc:
+        """Start argv; wait until stdout prints a line starting with ready_line, or until
+        ready_port accepts connections (or neither). stdout+stderr go to a log file."""
+        log = self.log_dir / f"{name}.log"
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        popen = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True,
+            preexec_fn=_child_setup)
+        proc = Proc(name, popen, log)
+        with self._lock:
+            self.live.append(proc)
+        found = threading.Event()
+
+        def pump() -> None:
+            # Copy the child's output to its log; note the readiness line when it appears.
+            assert popen.stdout is not None
+            with open(log, "wb") as f:
+                for line in popen.stdout:
+                    f.write(line)
+                    f.flush()
+                    if ready_line and not found.is_set():
+                        text = line.decode(errors="replace").strip()
+                        if text.startswith(ready_line):
+                            proc.ready_line = text
+                            found.set()
+
+        threading.Thread(target=pump, name=f"log-{name}", daemon=True).start()
+        try:
+            if ready_line:
+                deadline = time.monotonic() + timeout
+                while not found.wait(0.05):
+                    if popen.poll() is not None:
+                        time.sleep(0.2)  # let the pump write the last lines
+                        raise RuntimeError(f"{name} exited with {popen.returncode} before "
+                                           f"printing {ready_line!r}:\n{proc.log_tail()}")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{name} did not print {ready_line!r} in "
+                                           f"{timeout:.0f}s:\n{proc.log_tail()}")
+            if ready_port is not None:
+                try:
+                    wait_port(ready_port, timeout, popen)
+                except (RuntimeError, TimeoutError) as e:
+                    time.sleep(0.2)
+                    raise type(e)(f"{name}: {e}\n{proc.log_tail()}") from None
+        except BaseException:
+            self.stop(proc)
+            raise
+        return proc
+
+    def stop(self, proc: Proc, grace: float = 5.0) -> None:
+        p = proc.popen
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        # Anything left in the group (grandchildren) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        with self._lock:
+            if proc in self.live:
+                self.live.remove(proc)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            procs = list(reversed(self.live))
+        for proc in procs:
+            self.stop(proc)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Procs]:
+        """Processes started inside the block are stopped when it ends (newest first)."""
+        before = set(id(p) for p in self.live)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                mine = [p for p in self.live if id(p) not in before]
+            for proc in reversed(mine):
+                self.stop(proc)
+
+
+def python_env() -> dict[str, str]:
+    """Environment for Python children: the repo's bench package and kvpool sources importable
+    even without an editable install."""
+    parts = [str(REPO_ROOT), str(REPO_ROOT / "sidecar")]
+    old = os.environ.get("PYTHONPATH")
+    if old:
+        parts.append(old)
+    return {"PYTHONPATH": os.pathsep.join(parts), "PYTHONUNBUFFERED": "1"}
+
+
+def ensure_kvpool_importable() -> None:
+    """Make `import kvpool` work from a plain checkout (sidecar/ is the source root)."""
+    src = str(REPO_ROOT / "sidecar")
+    if src not in sys.path:
+        sys.path.append(src)
+
+
+@dataclasses.dataclass
+class Context:
+    """What a system module gets: the plan, the process group and a place for its files."""
+
+    plan: Plan
+    procs: Procs
+    work_dir: Path
+    suite: str
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)

@@ -1,0 +1,155 @@
+"""kvpool through its sidecar and client library, on a `kvpool.LocalCluster` of 4 store nodes
+and 2 sidecars (A and B):
+
+- put: `A.put(keys, values)`, fresh keys every repetition;
+- local_get: `A.get(keys)` of what A just put (a local-tier hit), each returned view copied into
+  a caller buffer — the same work as Mooncake's batch_get_into; local_get_zero_copy: the views
+  only, not copied;
+- remote_get: `B.get(keys)` of keys A put, which B's local tier does not hold, so they come
+  from the store nodes; before each repetition A puts a fresh key set (untimed) and B.match
+  waits until the pool has all of it; the views are copied into a caller buffer;
+- match: `B.match(keys)` of 8192 keys spread over the 4 store nodes and not in B's local tier.
+
+If `kvpool.LocalCluster` / `kvpool.connect` are not there yet, the rows say "not available yet".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.common import (
+    EXISTS_KEYS, GiB, MiB, Context, Row, ensure_kvpool_importable, keys32, pattern,
+    row_from_times, size_label, touched, unavailable)
+
+SYSTEM = "kvpool_sidecar"
+STORES = 4
+
+
+def import_api() -> Any:
+    ensure_kvpool_importable()
+    import kvpool
+    for name in ("LocalCluster", "connect"):
+        if not hasattr(kvpool, name):
+            raise ImportError(f"kvpool.{name} missing")
+    return kvpool
+
+
+def measure(ctx: Context) -> list[Row]:
+    try:
+        kvpool = import_api()
+    except Exception as e:
+        return [unavailable(SYSTEM, f"not available yet ({type(e).__name__}: {e})")]
+    plan = ctx.plan
+    local_bytes = (256 * MiB if plan.quick else GiB) + 2 * plan.max_batch_bytes
+    store_bytes = 256 * MiB if plan.quick else GiB
+    try:
+        with kvpool.LocalCluster(stores=STORES, sidecars=2, store_bytes=store_bytes,
+                                 local_bytes=local_bytes) as cluster:
+            a = kvpool.connect(cluster.sidecars[0])
+            b = kvpool.connect(cluster.sidecars[1])
+            try:
+                return _measure(ctx, a, b)
+            finally:
+                a.close()
+                b.close()
+    except Exception as e:
+        return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
+
+
+def _wait_match(client: Any, keys: list[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        n = client.match(keys)
+        if n == len(keys):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pool holds {n} of {len(keys)} keys after {timeout:.0f}s")
+        time.sleep(0.002)
+
+
+def _copy_out(views: list[Any], outs: list[np.ndarray]) -> None:
+    for view, out in zip(views, outs):
+        np.copyto(out, np.frombuffer(view, dtype=np.uint8))
+
+
+def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
+    plan = ctx.plan
+    rows: list[Row] = []
+    src = touched(plan.max_batch_bytes, 1)
+    dst = touched(plan.max_batch_bytes, 0)
+    for v, nb in plan.cells():
+        reps = plan.reps(v, nb)
+        total = plan.warmup + reps
+        pattern(src[:v * nb], nb + v // MiB)
+        vals = [memoryview(src[j * v:(j + 1) * v]) for j in range(nb)]
+        outs = [dst[j * v:(j + 1) * v] for j in range(nb)]
+
+        keys: list[bytes] = []
+        times: list[float] = []
+        for i in range(total):
+            keys = keys32(f"sc-{v}-{nb}-{i}", nb)
+            t0 = time.perf_counter()
+            a.put(keys, vals)
+            dt = time.perf_counter() - t0
+            if i >= plan.warmup:
+                times.append(dt)
+        rows.append(row_from_times(SYSTEM, "put", v, nb, times, note="A.put"))
+
+        for op, copy in (("local_get", True), ("local_get_zero_copy", False)):
+            dst[:v * nb].fill(0)
+            times = []
+            for i in range(total):
+                t0 = time.perf_counter()
+                views = a.get(keys)
+                if copy:
+                    _copy_out(views, outs)
+                dt = time.perf_counter() - t0
+                del views
+                if i >= plan.warmup:
+                    times.append(dt)
+            note = "A.get + copy into caller buffers" if copy else "A.get (views)"
+            if copy and not np.array_equal(dst[:v * nb], src[:v * nb]):
+                note += "; VERIFY FAILED"
+            rows.append(row_from_times(SYSTEM, op, v, nb, times, note=note))
+
+        times = []
+        dst[:v * nb].fill(0)
+        for i in range(total):
+            rkeys = keys32(f"sc-remote-{v}-{nb}-{i}", nb)
+            a.put(rkeys, vals)
+            _wait_match(b, rkeys)
+            t0 = time.perf_counter()
+            views = b.get(rkeys)
+            _copy_out(views, outs)
+            dt = time.perf_counter() - t0
+            del views
+            if i >= plan.warmup:
+                times.append(dt)
+        note = "B.get (from the pool) + copy"
+        if not np.array_equal(dst[:v * nb], src[:v * nb]):
+            note += "; VERIFY FAILED"
+        rows.append(row_from_times(SYSTEM, "remote_get", v, nb, times, note=note))
+        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {rows[-4].gbps:.2f} local "
+                f"{rows[-3].gbps:.2f} remote {rows[-1].gbps:.2f} GB/s")
+
+    keys = keys32("sc-match", EXISTS_KEYS)
+    ev, eb = 4096, 512
+    small = [memoryview(src[j * ev:(j + 1) * ev]) for j in range(eb)]
+    for i in range(0, EXISTS_KEYS, eb):
+        a.put(keys[i:i + eb], small)
+    _wait_match(b, keys, timeout=60)
+    times = []
+    n = 0
+    for i in range(plan.warmup + plan.exists_reps):
+        t0 = time.perf_counter()
+        n = b.match(keys)
+        dt = time.perf_counter() - t0
+        if i >= plan.warmup:
+            times.append(dt)
+    note = f"B.match, {STORES} store nodes" + ("" if n == EXISTS_KEYS else f"; WRONG {n}")
+    rows.append(row_from_times(SYSTEM, "match", None, EXISTS_KEYS, times, note=note,
+                               with_bytes=False))
+    return rows

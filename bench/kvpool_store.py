@@ -1,0 +1,159 @@
+"""kvpool's store node, measured the way the peers are: one node started with
+`python -m kvpool store --listen 127.0.0.1:PORT --dram BYTES` (ready when it prints
+`READY <address>`), the benchmark process as its client (`kvpool.store_client.StoreClient`):
+put (fresh keys every repetition: a repeated put of a committed key is a no-op), get_into
+preallocated buffers, exists of 8192 present keys.
+
+If `kvpool.store_client` cannot be imported yet, the rows say "not available yet".
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.common import (
+    EXISTS_KEYS, GiB, MiB, Context, Row, ensure_kvpool_importable, free_port, keys32, pattern,
+    python_env, row_from_times, size_label, touched, unavailable)
+
+SYSTEM = "kvpool_store"
+
+
+def item_ok(status: Any) -> bool:
+    """Per-item status of the store client, whatever its exact type turns out to be: None,
+    True, 0, an 'ok' string, an enum named OK, or an object with a true `.ok`."""
+    if status is None or status is True:
+        return True
+    if status is False:
+        return False
+    ok = getattr(status, "ok", None)
+    if isinstance(ok, bool):
+        return ok
+    name = getattr(status, "name", None)
+    if isinstance(name, str):
+        return name.upper() in ("OK", "SUCCESS")
+    if isinstance(status, str):
+        return status.upper() in ("OK", "SUCCESS")
+    if isinstance(status, int):
+        return status == 0
+    return bool(status)
+
+
+def bad_items(statuses: Any) -> int:
+    if statuses is None:
+        return 0
+    return sum(1 for s in statuses if not item_ok(s))
+
+
+def import_client() -> Any:
+    ensure_kvpool_importable()
+    import kvpool.store_client as mod
+    return mod
+
+
+def dram_bytes(ctx: Context) -> int:
+    """Every put rep uses fresh keys and nothing is removed: room for all of them, the exists
+    keys, and headroom, so no eviction happens while measuring."""
+    need = ctx.plan.total_put_bytes() + EXISTS_KEYS * 4096
+    return int(min(12 * GiB, max(512 * MiB, need * 1.25 + 256 * MiB)))
+
+
+def measure(ctx: Context) -> list[Row]:
+    try:
+        mod = import_client()
+    except Exception as e:
+        return [unavailable(SYSTEM, f"not available yet (import kvpool.store_client failed: "
+                                    f"{type(e).__name__}: {e})")]
+    try:
+        with ctx.procs.scope() as procs:
+            port = free_port()
+            dram = dram_bytes(ctx)
+            node = procs.start(
+                "kvpool-store",
+                [sys.executable, "-m", "kvpool", "store", "--listen", f"127.0.0.1:{port}",
+                 "--dram", str(dram)],
+                env=python_env(), ready_line="READY", timeout=120)
+            # "READY <address> [more fields]": the address is the first word after READY.
+            words = (node.ready_line or "").split()
+            address = words[1] if len(words) > 1 else f"127.0.0.1:{port}"
+            client = mod.StoreClient(address)
+            try:
+                return _measure(ctx, client, dram)
+            finally:
+                client.close()
+    except Exception as e:
+        return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
+
+
+def _measure(ctx: Context, client: Any, dram: int) -> list[Row]:
+    plan = ctx.plan
+    rows: list[Row] = []
+    src = touched(plan.max_batch_bytes, 1)
+    dst = touched(plan.max_batch_bytes, 0)
+    note_dram = f"--dram {dram // MiB} MiB"
+    for v, nb in plan.cells():
+        reps = plan.reps(v, nb)
+        pattern(src[:v * nb], nb + v // MiB)
+        vals = [memoryview(src[j * v:(j + 1) * v]) for j in range(nb)]
+        outs = [memoryview(dst[j * v:(j + 1) * v]) for j in range(nb)]
+        keys: list[bytes] = []
+        times: list[float] = []
+        failures = 0
+        total = plan.warmup + reps
+        for i in range(total):
+            keys = keys32(f"kvpool-{v}-{nb}-{i}", nb)
+            t0 = time.perf_counter()
+            st = client.put(keys, vals)
+            dt = time.perf_counter() - t0
+            failures += bad_items(st)
+            if i >= plan.warmup:
+                times.append(dt)
+        rows.append(row_from_times(SYSTEM, "put", v, nb, times,
+                                   note=note_dram + (f"; {failures} item failures"
+                                                     if failures else "")))
+        dst[:v * nb].fill(0)
+        times = []
+        failures = 0
+        for i in range(total):
+            t0 = time.perf_counter()
+            st = client.get_into(keys, outs)
+            dt = time.perf_counter() - t0
+            failures += bad_items(st)
+            if i >= plan.warmup:
+                times.append(dt)
+        ok = np.array_equal(dst[:v * nb], src[:v * nb])
+        rows.append(row_from_times(SYSTEM, "get", v, nb, times,
+                                   note="get_into" + (f"; {failures} item failures"
+                                                      if failures else "")
+                                   + ("" if ok else "; VERIFY FAILED")))
+        ctx.log(f"[kvpool_store] {size_label(v)} x {nb}: put {rows[-2].gbps:.2f} "
+                f"get {rows[-1].gbps:.2f} GB/s")
+
+    keys = keys32("kvpool-exists", EXISTS_KEYS)
+    ev, eb = 4096, 512
+    small = [memoryview(src[j * ev:(j + 1) * ev]) for j in range(eb)]
+    for i in range(0, EXISTS_KEYS, eb):
+        st = client.put(keys[i:i + eb], small)
+        if bad_items(st):
+            raise RuntimeError(f"put of the exists keys failed for {bad_items(st)} items")
+    absent = keys32("kvpool-absent", EXISTS_KEYS)
+    for op, ks, want in (("exists", keys, EXISTS_KEYS), ("exists_absent", absent, 0)):
+        times = []
+        res: Any = None
+        for i in range(plan.warmup + plan.exists_reps):
+            t0 = time.perf_counter()
+            res = client.exists(ks)
+            dt = time.perf_counter() - t0
+            if i >= plan.warmup:
+                times.append(dt)
+        prefix = getattr(res, "prefix", None)
+        present = getattr(res, "present", None)
+        note = "exists (prefix + per-key)"
+        if prefix != want or (present is not None and sum(map(bool, present)) != want):
+            note += f"; WRONG ANSWER prefix={prefix}"
+        rows.append(row_from_times(SYSTEM, op, None, EXISTS_KEYS, times, note=note,
+                                   with_bytes=False))
+    return rows

@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""kvpool benchmark runner: side-by-side throughput and latency on 127.0.0.1.
+
+    python bench/run.py --suite store|sidecar [--quick] [--json PATH] [--only SYSTEMS]
+
+Starts every server it needs, stops everything it started (also on exceptions, Ctrl-C and
+SIGTERM; children also die with the runner if it is killed), prints one table (system x op x
+value size x batch: GB/s of the median batch, p50 and p99 latency per batch) and the ratios,
+and writes the rows, the ratios and how they were measured as JSON.
+
+A system that cannot run (not installed, fails to start, kvpool not written yet) gets a row
+that says why; the rest of the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import ceilings, kvpool_sidecar, kvpool_store  # noqa: E402
+from bench.common import (  # noqa: E402
+    EXISTS_KEYS, MiB, Context, Plan, Procs, Row, size_label, unavailable)
+from bench.peers import mooncake_peer, redis_peer  # noqa: E402
+
+Step = Callable[[Context], list[Row]]
+
+# system-group name -> (step, systems it produces); run in this order
+STORE_STEPS: list[tuple[str, Step]] = [
+    ("memcpy", ceilings.memcpy_rows),
+    ("network", ceilings.network_rows),
+    ("redis", redis_peer.measure),
+    ("mooncake", lambda ctx: mooncake_peer.measure(ctx, ("tcp",))),
+    ("kvpool", kvpool_store.measure),
+]
+SIDECAR_STEPS: list[tuple[str, Step]] = [
+    ("memcpy", ceilings.memcpy_rows),
+    ("network", ceilings.network_rows),
+    ("redis", redis_peer.measure),
+    ("mooncake", lambda ctx: mooncake_peer.measure(ctx, ("tcp", "shm"))),
+    ("kvpool", kvpool_sidecar.measure),
+]
+
+# name -> (kind, numerator (system, op), denominator (system, op), target, explanation)
+# kind "throughput": numerator GB/s / denominator GB/s (> 1: kvpool moves bytes faster).
+# kind "time": numerator p50 / denominator p50 (< 1: kvpool answers sooner).
+R = tuple[str, tuple[str, str], tuple[str, str], str, str]
+STORE_RATIOS: dict[str, R] = {
+    "get_vs_mooncake_tcp": ("throughput", ("kvpool_store", "get"), ("mooncake_tcp", "get"),
+                            ">= 2.5", "kvpool get_into / Mooncake batch_get_into over TCP"),
+    "get_vs_tcp2_ceiling": ("throughput", ("kvpool_store", "get"), ("tcp_stream_2conn", "get"),
+                            ">= 0.7", "kvpool get_into / raw Python TCP, 2 streams"),
+    "put_vs_mooncake_tcp": ("throughput", ("kvpool_store", "put"), ("mooncake_tcp", "put"),
+                            ">= 2.5", "kvpool put / Mooncake batch_put_from over TCP"),
+    "exists8192_vs_mooncake": ("time", ("kvpool_store", "exists"), ("mooncake_tcp", "exists"),
+                               "<= 0.25", "kvpool exists(8192 present keys) / Mooncake "
+                               "batch_is_exist(8192 present keys)"),
+    # informational
+    "get_vs_redis": ("throughput", ("kvpool_store", "get"), ("redis", "get"), "",
+                     "kvpool get_into / Redis MGET"),
+    "put_vs_redis": ("throughput", ("kvpool_store", "put"), ("redis", "put"), "",
+                     "kvpool put / Redis pipelined SET"),
+    "exists8192_vs_redis_pipeline": ("time", ("kvpool_store", "exists"),
+                                     ("redis", "exists_pipeline"), "",
+                                     "kvpool exists / Redis pipeline of EXISTS per key"),
+    "mooncake_tcp_get_vs_tcp2_ceiling": ("throughput", ("mooncake_tcp", "get"),
+                                         ("tcp_stream_2conn", "get"), "",
+                                         "peer context: Mooncake get / 2-stream TCP"),
+}
+SIDECAR_RATIOS: dict[str, R] = {
+    "local_get_vs_mooncake_shm": ("throughput", ("kvpool_sidecar", "local_get"),
+                                  ("mooncake_shm", "get"), ">= 1.5",
+                                  "kvpool local-hit get (views copied into caller buffers) / "
+                                  "Mooncake shared-memory client batch_get_into"),
+    "remote_get_vs_mooncake_tcp": ("throughput", ("kvpool_sidecar", "remote_get"),
+                                   ("mooncake_tcp", "get"), ">= 2",
+                                   "kvpool get through a sidecar whose local tier lacks the "
+                                   "keys (copied into caller buffers) / Mooncake over TCP "
+                                   "batch_get_into"),
+    "match8192_4nodes_vs_mooncake": ("time", ("kvpool_sidecar", "match"),
+                                     ("mooncake_tcp", "exists"), "<= 0.25",
+                                     "kvpool match(8192 keys held by 4 store nodes) / "
+                                     "Mooncake batch_is_exist(8192 present keys)"),
+    # informational
+    "local_get_zero_copy_vs_mooncake_shm": ("throughput", ("kvpool_sidecar",
+                                                           "local_get_zero_copy"),
+                                            ("mooncake_shm", "get"), "",
+                                            "kvpool local-hit get returning views, no copy"),
+    "local_get_vs_memcpy": ("throughput", ("kvpool_sidecar", "local_get"), ("memcpy", "copy"),
+                            "", "kvpool local-hit get / numpy memcpy of the same batch"),
+    "remote_get_vs_redis": ("throughput", ("kvpool_sidecar", "remote_get"), ("redis", "get"),
+                            "", "kvpool remote get / Redis MGET"),
+    "put_vs_mooncake_shm": ("throughput", ("kvpool_sidecar", "put"), ("mooncake_shm", "put"),
+                            "", "kvpool put through the sidecar / Mooncake shm batch_put_from"),
+}
+RATIO_CELL = (MiB, 16)
+RATIOS_DOC = {
+    "_convention": "Every ratio is kvpool over the peer, both measured in this run, 1 MiB "
+                   "values in batches of 16 (exists/match: 8192 keys). Throughput ratios "
+                   "(get_*, put_*, local_get_*, remote_get_*) are kvpool GB/s / peer GB/s of "
+                   "the median batch, so > 1 means kvpool is faster. Time ratios "
+                   "(exists8192_*, match8192_*) are kvpool p50 time / peer p50 time, so < 1 "
+                   "means kvpool is faster. null: one side was not measured "
+                   "(see ratios_missing).",
+}
+
+
+def compute_ratios(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, Any], ...]:
+    def find(system: str, op: str, kind: str) -> Row | None:
+        for r in rows:
+            if r.system != system or r.op != op or r.status != "ok":
+                continue
+            if kind == "time" and r.batch == EXISTS_KEYS:
+                return r
+            if kind == "throughput" and (r.value_size, r.batch) == RATIO_CELL:
+                return r
+        return None
+
+    ratios: dict[str, float | None] = {}
+    doc: dict[str, str] = dict(RATIOS_DOC)
+    targets: dict[str, str] = {}
+    meets: dict[str, bool | None] = {}
+    missing: dict[str, str] = {}
+    for name, (kind, num, den, target, text) in table.items():
+        a, b = find(*num, kind), find(*den, kind)
+        doc[name] = f"{text} ({'GB/s ratio, >1 better' if kind == 'throughput' else 'time ratio, <1 better'})"
+        value: float | None = None
+        if a is None or b is None:
+            missing[name] = ", ".join(f"{s}/{o} not measured" for (s, o), r in
+                                      ((num, a), (den, b)) if r is None)
+        elif kind == "throughput" and a.gbps and b.gbps:
+            value = a.gbps / b.gbps
+        elif kind == "time" and a.p50_ms and b.p50_ms:
+            value = a.p50_ms / b.p50_ms
+        ratios[name] = None if value is None else round(value, 3)
+        if target:
+            targets[name] = target
+            if value is None:
+                meets[name] = None
+            else:
+                op, lim = target.split()
+                meets[name] = value >= float(lim) if op == ">=" else value <= float(lim)
+    return ratios, doc, targets, meets, missing
+
+
+# --------------------------------------------------------------------------------------------
+# table
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.{digits}f}"
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["system", "op", "value", "batch", "GB/s", "p50 ms", "p99 ms", "n", "note"]
+    body = []
+    for r in rows:
+        if r.status != "ok":
+            body.append([r.system, r.op, "-", "-", "-", "-", "-", "-",
+                         f"{r.status.upper()}: {r.note}"])
+            continue
+        body.append([r.system, r.op, size_label(r.value_size),
+                     "-" if r.batch is None else str(r.batch), _fmt(r.gbps), _fmt(r.p50_ms),
+                     _fmt(r.p99_ms), str(r.reps), r.note])
+    widths = [max(len(head[i]), *(len(b[i].splitlines()[0] if b[i] else "") for b in body))
+              if body else len(head[i]) for i in range(len(head) - 1)]
+    lines = ["  ".join(h.ljust(w) if i < 2 or i == 8 else h.rjust(w)
+                       for i, (h, w) in enumerate(zip(head, widths + [0])))]
+    lines.append("-" * (sum(widths) + 2 * len(widths) + 4))
+    for b in body:
+        first, *rest = (b[8] or "").splitlines() or [""]
+        cells = [b[i].ljust(widths[i]) if i < 2 else b[i].rjust(widths[i]) for i in range(8)]
+        lines.append("  ".join(cells + [first]).rstrip())
+        indent = " " * (sum(widths) + 2 * len(widths))
+        for extra in rest[:6]:
+            lines.append(indent + "  | " + extra[:160])
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# environment
+
+
+def _version(cmd: list[str]) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+        return out.strip().splitlines()[0] if out.strip() else "?"
+    except (OSError, subprocess.SubprocessError):
+        return "not installed"
+
+
+def environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def pv(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    exe = shutil.which("redis-server")
+    return {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": pv("numpy"), "redis_py": pv("redis"), "hiredis": pv("hiredis"),
+        "redis_server": _version([exe, "--version"]) if exe else "not installed",
+        "mooncake": mooncake_peer.package_version(), "kvpool": pv("kvpool"),
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=("store", "sidecar"), required=True)
+    ap.add_argument("--quick", action="store_true",
+                    help="only 1 MiB x 16 (plus exists/match), fewer repetitions")
+    ap.add_argument("--json", type=Path, help="write rows and ratios here")
+    ap.add_argument("--only", default="",
+                    help="comma-separated subset of: memcpy,network,redis,mooncake,kvpool")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the work directory with every process's log")
+    args = ap.parse_args(argv)
+
+    plan = Plan.make(args.quick)
+    steps = STORE_STEPS if args.suite == "store" else SIDECAR_STEPS
+    if args.only:
+        wanted = {s.strip() for s in args.only.split(",") if s.strip()}
+        unknown = wanted - {n for n, _ in steps}
+        if unknown:
+            ap.error(f"unknown --only names: {sorted(unknown)}")
+        steps = [(n, f) for n, f in steps if n in wanted]
+
+    work_dir = Path(tempfile.mkdtemp(prefix=f"kvpool-bench-{args.suite}-"))
+    procs = Procs(work_dir)
+    ctx = Context(plan=plan, procs=procs, work_dir=work_dir, suite=args.suite)
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    rows: list[Row] = []
+    interrupted = False
+    started = time.monotonic()
+    load_before = os.getloadavg()[0]
+    try:
+        for name, step in steps:
+            t0 = time.monotonic()
+            ctx.log(f"[bench] {name} ...")
+            try:
+                got = step(ctx)
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # one broken system never ends the run
+                got = [unavailable(name, f"{type(e).__name__}: {e}")]
+            finally:
+                procs.stop_all()  # nothing of one system runs while the next is measured
+            rows += got
+            ctx.log(f"[bench] {name}: {len(got)} rows in {time.monotonic() - t0:.1f}s")
+    except KeyboardInterrupt:
+        interrupted = True
+        ctx.log("[bench] interrupted; stopping everything started")
+    finally:
+        procs.stop_all()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    table = STORE_RATIOS if args.suite == "store" else SIDECAR_RATIOS
+    ratios, doc, targets, meets, missing = compute_ratios(rows, table)
+    title = f"kvpool bench: suite={args.suite}{' (quick)' if args.quick else ''}" + \
+        (" INTERRUPTED" if interrupted else "")
+    print(title)
+    print(format_table(rows))
+    print()
+    print("ratios (kvpool / peer, 1 MiB x 16; throughput: >1 better, time: <1 better):")
+    for k, v in ratios.items():
+        t = f"  target {targets[k]}: {'met' if meets[k] else 'NOT met'}" \
+            if k in targets and meets.get(k) is not None else \
+            (f"  target {targets[k]}" if k in targets else "")
+        why = f"  ({missing[k]})" if k in missing else ""
+        print(f"  {k:40s} {'-' if v is None else f'{v:.3f}':>8s}{t}{why}")
+    load_after = os.getloadavg()[0]
+    if max(load_before, load_after) > 1.5:
+        print(f"WARNING: load average {load_before:.1f} before / {load_after:.1f} after the run "
+              f"on {os.cpu_count()} cores: other work shared the CPUs, numbers are noisy")
+    keep = args.keep_logs or interrupted or any(r.status != "ok" for r in rows)
+    print(f"elapsed {time.monotonic() - started:.0f}s; logs in {work_dir}"
+          + ("" if keep else " (removed)"))
+
+    if args.json:
+        out = {
+            "suite": args.suite, "quick": args.quick, "interrupted": interrupted,
+            "environment": environment(), "plan": plan.to_json(),
+            "loadavg_before_after": [round(load_before, 2), round(load_after, 2)],
+            "rows": [r.to_json() for r in rows],
+            "ratios": ratios, "ratios_doc": doc, "ratios_targets": targets,
+            "ratios_meet_target": meets, "ratios_missing": missing,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if not keep:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
