@@ -56,6 +56,7 @@ class TransferServer:
         self._max_connections = max_connections
         self._max_request_bytes = max_request_bytes
         self._listener: socket.socket | None = None
+        self._address: str | None = None
         self._accept_thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
@@ -68,6 +69,8 @@ class TransferServer:
             raise RuntimeError("server already started")
         listener = socket.create_server((self._host, self._port), backlog=128, reuse_port=False)
         self._listener = listener
+        host, port = listener.getsockname()[:2]
+        self._address = f"{host}:{port}"
         self._stopping.clear()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kvpool-transfer-accept-{self.address}", daemon=True
@@ -77,10 +80,10 @@ class TransferServer:
 
     @property
     def address(self) -> str:
-        if self._listener is None:
+        """``host:port`` peers connect to (kept after :meth:`stop`)."""
+        if self._address is None:
             raise RuntimeError("server not started")
-        host, port = self._listener.getsockname()[:2]
-        return f"{host}:{port}"
+        return self._address
 
     @property
     def connection_count(self) -> int:

@@ -89,8 +89,8 @@ def make_remote() -> Iterator[Callable[..., Remote]]:
 
 
 class CuttingProxy:
-    """TCP proxy to ``upstream`` that cuts connection number i after ``cut(i)`` bytes flowed
-    server → client (``None``: never). Closing both ends mimics a reset peer mid-payload."""
+    """TCP proxy to ``upstream`` that cuts connection number i once ``cut(i)`` bytes flowed in
+    either direction (``None``: never). Closing both ends mimics a reset peer mid-payload."""
 
     def __init__(self, upstream: str, cut: Callable[[int], int | None]) -> None:
         host, port = upstream.rsplit(":", 1)
@@ -124,7 +124,7 @@ class CuttingProxy:
                 self.accepted += 1
                 self.sockets += [down, up]
             limit = self.cut(index)
-            for src, dst, lim in ((down, up, None), (up, down, limit)):
+            for src, dst, lim in ((down, up, limit), (up, down, limit)):
                 t = threading.Thread(target=self._pump, args=(src, dst, lim, down, up), daemon=True)
                 t.start()
                 self.threads.append(t)

@@ -1,0 +1,345 @@
+"""TCP transport under load and faults: slicing, cut connections, malformed frames, stalls."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpool.transfer import TransferCode, TransferEngine, TransferRequest
+from kvpool.transfer.protocol import REQUEST, REQUEST_MAGIC, RESPONSE_SIZE, VERSION, decode_response
+
+
+def _fill(seg, rand, seed: int = 1) -> np.ndarray:  # type: ignore[no-untyped-def]
+    data = rand(seg.size, seed)
+    np.frombuffer(seg.view, np.uint8)[:] = data
+    return data  # type: ignore[no-any-return]
+
+
+def test_large_request_is_sliced_across_connections(make_remote, rand, guard_factory) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp", connections_per_peer=2, slice_bytes=256 * 1024)
+    guard = guard_factory()
+    seg = remote.segment("arena", 8 << 20, guard)
+    data = _fill(seg, rand)
+    buf = bytearray(8 << 20)
+    req = TransferRequest("read", memoryview(buf), "arena", 0, 8 << 20, token=5)
+    assert remote.engine.submit(remote.address, [req]).wait(30)[0].ok
+    assert bytes(buf) == data.tobytes()
+    ranges = sorted((a[1], a[2]) for a in guard.acquired)
+    assert len(ranges) == 32
+    # the pieces tile the request exactly and all carry the request's token
+    assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False))
+    assert ranges[-1][0] + ranges[-1][1] == 8 << 20
+    assert {a[3] for a in guard.acquired} == {5}
+    assert len({a[4] for a in guard.acquired}) == 2  # served by two server connection threads
+
+
+def test_small_batch_is_spread_over_connections(make_remote, rand, guard_factory) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp", connections_per_peer=2)
+    guard = guard_factory()
+    seg = remote.segment("arena", 1 << 20, guard)
+    data = _fill(seg, rand)
+    buf = bytearray(1 << 20)
+    assert remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)]).wait(10)[0].ok
+    assert bytes(buf) == data.tobytes()
+    assert len(guard.acquired) == 2  # one 1 MiB request → two 512 KiB slices, one per connection
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+@pytest.mark.parametrize("cut_at", [10, 100_000, 700_000])
+def test_connection_cut_mid_transfer_is_retried(make_remote, proxy, rand, op: str, cut_at: int) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp", connections_per_peer=2, slice_bytes=256 * 1024)
+    seg = remote.segment("arena", 4 << 20)
+    original = _fill(seg, rand)
+    # the first connection dies after `cut_at` bytes towards the client; later ones are healthy
+    p = proxy(remote.address, lambda i: cut_at if i == 0 else None)
+    new = rand(4 << 20, 99)
+    bufs = [bytearray(1 << 20) for _ in range(4)]
+    reqs = [
+        TransferRequest("read", memoryview(b), "arena", i << 20, 1 << 20)
+        if op == "read"
+        else TransferRequest("write", memoryview(new[i << 20 : (i + 1) << 20]), "arena", i << 20, 1 << 20)
+        for i, b in enumerate(bufs)
+    ]
+    statuses = remote.engine.submit(p.address, reqs).wait(30)
+    assert p.cuts >= 1
+    for i, status in enumerate(statuses):
+        assert status.code in (TransferCode.OK, TransferCode.CONNECTION)
+        if status.ok and op == "read":
+            assert bytes(bufs[i]) == original[i << 20 : (i + 1) << 20].tobytes()
+        if status.ok and op == "write":
+            assert bytes(seg.view[i << 20 : (i + 1) << 20]) == new[i << 20 : (i + 1) << 20].tobytes()
+    assert all(s.ok for s in statuses)  # one cut connection is absorbed by the retry
+
+
+def test_every_connection_cut_gives_connection_error(make_remote, proxy, rand) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp", connections_per_peer=2)
+    seg = remote.segment("arena", 1 << 20)
+    _fill(seg, rand)
+    p = proxy(remote.address, lambda i: 1000)
+    bufs = [bytearray(256 * 1024) for _ in range(4)]
+    reqs = [TransferRequest("read", memoryview(b), "arena", i * 256 * 1024, 256 * 1024) for i, b in enumerate(bufs)]
+    t0 = time.monotonic()
+    statuses = remote.engine.submit(p.address, reqs).wait(30)
+    assert time.monotonic() - t0 < 10
+    assert all(s.code is TransferCode.CONNECTION for s in statuses)
+    # the engine recovers once the path is healthy again
+    buf = bytearray(4096)
+    assert remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 4096)]).wait(10)[0].ok
+
+
+def test_peer_refusing_connections(rand) -> None:  # type: ignore[no-untyped-def]
+    sock = socket.create_server(("127.0.0.1", 0))
+    address = "%s:%d" % sock.getsockname()[:2]
+    sock.close()  # nothing listens there any more
+    with TransferEngine() as engine:
+        buf = bytearray(16)
+        statuses = engine.submit(address, [TransferRequest("read", memoryview(buf), "x", 0, 16)]).wait(10)
+    assert statuses[0].code is TransferCode.CONNECTION
+
+
+def _silent_server() -> tuple[socket.socket, list[socket.socket], threading.Thread]:
+    """Accepts connections and never answers (a wedged peer)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    return listener, accepted, thread
+
+
+def _close_silent(listener: socket.socket, accepted: list[socket.socket], thread: threading.Thread) -> None:
+    listener.shutdown(socket.SHUT_RDWR)
+    listener.close()
+    thread.join(5)
+    for conn in accepted:
+        conn.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_stall_timeout(op: str) -> None:
+    listener, accepted, thread = _silent_server()
+    address = "%s:%d" % listener.getsockname()[:2]
+    try:
+        with TransferEngine(stall_timeout=0.5, slice_bytes=1 << 20) as engine:
+            # writes of 64 MiB fill the socket buffers, so the stall hits inside sendall too
+            bufs = [bytearray(8 << 20) for _ in range(8)]
+            reqs = [TransferRequest(op, memoryview(b), "x", 0, len(b)) for b in bufs]  # type: ignore[arg-type]
+            t0 = time.monotonic()
+            statuses = engine.submit(address, reqs).wait(20)
+            elapsed = time.monotonic() - t0
+        assert all(s.code is TransferCode.TIMEOUT for s in statuses), statuses
+        assert elapsed < 5
+    finally:
+        _close_silent(listener, accepted, thread)
+
+
+def test_close_fails_outstanding_batches() -> None:
+    listener, accepted, thread = _silent_server()
+    address = "%s:%d" % listener.getsockname()[:2]
+    try:
+        engine = TransferEngine(stall_timeout=30)
+        buf = bytearray(4096)
+        handle = engine.submit(address, [TransferRequest("read", memoryview(buf), "x", 0, 4096)])
+        time.sleep(0.2)
+        assert not handle.done
+        t0 = time.monotonic()
+        engine.close()
+        statuses = handle.wait(10)
+        assert time.monotonic() - t0 < 5
+        assert statuses[0].code is TransferCode.CONNECTION
+        with pytest.raises(RuntimeError):
+            engine.submit(address, [])
+    finally:
+        _close_silent(listener, accepted, thread)
+
+
+def _raw(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    return sock
+
+
+def _expect_closed(sock: socket.socket) -> None:
+    sock.settimeout(5)
+    try:
+        assert sock.recv(1 << 16) == b""
+    except ConnectionResetError:
+        pass
+
+
+def _header(op: int = 1, name: bytes = b"arena", offset: int = 0, length: int = 16, version: int = VERSION,
+            magic: bytes = REQUEST_MAGIC, name_len: int | None = None) -> bytes:
+    return REQUEST.pack(magic, version, op, len(name) if name_len is None else name_len, 1, offset, length, 0, name)
+
+
+def test_malformed_frames_do_not_hurt_the_server(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp")
+    seg = remote.segment("arena", 1 << 20)
+    data = _fill(seg, rand)
+    # a healthy engine connection that stays open through all of it
+    buf = bytearray(4096)
+    ok = TransferRequest("read", memoryview(buf), "arena", 0, 4096)
+    assert remote.engine.submit(remote.address, [ok]).wait(10)[0].ok
+
+    garbage = rand(4096, 3).tobytes()
+    for frame in (
+        garbage,  # random bytes
+        _header(magic=b"HTTP"),
+        _header(version=99),
+        _header(op=7),
+        _header(name_len=200),
+        _header(name_len=0),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(200),
+    ):
+        with _raw(remote.address) as sock:
+            sock.sendall(frame)
+            _expect_closed(sock)
+
+    # truncated header, then the client goes away
+    with _raw(remote.address) as sock:
+        sock.sendall(_header()[:50])
+    # a write claiming a huge length for an unknown segment: refused without reading 2^60 bytes
+    with _raw(remote.address) as sock:
+        sock.sendall(_header(op=2, name=b"nope", length=1 << 60))
+        sock.settimeout(5)
+        try:
+            resp = sock.recv(RESPONSE_SIZE)
+            assert resp == b"" or decode_response(resp).code is TransferCode.NO_SEGMENT
+        except ConnectionResetError:
+            pass
+    # a read with a huge length is a per-request error; the connection stays usable
+    with _raw(remote.address) as sock:
+        sock.sendall(_header(length=1 << 60) + _header(offset=8, length=16))
+        got = b""
+        while len(got) < 2 * RESPONSE_SIZE + 16:
+            chunk = sock.recv(1 << 16)
+            assert chunk
+            got += chunk
+        first = decode_response(got[:RESPONSE_SIZE])
+        assert first.code is TransferCode.OUT_OF_BOUNDS
+        second_at = RESPONSE_SIZE + first.msg_len
+        second = decode_response(got[second_at : second_at + RESPONSE_SIZE])
+        assert second.code is TransferCode.OK and second.payload_len == 16
+        assert got[second_at + RESPONSE_SIZE :] == data[8:24].tobytes()
+
+    # the old connection and new ones still work
+    assert remote.engine.submit(remote.address, [ok]).wait(10)[0].ok
+    assert bytes(buf) == data[:4096].tobytes()
+    with TransferEngine() as fresh:
+        buf2 = bytearray(1 << 20)
+        req = TransferRequest("read", memoryview(buf2), "arena", 0, 1 << 20)
+        assert fresh.submit(remote.address, [req]).wait(10)[0].ok
+        assert bytes(buf2) == data.tobytes()
+    deadline = time.monotonic() + 5
+    while remote.server.connection_count > 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.server.connection_count <= 3  # the bad connections are gone
+
+
+def test_slow_partial_header_does_not_block_others(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp")
+    seg = remote.segment("arena", 4096)
+    data = _fill(seg, rand)
+    with _raw(remote.address) as sock:
+        sock.sendall(_header()[:20])  # and then nothing
+        buf = bytearray(4096)
+        assert remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 4096)]).wait(10)[0].ok
+        assert bytes(buf) == data.tobytes()
+
+
+def test_concurrent_submitters(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp", connections_per_peer=2, slice_bytes=128 * 1024)
+    threads_n, rounds, item = 4, 10, 192 * 1024 + 5
+    remote.segment("arena", threads_n * 8 * item)
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        base = t * 8 * item
+        for r in range(rounds):
+            chunks = [rand(item, t * 1000 + r * 10 + i) for i in range(8)]
+            writes = [TransferRequest("write", memoryview(c), "arena", base + i * item, item) for i, c in enumerate(chunks)]
+            if not all(s.ok for s in remote.engine.submit(remote.address, writes).wait(30)):
+                errors.append(f"write {t}/{r}")
+                return
+            bufs = [bytearray(item) for _ in range(8)]
+            reads = [TransferRequest("read", memoryview(b), "arena", base + i * item, item) for i, b in enumerate(bufs)]
+            if not all(s.ok for s in remote.engine.submit(remote.address, reads).wait(30)):
+                errors.append(f"read {t}/{r}")
+                return
+            if any(bytes(b) != c.tobytes() for b, c in zip(bufs, chunks, strict=True)):
+                errors.append(f"bytes {t}/{r}")
+                return
+
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads_n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not errors
+
+
+def test_poll_and_callback(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp")
+    seg = remote.segment("arena", 1 << 20)
+    _fill(seg, rand)
+    buf = bytearray(1 << 20)
+    fired = threading.Event()
+    handle = remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)])
+    handle.add_done_callback(lambda h: fired.set())
+    assert len(handle.poll()) == 1
+    handle.wait(10)
+    assert fired.wait(5) and handle.done and handle.poll()[0] is not None
+
+
+def test_guard_that_raises_refuses(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+    class Broken:
+        def acquire(self, op: str, offset: int, length: int, token: int) -> object | None:
+            raise RuntimeError("boom")
+
+        def release(self, handle: object) -> None:
+            raise AssertionError("never acquired")
+
+    remote = make_remote("tcp")
+    remote.segment("arena", 4096, Broken())
+    buf = bytearray(16)
+    statuses = remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 16)]).wait(10)
+    assert statuses[0].code is TransferCode.LEASE_INVALID and "boom" in statuses[0].message
+
+
+def test_server_stop_with_open_connections(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+    remote = make_remote("tcp")
+    seg = remote.segment("arena", 4096)
+    _fill(seg, rand)
+    buf = bytearray(4096)
+    req = TransferRequest("read", memoryview(buf), "arena", 0, 4096)
+    assert remote.engine.submit(remote.address, [req]).wait(10)[0].ok
+    t0 = time.monotonic()
+    remote.server.stop()
+    assert time.monotonic() - t0 < 3
+    assert remote.server.connection_count == 0
+    statuses = remote.engine.submit(remote.address, [req]).wait(10)
+    assert statuses[0].code is TransferCode.CONNECTION
+
+
+def test_bad_peer_address_fails_fast() -> None:
+    with TransferEngine() as engine:
+        buf = bytearray(16)
+        with pytest.raises(ValueError):
+            engine.submit("no-port", [TransferRequest("read", memoryview(buf), "x", 0, 16)])
+
+
+def test_unpack_struct_sanity() -> None:
+    assert struct.calcsize("<4sBBHQQQQ64s") == REQUEST.size == 104
