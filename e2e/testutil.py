@@ -1,0 +1,61 @@
+"""Small helpers shared by the harness tests: waiting, reading pods as dicts, pod programs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+T = TypeVar("T")
+
+PYTHON = sys.executable  # containers run host programs; this interpreter is sure to exist
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str,
+             interval: float = 0.1) -> T:
+    """Poll until ``check`` returns a truthy value and return it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def get_pod(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
+    """The pod as the API's JSON (camelCase) dict, or None once it is gone."""
+    try:
+        resp = client.CoreV1Api(api).read_namespaced_pod(name, ns, _preload_content=False)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return dict(json.loads(resp.data))
+
+
+def list_pods(api: client.ApiClient, ns: str, selector: str = "") -> list[dict[str, Any]]:
+    resp = client.CoreV1Api(api).list_namespaced_pod(ns, label_selector=selector,
+                                                     _preload_content=False)
+    return list(json.loads(resp.data)["items"])
+
+
+def condition(pod: dict[str, Any], ctype: str) -> bool:
+    conds = pod.get("status", {}).get("conditions") or []
+    return any(c["type"] == ctype and c["status"] == "True" for c in conds)
+
+
+def is_ready(pod: dict[str, Any] | None) -> bool:
+    return pod is not None and condition(pod, "Ready")
+
+
+def python_cmd(source: str) -> list[str]:
+    """A container command running ``source`` with this machine's interpreter."""
+    return [PYTHON, "-u", "-c", textwrap.dedent(source)]
