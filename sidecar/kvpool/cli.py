@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--admin-token-file", default=None)
     st.set_defaults(func=_store)
 
-    for name, mod in (("sidecar", "sidecar.main"), ("up", "local"), ("demo", "demo"),
+    for name, mod in (("sidecar", "sidecar.server"), ("up", "local"), ("demo", "demo"),
                       ("operator", None)):
         p = sub.add_parser(name, add_help=False)
         p.set_defaults(func=None, delegate=(name, mod))

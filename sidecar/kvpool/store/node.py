@@ -38,6 +38,12 @@ DEFAULT_TENANT = "default"
 RESERVED, COMMITTED = 0, 1
 
 
+def payload_arena_bytes(payload: int, high_watermark: float, align: int = 4096) -> int:
+    """Arena size so that ``payload`` bytes fit below the high watermark."""
+    raw = int(payload / high_watermark) + align
+    return -(-raw // align) * align
+
+
 class Entry:
     """One object in the index.  Per object, never per byte."""
 
@@ -121,7 +127,8 @@ class StoreNode:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.node_id = cfg.node_id
-        self.dram = DramTier(cfg.dram_bytes, cfg.shm_dir, label=cfg.node_id)
+        # dram_bytes is a payload capacity: that much fits before eviction starts at the high watermark.
+        self.dram = DramTier(payload_arena_bytes(cfg.dram_bytes, cfg.high_watermark), cfg.shm_dir, label=cfg.node_id)
         self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id) if cfg.ssd_path and cfg.ssd_bytes else None
         self.sharedfs = SharedFsTier(cfg.sharedfs_path) if cfg.sharedfs_path else None
         self.lock = threading.RLock()

@@ -1,0 +1,240 @@
+"""What an engine imports: ``kvpool.connect(address) -> Client``.
+
+The client talks gRPC to its sidecar over a unix socket for metadata and maps the sidecar's
+shared-memory arena for bytes: ``get`` returns views into the arena (zero copy, valid while
+their lease holds), ``put`` costs one copy into it.  Thread-safe; a context manager.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from . import errors
+from .keys import pack_keys
+from .planning import HitPlan, plan_hit
+from .proto import sidecar_pb2 as spb
+from .proto import sidecar_pb2_grpc as spbg
+from .proto import store_pb2 as pb
+from .store.tiers import checksum
+from .store_client import as_bytes_view
+
+Buffer = Any
+
+
+class Blocks(list[memoryview]):
+    """Views into the sidecar's arena, pinned by one lease until :meth:`release` or its expiry."""
+
+    def __init__(self, views: list[memoryview], client: Client, lease_id: int) -> None:
+        super().__init__(views)
+        self.lease_id = lease_id
+        self._client = client
+
+    def release(self) -> None:
+        if self.lease_id:
+            self._client.release(self.lease_id)
+            self.lease_id = 0
+
+    def __enter__(self) -> Blocks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Client:
+    """A connection to one sidecar."""
+
+    def __init__(self, address: str, block_tokens: int = 128, timeout: float = 30.0,
+                 lease_ms: int = 10000) -> None:
+        if not address.startswith("unix://"):
+            raise errors.InvalidArgument(f"sidecar address must be unix:///path, got {address!r}")
+        self.address = address
+        self.block_tokens = block_tokens
+        self.timeout = timeout
+        self.lease_ms = lease_ms
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                                ("grpc.max_send_message_length", 64 << 20)])
+        self._stub = spbg.SidecarStub(self._channel)
+        hello = self._rpc(self._stub.Hello, pb.Empty())
+        self.tenant_id = hello.tenant_id
+        fd = os.open(hello.arena_path, os.O_RDWR)
+        try:
+            self._mmap = mmap.mmap(fd, hello.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._arena = memoryview(self._mmap)
+        self._arena_ro = self._arena.toreadonly()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _rpc(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+
+    # -- matching -----------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes], lease_ms: int | None = None) -> int:
+        """Blocks matched from the start (local tier or pool); pinned until ``get`` or the lease ends."""
+        n, _ = self.match_lease(keys, lease_ms)
+        return n
+
+    def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int]:
+        """Like :meth:`match`, also returning the lease id (pass it to :meth:`get`)."""
+        if not keys:
+            return 0, 0
+        r = self._rpc(self._stub.Match, spb.MatchRequest(keys=pack_keys(keys), lease_ms=lease_ms or self.lease_ms))
+        return r.prefix, r.lease_id
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[bytes], lease_id: int = 0, kind: int = pb.BLOCK) -> Blocks:
+        """Views of the objects (equal to what was put); raises NotFound if any key is absent."""
+        if not keys:
+            return Blocks([], self, 0)
+        r = self._rpc(self._stub.Read, spb.ReadRequest(keys=pack_keys(keys), lease_id=lease_id, kind=kind,
+                                                       lease_ms=self.lease_ms))
+        codes = list(r.codes)
+        if any(c != pb.OK for c in codes):
+            if r.lease_id:
+                self.release(r.lease_id)
+            missing = [i for i, c in enumerate(codes) if c != pb.OK]
+            raise errors.NotFound(f"{len(missing)} of {len(keys)} keys not present (first at index {missing[0]})")
+        ro = self._arena_ro
+        views = [ro[o:o + s] for o, s in zip(r.offsets, r.sizes, strict=True)]
+        return Blocks(views, self, r.lease_id)
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
+        """Copy objects into caller buffers; per-item sizes, -1 where absent (no exception)."""
+        r = self._rpc(self._stub.Read, spb.ReadRequest(keys=pack_keys(keys), lease_ms=self.lease_ms))
+        out = []
+        try:
+            for c, o, s, b in zip(r.codes, r.offsets, r.sizes, buffers, strict=True):
+                if c != pb.OK:
+                    out.append(-1)
+                    continue
+                dst = as_bytes_view(b)
+                if len(dst) < s:
+                    raise errors.InvalidArgument(f"buffer of {len(dst)} bytes for an object of {s}")
+                dst[:s] = self._arena[o:o + s]
+                out.append(s)
+        finally:
+            if r.lease_id:
+                self.release(r.lease_id)
+        return out
+
+    def release(self, lease_id: int) -> None:
+        if lease_id and not self._closed:
+            self._rpc(self._stub.Release, spb.LeaseRequest(lease_ids=[lease_id]))
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = "chatbot",
+            kind: int = pb.BLOCK) -> list[int]:
+        """Store objects: visible locally at once, written to the pool by the sidecar; per-item codes."""
+        if len(keys) != len(values):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
+        views = [as_bytes_view(v) for v in values]
+        start = self._rpc(self._stub.WriteStart, spb.WriteStartRequest(
+            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=kind))
+        codes = list(start.codes)
+        if not start.reservation_id:
+            return codes
+        sums = [0] * len(keys)
+        arena = self._arena
+        for i, c in enumerate(codes):
+            if c == pb.OK:
+                off = start.offsets[i]
+                arena[off:off + len(views[i])] = views[i]
+                sums[i] = checksum(views[i])
+        commit = self._rpc(self._stub.WriteCommit, spb.WriteCommitRequest(reservation_id=start.reservation_id,
+                                                                          checksums=sums))
+        for i, c in enumerate(codes):
+            if c == pb.OK:
+                codes[i] = commit.codes[i]
+        return codes
+
+    def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
+        return list(self._rpc(self._stub.Remove, pb.RemoveRequest(keys=pack_keys(keys), kind=kind)).codes)
+
+    # -- state objects ------------------------------------------------------------------------
+
+    def _check_position(self, position: int) -> None:
+        if position <= 0 or position % self.block_tokens:
+            raise errors.InvalidArgument(
+                f"state attach position {position} must be a positive multiple of {self.block_tokens}")
+
+    def put_state(self, key: bytes, position: int, value: Buffer) -> int:
+        """Store a state object keyed by the block key at its attach position (host memory only)."""
+        self._check_position(position)
+        return self.put([key], [value], kind=pb.STATE)[0]
+
+    def get_state(self, key: bytes, position: int) -> memoryview | None:
+        """The state object at ``position`` (a copy-free view, pinned for the lease), or None."""
+        self._check_position(position)
+        try:
+            return self.get([key], kind=pb.STATE)[0]
+        except errors.NotFound:
+            return None
+
+    def has_states(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        r = self._rpc(self._stub.Match, spb.MatchRequest(keys=pack_keys(keys), per_key=True, kind=pb.STATE))
+        return [b == 1 for b in r.present]
+
+    def plan(self, prompt_tokens: int, keys: Sequence[bytes], window_tokens: int = 128,
+             rollback_tokens: int = 6) -> HitPlan:
+        """Match + state lookup + :func:`~kvpool.planning.plan_hit` in one call (DESIGN §5)."""
+        b = self.block_tokens
+        matched = self.match(keys) if keys else 0
+        positions: list[int] = []
+        if window_tokens:
+            cap = max(0, prompt_tokens - max(1, window_tokens + rollback_tokens))
+            l1 = (min(matched * b, cap) // b) * b
+            cands = [p for p in (l1, l1 - b) if p > 0 and p // b - 1 < len(keys)]
+            if cands:
+                have = self.has_states([keys[p // b - 1] for p in cands])
+                positions = [p for p, h in zip(cands, have, strict=True) if h]
+        return plan_hit(prompt_tokens, matched * b, positions, b, window_tokens, rollback_tokens)
+
+    # -- misc ---------------------------------------------------------------------------------
+
+    def stats(self) -> spb.SidecarStats:
+        return self._rpc(self._stub.Stats, pb.Empty())
+
+    def flush(self, timeout_ms: int = 10000) -> spb.FlushReply:
+        return self._rpc(self._stub.Flush, spb.FlushRequest(timeout_ms=timeout_ms))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._channel.close()
+        try:
+            self._arena_ro.release()
+            self._arena.release()
+            self._mmap.close()
+        except BufferError:
+            pass  # views handed out are still alive; the mapping goes with them
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(address: str, block_tokens: int = 128, timeout: float = 30.0) -> Client:
+    """Connect to a sidecar at ``unix:///path/to/sidecar.sock``."""
+    return Client(address, block_tokens=block_tokens, timeout=timeout)

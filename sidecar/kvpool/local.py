@@ -1,0 +1,264 @@
+"""An embedded local pool: store nodes and sidecars as real processes on 127.0.0.1.
+
+``LocalCluster`` is what tests, benchmarks and the demo run against, and ``kvpool up`` runs one
+in the foreground.  Every process is started in a fresh temporary directory, dies with its parent
+(PR_SET_PDEATHSIG) and is stopped on exit, exceptions included: no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from .proto import store_pb2 as pb
+from .store_client import StoreClient
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[str]
+    ready_line: str = ""
+    log_path: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def spawn(name: str, argv: list[str], workdir: str, timeout: float = 30.0,
+          env: dict[str, str] | None = None) -> Proc:
+    """Start a kvpool process and wait for its READY line (stderr goes to a log file)."""
+    log_path = os.path.join(workdir, f"{name}.log")
+    log_f: IO[str] = open(log_path, "w")  # noqa: SIM115 - handed to the child
+    try:
+        popen = subprocess.Popen([sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE, stderr=log_f,
+                                 text=True, cwd=workdir, env={**os.environ, **(env or {})},
+                                 preexec_fn=_die_with_parent)
+    finally:
+        log_f.close()
+    proc = Proc(name, popen, log_path=log_path)
+    ready = threading.Event()
+
+    def reader() -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            proc.lines.append(line.rstrip())
+            if line.startswith("READY") and not ready.is_set():
+                proc.ready_line = line.strip()
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=reader, name=f"{name}-stdout", daemon=True).start()
+    if not ready.wait(timeout) or not proc.ready_line:
+        popen.kill()
+        popen.wait()
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{name} did not become ready (exit {popen.returncode}):\n{tail}")
+    return proc
+
+
+def stop_procs(procs: Sequence[Proc], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.popen.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+
+
+class LocalCluster:
+    """N store nodes + M sidecars on 127.0.0.1; a context manager.
+
+    ``store_bytes`` and ``local_bytes`` are payload capacities.  ``tenants`` names the tenant of
+    each sidecar (default: one tenant for all).  Attributes: ``sidecars`` (addresses for
+    ``kvpool.connect``), ``stores``, ``store_pids``, ``sidecar_pids``.
+    """
+
+    def __init__(self, stores: int = 2, sidecars: int = 1, store_bytes: int = 256 << 20,
+                 local_bytes: int = 64 << 20, ssd_bytes: int = 0, tenants: Sequence[str] | None = None,
+                 block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
+                 quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None) -> None:
+        if tenants is not None and len(tenants) != sidecars:
+            raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
+        self.n_stores, self.n_sidecars = stores, sidecars
+        self.store_bytes, self.local_bytes, self.ssd_bytes = store_bytes, local_bytes, ssd_bytes
+        self.tenant_ids = list(tenants) if tenants is not None else ["default"] * sidecars
+        self.block_tokens = block_tokens
+        self.write_back = write_back
+        self.drain_seconds = drain_seconds
+        self.quotas = quotas or {}
+        self.store_config = store_config or {}
+        self.admin_token = secrets.token_hex(16)
+        self.tokens = {t: secrets.token_hex(16) for t in sorted(set(self.tenant_ids)) if t != "default"}
+        self.store_procs: list[Proc] = []
+        self.sidecar_procs: list[Proc] = []
+        self.stores: list[str] = []
+        self.sidecars: list[str] = []
+        self.store_ids: list[str] = []
+        self.epoch = 0
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.workdir = ""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalCluster:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-local-")
+        self.workdir = self._tmp.name
+        try:
+            self._write_tenants()
+            for i in range(self.n_stores):
+                self.add_store(publish=False)
+            if self.n_stores:
+                self.publish_ring()
+            for i in range(self.n_sidecars):
+                self.add_sidecar(self.tenant_ids[i])
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_procs(self.sidecar_procs, grace=self.drain_seconds + 5)
+        stop_procs(self.store_procs)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _write_tenants(self) -> None:
+        doc = [{"tenantId": t, "token": tok, "salt": base64.b64encode(secrets.token_bytes(16)).decode(),
+                "quotaBytes": self.quotas.get(t, 0)} for t, tok in self.tokens.items()]
+        self.tenants_file = os.path.join(self.workdir, "tenants.json")
+        with open(self.tenants_file, "w") as f:
+            json.dump(doc, f)
+        self.config_file = os.path.join(self.workdir, "store-config.json")
+        with open(self.config_file, "w") as f:
+            json.dump(self.store_config, f)
+
+    def add_store(self, publish: bool = True) -> str:
+        """Start one more store node; with ``publish`` a new ring epoch includes it."""
+        i = len(self.store_procs)
+        node_id = f"store-{i}"
+        d = os.path.join(self.workdir, node_id)
+        os.makedirs(d)
+        argv = ["store", "--listen", "127.0.0.1:0", "--transfer-port", "0", "--dram", str(self.store_bytes),
+                "--node-id", node_id, "--admin-token", self.admin_token, "--tenants", self.tenants_file,
+                "--config", self.config_file]
+        if self.ssd_bytes:
+            argv += ["--ssd-path", os.path.join(d, "ssd"), "--ssd", str(self.ssd_bytes)]
+        if self.tokens and "default" not in self.tenant_ids:
+            argv.append("--closed")
+        proc = spawn(node_id, argv, d)
+        addr = proc.ready_line.split()[1]
+        self.store_procs.append(proc)
+        self.stores.append(addr)
+        self.store_ids.append(node_id)
+        if publish:
+            self.publish_ring()
+        return addr
+
+    def add_sidecar(self, tenant: str = "default") -> str:
+        i = len(self.sidecar_procs)
+        d = os.path.join(self.workdir, f"sidecar-{i}")
+        os.makedirs(d)
+        sock = os.path.join(d, "kvpool.sock")
+        argv = ["sidecar", "--socket", sock, "--pool", ",".join(self.stores), "--local", str(self.local_bytes),
+                "--drain-seconds", str(self.drain_seconds), "--log-level", "WARNING"]
+        if tenant != "default":
+            cred = os.path.join(d, "credentials.json")
+            with open(cred, "w") as f:
+                json.dump({"tenantId": tenant, "token": self.tokens[tenant]}, f)
+            argv += ["--credentials", cred]
+        if self.write_back:
+            argv.append("--write-back")
+        proc = spawn(f"sidecar-{i}", argv, d)
+        self.sidecar_procs.append(proc)
+        self.sidecars.append(f"unix://{sock}")
+        return self.sidecars[-1]
+
+    def publish_ring(self, draining: Sequence[str] = ()) -> int:
+        """Push a new ring epoch to every live store node (what the operator does in Kubernetes)."""
+        self.epoch += 1
+        ring = pb.Ring(epoch=self.epoch, replicas=1, members=[
+            pb.RingMember(id=nid, address=addr, state="draining" if nid in draining else "active")
+            for nid, addr, p in zip(self.store_ids, self.stores, self.store_procs, strict=True)
+            if p.popen.poll() is None])
+        for addr, p in zip(self.stores, self.store_procs, strict=True):
+            if p.popen.poll() is None:
+                with self.admin(addr) as c:
+                    c.set_ring(ring)
+        return self.epoch
+
+    def admin(self, address: str) -> StoreClient:
+        return StoreClient(address, self.admin_token)
+
+    def connect(self, i: int = 0) -> Any:
+        from .client import connect
+        return connect(self.sidecars[i], block_tokens=self.block_tokens)
+
+    @property
+    def store_pids(self) -> list[int]:
+        return [p.pid for p in self.store_procs]
+
+    @property
+    def sidecar_pids(self) -> list[int]:
+        return [p.pid for p in self.sidecar_procs]
+
+    @property
+    def pids(self) -> list[int]:
+        return self.store_pids + self.sidecar_pids
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kvpool up`: run a LocalCluster in the foreground and print its addresses until Ctrl-C."""
+    from .cli import parse_bytes
+
+    ap = argparse.ArgumentParser(prog="kvpool up", description=main.__doc__)
+    ap.add_argument("--stores", type=int, default=2)
+    ap.add_argument("--sidecars", type=int, default=1)
+    ap.add_argument("--store-bytes", type=parse_bytes, default=256 << 20)
+    ap.add_argument("--local-bytes", type=parse_bytes, default=64 << 20)
+    ap.add_argument("--ssd-bytes", type=parse_bytes, default=0)
+    args = ap.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with LocalCluster(stores=args.stores, sidecars=args.sidecars, store_bytes=args.store_bytes,
+                      local_bytes=args.local_bytes, ssd_bytes=args.ssd_bytes) as lc:
+        for a, pid in zip(lc.stores, lc.store_pids, strict=True):
+            print(f"store    {a}  pid {pid}")
+        for a, pid in zip(lc.sidecars, lc.sidecar_pids, strict=True):
+            print(f"sidecar  {a}  pid {pid}")
+        print("ready; Ctrl-C to stop", flush=True)
+        stop.wait()
+    return 0

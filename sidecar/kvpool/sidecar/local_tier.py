@@ -1,0 +1,316 @@
+"""The sidecar's local tier: a shared-memory arena mapped by the sidecar and its clients.
+
+Objects are immutable once committed; a client reads them in place (zero copy) while a lease
+pins them, and writes cost one copy into a reserved extent.  LRU eviction between watermarks
+never touches pinned, reserved or in-flight objects; objects that exist only here (state
+objects, write-back blocks) are handed to an ``on_evict`` hook first so they can be flushed.
+One lock guards the index; bytes are copied under it only when a dirty object is evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..proto import store_pb2 as pb
+from ..store.allocator import OutOfSpace
+from ..store.eviction import watermark_need
+from ..store.node import payload_arena_bytes
+from ..store.tiers import DramTier
+
+RESERVED, COMMITTED, DEAD = 0, 1, 2
+
+
+class LocalEntry:
+    __slots__ = ("key", "kind", "traffic_class", "size", "checksum", "offset", "state", "pins",
+                 "pooled", "dirty", "last_access", "expires")
+
+
+    def __init__(self, key: bytes, kind: int, traffic_class: str, size: int, offset: int) -> None:
+        self.key = key
+        self.kind = kind
+        self.traffic_class = traffic_class
+        self.size = size
+        self.checksum = 0
+        self.offset = offset
+        self.state = RESERVED
+        self.pins = 0
+        self.pooled = False   # the pool is known to hold it: never re-send
+        self.dirty = False    # exists only here and must reach the pool (write-back, state)
+        self.last_access = time.time()
+        self.expires = 0.0
+
+
+@dataclass
+class LocalLease:
+    lease_id: int
+    expires: float
+    entries: list[LocalEntry]
+
+
+class LocalTier:
+    def __init__(self, capacity: int, directory: str, label: str = "sidecar",
+                 high_watermark: float = 0.95, low_watermark: float = 0.85,
+                 reservation_seconds: float = 30.0) -> None:
+        # ``capacity`` is a payload capacity: that much fits before eviction starts.
+        self.arena = DramTier(payload_arena_bytes(capacity, high_watermark), directory, label=label)
+        self.capacity = self.arena.capacity
+        self.high, self.low = high_watermark, low_watermark
+        self.reservation_seconds = reservation_seconds
+        self.lock = threading.RLock()
+        self.index: dict[tuple[int, bytes], LocalEntry] = {}
+        self.blocks: dict[bytes, LocalEntry] = {}  # kind BLOCK, committed: the match fast path
+        self.lru: OrderedDict[int, LocalEntry] = OrderedDict()
+        self.leases: dict[int, LocalLease] = {}
+        self._heap: list[tuple[float, int]] = []
+        self.reservations: dict[int, tuple[float, list[LocalEntry | None]]] = {}
+        self._res_heap: list[tuple[float, int]] = []
+        self._ids = itertools.count(1)
+        self.counters: Counter[str] = Counter()
+        self.on_evict: Callable[[list[tuple[LocalEntry, bytes]]], None] | None = None
+
+    @property
+    def used(self) -> int:
+        return self.arena.alloc.used
+
+    def view(self, e: LocalEntry) -> memoryview:
+        return self.arena.slice(e.offset, e.size)
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def _sweep(self, now: float) -> None:
+        while self._heap and self._heap[0][0] <= now:
+            _, lid = heapq.heappop(self._heap)
+            lease = self.leases.get(lid)
+            if lease is not None and lease.expires <= now:
+                self._drop_lease(lease)
+        while self._res_heap and self._res_heap[0][0] <= now:
+            _, rid = heapq.heappop(self._res_heap)
+            res = self.reservations.pop(rid, None)
+            for e in (res[1] if res else []):
+                if e is not None and e.state == RESERVED:
+                    self._forget(e)
+                    self.counters["reservations_expired"] += 1
+
+    def _drop_lease(self, lease: LocalLease) -> None:
+        self.leases.pop(lease.lease_id, None)
+        for e in lease.entries:
+            e.pins -= 1
+            if e.pins == 0 and e.state == DEAD:
+                self.arena.alloc.free(e.offset)
+
+    def lease(self, entries: list[LocalEntry], lease_ms: int) -> LocalLease:
+        now = time.time()
+        with self.lock:
+            lease = LocalLease(next(self._ids), now + max(lease_ms, 1) / 1000.0, entries)
+            for e in entries:
+                e.pins += 1
+            self.leases[lease.lease_id] = lease
+            heapq.heappush(self._heap, (lease.expires, lease.lease_id))
+            return lease
+
+    def release(self, lease_ids: Sequence[int]) -> None:
+        with self.lock:
+            for lid in lease_ids:
+                lease = self.leases.get(lid)
+                if lease is not None:
+                    self._drop_lease(lease)
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def match_prefix(self, keys: list[bytes]) -> tuple[int, list[LocalEntry]]:
+        """Leading run of keys held locally (committed blocks)."""
+        with self.lock:
+            found = list(map(self.blocks.get, keys))
+            try:
+                n = found.index(None)
+            except ValueError:
+                n = len(found)
+            hits = found[:n]
+            now = time.time()
+            for e in hits:
+                assert e is not None
+                e.last_access = now
+                self.lru.move_to_end(id(e))
+            return n, hits  # type: ignore[return-value]
+
+    def lookup(self, keys: list[bytes], kind: int) -> list[LocalEntry | None]:
+        with self.lock:
+            now = time.time()
+            self._sweep(now)
+            out: list[LocalEntry | None] = []
+            for k in keys:
+                e = self.index.get((kind, k))
+                if e is not None and e.state == COMMITTED:
+                    e.last_access = now
+                    self.lru.move_to_end(id(e))
+                    out.append(e)
+                else:
+                    out.append(None)
+            return out
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def reserve(self, keys: list[bytes], sizes: Sequence[int], kind: int, traffic_class: str,
+                ) -> tuple[list[int], list[LocalEntry | None], int]:
+        """Extents for a batch: per-item codes, entries (None where not reserved), reservation id."""
+        now = time.time()
+        codes = [pb.OK] * len(keys)
+        entries: list[LocalEntry | None] = [None] * len(keys)
+        evicted: list[tuple[LocalEntry, bytes]] = []
+        with self.lock:
+            self._sweep(now)
+            incoming = 0
+            for i, (k, s) in enumerate(zip(keys, sizes, strict=True)):
+                old = self.index.get((kind, k))
+                if s <= 0 or len(k) != 32:
+                    codes[i] = pb.INVALID
+                elif self.arena.alloc.rounded(s) > self.capacity:
+                    codes[i] = pb.TOO_LARGE
+                elif old is not None:
+                    codes[i] = pb.ALREADY_EXISTS if old.state == COMMITTED else pb.IN_FLIGHT
+                    old.last_access = now
+                else:
+                    incoming += self.arena.alloc.rounded(s)
+            need = watermark_need(self.used, incoming, self.capacity, self.high, self.low)
+            if need:
+                evicted += self._evict(need)
+            for i, (k, s) in enumerate(zip(keys, sizes, strict=True)):
+                if codes[i] != pb.OK:
+                    continue
+                if (kind, k) in self.index:  # duplicate inside the batch
+                    codes[i] = pb.INVALID
+                    continue
+                try:
+                    off = self.arena.alloc.alloc(s)
+                except OutOfSpace:
+                    evicted += self._evict(self.arena.alloc.rounded(s))
+                    try:
+                        off = self.arena.alloc.alloc(s)
+                    except OutOfSpace:
+                        codes[i] = pb.NO_SPACE
+                        self.counters["refused_space"] += 1
+                        continue
+                e = LocalEntry(k, kind, traffic_class, s, off)
+                e.expires = now + self.reservation_seconds
+                self.index[(kind, k)] = e
+                entries[i] = e
+            rid = 0
+            if any(e is not None for e in entries):
+                rid = next(self._ids)
+                self.reservations[rid] = (now + self.reservation_seconds, entries)
+                heapq.heappush(self._res_heap, (now + self.reservation_seconds, rid))
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        return codes, entries, rid
+
+    def commit(self, rid: int, checksums: Sequence[int], dirty: bool, pooled: bool = False
+               ) -> tuple[list[int], list[LocalEntry]]:
+        with self.lock:
+            res = self.reservations.pop(rid, None)
+            if res is None:
+                return [pb.LEASE_EXPIRED] * len(checksums), []
+            entries = res[1]
+            if len(checksums) != len(entries):
+                self.reservations[rid] = res
+                raise ValueError(f"{len(checksums)} checksums for {len(entries)} items")
+            codes = [pb.OK] * len(entries)
+            done: list[LocalEntry] = []
+            for i, e in enumerate(entries):
+                if e is None:
+                    codes[i] = pb.INVALID
+                    continue
+                if e.state != RESERVED:
+                    codes[i] = pb.LEASE_EXPIRED
+                    continue
+                self._publish(e, checksums[i], dirty, pooled)
+                done.append(e)
+            return codes, done
+
+    def _publish(self, e: LocalEntry, csum: int, dirty: bool, pooled: bool) -> None:
+        e.checksum = csum
+        e.state = COMMITTED
+        e.dirty = dirty
+        e.pooled = pooled
+        e.last_access = time.time()
+        self.lru[id(e)] = e
+        if e.kind == pb.BLOCK:
+            self.blocks[e.key] = e
+        self.counters["stored"] += 1
+
+    def insert_fetched(self, e: LocalEntry, csum: int) -> None:
+        """An object fetched from the pool into an extent from :meth:`reserve_one`."""
+        with self.lock:
+            self._publish(e, csum, dirty=False, pooled=True)
+
+    def reserve_one(self, key: bytes, size: int, kind: int) -> LocalEntry | None:
+        codes, entries, rid = self.reserve([key], [size], kind, "")
+        with self.lock:
+            self.reservations.pop(rid, None)
+        return entries[0]
+
+    def revoke(self, rid: int) -> None:
+        with self.lock:
+            res = self.reservations.pop(rid, None)
+            for e in (res[1] if res else []):
+                if e is not None and e.state == RESERVED:
+                    self._forget(e)
+
+    def abandon(self, e: LocalEntry) -> None:
+        with self.lock:
+            if e.state == RESERVED:
+                self._forget(e)
+
+    def remove(self, keys: list[bytes], kind: int) -> list[int]:
+        with self.lock:
+            codes = []
+            for k in keys:
+                e = self.index.get((kind, k))
+                if e is None or e.state != COMMITTED:
+                    codes.append(pb.NOT_FOUND)
+                else:
+                    self._forget(e)
+                    codes.append(pb.OK)
+            return codes
+
+    def _forget(self, e: LocalEntry) -> None:
+        if self.index.get((e.kind, e.key)) is e:
+            del self.index[(e.kind, e.key)]
+        if self.blocks.get(e.key) is e:
+            del self.blocks[e.key]
+        self.lru.pop(id(e), None)
+        e.state = DEAD
+        if e.pins == 0:
+            self.arena.alloc.free(e.offset)
+
+    def _evict(self, need: int) -> list[tuple[LocalEntry, bytes]]:
+        """Free LRU victims now; dirty ones (only here) leave a copy for the ``on_evict`` hook,
+        which pushes them to the pool outside the lock."""
+        out: list[tuple[LocalEntry, bytes]] = []
+        freed = 0
+        for e in list(self.lru.values()):
+            if freed >= need:
+                break
+            if e.pins:
+                continue
+            if e.dirty:
+                out.append((e, bytes(self.view(e))))
+            self._forget(e)
+            freed += e.size
+            self.counters["evicted"] += 1
+        return out
+
+    def local_only(self) -> list[LocalEntry]:
+        """Objects that exist only here (dirty): what SIGTERM must flush, hottest first."""
+        with self.lock:
+            out = [e for e in self.lru.values() if e.dirty and e.state == COMMITTED]
+        out.sort(key=lambda e: e.last_access, reverse=True)
+        return out
+
+    def close(self) -> None:
+        self.arena.close()

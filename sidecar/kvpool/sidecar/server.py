@@ -1,0 +1,517 @@
+"""The sidecar process (`kvpool sidecar`): serves the engine's client over a unix socket.
+
+It owns the local tier (a shared-memory arena the client maps), asks the pool for what is not
+local (one batched call per owner, all owners concurrently), fetches misses straight into the
+arena, and writes through to the pool in the background (or back, on local eviction).  The
+tenant and its token come from the command line / mounted credentials, never from the client.
+SIGTERM: stop accepting, flush what exists only locally, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from .. import __version__
+from ..cli import parse_bytes
+from ..keys import KEY_BYTES
+from ..proto import sidecar_pb2 as spb
+from ..proto import sidecar_pb2_grpc as spbg
+from ..proto import store_pb2 as pb
+from ..store.tiers import checksum
+from . import metrics
+from .local_tier import LocalEntry, LocalTier
+from .pool import Pool
+
+log = logging.getLogger("kvpool.sidecar")
+
+
+@dataclass
+class SidecarConfig:
+    """Settings of one sidecar."""
+
+    socket: str
+    """Path of the unix socket the client connects to; the arena file is created beside it."""
+    pool: list[str]
+    """Seed addresses of store nodes (empty: local tier only)."""
+    local_bytes: int = 256 << 20
+    tenant_id: str = "default"
+    token: str = ""
+    write_back: bool = False
+    """Blocks reach the pool on local eviction instead of right after the put."""
+    drain_seconds: float = 20.0
+    lease_ms: int = 10000
+    max_pending_bytes: int = 0
+    """Write-through backlog above which new pool writes are shed (0: a quarter of the local tier)."""
+    metrics_port: int = 0
+    arena_dir: str = ""
+
+
+@dataclass
+class _MatchLease:
+    local_lease: int
+    pool_leases: dict[str, int]
+    expires: float
+
+
+class Sidecar(spbg.SidecarServicer):
+    def __init__(self, cfg: SidecarConfig) -> None:
+        self.cfg = cfg
+        arena_dir = cfg.arena_dir or os.path.dirname(os.path.abspath(cfg.socket))
+        self.local = LocalTier(cfg.local_bytes, arena_dir, label="sidecar")
+        self.local.on_evict = self._on_evict
+        self.pool = Pool(cfg.pool, cfg.token)
+        self.match_leases: dict[int, _MatchLease] = {}
+        self._ids = iter(range(1, 1 << 62))
+        self._lock = threading.Lock()
+        self.pending: queue.Queue[tuple[list[LocalEntry], list[bytes] | None] | None] = queue.Queue()
+        self.pending_bytes = 0
+        self._pins: dict[int, int] = {}  # id(batch) → lease pinning it while the writer has it
+        self.max_pending = cfg.max_pending_bytes or self.local.capacity // 4
+        self.counters = self.local.counters
+        self._pusher = threading.Thread(target=self._push_loop, name="pool-writer", daemon=True)
+        self._pusher.start()
+        self._refresher = threading.Thread(target=self._refresh_loop, name="ring", daemon=True)
+        self._stop = threading.Event()
+        self._refresher.start()
+        self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _keys(blob: bytes, context: grpc.ServicerContext) -> tuple[list[bytes], np.ndarray]:
+        if len(blob) % KEY_BYTES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"keys blob of {len(blob)} bytes is not a multiple of {KEY_BYTES}")
+        arr = np.frombuffer(blob, dtype=f"V{KEY_BYTES}")
+        return arr.tolist(), arr
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.is_set():
+            if self.pool.refresh_needed.wait(1.0) and not self._stop.is_set():
+                try:
+                    self.pool.refresh_ring()
+                except Exception:
+                    log.exception("ring refresh failed")
+            elif self.pool.enabled and self.pool.nodes_up() < len(self.pool.nodes):
+                # A node came back, or the ring changed under us: re-learn it now and then.
+                try:
+                    self.pool.refresh_ring()
+                except Exception:
+                    pass
+
+    # -- match --------------------------------------------------------------------------------
+
+    def Hello(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.HelloReply:
+        return spb.HelloReply(arena_path=self.local.arena.path, arena_bytes=self.local.capacity,
+                              tenant_id=self.cfg.tenant_id, version=__version__, ring_epoch=self.pool.ring.epoch,
+                              pool_nodes=len(self.pool.nodes))
+
+    def Match(self, request: spb.MatchRequest, context: grpc.ServicerContext) -> spb.MatchReply:
+        t0 = time.perf_counter()
+        keys, arr = self._keys(request.keys, context)
+        lease_ms = request.lease_ms or self.cfg.lease_ms
+        if request.per_key:
+            return self._probe(keys, arr, request.kind)
+        n_local, hits = self.local.match_prefix(keys)
+        prefix = n_local
+        pool_leases: dict[str, int] = {}
+        if n_local < len(keys) and self.pool.enabled and not request.local_only:
+            pm = self.pool.match(arr[n_local:], lease_ms)
+            prefix += pm.prefix
+            pool_leases = pm.leases
+        lease_id = 0
+        if prefix:
+            local_lease = self.local.lease(hits, lease_ms) if hits else None
+            lease_id = next(self._ids)
+            with self._lock:
+                self.match_leases[lease_id] = _MatchLease(local_lease.lease_id if local_lease else 0, pool_leases,
+                                                          time.time() + lease_ms / 1000.0)
+        elif pool_leases:
+            self.pool.release(pool_leases)
+        metrics.record_match(self.cfg.tenant_id, len(keys), n_local, prefix - n_local, time.perf_counter() - t0)
+        self.counters["match_calls"] += 1
+        self.counters["lookup_blocks"] += len(keys)
+        self.counters["hit_blocks_local"] += n_local
+        self.counters["hit_blocks_pool"] += prefix - n_local
+        return spb.MatchReply(prefix=prefix, local_prefix=n_local, lease_id=lease_id)
+
+    def _probe(self, keys: list[bytes], arr: np.ndarray, kind: int) -> spb.MatchReply:
+        found = self.local.lookup(keys, kind)
+        present = bytearray(e is not None for e in found)
+        missing = [i for i, e in enumerate(found) if e is None]
+        if missing and self.pool.enabled:
+            sub = arr[missing]
+            for nid, idx in self.pool.route(sub).items():
+                node = self.pool.nodes.get(nid)
+                if node is None or not node.up:
+                    continue
+                try:
+                    r = node.client.exists([bytes(k) for k in sub[idx]], prefix_only=False, kind=kind)
+                except Exception as exc:
+                    self.pool._failed(node, exc)
+                    continue
+                for j, p in zip(idx.tolist(), r.present, strict=True):
+                    if p:
+                        present[missing[j]] = 1
+        return spb.MatchReply(present=bytes(present), prefix=sum(present))
+
+    def _take_match_lease(self, lease_id: int) -> None:
+        with self._lock:
+            ml = self.match_leases.pop(lease_id, None)
+            now = time.time()
+            stale = [k for k, v in self.match_leases.items() if v.expires < now]
+            expired = [self.match_leases.pop(k) for k in stale]
+        for m in ([ml] if ml else []) + expired:
+            if m.local_lease:
+                self.local.release([m.local_lease])
+            if m.pool_leases:
+                self.pool.release(m.pool_leases)
+
+    def Release(self, request: spb.LeaseRequest, context: grpc.ServicerContext) -> pb.Empty:
+        for lid in request.lease_ids:
+            self._take_match_lease(lid)
+        self.local.release(list(request.lease_ids))
+        return pb.Empty()
+
+    # -- read ---------------------------------------------------------------------------------
+
+    def Read(self, request: spb.ReadRequest, context: grpc.ServicerContext) -> spb.ReadReply:
+        t0 = time.perf_counter()
+        keys, arr = self._keys(request.keys, context)
+        kind = request.kind
+        lease_ms = request.lease_ms or self.cfg.lease_ms
+        found = self.local.lookup(keys, kind)
+        local_hits = sum(e is not None for e in found)
+        missing = [i for i, e in enumerate(found) if e is None]
+        pool_hits = 0
+        if missing and self.pool.enabled:
+            pool_hits = self._fetch_missing(keys, arr, missing, found, kind, lease_ms)
+        present = [e for e in found if e is not None]
+        lease = self.local.lease(present, lease_ms) if present else None
+        if request.lease_id:
+            self._take_match_lease(request.lease_id)
+        n = len(keys)
+        codes, offsets, sizes, sums = [pb.NOT_FOUND] * n, [0] * n, [0] * n, [0] * n
+        for i, e in enumerate(found):
+            if e is not None:
+                codes[i], offsets[i], sizes[i], sums[i] = pb.OK, e.offset, e.size, e.checksum
+        moved = sum(sizes)
+        metrics.record_read(self.cfg.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0)
+        self.counters["read_blocks"] += n
+        self.counters["read_misses"] += n - local_hits - pool_hits
+        return spb.ReadReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums,
+                             lease_id=lease.lease_id if lease else 0,
+                             lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
+                             local_hits=local_hits, pool_hits=pool_hits)
+
+    def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int],
+                       found: list[LocalEntry | None], kind: int, lease_ms: int) -> int:
+        """Fetch misses from their owners straight into fresh arena extents (promotion)."""
+        sub = arr[missing]
+        plans = self.pool.get_plans(sub, kind, lease_ms)
+        jobs = []
+        for node, idx, plan in plans:
+            bufs: list[memoryview | None] = []
+            ents: list[LocalEntry | None] = []
+            for j, code in enumerate(plan.codes):
+                e = None
+                if code == pb.OK:
+                    e = self.local.reserve_one(keys[missing[int(idx[j])]], plan.sizes[j], kind)
+                ents.append(e)
+                bufs.append(self.local.view(e) if e is not None else None)
+            jobs.append((node, idx, plan, bufs, ents))
+
+        def run(job: Any) -> int:
+            node, idx, plan, bufs, ents = job
+            codes = self.pool.fetch(node, plan, bufs)
+            got = 0
+            for j, e in enumerate(ents):
+                if e is None:
+                    continue
+                if codes[j] == pb.OK:
+                    self.local.insert_fetched(e, plan.checksums[j])
+                    found[missing[int(idx[j])]] = e
+                    got += 1
+                else:
+                    if codes[j] == pb.CHECKSUM:
+                        self.counters["pool_checksum_failures"] += 1
+                    self.local.abandon(e)
+            return got
+
+        if len(jobs) == 1:
+            total = run(jobs[0])
+        else:
+            total = sum(self._fetchers.map(run, jobs))
+        still = [i for i in missing if found[i] is None]
+        if still and self.pool.draining_fallback(arr[still]) is not None:
+            total += self._fetch_from_draining(keys, arr, still, found, kind)
+        return total
+
+    def _fetch_from_draining(self, keys: list[bytes], arr: np.ndarray, still: list[int],
+                             found: list[LocalEntry | None], kind: int) -> int:
+        fb = self.pool.draining_fallback(arr[still])
+        assert fb is not None
+        got = 0
+        for nid in set(fb.tolist()):
+            node = self.pool.nodes.get(nid)
+            if node is None or node.member.state != "draining":
+                continue
+            sel = [still[j] for j in range(len(still)) if fb[j] == nid]
+            res = self.pool.get_from(nid, [keys[i] for i in sel], kind)
+            if res is None:
+                continue
+            node, plan = res
+            ents = [self.local.reserve_one(keys[i], plan.sizes[j], kind) if plan.codes[j] == pb.OK else None
+                    for j, i in enumerate(sel)]
+            codes = self.pool.fetch(node, plan, [self.local.view(e) if e else None for e in ents])
+            for j, e in enumerate(ents):
+                if e is None:
+                    continue
+                if codes[j] == pb.OK:
+                    self.local.insert_fetched(e, plan.checksums[j])
+                    found[sel[j]] = e
+                    got += 1
+                else:
+                    self.local.abandon(e)
+        return got
+
+    # -- write --------------------------------------------------------------------------------
+
+    def WriteStart(self, request: spb.WriteStartRequest, context: grpc.ServicerContext) -> spb.WriteStartReply:
+        keys, _ = self._keys(request.keys, context)
+        if len(request.sizes) != len(keys):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(request.sizes)} sizes")
+        codes, entries, rid = self.local.reserve(keys, list(request.sizes), request.kind,
+                                                 request.traffic_class or "chatbot")
+        return spb.WriteStartReply(codes=codes, offsets=[e.offset if e else 0 for e in entries], reservation_id=rid)
+
+    def WriteCommit(self, request: spb.WriteCommitRequest, context: grpc.ServicerContext) -> pb.CodesReply:
+        sums = list(request.checksums)
+        with self.local.lock:
+            res = self.local.reservations.get(request.reservation_id)
+            entries = list(res[1]) if res else []
+        if res is None:
+            return pb.CodesReply(codes=[pb.LEASE_EXPIRED] * len(sums))
+        if len(sums) != len(entries):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(sums)} checksums for {len(entries)} items")
+        for i, e in enumerate(entries):
+            if e is not None and not sums[i]:
+                sums[i] = checksum(self.local.view(e))
+        kind_state = any(e is not None and e.kind == pb.STATE for e in entries)
+        # State objects are single-copy host-memory objects: only flushed on drain/eviction.
+        dirty = self.cfg.write_back or kind_state or not self.pool.enabled
+        codes, done = self.local.commit(request.reservation_id, sums, dirty=dirty and self.pool.enabled)
+        if done and self.pool.enabled and not dirty:
+            self._enqueue(done)
+        self.counters["put_blocks"] += len(done)
+        metrics.PUT_BYTES.labels(self.cfg.tenant_id).inc(sum(e.size for e in done))
+        return pb.CodesReply(codes=codes)
+
+    def WriteRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.local.revoke(request.reservation_id)
+        return pb.Empty()
+
+    def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.CodesReply:
+        keys, _ = self._keys(request.keys, context)
+        return pb.CodesReply(codes=self.local.remove(keys, request.kind))
+
+    def _enqueue(self, entries: list[LocalEntry], copies: list[bytes] | None = None) -> None:
+        size = sum(e.size for e in entries)
+        if copies is None and self.pending_bytes + size > self.max_pending:
+            # Shed rather than stall the engine: the blocks stay local, the pool misses them.
+            self.counters["pool_writes_shed"] += len(entries)
+            return
+        if copies is None:
+            lease = self.local.lease(entries, 600_000)
+            entries = list(entries)
+            self._pins[id(entries)] = lease.lease_id
+            self.pending.put((entries, None))
+        else:
+            self.pending.put((entries, copies))
+        with self._lock:
+            self.pending_bytes += size
+
+    def _on_evict(self, evicted: list[tuple[LocalEntry, bytes]]) -> None:
+        if self.pool.enabled:
+            self._enqueue([e for e, _ in evicted], [b for _, b in evicted])
+
+    def _push_loop(self) -> None:
+        while True:
+            item = self.pending.get()
+            if item is None:
+                return
+            entries, copies = item
+            try:
+                self._push(entries, copies)
+            except Exception:
+                log.exception("pool write failed")
+            finally:
+                with self._lock:
+                    self.pending_bytes -= sum(e.size for e in entries)
+                lid = self._pins.pop(id(entries), None)
+                if lid:
+                    self.local.release([lid])
+
+    def _push(self, entries: list[LocalEntry], copies: list[bytes] | None) -> tuple[int, int]:
+        """Write a batch to the owners (never what the pool is known to hold); ok / failed counts."""
+        todo = [i for i, e in enumerate(entries) if not e.pooled]
+        if not todo:
+            return 0, 0
+        ok = failed = 0
+        for kind in (pb.BLOCK, pb.STATE):
+            sel = [i for i in todo if entries[i].kind == kind]
+            if not sel:
+                continue
+            views = [memoryview(copies[i]) if copies is not None else self.local.view(entries[i]) for i in sel]
+            codes = self.pool.put([entries[i].key for i in sel], views, [entries[i].checksum for i in sel],
+                                  entries[sel[0]].traffic_class or "chatbot", kind)
+            for i, c in zip(sel, codes, strict=True):
+                if c in (pb.OK, pb.ALREADY_EXISTS):
+                    entries[i].pooled = True
+                    entries[i].dirty = False
+                    ok += 1
+                else:
+                    failed += 1
+                    self.counters[f"pool_write_{pb.Code.Name(c).lower()}"] += 1
+        self.counters["pool_writes"] += ok
+        metrics.POOL_BYTES_OUT.labels(self.cfg.tenant_id).inc(sum(entries[i].size for i in todo))
+        return ok, failed
+
+    def Flush(self, request: spb.FlushRequest, context: grpc.ServicerContext) -> spb.FlushReply:
+        flushed, nbytes, dropped = self.flush(request.timeout_ms / 1000.0 if request.timeout_ms else 10.0)
+        return spb.FlushReply(flushed_objects=flushed, flushed_bytes=nbytes, dropped_objects=dropped)
+
+    def flush(self, seconds: float) -> tuple[int, int, int]:
+        """Push every local-only object to the pool within ``seconds``, hottest first."""
+        deadline = time.time() + seconds
+        items = self.local.local_only()
+        flushed = nbytes = dropped = 0
+        if not self.pool.enabled:
+            return 0, 0, len(items)
+        for start in range(0, len(items), 16):
+            batch = items[start:start + 16]
+            if time.time() >= deadline:
+                dropped += sum(len(items[s:s + 16]) for s in range(start, len(items), 16))
+                break
+            lease = self.local.lease(batch, 60_000)
+            try:
+                ok, failed = self._push(batch, None)
+            finally:
+                self.local.release([lease.lease_id])
+            flushed += ok
+            dropped += failed
+            nbytes += sum(e.size for e in batch if e.pooled)
+        # Drain the write-through backlog as well, within the same deadline.
+        while self.pending_bytes > 0 and time.time() < deadline:
+            time.sleep(0.01)
+        return flushed, nbytes, dropped
+
+    def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.SidecarStats:
+        return spb.SidecarStats(counters=dict(self.counters), local_capacity_bytes=self.local.capacity,
+                                local_used_bytes=self.local.used, local_objects=len(self.local.lru),
+                                ring_epoch=self.pool.ring.epoch, pool_nodes_up=self.pool.nodes_up(),
+                                pending_pool_bytes=max(self.pending_bytes, 0))
+
+    def close(self) -> None:
+        self._stop.set()
+        self.pending.put(None)
+        self._pusher.join(timeout=5)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+        self.local.close()
+
+
+def load_credentials(path: str) -> tuple[str, str]:
+    """(tenant id, token) from a mounted credentials file: JSON {tenantId, token[, salt]}."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return str(doc["tenantId"]), str(doc["token"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"kvpool sidecar: cannot read credentials {path}: {exc}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvpool sidecar", description="Serve an engine's kvpool client")
+    ap.add_argument("--socket", required=True, help="unix socket path (the arena is created beside it)")
+    ap.add_argument("--pool", default="", help="comma-separated store node addresses (empty: local tier only)")
+    ap.add_argument("--local", type=parse_bytes, default=256 << 20, help="local tier payload capacity")
+    ap.add_argument("--tenant", default=None)
+    ap.add_argument("--credentials", default=os.environ.get("KVPOOL_CREDENTIALS"))
+    ap.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--write-back", action="store_true")
+    ap.add_argument("--drain-seconds", type=float, default=20.0)
+    ap.add_argument("--metrics-port", type=int, default=0)
+    ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> SidecarConfig:
+    tenant, token = "default", ""
+    if args.credentials:
+        tenant, token = load_credentials(args.credentials)
+    if args.tenant:
+        tenant = args.tenant
+    if args.token:
+        token = args.token
+    return SidecarConfig(socket=args.socket, pool=[a.strip() for a in args.pool.split(",") if a.strip()],
+                         local_bytes=args.local, tenant_id=tenant, token=token, write_back=args.write_back,
+                         drain_seconds=args.drain_seconds, metrics_port=args.metrics_port)
+
+
+def serve(cfg: SidecarConfig) -> int:
+    if os.path.exists(cfg.socket):
+        os.unlink(cfg.socket)  # a stale socket of a previous life
+    sidecar = Sidecar(cfg)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rpc"),
+                         options=[("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.max_send_message_length", 64 << 20)])
+    spbg.add_SidecarServicer_to_server(sidecar, server)
+    if server.add_insecure_port(f"unix://{cfg.socket}") == 0:
+        raise SystemExit(f"kvpool sidecar: cannot listen on {cfg.socket}")
+    server.start()
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port, sidecar)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"READY unix://{cfg.socket} arena={sidecar.local.arena.path} tenant={cfg.tenant_id} "
+          f"pool={len(sidecar.pool.nodes)}", flush=True)
+    stop.wait()
+    server.stop(grace=0.5).wait()  # stop accepting; in-flight calls finish
+    t0 = time.time()
+    flushed, nbytes, dropped = sidecar.flush(cfg.drain_seconds)
+    log.info("sidecar stopping: flushed %d local-only objects (%d bytes) in %.2fs, dropped %d",
+             flushed, nbytes, time.time() - t0, dropped)
+    print(f"FLUSHED objects={flushed} bytes={nbytes} dropped={dropped}", flush=True)
+    sidecar.close()
+    try:
+        os.unlink(cfg.socket)
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return serve(config_from_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
