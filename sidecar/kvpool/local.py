@@ -137,7 +137,7 @@ class LocalCluster:
         self.workdir = self._tmp.name
         try:
             self._write_tenants()
-            for i in range(self.n_stores):
+            for _ in range(self.n_stores):
                 self.add_store(publish=False)
             if self.n_stores:
                 self.publish_ring()
