@@ -102,6 +102,16 @@ class Plan:
         return cls(**kw)
 
 
+def pool_bytes(plan: Plan) -> int:
+    """Capacity given to every store under test (Mooncake's segment, kvpool's DRAM tier): room
+    for every cell's get set (kept to the end: a read object may be leased), one put batch in
+    flight and the exists keys, doubled to stay far below any eviction watermark. Put reps
+    remove their keys (untimed) before the next rep, so this suffices."""
+    kept = sum(v * b for v, b in plan.cells()) + plan.max_batch_bytes + EXISTS_KEYS * 4096
+    need = 2 * kept + 64 * MiB
+    return max(512 * MiB, -(-need // (256 * MiB)) * 256 * MiB)
+
+
 # --------------------------------------------------------------------------------------------
 # rows and statistics
 

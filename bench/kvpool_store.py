@@ -1,8 +1,13 @@
-"""kvpool's store node, measured the way the peers are: one node started with
+"""kvpool's store node, measured the way Mooncake is: one node started with
 `python -m kvpool store --listen 127.0.0.1:PORT --dram BYTES` (ready when it prints
 `READY <address>`), the benchmark process as its client (`kvpool.store_client.StoreClient`):
 put (fresh keys every repetition: a repeated put of a committed key is a no-op), get_into
 preallocated buffers, exists of 8192 present keys.
+
+Same treatment as Mooncake: the same capacity (common.pool_bytes), the DRAM tier filled to
+85 % once and emptied before measuring (pages touched), and each put rep's keys removed
+(untimed) before the next. Without a `remove` in the client the node gets room for every put
+instead and the pre-touch is skipped (the row note says so).
 
 If `kvpool.store_client` cannot be imported yet, the rows say "not available yet".
 """
@@ -17,7 +22,7 @@ import numpy as np
 
 from bench.common import (
     EXISTS_KEYS, GiB, MiB, Context, Row, ensure_kvpool_importable, free_port, keys32, pattern,
-    python_env, row_from_times, size_label, touched, unavailable)
+    pool_bytes, python_env, row_from_times, size_label, touched, unavailable)
 
 SYSTEM = "kvpool_store"
 
@@ -54,9 +59,11 @@ def import_client() -> Any:
     return mod
 
 
-def dram_bytes(ctx: Context) -> int:
-    """Every put rep uses fresh keys and nothing is removed: room for all of them, the exists
-    keys, and headroom, so no eviction happens while measuring."""
+def dram_bytes(ctx: Context, can_remove: bool) -> int:
+    """With remove: the peers' capacity. Without: room for every put rep (fresh keys, none
+    removed), the exists keys and headroom, so no eviction happens while measuring."""
+    if can_remove:
+        return pool_bytes(ctx.plan)
     need = ctx.plan.total_put_bytes() + EXISTS_KEYS * 4096
     return int(min(12 * GiB, max(512 * MiB, need * 1.25 + 256 * MiB)))
 
@@ -70,7 +77,8 @@ def measure(ctx: Context) -> list[Row]:
     try:
         with ctx.procs.scope() as procs:
             port = free_port()
-            dram = dram_bytes(ctx)
+            can_remove = hasattr(mod.StoreClient, "remove")
+            dram = dram_bytes(ctx, can_remove)
             node = procs.start(
                 "kvpool-store",
                 [sys.executable, "-m", "kvpool", "store", "--listen", f"127.0.0.1:{port}",
@@ -81,19 +89,37 @@ def measure(ctx: Context) -> list[Row]:
             address = words[1] if len(words) > 1 else f"127.0.0.1:{port}"
             client = mod.StoreClient(address)
             try:
-                return _measure(ctx, client, dram)
+                return _measure(ctx, client, dram, can_remove)
             finally:
                 client.close()
     except Exception as e:
         return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
 
 
-def _measure(ctx: Context, client: Any, dram: int) -> list[Row]:
+def _pretouch(ctx: Context, client: Any, dram: int, src: np.ndarray) -> None:
+    """Fill 85 % of the DRAM tier with 1 MiB objects once, then remove them (as for Mooncake)."""
+    v, nb = MiB, min(16, src.nbytes // MiB)
+    vals = [memoryview(src[j * v:(j + 1) * v]) for j in range(nb)]
+    t0 = time.perf_counter()
+    written: list[bytes] = []
+    for i in range(int(dram * 0.85) // (v * nb)):
+        keys = keys32(f"kvpool-fill-{i}", nb)
+        client.put(keys, vals)
+        written += keys
+    for i in range(0, len(written), 512):
+        client.remove(written[i:i + 512])
+    ctx.log(f"[kvpool_store] DRAM tier pre-touched ({dram // MiB} MiB) in "
+            f"{time.perf_counter() - t0:.1f}s")
+
+
+def _measure(ctx: Context, client: Any, dram: int, can_remove: bool) -> list[Row]:
     plan = ctx.plan
     rows: list[Row] = []
     src = touched(plan.max_batch_bytes, 1)
     dst = touched(plan.max_batch_bytes, 0)
-    note_dram = f"--dram {dram // MiB} MiB"
+    if can_remove:
+        _pretouch(ctx, client, dram, src)
+    note_dram = f"--dram {dram // MiB} MiB" + ("" if can_remove else ", no remove: no pre-touch")
     for v, nb in plan.cells():
         reps = plan.reps(v, nb)
         pattern(src[:v * nb], nb + v // MiB)
@@ -111,6 +137,8 @@ def _measure(ctx: Context, client: Any, dram: int) -> list[Row]:
             failures += bad_items(st)
             if i >= plan.warmup:
                 times.append(dt)
+            if can_remove and i != total - 1:
+                client.remove(keys)  # untimed: keep the tier from filling up
         rows.append(row_from_times(SYSTEM, "put", v, nb, times,
                                    note=note_dram + (f"; {failures} item failures"
                                                      if failures else "")))

@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix=f"kvpool-bench-{args.suite}-"))
     procs = Procs(work_dir)
     ctx = Context(plan=plan, procs=procs, work_dir=work_dir, suite=args.suite)
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too: a runner started in the background of a script inherits SIGINT ignored.
+    old = {s: signal.signal(s, _raise_interrupt)
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     rows: list[Row] = []
     interrupted = False
     started = time.monotonic()

@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    EXISTS_KEYS, MiB, Context, Plan, Row, free_port, keys32, pattern, python_env,
+    EXISTS_KEYS, MiB, Context, Plan, Row, free_port, keys32, pattern, pool_bytes, python_env,
     row_from_times, size_label, touched, unavailable)
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
@@ -67,14 +67,6 @@ def package_version() -> str:
         return "not installed"
 
 
-def segment_bytes(plan: Plan) -> int:
-    """Room for every cell's get set (kept: a read object is leased), one put batch in flight
-    and the exists keys, doubled to stay far below the master's 90 % eviction watermark."""
-    kept = sum(v * b for v, b in plan.cells()) + plan.max_batch_bytes + EXISTS_KEYS * 4096
-    need = 2 * kept + 64 * MiB
-    return max(512 * MiB, -(-need // (256 * MiB)) * 256 * MiB)
-
-
 # --------------------------------------------------------------------------------------------
 # runner side
 
@@ -91,7 +83,7 @@ def measure(ctx: Context, modes: tuple[str, ...]) -> list[Row]:
 
 def _measure_mode(ctx: Context, mode: str) -> list[Row]:
     plan = ctx.plan
-    seg = segment_bytes(plan)
+    seg = pool_bytes(plan)
     env = dict(ENV)
     with ctx.procs.scope() as procs:
         rpc, http, metrics = free_port(), free_port(), free_port()
