@@ -68,6 +68,7 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._peers: dict[str, TcpPeer] = {}
         self._shm = SharedMemoryTransport()
+        self._rdma: dict[str, rdma.RdmaPeer] = {}
         self._closed = False
 
     # -- same-host shared memory -------------------------------------------------------------
@@ -89,6 +90,23 @@ class TransferEngine:
     def rdma_available(self) -> bool:
         return bool(rdma.rdma_devices())
 
+    def attach_rdma(self, peer: str, queue_pair: rdma.RdmaQueuePair, keys: list[rdma.RdmaSegmentKey]) -> None:
+        """Route requests for ``keys``' segments of ``peer`` over a connected RDMA queue pair.
+
+        Raises :class:`~kvpool.transfer.rdma.RdmaUnavailable` on a host without devices, so
+        RDMA is only ever chosen where it exists. Local buffers of RDMA requests must lie in a
+        region registered with the queue pair's :class:`~kvpool.transfer.rdma.RdmaContext`.
+        """
+        devices, reason = rdma.rdma_status()
+        if not devices:
+            raise rdma.RdmaUnavailable(f"no RDMA devices: {reason}")
+        new = rdma.RdmaPeer(queue_pair, keys, self.settings.stall_timeout)
+        with self._lock:
+            old = self._rdma.get(peer)
+            self._rdma[peer] = new
+        if old is not None:
+            old.close()
+
     # -- batches ---------------------------------------------------------------------------
 
     def submit(self, peer: str, requests: Sequence[TransferRequest]) -> BatchHandle:
@@ -101,10 +119,15 @@ class TransferEngine:
             raise RuntimeError("transfer engine is closed")
         handle = BatchHandle(len(requests))
         tcp_indexes: list[int] = []
+        rdma_items: list[tuple[int, TransferRequest]] = []
+        rdma_peer = self._rdma.get(peer)
         for index, req in enumerate(requests):
             if req.length and self._shm.handles(peer, req.remote_segment):
                 handle._expect(index, 1)
                 handle._complete(index, self._shm.transfer(peer, req))
+            elif req.length and rdma_peer is not None and rdma_peer.handles(req.remote_segment):
+                handle._expect(index, 1)
+                rdma_items.append((index, req))
             else:
                 tcp_indexes.append(index)
         slices: list[Slice] = []
@@ -137,6 +160,9 @@ class TransferEngine:
                 )
                 handle._expect(index, 1)
         handle._seal()
+        if rdma_items:
+            assert rdma_peer is not None
+            rdma_peer.submit(handle, rdma_items)
         if slices:
             self._peer(peer).enqueue(slices)
         return handle
@@ -165,8 +191,11 @@ class TransferEngine:
         with self._lock:
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
+            rdma_peers, self._rdma = list(self._rdma.values()), {}
         for peer in peers:
             peer.close()
+        for rdma_peer in rdma_peers:
+            rdma_peer.close()
         self._shm.close()
 
     def __enter__(self) -> TransferEngine:
@@ -174,4 +203,3 @@ class TransferEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

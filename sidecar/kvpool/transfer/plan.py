@@ -71,9 +71,7 @@ def slice_size(total_bytes: int, connections: int, slice_bytes: int, min_slice: 
     return max(PAGE, -(-size // PAGE) * PAGE)
 
 
-def plan_slices(
-    lengths: list[int], connections: int, slice_bytes: int, min_slice: int = 64 * 1024
-) -> list[SlicePlan]:
+def plan_slices(lengths: list[int], connections: int, slice_bytes: int, min_slice: int = 64 * 1024) -> list[SlicePlan]:
     """Cut requests of the given lengths into pieces (zero-length requests get none).
 
     Pieces of one request are equal-sized multiples of a page (the last takes the remainder),

@@ -63,9 +63,7 @@ class ResponseHeader:
     payload_len: int
 
 
-def encode_request(
-    op: int, request_id: int, segment: bytes, offset: int, length: int, token: int
-) -> bytes:
+def encode_request(op: int, request_id: int, segment: bytes, offset: int, length: int, token: int) -> bytes:
     """Pack a request header; ``segment`` is the already validated UTF-8 name."""
     return REQUEST.pack(REQUEST_MAGIC, VERSION, op, len(segment), request_id, offset, length, token, segment)
 

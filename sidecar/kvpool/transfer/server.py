@@ -137,8 +137,9 @@ class TransferServer:
                     )
                     self._connections[sock] = thread
             if too_many:
-                log.warning("transfer server %s: refusing %s, %d connections open",
-                            self.address, peer, self._max_connections)
+                log.warning(
+                    "transfer server %s: refusing %s, %d connections open", self.address, peer, self._max_connections
+                )
                 sock.close()
                 continue
             thread.start()

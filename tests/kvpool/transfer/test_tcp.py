@@ -44,7 +44,11 @@ def test_small_batch_is_spread_over_connections(make_remote, rand, guard_factory
     seg = remote.segment("arena", 1 << 20, guard)
     data = _fill(seg, rand)
     buf = bytearray(1 << 20)
-    assert remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)]).wait(10)[0].ok
+    assert (
+        remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)])
+        .wait(10)[0]
+        .ok
+    )
     assert bytes(buf) == data.tobytes()
     assert len(guard.acquired) == 2  # one 1 MiB request → two 512 KiB slices, one per connection
 
@@ -89,12 +93,17 @@ def test_every_connection_cut_gives_connection_error(make_remote, proxy, rand) -
     assert all(s.code is TransferCode.CONNECTION for s in statuses)
     # the engine recovers once the path is healthy again
     buf = bytearray(4096)
-    assert remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 4096)]).wait(10)[0].ok
+    assert (
+        remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 4096)])
+        .wait(10)[0]
+        .ok
+    )
 
 
 def test_peer_refusing_connections(rand) -> None:  # type: ignore[no-untyped-def]
     sock = socket.create_server(("127.0.0.1", 0))
-    address = "%s:%d" % sock.getsockname()[:2]
+    host, port = sock.getsockname()[:2]
+    address = f"{host}:{port}"
     sock.close()  # nothing listens there any more
     with TransferEngine() as engine:
         buf = bytearray(16)
@@ -131,7 +140,8 @@ def _close_silent(listener: socket.socket, accepted: list[socket.socket], thread
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_stall_timeout(op: str) -> None:
     listener, accepted, thread = _silent_server()
-    address = "%s:%d" % listener.getsockname()[:2]
+    host, port = listener.getsockname()[:2]
+    address = f"{host}:{port}"
     try:
         with TransferEngine(stall_timeout=0.5, slice_bytes=1 << 20) as engine:
             # writes of 64 MiB fill the socket buffers, so the stall hits inside sendall too
@@ -148,7 +158,8 @@ def test_stall_timeout(op: str) -> None:
 
 def test_close_fails_outstanding_batches() -> None:
     listener, accepted, thread = _silent_server()
-    address = "%s:%d" % listener.getsockname()[:2]
+    host, port = listener.getsockname()[:2]
+    address = f"{host}:{port}"
     try:
         engine = TransferEngine(stall_timeout=30)
         buf = bytearray(4096)
@@ -189,8 +200,15 @@ def _expect_closed(sock: socket.socket) -> None:
         pass
 
 
-def _header(op: int = 1, name: bytes = b"arena", offset: int = 0, length: int = 16, version: int = VERSION,
-            magic: bytes = REQUEST_MAGIC, name_len: int | None = None) -> bytes:
+def _header(
+    op: int = 1,
+    name: bytes = b"arena",
+    offset: int = 0,
+    length: int = 16,
+    version: int = VERSION,
+    magic: bytes = REQUEST_MAGIC,
+    name_len: int | None = None,
+) -> bytes:
     return REQUEST.pack(magic, version, op, len(name) if name_len is None else name_len, 1, offset, length, 0, name)
 
 
@@ -260,7 +278,11 @@ def test_slow_partial_header_does_not_block_others(make_remote, rand) -> None:  
     with _raw(remote.address) as sock:
         sock.sendall(_header()[:20])  # and then nothing
         buf = bytearray(4096)
-        assert remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 4096)]).wait(10)[0].ok
+        assert (
+            remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 4096)])
+            .wait(10)[0]
+            .ok
+        )
         assert bytes(buf) == data.tobytes()
 
 
@@ -274,7 +296,9 @@ def test_concurrent_submitters(make_remote, rand) -> None:  # type: ignore[no-un
         base = t * 8 * item
         for r in range(rounds):
             chunks = [rand(item, t * 1000 + r * 10 + i) for i in range(8)]
-            writes = [TransferRequest("write", memoryview(c), "arena", base + i * item, item) for i, c in enumerate(chunks)]
+            writes = [
+                TransferRequest("write", memoryview(c), "arena", base + i * item, item) for i, c in enumerate(chunks)
+            ]
             if not all(s.ok for s in remote.engine.submit(remote.address, writes).wait(30)):
                 errors.append(f"write {t}/{r}")
                 return

@@ -1,0 +1,125 @@
+"""RDMA transport: pure parts everywhere, the device path only where a device exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.transfer import TransferCode, TransferEngine, rdma_devices, rdma_status
+from kvpool.transfer.rdma import (
+    RdmaEndpoint,
+    RdmaSegmentKey,
+    RdmaUnavailable,
+    plan_work_requests,
+    waves,
+)
+
+
+def test_status_is_consistent_with_devices() -> None:
+    devices, reason = rdma_status()
+    assert devices == rdma_devices()
+    assert bool(devices) != bool(reason)  # a reason exactly when there is nothing
+
+
+def test_segment_key_round_trip() -> None:
+    key = RdmaSegmentKey("arena-0", 0x7F00_1234_5000, 1 << 34, 0xDEADBEEF)
+    data = key.encode()
+    assert RdmaSegmentKey.decode(data) == key
+    assert len(data) == len(RdmaSegmentKey("x", 0, 0, 0).encode())  # fixed size
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [lambda b: b[:-1], lambda b: bytes([9]) + b[1:], lambda b: b[:2] + bytes([0, 0]) + b[4:], lambda b: b + b"x"],
+)
+def test_segment_key_rejects_malformed(mutate) -> None:  # type: ignore[no-untyped-def]
+    data = RdmaSegmentKey("arena", 4096, 8192, 7).encode()
+    with pytest.raises(ValueError):
+        RdmaSegmentKey.decode(mutate(data))
+
+
+def test_segment_key_validates_fields() -> None:
+    with pytest.raises(ValueError):
+        RdmaSegmentKey("arena", 0, 0, 1 << 32)
+    with pytest.raises(ValueError):
+        RdmaSegmentKey("", 0, 0, 0)
+
+
+def test_endpoint_round_trip_and_validation() -> None:
+    ep = RdmaEndpoint(qp_num=0x12345, psn=0xABCDE, lid=3, gid=bytes(range(16)), port=1, mtu=3)
+    assert RdmaEndpoint.decode(ep.encode()) == ep
+    with pytest.raises(ValueError):
+        RdmaEndpoint(qp_num=1 << 24, psn=0, lid=0, gid=bytes(16))
+    with pytest.raises(ValueError):
+        RdmaEndpoint(qp_num=1, psn=0, lid=0, gid=bytes(15))
+    with pytest.raises(ValueError):
+        RdmaEndpoint.decode(ep.encode()[:-2])
+
+
+def test_plan_work_requests_slices_and_checks_bounds() -> None:
+    key = RdmaSegmentKey("arena", addr=1_000_000, length=10_000, rkey=42)
+    requests = [
+        (True, 500, 0, 2500),  # sliced into 1000 + 1000 + 500
+        (False, 9000, 9000, 1000),  # exactly the tail
+        (True, 0, 9500, 1000),  # runs past the end
+        (True, 0, 20_000, 1),  # starts past the end
+        (False, 0, 100, 0),  # empty: nothing to post
+    ]
+    plans, errors = plan_work_requests(requests, key, max_message_bytes=1000, first_wr_id=10)
+    assert set(errors) == {2, 3}
+    assert all(e.code is TransferCode.OUT_OF_BOUNDS for e in errors.values())
+    assert [(p.wr_id, p.index, p.local_addr, p.remote_addr, p.length) for p in plans] == [
+        (10, 0, 500, 1_000_000, 1000),
+        (11, 0, 1500, 1_001_000, 1000),
+        (12, 0, 2500, 1_002_000, 500),
+        (13, 1, 9000, 1_009_000, 1000),
+    ]
+    assert [p.is_read for p in plans] == [True, True, True, False]
+    assert {p.rkey for p in plans} == {42}
+
+
+def test_waves_respect_queue_depth() -> None:
+    key = RdmaSegmentKey("arena", 0, 1 << 20, 1)
+    plans, _ = plan_work_requests([(True, 0, i * 4096, 4096) for i in range(10)], key)
+    grouped = waves(plans, 4)
+    assert [len(w) for w in grouped] == [4, 4, 2]
+    assert [p for w in grouped for p in w] == plans
+    with pytest.raises(ValueError):
+        waves(plans, 0)
+
+
+def test_engine_refuses_rdma_without_devices() -> None:
+    devices, reason = rdma_status()
+    if devices:
+        pytest.skip("this host has RDMA devices")
+    with TransferEngine() as engine:
+        assert not engine.rdma_available
+        with pytest.raises(RdmaUnavailable, match="no RDMA devices"):
+            engine.attach_rdma("127.0.0.1:1", None, [])  # type: ignore[arg-type]
+
+
+def test_rdma_loopback_read_write() -> None:
+    devices, reason = rdma_status()
+    if not devices:
+        pytest.skip(f"no RDMA devices: {reason}")
+    import mmap
+
+    from kvpool.transfer import TransferRequest
+    from kvpool.transfer.rdma import RdmaContext
+
+    ctx = RdmaContext(devices[0])
+    try:
+        remote = memoryview(mmap.mmap(-1, 1 << 20))
+        local = memoryview(mmap.mmap(-1, 1 << 20))
+        remote[:] = bytes(range(256)) * 4096
+        key = ctx.register("arena", remote)
+        ctx.register("local", local)
+        a, b = ctx.create_queue_pair(), ctx.create_queue_pair()
+        a.connect(b.endpoint)
+        b.connect(a.endpoint)
+        with TransferEngine() as engine:
+            engine.attach_rdma("peer:1", a, [key])
+            statuses = engine.submit("peer:1", [TransferRequest("read", local, "arena", 0, 1 << 20)]).wait(10)
+            assert statuses[0].ok and bytes(local) == bytes(remote)
+        b.close()
+    finally:
+        ctx.close()
