@@ -173,7 +173,8 @@ def _go_directive(gomod: str) -> str:
     return m.group(1) if m else "1.24"
 
 
-def _atomic_build(workdir: Path, pkgs: list[str], ldflags: str, outdir: Path, log: Path) -> None:
+def _atomic_build(workdir: Path, pkgs: list[str], ldflags: str, outdir: Path, log: Path,
+                  rename: dict[str, str] | None = None) -> None:
     """One ``go build`` for all packages into a temp dir, then rename: a half-built set never
     looks finished to the next run."""
     tmp = outdir.with_name(outdir.name + ".tmp")
@@ -183,6 +184,9 @@ def _atomic_build(workdir: Path, pkgs: list[str], ldflags: str, outdir: Path, lo
     # -p 2: the machines have two cores; more parallel compiles only add memory pressure.
     _run([GO, "build", "-p", "2", "-trimpath", "-ldflags", ldflags, "-o", str(tmp) + "/", *pkgs],
          cwd=workdir, log=log)
+    for old, new in (rename or {}).items():
+        if (tmp / old).exists():
+            (tmp / old).rename(tmp / new)
     shutil.rmtree(outdir, ignore_errors=True)
     tmp.rename(outdir)
 
@@ -238,11 +242,8 @@ def build_etcd(version: str = ETCD_VERSION) -> Path:
     pkg = "go.etcd.io/etcd/server/v3"
     body = f"require {pkg} {version}\n\n" + "\n".join(replaces) + "\n\n" + _tool_block([pkg])
     _write_module(workdir, "kvpool.local/etcdbuild", _go_directive(gomod), body)
-    _atomic_build(workdir, [pkg], "-s -w", outdir, cache / "build.log")
-    # The main package directory is named v3, so go build names the binary after it.
-    built = outdir / "v3"
-    if built.exists():
-        built.rename(outdir / "etcd")
+    _atomic_build(workdir, [pkg], "-s -w", outdir, cache / "build.log",
+                  rename={"server": "etcd", "v3": "etcd"})
     return outdir
 
 

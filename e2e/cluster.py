@@ -292,7 +292,8 @@ class Cluster:
         """A ``kubernetes.client.ApiClient`` for the admin kubeconfig."""
         from kubernetes import config  # imported late: build/CLI paths need no client
 
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        return config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=str(self.kubeconfig))
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 60) -> subprocess.CompletedProcess[str]:

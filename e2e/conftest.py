@@ -62,7 +62,7 @@ def namespace(api: Any) -> Iterator[str]:
     from kubernetes import client
 
     name = f"e2e-{uuid.uuid4().hex[:8]}"
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     core.create_namespace({"metadata": {"name": name, "labels": {"kvpool-e2e/test": name}}})
     # Pods are refused until the serviceaccount controller has made `default` here.
     from e2e.testutil import wait_for
@@ -75,7 +75,7 @@ def namespace(api: Any) -> Iterator[str]:
 
 
 def _has_default_sa(core: Any, ns: str) -> bool:
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     try:
         core.read_namespaced_service_account("default", ns)

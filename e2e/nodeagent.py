@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config, watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger("nodeagent")
 
@@ -500,7 +500,7 @@ class PodWorker(threading.Thread):
 
     def _pod_with_ip(self) -> dict[str, Any]:
         with self.lock:
-            pod = json.loads(json.dumps(self.pod))
+            pod: dict[str, Any] = json.loads(json.dumps(self.pod))
         pod.setdefault("status", {})["podIP"] = self.ip
         pod["status"]["hostIP"] = "127.0.0.1"
         return pod
@@ -896,8 +896,9 @@ class Agent:
     def __init__(self, api: client.ApiClient, node_name: str, state_dir: Path, ip_prefix: str,
                  apiserver_port: int, ca_file: Path, run_id: str) -> None:
         self.api = api
-        self.core = client.CoreV1Api(api)
-        self.coord = client.CoordinationV1Api(api)
+        # Any: the agent passes plain dict manifests, which the client's annotations omit.
+        self.core: Any = client.CoreV1Api(api)
+        self.coord: Any = client.CoordinationV1Api(api)
         self.node_name = node_name
         self.state_dir = state_dir
         self.shm_root = Path("/dev/shm") / f"kvpool-e2e-{run_id}"
@@ -1080,7 +1081,7 @@ class Agent:
                 for pod in listing["items"]:
                     self.dispatch(pod)
                 rv = listing["metadata"]["resourceVersion"]
-                w = watch.Watch()
+                w: Any = watch.Watch()  # type: ignore[no-untyped-call]
                 for event in w.stream(self.core.list_pod_for_all_namespaces, resource_version=rv,
                                       timeout_seconds=120, allow_watch_bookmarks=False):
                     if self.stop_event.is_set():
@@ -1122,7 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         log.error("the node agent needs root (mount namespaces for pod volumes)")
         return 2
-    api = config.new_client_from_config(config_file=args.kubeconfig)
+    api = config.new_client_from_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
     state = Path(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)
     agent = Agent(api, args.node_name, state, args.pod_ip_prefix, args.apiserver_port,

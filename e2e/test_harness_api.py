@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster import Cluster
-from e2e.testutil import get_pod, wait_for
+from e2e.testutil import finished, wait_for, wait_pod
 
 pytestmark = pytest.mark.cluster
 
@@ -52,7 +52,7 @@ def test_crd_apply_use_and_delete(cluster: Cluster, api: client.ApiClient,
     cluster.kubectl("apply", "-f", "-", input=CRD)
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
                     "crd/widgets.e2e.kvpool.io")
-    objs = client.CustomObjectsApi(api)
+    objs: Any = client.CustomObjectsApi(api)
 
     def create(size: int) -> Any:
         return objs.create_namespaced_custom_object(
@@ -69,7 +69,7 @@ def test_crd_apply_use_and_delete(cluster: Cluster, api: client.ApiClient,
     assert [i["spec"]["size"] for i in got["items"]] == [3]
 
     cluster.kubectl("delete", "crd", "widgets.e2e.kvpool.io", "--wait=true", timeout=90)
-    ext = client.ApiextensionsV1Api(api)
+    ext: Any = client.ApiextensionsV1Api(api)
     with pytest.raises(ApiException) as gone:
         ext.read_custom_resource_definition("widgets.e2e.kvpool.io")
     assert gone.value.status == 404
@@ -144,7 +144,7 @@ def test_mutating_webhook_mutates_a_running_pod(cluster: Cluster, api: client.Ap
                                                 namespace: str, webhook_server: int,
                                                 tmp_path: Path) -> None:
     assert cluster.pki is not None
-    adm = client.AdmissionregistrationV1Api(api)
+    adm: Any = client.AdmissionregistrationV1Api(api)
     name = f"mutate-{namespace}"
     adm.create_mutating_webhook_configuration({
         "metadata": {"name": name},
@@ -163,7 +163,7 @@ def test_mutating_webhook_mutates_a_running_pod(cluster: Cluster, api: client.Ap
             "timeoutSeconds": 5,
         }],
     })
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     tmp_path.chmod(0o777)
     pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain"},
@@ -186,9 +186,7 @@ def test_mutating_webhook_mutates_a_running_pod(cluster: Cluster, api: client.Ap
         created = core.create_namespaced_pod(namespace, pod)
         assert created.metadata.labels["kvpool-e2e/mutated"] == "yes"
         assert "plain" in _Mutator.seen
-        done = wait_for(lambda: (p := get_pod(api, namespace, "plain"))
-                        and p["status"].get("phase") in ("Succeeded", "Failed") and p,
-                        60, "mutated pod finished")
+        done = wait_pod(api, namespace, "plain", finished, 60, "mutated pod finished")
         assert done["status"]["phase"] == "Succeeded"
         # The process saw the variable only the webhook added.
         assert (tmp_path / "env").read_text() == "from-webhook"

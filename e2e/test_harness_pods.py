@@ -18,7 +18,17 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import Cluster
-from e2e.testutil import get_pod, is_ready, list_pods, python_cmd, wait_for
+from e2e.testutil import (
+    apps,
+    core_api,
+    finished,
+    get_pod,
+    is_ready,
+    list_pods,
+    python_cmd,
+    wait_for,
+    wait_pod,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -91,7 +101,7 @@ def test_deployment_pod_emptydir_readiness_and_grace(cluster: Cluster, api: clie
             },
         },
     }
-    client.AppsV1Api(api).create_namespaced_deployment(namespace, deployment)
+    apps(api).create_namespaced_deployment(namespace, deployment)
 
     # The ReplicaSet controller (kube-controller-manager) creates the pod; the agent runs it.
     first = wait_for(lambda: list_pods(api, namespace, "app=writer"), 60, "the deployment's pod")[0]
@@ -118,7 +128,7 @@ def test_deployment_pod_emptydir_readiness_and_grace(cluster: Cluster, api: clie
     os.kill(pid, 0)  # the container process is alive
 
     t_delete = time.monotonic()
-    client.CoreV1Api(api).delete_namespaced_pod(name, namespace)
+    core_api(api).delete_namespaced_pod(name, namespace)
     wait_for(lambda: get_pod(api, namespace, name) is None, grace + 20, "pod object deleted")
     elapsed = time.monotonic() - t_delete
     events = [w for w, _ in read_events(tmp_path / f"{name}.log")]
@@ -204,7 +214,7 @@ def test_native_sidecar_starts_first_and_stops_last(cluster: Cluster, api: clien
             }],
         },
     }
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     core.create_namespaced_pod(namespace, pod)
     wait_for(lambda: is_ready(get_pod(api, namespace, "with-sidecar")), 60, "pod ready")
     live = get_pod(api, namespace, "with-sidecar")
@@ -234,7 +244,7 @@ ECHO_PROGRAM = """
 
 def test_pod_ip_is_reachable_by_tcp(cluster: Cluster, api: client.ApiClient,
                                     namespace: str) -> None:
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     for name in ("echo-a", "echo-b"):
         core.create_namespaced_pod(namespace, {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
@@ -246,8 +256,7 @@ def test_pod_ip_is_reachable_by_tcp(cluster: Cluster, api: client.ApiClient,
         })
     ips = []
     for name in ("echo-a", "echo-b"):
-        pod = wait_for(lambda n=name: (p := get_pod(api, namespace, n)) and is_ready(p) and p,
-                       60, f"{name} ready")
+        pod = wait_pod(api, namespace, name, is_ready, 60, f"{name} ready")
         ip = pod["status"]["podIP"]
         assert ipaddress.ip_address(ip) in ipaddress.ip_network("127.0.0.0/8")
         assert ip != "127.0.0.1" and ip == pod["status"]["podIPs"][0]["ip"]
@@ -287,7 +296,7 @@ REPORT_PROGRAM = """
 
 def test_env_volumes_and_in_cluster_access(cluster: Cluster, api: client.ApiClient,
                                            namespace: str, tmp_path: Path) -> None:
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     core.create_namespaced_config_map(namespace, {
         "metadata": {"name": "settings"}, "data": {"greeting": "hello", "file.txt": "cm-file"}})
     core.create_namespaced_secret(namespace, {
@@ -325,8 +334,7 @@ def test_env_volumes_and_in_cluster_access(cluster: Cluster, api: client.ApiClie
             }],
         },
     })
-    pod = wait_for(lambda: (p := get_pod(api, namespace, "reporter"))
-                   and p["status"].get("phase") in ("Succeeded", "Failed") and p, 60, "pod done")
+    pod = wait_pod(api, namespace, "reporter", finished, 60, "pod done")
     assert pod["status"]["phase"] == "Succeeded", cluster.logs()
     term = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     assert term["exitCode"] == 0
@@ -345,7 +353,7 @@ def test_env_volumes_and_in_cluster_access(cluster: Cluster, api: client.ApiClie
 
 def test_init_container_and_liveness_restart(cluster: Cluster, api: client.ApiClient,
                                              namespace: str) -> None:
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     core.create_namespaced_pod(namespace, {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "restarts"},
         "spec": {

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: str,
 def get_pod(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
     """The pod as the API's JSON (camelCase) dict, or None once it is gone."""
     try:
-        resp = client.CoreV1Api(api).read_namespaced_pod(name, ns, _preload_content=False)
+        resp = core_api(api).read_namespaced_pod(name, ns, _preload_content=False)
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -42,7 +42,7 @@ def get_pod(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
 
 
 def list_pods(api: client.ApiClient, ns: str, selector: str = "") -> list[dict[str, Any]]:
-    resp = client.CoreV1Api(api).list_namespaced_pod(ns, label_selector=selector,
+    resp = core_api(api).list_namespaced_pod(ns, label_selector=selector,
                                                      _preload_content=False)
     return list(json.loads(resp.data)["items"])
 
@@ -59,3 +59,28 @@ def is_ready(pod: dict[str, Any] | None) -> bool:
 def python_cmd(source: str) -> list[str]:
     """A container command running ``source`` with this machine's interpreter."""
     return [PYTHON, "-u", "-c", textwrap.dedent(source)]
+
+
+def core_api(api: client.ApiClient) -> Any:
+    """CoreV1Api typed as Any: tests pass plain dict manifests, which the client accepts but
+    its annotations (model classes only) do not describe."""
+    return client.CoreV1Api(api)
+
+
+def apps(api: client.ApiClient) -> Any:
+    return client.AppsV1Api(api)
+
+
+def wait_pod(api: client.ApiClient, ns: str, name: str, pred: Callable[[dict[str, Any]], bool],
+             timeout: float, what: str) -> dict[str, Any]:
+    """Wait until the pod exists and ``pred`` holds for it; return the pod."""
+
+    def check() -> dict[str, Any] | None:
+        pod = get_pod(api, ns, name)
+        return pod if pod is not None and pred(pod) else None
+
+    return wait_for(check, timeout, what)
+
+
+def finished(pod: dict[str, Any]) -> bool:
+    return pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
