@@ -8,23 +8,26 @@ import threading
 import time
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from kvpool.transfer import TransferCode, TransferEngine, TransferRequest
 from kvpool.transfer.protocol import REQUEST, REQUEST_MAGIC, RESPONSE_SIZE, VERSION, decode_response
+from kvpool.transfer.segment import Op, Segment
+from kvpool.transfer.testing import MakeProxy, MakeRemote, RecordingGuard, random_bytes
 
 
-def _fill(seg, rand, seed: int = 1) -> np.ndarray:  # type: ignore[no-untyped-def]
-    data = rand(seg.size, seed)
+def _fill(seg: Segment, seed: int = 1) -> npt.NDArray[np.uint8]:
+    data = random_bytes(seg.size, seed)
     np.frombuffer(seg.view, np.uint8)[:] = data
-    return data  # type: ignore[no-any-return]
+    return data
 
 
-def test_large_request_is_sliced_across_connections(make_remote, rand, guard_factory) -> None:  # type: ignore[no-untyped-def]
+def test_large_request_is_sliced_across_connections(make_remote: MakeRemote) -> None:
     remote = make_remote("tcp", connections_per_peer=2, slice_bytes=256 * 1024)
-    guard = guard_factory()
+    guard = RecordingGuard()
     seg = remote.segment("arena", 8 << 20, guard)
-    data = _fill(seg, rand)
+    data = _fill(seg)
     buf = bytearray(8 << 20)
     req = TransferRequest("read", memoryview(buf), "arena", 0, 8 << 20, token=5)
     assert remote.engine.submit(remote.address, [req]).wait(30)[0].ok
@@ -38,11 +41,11 @@ def test_large_request_is_sliced_across_connections(make_remote, rand, guard_fac
     assert len({a[4] for a in guard.acquired}) == 2  # served by two server connection threads
 
 
-def test_small_batch_is_spread_over_connections(make_remote, rand, guard_factory) -> None:  # type: ignore[no-untyped-def]
+def test_small_batch_is_spread_over_connections(make_remote: MakeRemote) -> None:
     remote = make_remote("tcp", connections_per_peer=2)
-    guard = guard_factory()
+    guard = RecordingGuard()
     seg = remote.segment("arena", 1 << 20, guard)
-    data = _fill(seg, rand)
+    data = _fill(seg)
     buf = bytearray(1 << 20)
     assert (
         remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)])
@@ -55,18 +58,20 @@ def test_small_batch_is_spread_over_connections(make_remote, rand, guard_factory
 
 @pytest.mark.parametrize("op", ["read", "write"])
 @pytest.mark.parametrize("cut_at", [10, 100_000, 700_000])
-def test_connection_cut_mid_transfer_is_retried(make_remote, proxy, rand, op: str, cut_at: int) -> None:  # type: ignore[no-untyped-def]
+def test_connection_cut_mid_transfer_is_retried(
+    make_remote: MakeRemote, proxy: MakeProxy, op: str, cut_at: int
+) -> None:
     remote = make_remote("tcp", connections_per_peer=2, slice_bytes=256 * 1024)
     seg = remote.segment("arena", 4 << 20)
-    original = _fill(seg, rand)
+    original = _fill(seg)
     # the first connection dies after `cut_at` bytes towards the client; later ones are healthy
     p = proxy(remote.address, lambda i: cut_at if i == 0 else None)
-    new = rand(4 << 20, 99)
+    new = random_bytes(4 << 20, 99)
     bufs = [bytearray(1 << 20) for _ in range(4)]
     reqs = [
         TransferRequest("read", memoryview(b), "arena", i << 20, 1 << 20)
         if op == "read"
-        else TransferRequest("write", memoryview(new[i << 20 : (i + 1) << 20]), "arena", i << 20, 1 << 20)
+        else TransferRequest("write", new[i << 20 : (i + 1) << 20].data, "arena", i << 20, 1 << 20)
         for i, b in enumerate(bufs)
     ]
     statuses = remote.engine.submit(p.address, reqs).wait(30)
@@ -80,10 +85,10 @@ def test_connection_cut_mid_transfer_is_retried(make_remote, proxy, rand, op: st
     assert all(s.ok for s in statuses)  # one cut connection is absorbed by the retry
 
 
-def test_every_connection_cut_gives_connection_error(make_remote, proxy, rand) -> None:  # type: ignore[no-untyped-def]
+def test_every_connection_cut_gives_connection_error(make_remote: MakeRemote, proxy: MakeProxy) -> None:
     remote = make_remote("tcp", connections_per_peer=2)
     seg = remote.segment("arena", 1 << 20)
-    _fill(seg, rand)
+    _fill(seg)
     p = proxy(remote.address, lambda i: 1000)
     bufs = [bytearray(256 * 1024) for _ in range(4)]
     reqs = [TransferRequest("read", memoryview(b), "arena", i * 256 * 1024, 256 * 1024) for i, b in enumerate(bufs)]
@@ -100,7 +105,7 @@ def test_every_connection_cut_gives_connection_error(make_remote, proxy, rand) -
     )
 
 
-def test_peer_refusing_connections(rand) -> None:  # type: ignore[no-untyped-def]
+def test_peer_refusing_connections() -> None:
     sock = socket.create_server(("127.0.0.1", 0))
     host, port = sock.getsockname()[:2]
     address = f"{host}:{port}"
@@ -212,16 +217,16 @@ def _header(
     return REQUEST.pack(magic, version, op, len(name) if name_len is None else name_len, 1, offset, length, 0, name)
 
 
-def test_malformed_frames_do_not_hurt_the_server(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_frames_do_not_hurt_the_server(make_remote: MakeRemote) -> None:
     remote = make_remote("tcp")
     seg = remote.segment("arena", 1 << 20)
-    data = _fill(seg, rand)
+    data = _fill(seg)
     # a healthy engine connection that stays open through all of it
     buf = bytearray(4096)
     ok = TransferRequest("read", memoryview(buf), "arena", 0, 4096)
     assert remote.engine.submit(remote.address, [ok]).wait(10)[0].ok
 
-    garbage = rand(4096, 3).tobytes()
+    garbage = random_bytes(4096, 3).tobytes()
     for frame in (
         garbage,  # random bytes
         _header(magic=b"HTTP"),
@@ -271,10 +276,10 @@ def test_malformed_frames_do_not_hurt_the_server(make_remote, rand) -> None:  # 
     assert remote.server.connection_count <= 3  # the bad connections are gone
 
 
-def test_slow_partial_header_does_not_block_others(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+def test_slow_partial_header_does_not_block_others(make_remote: MakeRemote) -> None:
     remote = make_remote("tcp")
     seg = remote.segment("arena", 4096)
-    data = _fill(seg, rand)
+    data = _fill(seg)
     with _raw(remote.address) as sock:
         sock.sendall(_header()[:20])  # and then nothing
         buf = bytearray(4096)
@@ -286,7 +291,7 @@ def test_slow_partial_header_does_not_block_others(make_remote, rand) -> None:  
         assert bytes(buf) == data.tobytes()
 
 
-def test_concurrent_submitters(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_submitters(make_remote: MakeRemote) -> None:
     remote = make_remote("tcp", connections_per_peer=2, slice_bytes=128 * 1024)
     threads_n, rounds, item = 4, 10, 192 * 1024 + 5
     remote.segment("arena", threads_n * 8 * item)
@@ -295,10 +300,8 @@ def test_concurrent_submitters(make_remote, rand) -> None:  # type: ignore[no-un
     def worker(t: int) -> None:
         base = t * 8 * item
         for r in range(rounds):
-            chunks = [rand(item, t * 1000 + r * 10 + i) for i in range(8)]
-            writes = [
-                TransferRequest("write", memoryview(c), "arena", base + i * item, item) for i, c in enumerate(chunks)
-            ]
+            chunks = [random_bytes(item, t * 1000 + r * 10 + i) for i in range(8)]
+            writes = [TransferRequest("write", c.data, "arena", base + i * item, item) for i, c in enumerate(chunks)]
             if not all(s.ok for s in remote.engine.submit(remote.address, writes).wait(30)):
                 errors.append(f"write {t}/{r}")
                 return
@@ -319,10 +322,10 @@ def test_concurrent_submitters(make_remote, rand) -> None:  # type: ignore[no-un
     assert not errors
 
 
-def test_poll_and_callback(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+def test_poll_and_callback(make_remote: MakeRemote) -> None:
     remote = make_remote("tcp")
     seg = remote.segment("arena", 1 << 20)
-    _fill(seg, rand)
+    _fill(seg)
     buf = bytearray(1 << 20)
     fired = threading.Event()
     handle = remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)])
@@ -332,9 +335,9 @@ def test_poll_and_callback(make_remote, rand) -> None:  # type: ignore[no-untype
     assert fired.wait(5) and handle.done and handle.poll()[0] is not None
 
 
-def test_guard_that_raises_refuses(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+def test_guard_that_raises_refuses(make_remote: MakeRemote) -> None:
     class Broken:
-        def acquire(self, op: str, offset: int, length: int, token: int) -> object | None:
+        def acquire(self, op: Op, offset: int, length: int, token: int) -> object | None:
             raise RuntimeError("boom")
 
         def release(self, handle: object) -> None:
@@ -347,10 +350,10 @@ def test_guard_that_raises_refuses(make_remote, rand) -> None:  # type: ignore[n
     assert statuses[0].code is TransferCode.LEASE_INVALID and "boom" in statuses[0].message
 
 
-def test_server_stop_with_open_connections(make_remote, rand) -> None:  # type: ignore[no-untyped-def]
+def test_server_stop_with_open_connections(make_remote: MakeRemote) -> None:
     remote = make_remote("tcp")
     seg = remote.segment("arena", 4096)
-    _fill(seg, rand)
+    _fill(seg)
     buf = bytearray(4096)
     req = TransferRequest("read", memoryview(buf), "arena", 0, 4096)
     assert remote.engine.submit(remote.address, [req]).wait(10)[0].ok
