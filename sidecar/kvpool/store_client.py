@@ -106,7 +106,7 @@ class StoreClient:
                kind: int = pb.BLOCK, epoch: int = 0) -> ExistsResult:
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
             keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
-        return ExistsResult(reply.prefix, [b == 1 for b in reply.present], reply.lease_id, reply.epoch)
+        return ExistsResult(reply.prefix, list(map(bool, reply.present)), reply.lease_id, reply.epoch)
 
     def release(self, lease_ids: Sequence[int]) -> None:
         ids = [i for i in lease_ids if i]

@@ -133,6 +133,9 @@ class StoreNode:
         self.sharedfs = SharedFsTier(cfg.sharedfs_path) if cfg.sharedfs_path else None
         self.lock = threading.RLock()
         self.index: dict[str, dict[bytes, Entry]] = {}
+        # Committed block objects only, per tenant: the match fast path is one C-level map over
+        # this dict (a reserved or state entry must never count as a hit).
+        self.blocks: dict[str, dict[bytes, Entry]] = {}
         self.lru_dram: OrderedDict[int, Entry] = OrderedDict()  # id(entry) → entry, oldest first
         self.lru_ssd: OrderedDict[int, Entry] = OrderedDict()
         self.by_token: dict[int, Entry] = {}
@@ -260,6 +263,7 @@ class StoreNode:
         e = Entry(key, tenant, hdr.kind, "", hdr.size)
         e.state, e.tier, e.checksum = COMMITTED, "sharedfs", hdr.checksum
         self.index.setdefault(tenant, {})[key] = e
+        self.blocks.setdefault(tenant, {})[key] = e
         return e
 
     def exists(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, prefix_only: bool = True,
@@ -268,28 +272,39 @@ class StoreNode:
         now = time.time()
         with self.lock:
             self._sweep(now)
-            part = self.index.get(tenant, {})
             if self.sharedfs is None and kind == pb.BLOCK:
-                # Fast path: one C-level map over the keys; stop scanning at the first miss.
-                found = list(map(part.get, keys))
+                # Fast path: C-level map over the committed blocks; the prefix ends at the first
+                # None.  No per-key Python: matching reads metadata only and does not touch the
+                # LRU (the Get that follows a match does).
+                found: list[Entry | None] = list(map(self.blocks.get(tenant, {}).get, keys))
+                try:
+                    prefix = found.index(None)
+                except ValueError:
+                    prefix = len(found)
+                if prefix_only:
+                    present = bytearray(b"\x01" * prefix + b"\x00" * (len(keys) - prefix))
+                else:
+                    present = bytearray(e is not None for e in found)
+                hits: list[Entry] = found[:prefix]  # type: ignore[assignment]
             else:
+                part = self.index.get(tenant, {})
                 found = [self._lookup(part, tenant, k, kind) for k in keys]
-            present = bytearray(len(keys))
-            prefix = 0
-            hits: list[Entry] = []
-            for i, e in enumerate(found):
-                if e is None or e.state != COMMITTED or e.kind != kind:
-                    if prefix_only:
-                        break
-                    continue
-                present[i] = 1
-                if prefix == i:
-                    prefix += 1
-                hits.append(e)
-            for e in hits:
-                e.last_access = now
-                if e.tier == "dram":
-                    self.lru_dram.move_to_end(id(e))
+                present = bytearray(len(keys))
+                prefix = 0
+                hits = []
+                for i, e in enumerate(found):
+                    if e is None or e.state != COMMITTED or e.kind != kind:
+                        if prefix_only:
+                            break
+                        continue
+                    present[i] = 1
+                    if prefix == i:
+                        prefix += 1
+                    hits.append(e)
+                for e in hits:
+                    e.last_access = now
+                    if e.tier == "dram":
+                        self.lru_dram.move_to_end(id(e))
             # Block-weighted: every key asked counts, hits are the matched prefix.
             self.counters["lookup_blocks"] += len(keys)
             self.counters["hit_blocks"] += prefix
@@ -423,6 +438,8 @@ class StoreNode:
                     continue
                 e.checksum = int(checksums[i])
                 e.state = COMMITTED
+                if e.kind == pb.BLOCK:
+                    self.blocks.setdefault(e.tenant, {})[e.key] = e
                 e.last_access = now
                 self.lru_dram[id(e)] = e
                 t = self._tenant(e.tenant)
@@ -450,6 +467,9 @@ class StoreNode:
         part = self.index.get(e.tenant)
         if part is not None and part.get(e.key) is e:
             del part[e.key]
+        blocks = self.blocks.get(e.tenant)
+        if blocks is not None and blocks.get(e.key) is e:
+            del blocks[e.key]
         self.by_token.pop(e.token, None)
         t = self._tenant(e.tenant)
         if e.tier == "dram" and e.offset >= 0:
