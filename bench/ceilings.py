@@ -27,8 +27,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (  # noqa: E402
-    MiB, Context, Row, python_env, row_from_times, timed, touched, free_port)
+from bench.common import Context, MiB, Row, free_port, python_env, row_from_times, timed, touched  # noqa: E402
 
 HDR = struct.Struct("<cQ")
 SERVER_BUF = 64 * MiB
@@ -76,7 +75,7 @@ def _serve_conn(conn: socket.socket, buf: memoryview) -> None:
 
 
 def serve(tcp_port: int, uds_path: str) -> None:
-    buf = memoryview(touched(SERVER_BUF, 0x33))
+    buf = touched(SERVER_BUF, 0x33).data
     listeners: list[socket.socket] = []
     t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -174,7 +173,6 @@ def memcpy_rows(ctx: Context) -> list[Row]:
                 np.copyto(big_b[o:o + v], big_a[o:o + v])
         t = timed(one, plan.reps(v, nb), warmup=plan.warmup)
         rows.append(row_from_times("memcpy", "copy", v, nb, t))
-    del big_a, big_b
     return rows
 
 
@@ -188,8 +186,8 @@ def network_rows(ctx: Context) -> list[Row]:
         procs.start("ceiling-server",
                     [sys.executable, "-m", "bench.ceilings", "serve", "--tcp-port", str(port),
                      "--uds", uds], env=python_env(), ready_line="READY", timeout=30)
-        dst = memoryview(touched(plan.max_batch_bytes, 0))
-        src = memoryview(touched(plan.max_batch_bytes, 7))
+        dst = touched(plan.max_batch_bytes, 0).data
+        src = touched(plan.max_batch_bytes, 7).data
         c1 = [_tcp(port)]
         c2 = [_tcp(port), _tcp(port)]
         pool = ThreadPoolExecutor(2)
@@ -229,7 +227,9 @@ def network_rows(ctx: Context) -> list[Row]:
             u = _uds(uds)
             try:
                 for name, conn in (("uds_reqresp", u), ("tcp_reqresp", c1[0])):
-                    t = timed(lambda i, conn=conn: conn.ping(),
+                    def ping(i: int, conn: _Conn = conn) -> None:
+                        conn.ping()
+                    t = timed(ping,
                               50 if plan.quick else 2000, warmup=50)
                     rows.append(row_from_times(name, "ping", None, 1, t, with_bytes=False))
                     cells = list(plan.cells())

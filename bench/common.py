@@ -98,7 +98,8 @@ class Plan:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Plan:
         fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in fields}
+        kw: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v)
+                              for k, v in d.items() if k in fields}
         return cls(**kw)
 
 

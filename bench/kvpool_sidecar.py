@@ -21,8 +21,19 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
-    EXISTS_KEYS, GiB, MiB, Context, Row, ensure_kvpool_importable, keys32, pattern,
-    row_from_times, size_label, touched, unavailable)
+    EXISTS_KEYS,
+    Context,
+    GiB,
+    MiB,
+    Row,
+    ensure_kvpool_importable,
+    keys32,
+    pattern,
+    row_from_times,
+    size_label,
+    touched,
+    unavailable,
+)
 
 SYSTEM = "kvpool_sidecar"
 STORES = 4
@@ -71,7 +82,7 @@ def _wait_match(client: Any, keys: list[bytes], timeout: float = 30.0) -> None:
 
 
 def _copy_out(views: list[Any], outs: list[np.ndarray]) -> None:
-    for view, out in zip(views, outs):
+    for view, out in zip(views, outs, strict=True):
         np.copyto(out, np.frombuffer(view, dtype=np.uint8))
 
 
@@ -84,7 +95,7 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
         reps = plan.reps(v, nb)
         total = plan.warmup + reps
         pattern(src[:v * nb], nb + v // MiB)
-        vals = [memoryview(src[j * v:(j + 1) * v]) for j in range(nb)]
+        vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
         outs = [dst[j * v:(j + 1) * v] for j in range(nb)]
 
         keys: list[bytes] = []
@@ -137,7 +148,7 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
 
     keys = keys32("sc-match", EXISTS_KEYS)
     ev, eb = 4096, 512
-    small = [memoryview(src[j * ev:(j + 1) * ev]) for j in range(eb)]
+    small = [src[j * ev:(j + 1) * ev].data for j in range(eb)]
     for i in range(0, EXISTS_KEYS, eb):
         a.put(keys[i:i + eb], small)
     _wait_match(b, keys, timeout=60)

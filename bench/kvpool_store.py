@@ -21,8 +21,22 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
-    EXISTS_KEYS, GiB, MiB, Context, Row, ensure_kvpool_importable, free_port, keys32, pattern,
-    pool_bytes, python_env, row_from_times, size_label, touched, unavailable)
+    EXISTS_KEYS,
+    Context,
+    GiB,
+    MiB,
+    Row,
+    ensure_kvpool_importable,
+    free_port,
+    keys32,
+    pattern,
+    pool_bytes,
+    python_env,
+    row_from_times,
+    size_label,
+    touched,
+    unavailable,
+)
 
 SYSTEM = "kvpool_store"
 
@@ -99,7 +113,7 @@ def measure(ctx: Context) -> list[Row]:
 def _pretouch(ctx: Context, client: Any, dram: int, src: np.ndarray) -> None:
     """Fill 85 % of the DRAM tier with 1 MiB objects once, then remove them (as for Mooncake)."""
     v, nb = MiB, min(16, src.nbytes // MiB)
-    vals = [memoryview(src[j * v:(j + 1) * v]) for j in range(nb)]
+    vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
     t0 = time.perf_counter()
     written: list[bytes] = []
     for i in range(int(dram * 0.85) // (v * nb)):
@@ -123,8 +137,8 @@ def _measure(ctx: Context, client: Any, dram: int, can_remove: bool) -> list[Row
     for v, nb in plan.cells():
         reps = plan.reps(v, nb)
         pattern(src[:v * nb], nb + v // MiB)
-        vals = [memoryview(src[j * v:(j + 1) * v]) for j in range(nb)]
-        outs = [memoryview(dst[j * v:(j + 1) * v]) for j in range(nb)]
+        vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
+        outs = [dst[j * v:(j + 1) * v].data for j in range(nb)]
         keys: list[bytes] = []
         times: list[float] = []
         failures = 0
@@ -162,7 +176,7 @@ def _measure(ctx: Context, client: Any, dram: int, can_remove: bool) -> list[Row
 
     keys = keys32("kvpool-exists", EXISTS_KEYS)
     ev, eb = 4096, 512
-    small = [memoryview(src[j * ev:(j + 1) * ev]) for j in range(eb)]
+    small = [src[j * ev:(j + 1) * ev].data for j in range(eb)]
     for i in range(0, EXISTS_KEYS, eb):
         st = client.put(keys[i:i + eb], small)
         if bad_items(st):

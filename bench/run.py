@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,8 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import ceilings, kvpool_sidecar, kvpool_store  # noqa: E402
-from bench.common import (  # noqa: E402
-    EXISTS_KEYS, MiB, Context, Plan, Procs, Row, size_label, unavailable)
+from bench.common import EXISTS_KEYS, Context, MiB, Plan, Procs, Row, size_label, unavailable  # noqa: E402
 from bench.peers import mooncake_peer, redis_peer  # noqa: E402
 
 Step = Callable[[Context], list[Row]]
@@ -118,7 +118,9 @@ RATIOS_DOC = {
 }
 
 
-def compute_ratios(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, Any], ...]:
+def ratio_values(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, float | None],
+                                                                 dict[str, str]]:
+    """Each ratio of `table` from one round's rows; why a ratio could not be computed."""
     def find(system: str, op: str, kind: str) -> Row | None:
         for r in rows:
             if r.system != system or r.op != op or r.status != "ok":
@@ -129,14 +131,10 @@ def compute_ratios(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, Any]
                 return r
         return None
 
-    ratios: dict[str, float | None] = {}
-    doc: dict[str, str] = dict(RATIOS_DOC)
-    targets: dict[str, str] = {}
-    meets: dict[str, bool | None] = {}
+    values: dict[str, float | None] = {}
     missing: dict[str, str] = {}
-    for name, (kind, num, den, target, text) in table.items():
+    for name, (kind, num, den, _target, _text) in table.items():
         a, b = find(*num, kind), find(*den, kind)
-        doc[name] = f"{text} ({'GB/s ratio, >1 better' if kind == 'throughput' else 'time ratio, <1 better'})"
         value: float | None = None
         if a is None or b is None:
             missing[name] = ", ".join(f"{s}/{o} not measured" for (s, o), r in
@@ -145,15 +143,69 @@ def compute_ratios(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, Any]
             value = a.gbps / b.gbps
         elif kind == "time" and a.p50_ms and b.p50_ms:
             value = a.p50_ms / b.p50_ms
-        ratios[name] = None if value is None else round(value, 3)
-        if target:
-            targets[name] = target
-            if value is None:
-                meets[name] = None
-            else:
-                op, lim = target.split()
-                meets[name] = value >= float(lim) if op == ">=" else value <= float(lim)
-    return ratios, doc, targets, meets, missing
+        values[name] = value
+    return values, missing
+
+
+def ratios_doc(table: dict[str, R], rounds: int) -> dict[str, str]:
+    doc = dict(RATIOS_DOC)
+    if rounds > 1:
+        doc["_rounds"] = (f"The suite ran {rounds} rounds (every system once per round); each "
+                          "ratio is the median over rounds of that round's ratio, and each "
+                          "row is the median over rounds (ratios_per_round has them all).")
+    for name, (kind, _num, _den, _target, text) in table.items():
+        doc[name] = f"{text} ({'GB/s ratio, >1 better' if kind == 'throughput' else 'time ratio, <1 better'})"
+    return doc
+
+
+def judge(ratios: dict[str, float | None], table: dict[str, R]) -> tuple[dict[str, str],
+                                                                        dict[str, bool | None]]:
+    targets: dict[str, str] = {}
+    meets: dict[str, bool | None] = {}
+    for name, (_kind, _num, _den, target, _text) in table.items():
+        if not target:
+            continue
+        targets[name] = target
+        value = ratios.get(name)
+        if value is None:
+            meets[name] = None
+        else:
+            op, lim = target.split()
+            meets[name] = value >= float(lim) if op == ">=" else value <= float(lim)
+    return targets, meets
+
+
+def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
+    """One row per (system, op, value, batch): medians over the rounds where it ran."""
+    if len(rounds) == 1:
+        return rounds[0]
+    order: list[tuple[Any, ...]] = []
+    groups: dict[tuple[Any, ...], list[Row]] = {}
+    for rows in rounds:
+        for r in rows:
+            k = (r.system, r.op, r.value_size, r.batch)
+            if k not in groups:
+                order.append(k)
+                groups[k] = []
+            groups[k].append(r)
+
+    def med(xs: list[float | None]) -> float | None:
+        ys = [x for x in xs if x is not None]
+        return float(statistics.median(ys)) if ys else None
+
+    out = []
+    for k in order:
+        rs = groups[k]
+        ok = [r for r in rs if r.status == "ok"]
+        if not ok:
+            out.append(rs[0])
+            continue
+        m = Row(ok[0].system, ok[0].op, ok[0].value_size, ok[0].batch,
+                med([r.gbps for r in ok]), med([r.p50_ms for r in ok]),
+                med([r.p99_ms for r in ok]), sum(r.reps for r in ok), ok[0].note)
+        m.note = (m.note + "; " if m.note else "") + f"median of {len(ok)}/{len(rounds)} rounds"
+        out.append(m)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +238,7 @@ def format_table(rows: list[Row]) -> str:
     widths = [max(len(head[i]), *(len(b[i].splitlines()[0] if b[i] else "") for b in body))
               if body else len(head[i]) for i in range(len(head) - 1)]
     lines = ["  ".join(h.ljust(w) if i < 2 or i == 8 else h.rjust(w)
-                       for i, (h, w) in enumerate(zip(head, widths + [0])))]
+                       for i, (h, w) in enumerate(zip(head, widths + [0], strict=True)))]
     lines.append("-" * (sum(widths) + 2 * len(widths) + 4))
     for b in body:
         first, *rest = (b[8] or "").splitlines() or [""]
@@ -247,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write rows and ratios here")
     ap.add_argument("--only", default="",
                     help="comma-separated subset of: memcpy,network,redis,mooncake,kvpool")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the whole suite N times (systems interleaved); rows and ratios "
+                         "are medians over rounds: steadier on a shared, busy machine")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the work directory with every process's log")
     args = ap.parse_args(argv)
@@ -266,24 +321,27 @@ def main(argv: list[str] | None = None) -> int:
     # SIGINT too: a runner started in the background of a script inherits SIGINT ignored.
     old = {s: signal.signal(s, _raise_interrupt)
            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    rows: list[Row] = []
+    rounds: list[list[Row]] = []
     interrupted = False
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     try:
-        for name, step in steps:
-            t0 = time.monotonic()
-            ctx.log(f"[bench] {name} ...")
-            try:
-                got = step(ctx)
-            except KeyboardInterrupt:
-                raise
-            except Exception as e:  # one broken system never ends the run
-                got = [unavailable(name, f"{type(e).__name__}: {e}")]
-            finally:
-                procs.stop_all()  # nothing of one system runs while the next is measured
-            rows += got
-            ctx.log(f"[bench] {name}: {len(got)} rows in {time.monotonic() - t0:.1f}s")
+        for rnd in range(args.rounds):
+            rows: list[Row] = []
+            rounds.append(rows)
+            for name, step in steps:
+                t0 = time.monotonic()
+                ctx.log(f"[bench] round {rnd + 1}/{args.rounds}: {name} ...")
+                try:
+                    got = step(ctx)
+                except KeyboardInterrupt:
+                    raise
+                except Exception as e:  # one broken system never ends the run
+                    got = [unavailable(name, f"{type(e).__name__}: {e}")]
+                finally:
+                    procs.stop_all()  # nothing of one system runs while the next is measured
+                rows += got
+                ctx.log(f"[bench] {name}: {len(got)} rows in {time.monotonic() - t0:.1f}s")
     except KeyboardInterrupt:
         interrupted = True
         ctx.log("[bench] interrupted; stopping everything started")
@@ -293,8 +351,20 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, h)
 
     table = STORE_RATIOS if args.suite == "store" else SIDECAR_RATIOS
-    ratios, doc, targets, meets, missing = compute_ratios(rows, table)
+    if interrupted and len(rounds) > 1 and not rounds[-1]:
+        rounds.pop()
+    per_round = [ratio_values(r, table) for r in rounds]
+    ratios: dict[str, float | None] = {}
+    for name in table:
+        vals = [x for v, _ in per_round if (x := v[name]) is not None]
+        ratios[name] = round(float(statistics.median(vals)), 3) if vals else None
+    missing = {k: why for k, why in (per_round[-1][1] if per_round else {}).items()
+               if ratios.get(k) is None}
+    doc = ratios_doc(table, len(rounds))
+    targets, meets = judge(ratios, table)
+    rows = merge_rounds(rounds) if rounds else []
     title = f"kvpool bench: suite={args.suite}{' (quick)' if args.quick else ''}" + \
+        (f", median of {len(rounds)} rounds" if len(rounds) > 1 else "") + \
         (" INTERRUPTED" if interrupted else "")
     print(title)
     print(format_table(rows))
@@ -319,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
             "suite": args.suite, "quick": args.quick, "interrupted": interrupted,
             "environment": environment(), "plan": plan.to_json(),
             "loadavg_before_after": [round(load_before, 2), round(load_after, 2)],
+            "rounds": len(rounds),
             "rows": [r.to_json() for r in rows],
             "ratios": ratios, "ratios_doc": doc, "ratios_targets": targets,
+            "ratios_per_round": [{k: (None if v is None else round(v, 3)) for k, v in r.items()}
+                                 for r, _ in per_round],
             "ratios_meet_target": meets, "ratios_missing": missing,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,21 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    EXISTS_KEYS, MiB, Context, Plan, Row, free_port, keys32, pattern, pool_bytes, python_env,
-    row_from_times, size_label, touched, unavailable)
+    EXISTS_KEYS,
+    Context,
+    MiB,
+    Plan,
+    Row,
+    free_port,
+    keys32,
+    pattern,
+    pool_bytes,
+    python_env,
+    row_from_times,
+    size_label,
+    touched,
+    unavailable,
+)
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
 ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -139,7 +152,7 @@ def _measure_mode(ctx: Context, mode: str) -> list[Row]:
 
 
 def owner(master: str, meta: str, segment: int) -> None:
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
 
     store = MooncakeDistributedStore()
     rc = store.setup("127.0.0.1", meta, segment, 16 * MiB, "tcp", "", master)
@@ -199,7 +212,10 @@ def bench(mode: str, master: str, meta: str, segment: int, client: str, plan: Pl
     from mooncake.store import MooncakeDistributedStore
 
     system = SYSTEMS[mode]
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     store = MooncakeDistributedStore()
     if mode == "tcp":
         rc = store.setup("127.0.0.1", meta, 0, 16 * MiB, "tcp", "", master)

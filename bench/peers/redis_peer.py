@@ -14,8 +14,17 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
-    EXISTS_KEYS, Context, Row, free_port, keys32, pattern, row_from_times, timed, touched,
-    unavailable)
+    EXISTS_KEYS,
+    Context,
+    Row,
+    free_port,
+    keys32,
+    pattern,
+    row_from_times,
+    timed,
+    touched,
+    unavailable,
+)
 
 SYSTEM = "redis"
 
@@ -58,14 +67,14 @@ def _measure(ctx: Context, redis: Any, port: int) -> list[Row]:
             reps = plan.reps(v, nb)
             keys = keys32(f"redis-{v}-{nb}", nb)
             pattern(src[:v * nb], nb)
-            vals = [memoryview(src[j * v:(j + 1) * v]) for j in range(nb)]
+            vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
 
             def put(i: int, keys: list[bytes] = keys, vals: list[memoryview] = vals) -> None:
                 if len(keys) == 1:
                     r.set(keys[0], vals[0])
                     return
                 p = r.pipeline(transaction=False)
-                for k, val in zip(keys, vals):
+                for k, val in zip(keys, vals, strict=True):
                     p.set(k, val)
                 p.execute()
 
@@ -77,7 +86,7 @@ def _measure(ctx: Context, redis: Any, port: int) -> list[Row]:
 
             got: list[Any] = []
 
-            def get(i: int, keys: list[bytes] = keys) -> None:
+            def get(i: int, keys: list[bytes] = keys, got: list[Any] = got) -> None:
                 if len(keys) == 1:
                     got[:] = [r.get(keys[0])]
                 else:
