@@ -4,8 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 PY="${PYTHON:-python3}"
+echo "== checks: generated code, lint, import contracts"
 "$PY" tools/genproto.py --check
-"$PY" -m ruff check sidecar operator tests tools || { echo "ruff failed"; exit 1; }
+"$PY" -m ruff check -q sidecar operator tests tools e2e bench
+lint-imports --no-cache >/dev/null || lint-imports --no-cache
+echo "== pytest"
 set +e
 "$PY" -m pytest "$@"
 rc=$?
