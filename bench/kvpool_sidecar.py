@@ -2,13 +2,14 @@
 and 2 sidecars (A and B):
 
 - put: `A.put(keys, values)`, fresh keys every repetition;
-- local_get: `A.get(keys)` of what A just put (a local-tier hit), each returned view copied into
-  a caller buffer — the same work as Mooncake's batch_get_into; local_get_zero_copy: the views
-  only, not copied;
-- remote_get: `B.get(keys)` of keys A put, which B's local tier does not hold, so they come
-  from the store nodes; before each repetition A puts a fresh key set (untimed) and B.match
-  waits until the pool has all of it; the views are copied into a caller buffer;
-- match: `B.match(keys)` of 8192 keys spread over the 4 store nodes and not in B's local tier.
+- local_get: what A just put (a local-tier hit) read into caller buffers — `A.get_into` where
+  the client has it, else `A.get` with each view copied out: the same work as Mooncake's
+  batch_get_into; local_get_zero_copy: `A.get` returning views, not copied (then released);
+- remote_get: keys A put, which B's local tier does not hold, so they come from the store
+  nodes, read into caller buffers the same way; before each repetition A puts a fresh key set
+  (untimed) and B.match waits until the pool has all of it;
+- match: `B.match(keys)` of 8192 keys spread over the 4 store nodes and not in B's local tier
+  (each match's lease released, untimed, where the client returns one).
 
 If `kvpool.LocalCluster` / `kvpool.connect` are not there yet, the rows say "not available yet".
 """
@@ -70,10 +71,30 @@ def measure(ctx: Context) -> list[Row]:
         return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
 
 
+def _match(client: Any, keys: list[bytes]) -> tuple[int, int]:
+    """(blocks matched, lease id or 0)."""
+    if hasattr(client, "match_lease"):
+        n, lease = client.match_lease(keys)
+        return int(n), int(lease)
+    return int(client.match(keys)), 0
+
+
+def _release(client: Any, lease: int) -> None:
+    if lease and hasattr(client, "release"):
+        client.release(lease)
+
+
+def _release_views(views: Any) -> None:
+    rel = getattr(views, "release", None)
+    if callable(rel):
+        rel()
+
+
 def _wait_match(client: Any, keys: list[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        n = client.match(keys)
+        n, lease = _match(client, keys)
+        _release(client, lease)
         if n == len(keys):
             return
         if time.monotonic() > deadline:
@@ -81,9 +102,18 @@ def _wait_match(client: Any, keys: list[bytes], timeout: float = 30.0) -> None:
         time.sleep(0.002)
 
 
-def _copy_out(views: list[Any], outs: list[np.ndarray]) -> None:
-    for view, out in zip(views, outs, strict=True):
-        np.copyto(out, np.frombuffer(view, dtype=np.uint8))
+def _read_into(client: Any, keys: list[bytes], outs: list[np.ndarray]) -> int:
+    """Read keys into caller buffers; returns the number of items that failed."""
+    if hasattr(client, "get_into"):
+        res = client.get_into(keys, [o.data for o in outs])
+        return sum(1 for r, o in zip(res, outs, strict=True) if r != o.nbytes)
+    views = client.get(keys)
+    try:
+        for view, out in zip(views, outs, strict=True):
+            np.copyto(out, np.frombuffer(view, dtype=np.uint8))
+    finally:
+        _release_views(views)
+    return 0
 
 
 def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
@@ -109,37 +139,50 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
                 times.append(dt)
         rows.append(row_from_times(SYSTEM, "put", v, nb, times, note="A.put"))
 
-        for op, copy in (("local_get", True), ("local_get_zero_copy", False)):
-            dst[:v * nb].fill(0)
-            times = []
-            for i in range(total):
-                t0 = time.perf_counter()
-                views = a.get(keys)
-                if copy:
-                    _copy_out(views, outs)
-                dt = time.perf_counter() - t0
-                del views
-                if i >= plan.warmup:
-                    times.append(dt)
-            note = "A.get + copy into caller buffers" if copy else "A.get (views)"
-            if copy and not np.array_equal(dst[:v * nb], src[:v * nb]):
-                note += "; VERIFY FAILED"
-            rows.append(row_from_times(SYSTEM, op, v, nb, times, note=note))
+        read_how = "get_into" if hasattr(a, "get_into") else "get + copy into caller buffers"
+        dst[:v * nb].fill(0)
+        times = []
+        failures = 0
+        for i in range(total):
+            t0 = time.perf_counter()
+            failures += _read_into(a, keys, outs)
+            dt = time.perf_counter() - t0
+            if i >= plan.warmup:
+                times.append(dt)
+        note = f"A.{read_how}" + (f"; {failures} item failures" if failures else "")
+        if not np.array_equal(dst[:v * nb], src[:v * nb]):
+            note += "; VERIFY FAILED"
+        rows.append(row_from_times(SYSTEM, "local_get", v, nb, times, note=note))
 
         times = []
+        bad = 0
+        for i in range(total):
+            t0 = time.perf_counter()
+            views = a.get(keys)
+            dt = time.perf_counter() - t0
+            ok = len(views) == nb and all(len(x) == v for x in views)
+            _release_views(views)  # untimed
+            del views
+            bad += 0 if ok else 1
+            if i >= plan.warmup:
+                times.append(dt)
+        rows.append(row_from_times(SYSTEM, "local_get_zero_copy", v, nb, times,
+                                   note="A.get (views, released untimed)"
+                                   + (f"; {bad} WRONG SIZES" if bad else "")))
+
+        times = []
+        failures = 0
         dst[:v * nb].fill(0)
         for i in range(total):
             rkeys = keys32(f"sc-remote-{v}-{nb}-{i}", nb)
             a.put(rkeys, vals)
             _wait_match(b, rkeys)
             t0 = time.perf_counter()
-            views = b.get(rkeys)
-            _copy_out(views, outs)
+            failures += _read_into(b, rkeys, outs)
             dt = time.perf_counter() - t0
-            del views
             if i >= plan.warmup:
                 times.append(dt)
-        note = "B.get (from the pool) + copy"
+        note = f"B.{read_how} from the pool" + (f"; {failures} item failures" if failures else "")
         if not np.array_equal(dst[:v * nb], src[:v * nb]):
             note += "; VERIFY FAILED"
         rows.append(row_from_times(SYSTEM, "remote_get", v, nb, times, note=note))
@@ -156,8 +199,9 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
     n = 0
     for i in range(plan.warmup + plan.exists_reps):
         t0 = time.perf_counter()
-        n = b.match(keys)
+        n, lease = _match(b, keys)
         dt = time.perf_counter() - t0
+        _release(b, lease)  # untimed
         if i >= plan.warmup:
             times.append(dt)
     note = f"B.match, {STORES} store nodes" + ("" if n == EXISTS_KEYS else f"; WRONG {n}")
