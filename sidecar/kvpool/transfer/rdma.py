@@ -24,8 +24,10 @@ and :func:`rdma_status` says why; the engine then uses TCP.
 
 from __future__ import annotations
 
+import os
 import queue
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -45,21 +47,30 @@ _status_lock = threading.Lock()
 _status: tuple[list[str], str] | None = None
 
 
+#: A directory holding a ``pyverbs`` package built for this interpreter's ABI (e.g. Debian's
+#: ``python3-pyverbs`` in /usr/lib/python3/dist-packages); appended to ``sys.path`` — last, so it
+#: never shadows installed packages — before pyverbs is imported.
+PYVERBS_PATH_ENV = "KVPOOL_PYVERBS_PATH"
+
+
 def _probe() -> tuple[list[str], str]:
+    extra = os.environ.get(PYVERBS_PATH_ENV)
+    if extra and extra not in sys.path:
+        sys.path.append(extra)
     try:
         import pyverbs.device as device  # optional dependency, imported lazily
     except ImportError as exc:
-        return [], f"pyverbs is not installed ({exc})"
+        return [], f"pyverbs is not importable ({exc})"
     try:
         found = device.get_device_list()
     except Exception as exc:  # PyverbsRDMAError: ENOSYS on kernels without RDMA support
-        return [], f"get_device_list() failed: {exc}"
+        return [], f"pyverbs.device.get_device_list() raised {type(exc).__name__}: {exc}"
     names = []
     for dev in found:
         name = dev.name
         names.append(name.decode() if isinstance(name, bytes) else str(name))
     if not names:
-        return [], "get_device_list() returned no devices"
+        return [], "pyverbs.device.get_device_list() found no devices"
     return names, ""
 
 
@@ -211,6 +222,39 @@ def buffer_address(view: memoryview) -> int:
     return int(array.ctypes.data)
 
 
+# -- pyverbs object builders (need pyverbs, not a device) ----------------------------------------
+
+
+def gid_bytes(gid: Any) -> bytes:
+    """A pyverbs ``GID`` (printed as eight colon-separated hex groups) → 16 raw bytes."""
+    return bytes.fromhex(str(gid).replace(":", ""))
+
+
+def make_gid(raw: bytes) -> Any:
+    """16 raw bytes → a pyverbs ``GID``."""
+    from pyverbs.addr import GID
+
+    if len(raw) != 16:
+        raise ValueError("a GID is 16 bytes")
+    return GID(":".join(raw[i : i + 2].hex() for i in range(0, 16, 2)))
+
+
+def build_send_wr(plan: WorkRequestPlan, lkey: int) -> Any:
+    """The signaled one-sided READ/WRITE work request for ``plan``."""
+    import pyverbs.enums as e
+    from pyverbs.wr import SGE, SendWR
+
+    wr = SendWR(
+        wr_id=plan.wr_id,
+        opcode=e.IBV_WR_RDMA_READ if plan.is_read else e.IBV_WR_RDMA_WRITE,
+        num_sge=1,
+        sg=[SGE(plan.local_addr, plan.length, lkey)],
+        send_flags=e.IBV_SEND_SIGNALED,
+    )
+    wr.set_wr_rdma(plan.rkey, plan.remote_addr)
+    return wr
+
+
 # -- device parts (need pyverbs and a device) ---------------------------------------------------
 
 
@@ -288,19 +332,17 @@ class RdmaQueuePair:
         port_attr = context.ctx.query_port(context.port)
         gid = context.ctx.query_gid(context.port, context.gid_index)
         psn = int.from_bytes(np.random.default_rng().bytes(3), "little")
-        raw_gid = bytes.fromhex(str(gid).replace(":", ""))
         self.endpoint = RdmaEndpoint(
-            int(self.qp.qp_num), psn, int(port_attr.lid), raw_gid, context.port, int(port_attr.active_mtu)
+            int(self.qp.qp_num), psn, int(port_attr.lid), gid_bytes(gid), context.port, int(port_attr.active_mtu)
         )
 
     def connect(self, remote: RdmaEndpoint) -> None:
         """Move the queue pair through INIT → RTR → RTS towards ``remote``."""
         import pyverbs.enums as e
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.addr import AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 
-        gid = GID(":".join(remote.gid[i : i + 2].hex() for i in range(0, 16, 2)))
-        route = GlobalRoute(dgid=gid, sgid_index=self.context.gid_index)
+        route = GlobalRoute(dgid=make_gid(remote.gid), sgid_index=self.context.gid_index)
         ah = AHAttr(gr=route, is_global=1, dlid=remote.lid, port_num=self.context.port)
         attr = QPAttr(port_num=self.context.port)
         attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
@@ -326,21 +368,12 @@ class RdmaQueuePair:
         absent from the result succeeded.
         """
         import pyverbs.enums as e
-        from pyverbs.wr import SGE, SendWR
 
         errors: dict[int, TransferStatus] = {}
         by_id = {p.wr_id: p for p in plans}
         for wave in waves(plans, self.depth):
             for p in wave:
-                wr = SendWR(
-                    wr_id=p.wr_id,
-                    opcode=e.IBV_WR_RDMA_READ if p.is_read else e.IBV_WR_RDMA_WRITE,
-                    num_sge=1,
-                    sg=[SGE(p.local_addr, p.length, lkeys[p.wr_id])],
-                    send_flags=e.IBV_SEND_SIGNALED,
-                )
-                wr.set_wr_rdma(p.rkey, p.remote_addr)
-                self.qp.post_send(wr)
+                self.qp.post_send(build_send_wr(p, lkeys[p.wr_id]))
             pending = len(wave)
             last_progress = time.monotonic()
             while pending:

@@ -9,6 +9,9 @@ from kvpool.transfer.rdma import (
     RdmaEndpoint,
     RdmaSegmentKey,
     RdmaUnavailable,
+    build_send_wr,
+    gid_bytes,
+    make_gid,
     plan_work_requests,
     waves,
 )
@@ -85,6 +88,31 @@ def test_waves_respect_queue_depth() -> None:
     assert [p for w in grouped for p in w] == plans
     with pytest.raises(ValueError):
         waves(plans, 0)
+
+
+def _pyverbs_or_skip() -> None:
+    rdma_status()  # applies KVPOOL_PYVERBS_PATH
+    pytest.importorskip("pyverbs.wr", reason="pyverbs is not importable")
+
+
+def test_gid_conversion_with_pyverbs() -> None:
+    _pyverbs_or_skip()
+    raw = bytes.fromhex("fe800000000000000202b3fffe1e8329")
+    gid = make_gid(raw)
+    assert str(gid) == "fe80:0000:0000:0000:0202:b3ff:fe1e:8329"
+    assert gid_bytes(gid) == raw
+
+
+def test_build_send_wr_with_pyverbs() -> None:
+    _pyverbs_or_skip()
+    import pyverbs.enums as e
+
+    key = RdmaSegmentKey("arena", addr=1 << 20, length=1 << 20, rkey=77)
+    plans, _ = plan_work_requests([(True, 4096, 0, 512), (False, 8192, 512, 64)], key)
+    read_wr, write_wr = (build_send_wr(p, lkey=5) for p in plans)
+    assert (read_wr.wr_id, read_wr.opcode, read_wr.num_sge) == (plans[0].wr_id, e.IBV_WR_RDMA_READ, 1)
+    assert write_wr.opcode == e.IBV_WR_RDMA_WRITE
+    assert read_wr.send_flags & e.IBV_SEND_SIGNALED
 
 
 def test_engine_refuses_rdma_without_devices() -> None:
