@@ -138,14 +138,14 @@ class Cluster:
     """
 
     def __init__(self, workdir: Path | None = None, *, with_node: bool = True,
-                 pod_ip_prefix: str = "127.0.10.") -> None:
+                 pod_ip_prefix: str = "127.0.10.", binaries: build.Binaries | None = None) -> None:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-e2e-"))
         self.with_node = with_node
         self.pod_ip_prefix = pod_ip_prefix
         self.run_id = uuid.uuid4().hex[:12]
         self.components: list[Component] = []
-        self.binaries = build.ensure_binaries()
+        self.binaries = binaries or build.ensure_binaries()
         self.pki: pki.Pki | None = None
         self.kubeconfig = self.workdir / "admin.kubeconfig"
         self.server = ""

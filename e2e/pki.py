@@ -154,7 +154,11 @@ def make_pki(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
         server_ips=["127.0.0.1", service_ip],
     )
     admin = issue("admin", _name("kvpool-e2e-admin", "system:masters"), client=True)
-    cm = issue("controller-manager", _name("system:kube-controller-manager"), client=True)
+    # system:masters too: without --use-service-account-credentials every controller acts as
+    # this one identity, and the bootstrap role of system:kube-controller-manager is written for
+    # the per-controller service accounts, so it alone lacks most of what the controllers do.
+    cm = issue("controller-manager", _name("system:kube-controller-manager", "system:masters"),
+               client=True)
     # The node agent acts as a kubelet for the pods and uses the admin-equivalent group: the
     # Node authorizer is not enabled (RBAC only), so system:nodes alone would grant nothing.
     node = issue("node", _name("system:node:kvpool-e2e", "system:masters"), client=True)
