@@ -12,18 +12,19 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from dataclasses import dataclass
 
 from kvpool.transfer import _sockio
 from kvpool.transfer.protocol import (
-    OP_NAMES,
     OP_WRITE,
     REQUEST_SIZE,
     ProtocolError,
+    RequestHeader,
     check_bounds,
     decode_request,
     encode_response,
 )
-from kvpool.transfer.segment import Guard, SegmentRegistry
+from kvpool.transfer.segment import Guard, Op, SegmentRegistry
 from kvpool.transfer.status import TransferCode
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,6 @@ class TransferServer:
         header = bytearray(REQUEST_SIZE)
         header_view = memoryview(header)
         scratch: memoryview | None = None
-        registry = self.registry
         while not self._stopping.is_set():
             try:
                 got = sock.recv_into(header_view)
@@ -177,62 +177,61 @@ class TransferServer:
             if got < REQUEST_SIZE:
                 _sockio.recv_exact(sock, header_view[got:])
             req = decode_request(header)
+            admitted = self._admit(req)
 
-            code = TransferCode.OK
-            message = ""
-            guard: Guard | None = None
-            view = header_view  # placeholder; only used when code stays OK
-            entry = registry.lookup(req.segment)
-            if entry is None:
-                code, message = TransferCode.NO_SEGMENT, f"no segment {req.segment!r}"
-            else:
-                segment, guard = entry
-                try:
-                    view = segment.view
-                except ValueError:
-                    code, message = TransferCode.NO_SEGMENT, f"segment {req.segment!r} is closed"
-                else:
-                    why = check_bounds(req.offset, req.length, view.nbytes)
-                    if why is not None:
-                        code, message = TransferCode.OUT_OF_BOUNDS, why
-            handle: object | None = None
-            if code is TransferCode.OK and guard is not None:
-                try:
-                    handle = guard.acquire(OP_NAMES[req.op], req.offset, req.length, req.token)  # type: ignore[arg-type]
-                except Exception as exc:  # a broken guard refuses, it does not kill the stream
-                    log.exception("guard of segment %r raised", req.segment)
-                    handle = None
-                    message = f"guard error: {exc}"
-                if handle is None:
-                    code = TransferCode.LEASE_INVALID
-                    message = message or "guard refused the request"
-
-            if req.op == OP_WRITE:
-                if code is TransferCode.OK:
-                    try:
-                        _sockio.recv_exact(sock, view[req.offset : req.offset + req.length])
-                    finally:
-                        if guard is not None:
-                            _release(guard, handle)
-                else:
+            if isinstance(admitted, _Refusal):
+                if req.op == OP_WRITE:
+                    # the payload is already on its way: consume it to keep the stream in sync
                     if req.length > self._max_request_bytes:
                         raise ProtocolError(f"write of {req.length} bytes exceeds the request limit")
                     if scratch is None:
                         scratch = memoryview(bytearray(_DISCARD_BYTES))
                     _sockio.discard(sock, req.length, scratch)
-                sock.sendall(encode_response(code, req.request_id, 0, message))
-            elif code is TransferCode.OK:
-                try:
-                    _sockio.send_all(
-                        sock,
-                        encode_response(code, req.request_id, req.length),
-                        view[req.offset : req.offset + req.length],
-                    )
-                finally:
-                    if guard is not None:
-                        _release(guard, handle)
-            else:
-                sock.sendall(encode_response(code, req.request_id, 0, message))
+                sock.sendall(encode_response(admitted.code, req.request_id, 0, admitted.message))
+                continue
+
+            target, guard, handle = admitted
+            try:
+                if req.op == OP_WRITE:
+                    _sockio.recv_exact(sock, target)
+                    sock.sendall(encode_response(TransferCode.OK, req.request_id))
+                else:
+                    _sockio.send_all(sock, encode_response(TransferCode.OK, req.request_id, req.length), target)
+            finally:
+                target.release()
+                if guard is not None:
+                    _release(guard, handle)
+
+    def _admit(self, req: RequestHeader) -> tuple[memoryview, Guard | None, object | None] | _Refusal:
+        """Resolve the segment, check bounds, ask the guard: the target bytes or why not."""
+        entry = self.registry.lookup(req.segment)
+        if entry is None:
+            return _Refusal(TransferCode.NO_SEGMENT, f"no segment {req.segment!r}")
+        segment, guard = entry
+        try:
+            view = segment.view
+        except ValueError:
+            return _Refusal(TransferCode.NO_SEGMENT, f"segment {req.segment!r} is closed")
+        why = check_bounds(req.offset, req.length, view.nbytes)
+        if why is not None:
+            return _Refusal(TransferCode.OUT_OF_BOUNDS, why)
+        handle: object | None = None
+        if guard is not None:
+            op: Op = "write" if req.op == OP_WRITE else "read"
+            try:
+                handle = guard.acquire(op, req.offset, req.length, req.token)
+            except Exception as exc:  # a broken guard refuses; it does not kill the stream
+                log.exception("guard of segment %r raised", req.segment)
+                return _Refusal(TransferCode.LEASE_INVALID, f"guard error: {exc}")
+            if handle is None:
+                return _Refusal(TransferCode.LEASE_INVALID, "guard refused the request")
+        return view[req.offset : req.offset + req.length], guard, handle
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    code: TransferCode
+    message: str
 
 
 def _release(guard: Guard, handle: object | None) -> None:
