@@ -110,62 +110,79 @@ class TransferEngine:
     # -- batches ---------------------------------------------------------------------------
 
     def submit(self, peer: str, requests: Sequence[TransferRequest]) -> BatchHandle:
-        """Start moving ``requests`` to/from ``peer`` (``"host:port"``); returns immediately.
+        """Start moving ``requests`` to/from ``peer`` (``"host:port"``); returns at once.
 
-        Shared-memory requests are copied before this returns; TCP requests run on the peer's
-        connection workers.
+        TCP and RDMA requests are handed to the peer's workers first, so the network is busy
+        while shared-memory requests are copied inline (they are final when this returns).
+        Raises ``ValueError`` for a malformed address and ``RuntimeError`` after :meth:`close`,
+        before anything has moved.
         """
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         handle = BatchHandle(len(requests))
-        tcp_indexes: list[int] = []
+        shm_items: list[TransferRequest | None] = [None] * len(requests)
         rdma_items: list[tuple[int, TransferRequest]] = []
+        tcp_indexes: list[int] = []
         rdma_peer = self._rdma.get(peer)
         for index, req in enumerate(requests):
             if req.length and self._shm.handles(peer, req.remote_segment):
-                handle._expect(index, 1)
-                handle._complete(index, self._shm.transfer(peer, req))
+                shm_items[index] = req
             elif req.length and rdma_peer is not None and rdma_peer.handles(req.remote_segment):
-                handle._expect(index, 1)
                 rdma_items.append((index, req))
             else:
                 tcp_indexes.append(index)
-        slices: list[Slice] = []
-        if tcp_indexes:
-            settings = self.settings
-            plan = plan_slices(
-                [requests[i].length for i in tcp_indexes],
-                settings.connections_per_peer,
-                settings.slice_bytes,
-                settings.min_slice_bytes,
-            )
-            names: dict[str, bytes] = {}
-            for piece in plan:
-                index = tcp_indexes[piece.index]
-                req = requests[index]
-                name = names.get(req.remote_segment)
-                if name is None:
-                    name = names[req.remote_segment] = req.remote_segment.encode("utf-8")
-                slices.append(
-                    Slice(
-                        handle,
-                        index,
-                        req.op == "read",
-                        req.local[piece.start : piece.start + piece.length],
-                        name,
-                        req.remote_offset + piece.start,
-                        piece.length,
-                        req.token,
-                    )
-                )
+        tcp_peer = self._peer(peer) if tcp_indexes else None
+        slices = self._slices(handle, requests, tcp_indexes)
+        for index, item in enumerate(shm_items):
+            if item is not None:
                 handle._expect(index, 1)
+        for index, _ in rdma_items:
+            handle._expect(index, 1)
         handle._seal()
+        if slices:
+            assert tcp_peer is not None
+            tcp_peer.enqueue(slices)
         if rdma_items:
             assert rdma_peer is not None
             rdma_peer.submit(handle, rdma_items)
-        if slices:
-            self._peer(peer).enqueue(slices)
+        for index, item in enumerate(shm_items):
+            if item is not None:
+                handle._complete(index, self._shm.transfer(peer, item))
         return handle
+
+    def _slices(self, handle: BatchHandle, requests: Sequence[TransferRequest], indexes: list[int]) -> list[Slice]:
+        """Cut the TCP requests into slices and register them with ``handle``."""
+        if not indexes:
+            return []
+        settings = self.settings
+        plan = plan_slices(
+            [requests[i].length for i in indexes],
+            settings.connections_per_peer,
+            settings.slice_bytes,
+            settings.min_slice_bytes,
+        )
+        names: dict[str, bytes] = {}
+        slices: list[Slice] = []
+        for piece in plan:
+            index = indexes[piece.index]
+            req = requests[index]
+            name = names.get(req.remote_segment)
+            if name is None:
+                name = names[req.remote_segment] = req.remote_segment.encode("utf-8")
+            slices.append(
+                Slice(
+                    handle,
+                    index,
+                    req.op == "read",
+                    req.local[piece.start : piece.start + piece.length],
+                    name,
+                    req.remote_offset + piece.start,
+                    piece.length,
+                    req.token,
+                )
+            )
+            handle._expect(index, 1)
+        return slices
 
     def transfer(
         self, peer: str, requests: Sequence[TransferRequest], timeout: float | None = None
@@ -185,6 +202,14 @@ class TransferEngine:
             if peer is None:
                 peer = self._peers[address] = TcpPeer(address, self._tcp_settings)
         return peer
+
+    def disconnect(self, peer: str) -> None:
+        """Drop ``peer``'s connections and workers (e.g. it left the ring); its queued requests
+        fail with CONNECTION. A later submit to it starts afresh. Shared/RDMA attachments stay."""
+        with self._lock:
+            tcp_peer = self._peers.pop(peer, None)
+        if tcp_peer is not None:
+            tcp_peer.close()
 
     def close(self) -> None:
         """Fail what is still queued, stop every worker, unmap shared segments."""

@@ -374,3 +374,20 @@ def test_bad_peer_address_fails_fast() -> None:
 
 def test_unpack_struct_sanity() -> None:
     assert struct.calcsize("<4sBBHQQQQ64s") == REQUEST.size == 104
+
+
+def test_disconnect_peer_then_reuse(make_remote: MakeRemote) -> None:
+    remote = make_remote("tcp")
+    seg = remote.segment("arena", 4096)
+    data = _fill(seg)
+    buf = bytearray(4096)
+    req = TransferRequest("read", memoryview(buf), "arena", 0, 4096)
+    assert remote.engine.submit(remote.address, [req]).wait(10)[0].ok
+    remote.engine.disconnect(remote.address)
+    deadline = time.monotonic() + 5
+    while remote.server.connection_count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert remote.server.connection_count == 0
+    buf[:] = bytes(4096)
+    assert remote.engine.submit(remote.address, [req]).wait(10)[0].ok
+    assert bytes(buf) == data.tobytes()
