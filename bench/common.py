@@ -132,7 +132,8 @@ class Row:
     reps: int = 0
     note: str = ""
     status: str = "ok"
-    """'ok', or 'unavailable' (the system could not run; note says why), or 'failed'."""
+    """'ok'; 'errors' (measured, but some items failed or the bytes/answers were wrong: the
+    note says what; such a row enters no ratio); 'unavailable' (the system could not run)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -151,7 +152,14 @@ def row_from_times(system: str, op: str, value_size: int | None, batch: int | No
     gbps = None
     if with_bytes and value_size and batch and p50 > 0:
         gbps = value_size * batch / p50 / 1e9
-    return Row(system, op, value_size, batch, gbps, p50 * 1e3, p99 * 1e3, len(t), note)
+    row = Row(system, op, value_size, batch, gbps, p50 * 1e3, p99 * 1e3, len(t), note)
+    if any(m in note for m in ERROR_MARKERS):
+        row.status = "errors"
+    return row
+
+
+ERROR_MARKERS = ("item failures", "VERIFY FAILED", "WRONG")
+"""Words the system modules put in a row's note when items failed or answers were wrong."""
 
 
 def unavailable(system: str, reason: str, op: str = "-") -> Row:

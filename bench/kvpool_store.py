@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -61,10 +62,28 @@ def item_ok(status: Any) -> bool:
     return bool(status)
 
 
-def bad_items(statuses: Any) -> int:
+def bad_items(statuses: Any, seen: Counter[str] | None = None) -> int:
+    """How many items failed; their statuses are counted into `seen` (for the row note)."""
     if statuses is None:
         return 0
-    return sum(1 for s in statuses if not item_ok(s))
+    bad = [s for s in statuses if not item_ok(s)]
+    if seen is not None:
+        seen.update(_status_name(s) for s in bad)
+    return len(bad)
+
+
+def _status_name(status: Any) -> str:
+    try:
+        from kvpool.proto import store_pb2 as pb  # the store's status enum, when it is there
+        return str(pb.Code.Name(status))
+    except Exception:
+        return str(getattr(status, "name", status))
+
+
+def _failures_note(n: int, seen: Counter[str]) -> str:
+    if not n:
+        return ""
+    return f"; {n} item failures ({', '.join(f'{k} x{c}' for k, c in seen.most_common())})"
 
 
 def import_client() -> Any:
@@ -142,34 +161,34 @@ def _measure(ctx: Context, client: Any, dram: int, can_remove: bool) -> list[Row
         keys: list[bytes] = []
         times: list[float] = []
         failures = 0
+        seen: Counter[str] = Counter()
         total = plan.warmup + reps
         for i in range(total):
             keys = keys32(f"kvpool-{v}-{nb}-{i}", nb)
             t0 = time.perf_counter()
             st = client.put(keys, vals)
             dt = time.perf_counter() - t0
-            failures += bad_items(st)
+            failures += bad_items(st, seen)
             if i >= plan.warmup:
                 times.append(dt)
             if can_remove and i != total - 1:
                 client.remove(keys)  # untimed: keep the tier from filling up
         rows.append(row_from_times(SYSTEM, "put", v, nb, times,
-                                   note=note_dram + (f"; {failures} item failures"
-                                                     if failures else "")))
+                                   note=note_dram + _failures_note(failures, seen)))
         dst[:v * nb].fill(0)
         times = []
         failures = 0
+        seen = Counter()
         for i in range(total):
             t0 = time.perf_counter()
             st = client.get_into(keys, outs)
             dt = time.perf_counter() - t0
-            failures += bad_items(st)
+            failures += bad_items(st, seen)
             if i >= plan.warmup:
                 times.append(dt)
         ok = np.array_equal(dst[:v * nb], src[:v * nb])
         rows.append(row_from_times(SYSTEM, "get", v, nb, times,
-                                   note="get_into" + (f"; {failures} item failures"
-                                                      if failures else "")
+                                   note="get_into" + _failures_note(failures, seen)
                                    + ("" if ok else "; VERIFY FAILED")))
         ctx.log(f"[kvpool_store] {size_label(v)} x {nb}: put {rows[-2].gbps:.2f} "
                 f"get {rows[-1].gbps:.2f} GB/s")

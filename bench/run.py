@@ -121,9 +121,9 @@ RATIOS_DOC = {
 def ratio_values(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, float | None],
                                                                  dict[str, str]]:
     """Each ratio of `table` from one round's rows; why a ratio could not be computed."""
-    def find(system: str, op: str, kind: str) -> Row | None:
+    def cell(system: str, op: str, kind: str) -> Row | None:
         for r in rows:
-            if r.system != system or r.op != op or r.status != "ok":
+            if r.system != system or r.op != op or r.status == "unavailable":
                 continue
             if kind == "time" and r.batch == EXISTS_KEYS:
                 return r
@@ -131,13 +131,21 @@ def ratio_values(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, float 
                 return r
         return None
 
+    def find(system: str, op: str, kind: str) -> Row | None:
+        r = cell(system, op, kind)
+        return r if r is not None and r.status == "ok" else None
+
+    def why(system: str, op: str, kind: str) -> str:
+        r = cell(system, op, kind)
+        return f"{system}/{op} " + ("not measured" if r is None else "had errors")
+
     values: dict[str, float | None] = {}
     missing: dict[str, str] = {}
     for name, (kind, num, den, _target, _text) in table.items():
         a, b = find(*num, kind), find(*den, kind)
         value: float | None = None
         if a is None or b is None:
-            missing[name] = ", ".join(f"{s}/{o} not measured" for (s, o), r in
+            missing[name] = ", ".join(why(*side, kind) for side, r in
                                       ((num, a), (den, b)) if r is None)
         elif kind == "throughput" and a.gbps and b.gbps:
             value = a.gbps / b.gbps
@@ -198,7 +206,7 @@ def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
         rs = groups[k]
         ok = [r for r in rs if r.status == "ok"]
         if not ok:
-            out.append(rs[0])
+            out.append(next((r for r in rs if r.status == "errors"), rs[0]))
             continue
         m = Row(ok[0].system, ok[0].op, ok[0].value_size, ok[0].batch,
                 med([r.gbps for r in ok]), med([r.p50_ms for r in ok]),
@@ -228,13 +236,14 @@ def format_table(rows: list[Row]) -> str:
     head = ["system", "op", "value", "batch", "GB/s", "p50 ms", "p99 ms", "n", "note"]
     body = []
     for r in rows:
-        if r.status != "ok":
+        if r.status == "unavailable":
             body.append([r.system, r.op, "-", "-", "-", "-", "-", "-",
                          f"{r.status.upper()}: {r.note}"])
             continue
+        note = r.note if r.status == "ok" else f"{r.status.upper()}: {r.note}"
         body.append([r.system, r.op, size_label(r.value_size),
                      "-" if r.batch is None else str(r.batch), _fmt(r.gbps), _fmt(r.p50_ms),
-                     _fmt(r.p99_ms), str(r.reps), r.note])
+                     _fmt(r.p99_ms), str(r.reps), note])
     widths = [max(len(head[i]), *(len(b[i].splitlines()[0] if b[i] else "") for b in body))
               if body else len(head[i]) for i in range(len(head) - 1)]
     lines = ["  ".join(h.ljust(w) if i < 2 or i == 8 else h.rjust(w)
@@ -380,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(load_before, load_after) > 1.5:
         print(f"WARNING: load average {load_before:.1f} before / {load_after:.1f} after the run "
               f"on {os.cpu_count()} cores: other work shared the CPUs, numbers are noisy")
-    keep = args.keep_logs or interrupted or any(r.status != "ok" for r in rows)
+    keep = args.keep_logs or interrupted or any(r.status == "unavailable" for r in rows)
     print(f"elapsed {time.monotonic() - started:.0f}s; logs in {work_dir}"
           + ("" if keep else " (removed)"))
 
