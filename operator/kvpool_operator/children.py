@@ -1,0 +1,234 @@
+"""Builders of a KVPool's children: StatefulSet, headless Service, ConfigMap, PDB, ServiceAccount,
+admin Secret. Pure: (pool, node layout, settings) → manifests as plain dicts, ready for a
+server-side apply; every child carries an ownerReference to the pool, so deleting the pool
+deletes them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .model import API_VERSION, STORE_POOL_LABEL, NodeLayout, PoolSpec
+from .settings import Settings
+from .units import format_quantity
+
+CONFIG_DIR = "/etc/kvpool/config"
+CONFIG_KEY = "node.json"
+ADMIN_DIR = "/etc/kvpool/admin"
+ADMIN_KEY = "token"
+SSD_DIR = "/var/lib/kvpool/ssd"
+SHAREDFS_DIR = "/mnt/kvpool-sharedfs"
+STORE_SHM_DIR = "/run/kvpool-store"
+CONFIG_HASH_ANNOTATION = "kvpool.io/config-hash"
+
+Manifest = dict[str, Any]
+
+
+def store_name(pool: PoolSpec) -> str:
+    return f"{pool.name}-store"
+
+
+def config_name(pool: PoolSpec) -> str:
+    return f"{pool.name}-store-config"
+
+
+def admin_secret_name(pool: PoolSpec) -> str:
+    return f"{pool.name}-store-admin"
+
+
+def selector_labels(pool: PoolSpec) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvpool", "app.kubernetes.io/component": "store",
+            "app.kubernetes.io/instance": pool.name, STORE_POOL_LABEL: pool.name}
+
+
+def selector_string(pool: PoolSpec) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(pool).items()))
+
+
+def common_labels(pool: PoolSpec) -> dict[str, str]:
+    return {**selector_labels(pool), "app.kubernetes.io/managed-by": "kvpool-operator"}
+
+
+def owner_reference(pool: PoolSpec) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": "KVPool", "name": pool.name, "uid": pool.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(pool: PoolSpec, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": pool.namespace, "labels": {**common_labels(pool), **(labels or {})},
+            "ownerReferences": [owner_reference(pool)]}
+
+
+def service_address(pool: PoolSpec) -> str:
+    """The pool's DNS name (headless Service: every ready store pod)."""
+    return f"{store_name(pool)}.{pool.namespace}.svc:{pool.port}"
+
+
+# -------------------------------------------------------------------------------- node config
+
+
+def node_config(pool: PoolSpec, layout: NodeLayout) -> dict[str, Any]:
+    """The JSON a store node reads with ``--config`` (see kvpool.store.config)."""
+    cfg: dict[str, Any] = {
+        "dramBytes": layout.dram_bytes,
+        "watermarks": {"high": layout.dram.high_watermark, "low": layout.dram.low_watermark},
+        "ttlSeconds": {k: int(v) for k, v in sorted(pool.ttl_seconds.items())},
+        "closed": pool.default_tenant is None,
+        "shmDir": STORE_SHM_DIR,
+    }
+    if layout.ssd is not None:
+        cfg["ssdPath"] = SSD_DIR
+        cfg["ssdBytes"] = layout.ssd.capacity_bytes or 0
+    if layout.sharedfs is not None:
+        cfg["sharedfsPath"] = f"{SHAREDFS_DIR}/{layout.sharedfs.sharedfs_subpath}".rstrip("/")
+    return cfg
+
+
+def restart_hash(cfg: Mapping[str, Any]) -> str:
+    """Hash of what a node reads only at start. TTLs and watermarks are pushed live (SetPolicy),
+    so changing them must not restart the nodes and lose their DRAM contents."""
+    fixed = {k: v for k, v in cfg.items() if k not in ("ttlSeconds", "watermarks")}
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_map(pool: PoolSpec, layout: NodeLayout) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(pool, config_name(pool)),
+            "data": {CONFIG_KEY: json.dumps(node_config(pool, layout), sort_keys=True, indent=2)}}
+
+
+def admin_secret(pool: PoolSpec, token: str) -> Manifest:
+    """The admin token of the pool's nodes; created once (never re-applied: that would rotate it)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _meta(pool, admin_secret_name(pool)),
+            "stringData": {ADMIN_KEY: token}}
+
+
+# --------------------------------------------------------------------------------- workloads
+
+
+def store_resources(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> dict[str, Any]:
+    """The user's resources, with memory sized from the DRAM tier and a CPU request where unset."""
+    limits = dict(pool.resources.get("limits") or {})
+    requests = dict(pool.resources.get("requests") or {})
+    assert layout.memory_limit_bytes is not None
+    mem = format_quantity(layout.memory_limit_bytes)
+    limits.setdefault("memory", mem)
+    requests.setdefault("memory", limits["memory"])
+    requests.setdefault("cpu", settings.store_cpu_request)
+    return {"limits": limits, "requests": requests}
+
+
+def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> dict[str, Any]:
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+              {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True},
+              {"name": "shm", "mountPath": STORE_SHM_DIR}]
+    if layout.ssd is not None:
+        mounts.append({"name": "ssd", "mountPath": SSD_DIR})
+    if layout.sharedfs is not None:
+        mounts.append({"name": "sharedfs", "mountPath": SHAREDFS_DIR})
+    probe = {"tcpSocket": {"port": "control"}}
+    return {
+        "name": "store",
+        "image": pool.image or settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": [*settings.command, "store"],
+        # The pod IP, not 0.0.0.0: the harness runs pods as processes sharing one host.
+        "args": ["--listen", f"$(POD_IP):{pool.port}", "--transfer-port", str(pool.transfer_port),
+                 "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--node-id", "$(POD_NAME)",
+                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                {"name": "KVPOOL_NODE_ID", "value": "$(POD_NAME)"}],
+        "ports": [{"name": "control", "containerPort": pool.port, "protocol": "TCP"},
+                  {"name": "transfer", "containerPort": pool.transfer_port, "protocol": "TCP"}],
+        "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {**probe, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": store_resources(pool, layout, settings),
+        "volumeMounts": mounts,
+    }
+
+
+def volume_claim_templates(pool: PoolSpec, layout: NodeLayout) -> list[dict[str, Any]]:
+    if layout.ssd is None:
+        return []
+    tier = layout.ssd
+    size = tier.claim_bytes or int((tier.capacity_bytes or 0) * 1.05)
+    spec: dict[str, Any] = {"accessModes": list(tier.access_modes),
+                            "resources": {"requests": {"storage": format_quantity(size)}}}
+    if tier.storage_class:
+        spec["storageClassName"] = tier.storage_class
+    return [{"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": "ssd", "labels": selector_labels(pool)}, "spec": spec}]
+
+
+def stateful_set(pool: PoolSpec, layout: NodeLayout, settings: Settings, replicas: int) -> Manifest:
+    """The store nodes; ``replicas`` comes from the scaling/drain plan, never straight from spec."""
+    cfg = node_config(pool, layout)
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_name(pool)}},
+        {"name": "admin", "secret": {"secretName": admin_secret_name(pool), "defaultMode": 0o400}},
+        {"name": "shm", "emptyDir": {"medium": "Memory",
+                                     "sizeLimit": format_quantity(layout.dram_bytes + settings.shm_slack_bytes)}},
+    ]
+    if layout.sharedfs is not None and layout.sharedfs.sharedfs_volume is not None:
+        volumes.append({**dict(layout.sharedfs.sharedfs_volume), "name": "sharedfs"})
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": store_name(pool),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        # Long enough for a node to finish a drain it was asked to do before it got SIGTERM.
+        "terminationGracePeriodSeconds": pool.grace_period_seconds + 30,
+        "containers": [store_container(pool, layout, settings)],
+        "volumes": volumes,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in pool.tolerations]
+    spec: dict[str, Any] = {
+        "replicas": replicas,
+        "serviceName": store_name(pool),
+        # All at once: store nodes do not depend on each other, and the ring is built from the ready ones.
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector_labels(pool)},
+        "updateStrategy": {"type": "RollingUpdate"},
+        # Scaled-away claims hold a cache nobody will read again.
+        "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Delete"},
+        "template": {
+            "metadata": {"labels": {**common_labels(pool), **settings.store_labels},
+                         "annotations": {CONFIG_HASH_ANNOTATION: restart_hash(cfg)}},
+            "spec": pod_spec,
+        },
+    }
+    claims = volume_claim_templates(pool, layout)
+    if claims:
+        spec["volumeClaimTemplates"] = claims
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(pool, store_name(pool)), "spec": spec}
+
+
+def headless_service(pool: PoolSpec) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, store_name(pool)),
+            "spec": {"clusterIP": "None", "selector": selector_labels(pool), "publishNotReadyAddresses": False,
+                     "ports": [{"name": "control", "port": pool.port, "targetPort": "control"},
+                               {"name": "transfer", "port": pool.transfer_port, "targetPort": "transfer"}]}}
+
+
+def pod_disruption_budget(pool: PoolSpec) -> Manifest:
+    # One node at a time: a voluntary eviction costs that node's share of the cache.
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(pool, store_name(pool)),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(pool)}}}
+
+
+def service_account(pool: PoolSpec) -> Manifest:
+    # Store nodes never call the Kubernetes API: no token, no RBAC.
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool, store_name(pool)),
+            "automountServiceAccountToken": False}
+
+
+def children(pool: PoolSpec, layout: NodeLayout, settings: Settings, replicas: int) -> list[Manifest]:
+    """Everything re-applied on each reconcile (the admin Secret is created once, separately)."""
+    return [service_account(pool), config_map(pool, layout), headless_service(pool), pod_disruption_budget(pool),
+            stateful_set(pool, layout, settings, replicas)]

@@ -1,0 +1,213 @@
+"""The sidecar injection patch (DESIGN §8, issue 5 §3). Pure: (pod, pool, tenant binding) → patch.
+
+A pod labelled kvpool.io/pool gets a native sidecar (an init container with restartPolicy
+Always running ``kvpool sidecar``, ready when its socket exists), a shared-memory emptyDir at
+/run/kvpool in the sidecar and every app container, KVPOOL_ADDRESS, its tenant's credential
+Secret, the pool's seed addresses and a termination grace covering the sidecar's drain.
+
+Rules: idempotent (the ``kvpool.io/injected`` annotation, or a sidecar already there, means
+"leave it"); every skip says why in ``kvpool.io/skip-reason``; a value the user set (an env var,
+a volume or container of the same name, a longer grace) is never overwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .children import service_address
+from .membership import ring_from_status, seed_addresses
+from .model import (
+    INJECTED_ANNOTATION,
+    POOL_LABEL,
+    SKIP_ANNOTATION,
+    PoolSpec,
+    TenantSpec,
+    parse_pool,
+    parse_pool_ref,
+)
+from .settings import Settings
+from .units import format_quantity
+
+SIDECAR_NAME = "kvpool-sidecar"
+SHM_VOLUME = "kvpool-shm"
+TENANT_VOLUME = "kvpool-tenant"
+OPT_OUT_ANNOTATION = "kvpool.io/inject"
+DEFAULT_GRACE = 30  # Kubernetes' default terminationGracePeriodSeconds
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What injection needs of a pool (kept in the webhook's index, so any replica can answer)."""
+
+    namespace: str
+    name: str
+    local_bytes: int
+    drain_seconds: int
+    block_tokens: int = 128
+    image: str | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    allowed_namespaces: tuple[str, ...] = ()
+    default_tenant: str | None = None
+    seeds: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+
+def pool_view(pool: PoolSpec, status: Mapping[str, Any] | None) -> PoolView:
+    seeds = seed_addresses(ring_from_status(status), service_address(pool))
+    return PoolView(pool.namespace, pool.name, pool.local_bytes, pool.drain_seconds, pool.block_tokens,
+                    pool.sidecar_image, dict(pool.sidecar_resources), pool.allowed_namespaces, pool.default_tenant,
+                    tuple(seeds))
+
+
+def pool_view_from_body(body: Mapping[str, Any]) -> PoolView:
+    return pool_view(parse_pool(body), body.get("status"))
+
+
+@dataclass(frozen=True)
+class Injection:
+    injected: bool
+    reason: str
+    """CamelCase: Injected, AlreadyInjected, OptedOut, InvalidPoolLabel, NoSuchPool, NamespaceNotAllowed,
+    NoTenant, TenantConflict, TenantNotAdmitted."""
+    message: str
+    patch: dict[str, Any]
+    """A merge patch of the pod (lists given whole)."""
+    tenant: str | None = None
+
+
+def _skip(reason: str, message: str, annotations: Mapping[str, str]) -> Injection:
+    value = f"{reason}: {message}"
+    patch: dict[str, Any] = {}
+    if annotations.get(SKIP_ANNOTATION) != value:
+        patch = {"metadata": {"annotations": {SKIP_ANNOTATION: value}}}
+    return Injection(False, reason, message, patch)
+
+
+def _has_env(container: Mapping[str, Any], name: str) -> bool:
+    return any(e.get("name") == name for e in container.get("env") or [])
+
+
+def plan_injection(pod: Mapping[str, Any], namespace: str, pools: Mapping[tuple[str, str], PoolView],
+                   bindings: Sequence[TenantSpec], settings: Settings) -> Injection:
+    """Decide and build the patch for one pod being created in ``namespace``.
+
+    ``pools``: known pools by (namespace, name); ``bindings``: the TenantNamespaces that list
+    ``namespace`` (more than one tenant is a conflict).
+    """
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    annotations: Mapping[str, str] = meta.get("annotations") or {}
+    labels: Mapping[str, str] = meta.get("labels") or {}
+    inits: list[dict[str, Any]] = list(spec.get("initContainers") or [])
+    containers: list[dict[str, Any]] = list(spec.get("containers") or [])
+
+    if INJECTED_ANNOTATION in annotations:
+        return _skip("AlreadyInjected", f"annotation {INJECTED_ANNOTATION} is set", annotations)
+    if any(c.get("name") == SIDECAR_NAME for c in inits + containers):
+        return _skip("AlreadyInjected", f"the pod already has a container named {SIDECAR_NAME}", annotations)
+    if str(annotations.get(OPT_OUT_ANNOTATION, "")).lower() in ("false", "no", "off", "0"):
+        return _skip("OptedOut", f"annotation {OPT_OUT_ANNOTATION}={annotations[OPT_OUT_ANNOTATION]}", annotations)
+    ref = parse_pool_ref(str(labels.get(POOL_LABEL, "")), namespace)
+    if ref is None:
+        return _skip("InvalidPoolLabel", f"label {POOL_LABEL} must be <name> or <namespace>.<name>, "
+                                         f"got {labels.get(POOL_LABEL)!r}", annotations)
+    pool = pools.get(ref)
+    if pool is None:
+        return _skip("NoSuchPool", f"KVPool {ref[1]} not found in namespace {ref[0]}", annotations)
+    if pool.allowed_namespaces and namespace not in pool.allowed_namespaces:
+        return _skip("NamespaceNotAllowed", f"KVPool {pool.key} admits pods of {', '.join(pool.allowed_namespaces)} "
+                                            f"only", annotations)
+    tenant_ids = sorted({b.tenant_id for b in bindings})
+    tenant: TenantSpec | None = None
+    if len(tenant_ids) > 1:
+        return _skip("TenantConflict", f"namespace {namespace} is bound to several tenants: {', '.join(tenant_ids)}",
+                     annotations)
+    if tenant_ids:
+        tenant = next((b for b in bindings if b.pool(pool.key) is not None), None)
+        if tenant is None:
+            return _skip("TenantNotAdmitted", f"tenant {tenant_ids[0]} of namespace {namespace} does not list pool "
+                                              f"{pool.key} in its TenantNamespace", annotations)
+    elif pool.default_tenant is None:
+        return _skip("NoTenant", f"namespace {namespace} is bound to no TenantNamespace and KVPool {pool.key} admits "
+                                 "no default tenant (spec.tenancy.defaultTenant)", annotations)
+    return _inject(pod, pool, tenant, inits, containers, settings)
+
+
+def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Settings) -> dict[str, Any]:
+    args = ["--socket", settings.socket_path, "--pool", ",".join(pool.seeds), "--local", str(pool.local_bytes),
+            "--drain-seconds", str(pool.drain_seconds)]
+    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": settings.socket_dir}]
+    if tenant is not None:
+        args += ["--tenant", tenant.tenant_id, "--credentials", f"{settings.credentials_dir}/credentials.json"]
+        mounts.append({"name": TENANT_VOLUME, "mountPath": settings.credentials_dir, "readOnly": True})
+    if settings.sidecar_metrics_port:
+        args += ["--metrics-port", str(settings.sidecar_metrics_port)]
+    c: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": pool.image or settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        # A native sidecar: starts before the app containers, stops after them (so it can drain).
+        "restartPolicy": "Always",
+        "command": [*settings.command, "sidecar"],
+        "args": args,
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "startupProbe": {"exec": {"command": ["test", "-S", settings.socket_path]},
+                         "periodSeconds": 1, "failureThreshold": 120},
+        "volumeMounts": mounts,
+    }
+    if settings.sidecar_metrics_port:
+        c["ports"] = [{"name": "kvpool-metrics", "containerPort": settings.sidecar_metrics_port}]
+    if pool.resources:
+        c["resources"] = dict(pool.resources)
+    return c
+
+
+def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, inits: list[dict[str, Any]],
+            containers: list[dict[str, Any]], settings: Settings) -> Injection:
+    spec = pod.get("spec") or {}
+    volumes: list[dict[str, Any]] = list(spec.get("volumes") or [])
+    names = {v.get("name") for v in volumes}
+    if SHM_VOLUME not in names:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {
+            "medium": "Memory", "sizeLimit": format_quantity(pool.local_bytes + settings.shm_slack_bytes)}})
+    if tenant is not None and TENANT_VOLUME not in names:
+        volumes.append({"name": TENANT_VOLUME, "secret": {"secretName": tenant.secret_name, "defaultMode": 0o440}})
+
+    new_containers = []
+    for c in containers:
+        c = dict(c)
+        mounts = list(c.get("volumeMounts") or [])
+        if not any(m.get("name") == SHM_VOLUME or m.get("mountPath") == settings.socket_dir for m in mounts):
+            mounts.append({"name": SHM_VOLUME, "mountPath": settings.socket_dir})
+        c["volumeMounts"] = mounts
+        env = list(c.get("env") or [])
+        for name, value in (("KVPOOL_ADDRESS", settings.client_address),
+                            ("KVPOOL_BLOCK_TOKENS", str(pool.block_tokens))):
+            if not _has_env(c, name):
+                env.append({"name": name, "value": value})
+        c["env"] = env
+        new_containers.append(c)
+
+    spec_patch: dict[str, Any] = {
+        # First, so that the user's own init containers can already use the pool.
+        "initContainers": [sidecar_container(pool, tenant, settings), *inits],
+        "containers": new_containers,
+        "volumes": volumes,
+    }
+    grace = spec.get("terminationGracePeriodSeconds")
+    need = pool.drain_seconds + settings.termination_margin_seconds
+    if (grace if grace is not None else DEFAULT_GRACE) < need:
+        spec_patch["terminationGracePeriodSeconds"] = need
+    annotations: dict[str, Any] = {INJECTED_ANNOTATION: pool.key}
+    if SKIP_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {}):
+        annotations[SKIP_ANNOTATION] = None  # copied from a template that was skipped before
+    who = f"tenant {tenant.tenant_id}" if tenant else f"default tenant {pool.default_tenant}"
+    return Injection(True, "Injected", f"sidecar of KVPool {pool.key} for {who}",
+                     {"metadata": {"annotations": annotations}, "spec": spec_patch},
+                     tenant.tenant_id if tenant else pool.default_tenant)
