@@ -13,13 +13,15 @@ import struct
 #: surfaces as EAGAIN (``BlockingIOError``); a Python-level timeout as ``TimeoutError``.
 STALL_ERRORS = (TimeoutError, BlockingIOError)
 
-#: Kernel socket buffers; large ones keep a 1 MiB slice in flight without stalls on loopback.
-SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+#: Kernel socket buffers; ``None`` leaves them to the kernel's autotuning.
+SOCKET_BUFFER_BYTES: int | None = 4 * 1024 * 1024
 
 
 def tune(sock: socket.socket) -> None:
     """Low latency for small pipelined headers, big buffers for bulk payload."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if SOCKET_BUFFER_BYTES is None:
+        return
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)

@@ -81,7 +81,7 @@ def decode_request(data: bytes | bytearray | memoryview) -> RequestHeader:
         raise ProtocolError(f"unknown op {op}")
     if not 0 < name_len <= MAX_SEGMENT_NAME_BYTES:
         raise ProtocolError(f"bad segment name length {name_len}")
-    if any(raw_name[name_len:]):
+    if raw_name[name_len:].strip(b"\x00"):
         raise ProtocolError("segment name padding is not zero")
     try:
         name = raw_name[:name_len].decode("utf-8")

@@ -48,6 +48,8 @@ class TcpSettings:
     """Slices outstanding per connection (pipelining depth for small requests)."""
     window_bytes: int = 4 << 20
     """Payload bytes outstanding per connection; a slice larger than this still goes alone."""
+    read_burst: int = 32
+    """Reads a connection sends ahead of a waiting write before it lets the write through."""
 
 
 def parse_address(peer: str) -> tuple[str, int]:
@@ -129,6 +131,7 @@ class _Worker(threading.Thread):
         self.inflight: collections.deque[Slice] = collections.deque()
         self.inflight_reads = 0
         self.inflight_bytes = 0
+        self.reads_since_write = 0
         self.next_id = 1
         self.response = bytearray(RESPONSE_SIZE)
         self.response_view = memoryview(self.response)
@@ -169,11 +172,16 @@ class _Worker(threading.Thread):
             window = self.inflight_bytes
             reads_due = self.inflight_reads
             while count < settings.max_inflight and (count == 0 or window < settings.window_bytes):
-                if peer.reads:
+                # Reads first, but a waiting write gets its turn after a burst of reads, so a
+                # steady read load cannot starve writes.
+                if peer.reads and not (peer.writes and self.reads_since_write >= settings.read_burst):
                     s = peer.reads.popleft()
                     reads_due += 1
+                    if peer.writes:
+                        self.reads_since_write += 1
                 elif peer.writes and reads_due == 0:
                     s = peer.writes.popleft()
+                    self.reads_since_write = 0
                 else:
                     break
                 take.append(s)
