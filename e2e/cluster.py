@@ -339,17 +339,26 @@ class Cluster:
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
+def _http_status(url: str, ctx: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """GET ``url``; (status, body). Error responses are closed here: a leaked socket would be a
+    ResourceWarning, which the test configuration turns into an error."""
+    try:
+        with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
+            return int(resp.status), bytes(resp.read()).strip()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return int(exc.code), bytes(exc.read()).strip()
+
+
 def _http_get(url: str, ctx: ssl.SSLContext | None = None) -> bytes:
-    with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
-        return bytes(resp.read()).strip()
+    status, body = _http_status(url, ctx)
+    if status != 200:
+        raise RuntimeError(f"GET {url}: HTTP {status}: {body[:200]!r}")
+    return body
 
 
 def _http_ok(url: str, ctx: ssl.SSLContext) -> bool:
-    try:
-        _http_get(url, ctx)
-        return True
-    except urllib.error.HTTPError:
-        return False
+    return _http_status(url, ctx)[0] == 200
 
 
 def _terminate(proc: subprocess.Popen[bytes], grace: float) -> None:

@@ -178,9 +178,9 @@ MAIN_PROGRAM = """
             return True
         except OSError:
             return False
-    note("main-start" if sidecar_up() else "main-start-without-sidecar")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    note("main-start" if sidecar_up() else "main-start-without-sidecar")
     while not stopping:
         time.sleep(0.05)
     note("main-term")
@@ -222,6 +222,10 @@ def test_native_sidecar_starts_first_and_stops_last(cluster: Cluster, api: clien
     (sidecar_status,) = live["status"]["initContainerStatuses"]
     assert sidecar_status["started"] and "running" in sidecar_status["state"]
 
+    # Ready means running here (no readiness probe); wait until the program has installed its
+    # SIGTERM handler, else the deletion below would race the interpreter's start-up.
+    wait_for(lambda: "main-start" in [w for w, _ in read_events(tmp_path / "with-sidecar.log")],
+             30, "main container started")
     core.delete_namespaced_pod("with-sidecar", namespace)
     wait_for(lambda: get_pod(api, namespace, "with-sidecar") is None, 30, "pod deleted")
     events = read_events(tmp_path / "with-sidecar.log")
@@ -271,7 +275,8 @@ REPORT_PROGRAM = """
     import json, os, sys
     from kubernetes import client, config
     config.load_incluster_config()  # token, CA and host from the pod's service-account mount
-    review = client.AuthenticationV1Api().create_self_subject_review({"spec": {}})
+    review = client.AuthenticationV1Api().create_self_subject_review(
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
     mountinfo = open("/proc/self/mountinfo").read().splitlines()
     def fstype(path):
         for line in mountinfo:
@@ -335,7 +340,7 @@ def test_env_volumes_and_in_cluster_access(cluster: Cluster, api: client.ApiClie
         },
     })
     pod = wait_pod(api, namespace, "reporter", finished, 60, "pod done")
-    assert pod["status"]["phase"] == "Succeeded", cluster.logs()
+    assert pod["status"]["phase"] == "Succeeded", cluster.logs().rsplit("===== pod", 1)[-1]
     term = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     assert term["exitCode"] == 0
     out = json.loads((tmp_path / "reporter.log").read_text())
