@@ -1,5 +1,7 @@
 """Typed views of the custom resources: defaults, validation, tier resolution."""
 
+from typing import Any
+
 import pytest
 
 from kvpool_operator.model import (
@@ -10,8 +12,7 @@ from kvpool_operator.model import (
     parse_tier,
     resolve_layout,
 )
-
-from .conftest import pool_body, tenant_body, tier_body
+from kvpool_operator.testing import pool_body, tenant_body, tier_body
 
 
 def test_pool_defaults() -> None:
@@ -42,7 +43,7 @@ def test_pool_ttl_override_and_annotation() -> None:
     ({"storage": {"tiers": ["a", "a"]}}, "twice"),
     ({"blockTokens": 0}, "blockTokens"),
 ])
-def test_pool_invalid(spec: dict[str, object], match: str) -> None:
+def test_pool_invalid(spec: dict[str, Any], match: str) -> None:
     with pytest.raises(SpecError, match=match):
         parse_pool(pool_body(**spec))
 
@@ -50,10 +51,11 @@ def test_pool_invalid(spec: dict[str, object], match: str) -> None:
 def test_tier_parse_and_invalid() -> None:
     t = parse_tier(tier_body("d", capacity={"bytes": "8Gi"}, watermarks={"high": 0.9, "low": 0.8}))
     assert (t.capacity_bytes, t.high_watermark, t.low_watermark, t.write_policy) == (8 << 30, 0.9, 0.8, "write-back")
-    for spec, match in [({"capacity": {}}, "exactly one"),
+    cases: list[tuple[dict[str, Any], str]] = [({"capacity": {}}, "exactly one"),
                         ({"capacity": {"bytes": "1Gi", "memoryFraction": 0.5}}, "exactly one"),
                         ({"watermarks": {"high": 0.5, "low": 0.6}}, "low < high"),
-                        ({"medium": "tape"}, "medium")]:
+                        ({"medium": "tape"}, "medium")]
+    for spec, match in cases:
         with pytest.raises(SpecError, match=match):
             parse_tier(tier_body("x", **spec))
     with pytest.raises(SpecError, match="memoryFraction"):

@@ -1,0 +1,147 @@
+"""The injection patch: what a pod gets, idempotence, never overwriting, every skip reason."""
+
+from typing import Any
+
+import pytest
+
+from kvpool_operator.injection import (
+    SIDECAR_NAME,
+    Injection,
+    PoolView,
+    plan_injection,
+    pool_view_from_body,
+)
+from kvpool_operator.model import TenantSpec, parse_tenant
+from kvpool_operator.settings import Settings
+from kvpool_operator.testing import apply_merge_patch, pool_body, tenant_body
+
+S = Settings()
+POOL = PoolView("pools", "shared", local_bytes=64 << 20, drain_seconds=20, default_tenant="public",
+                seeds=("127.0.0.10:7400", "shared-store.pools.svc:7400"))
+CLOSED = PoolView("pools", "closed", local_bytes=64 << 20, drain_seconds=20, seeds=("svc:7400",))
+POOLS = {("pools", "shared"): POOL, ("pools", "closed"): CLOSED, ("app", "local"): PoolView("app", "local", 1, 0)}
+TEAM_A = parse_tenant(tenant_body("a", "team-a", ["app"], [{"pool": "pools.shared"}, {"pool": "pools.closed"}]))
+
+
+def _pod(label: str = "pools.shared", **spec: Any) -> dict[str, Any]:
+    s: dict[str, Any] = {"containers": [{"name": "engine", "image": "e"}, {"name": "helper", "image": "h"}]}
+    s.update(spec)
+    return {"metadata": {"name": "e-1", "labels": {"kvpool.io/pool": label}}, "spec": s}
+
+
+def _plan(pod: dict[str, Any], bindings: list[TenantSpec] | None = None, ns: str = "app") -> Injection:
+    return plan_injection(pod, ns, POOLS, bindings or [], S)
+
+
+def test_injects_everything_for_the_default_tenant() -> None:
+    r = _plan(_pod())
+    assert r.injected and r.reason == "Injected" and r.tenant == "public"
+    pod = apply_merge_patch(_pod(), r.patch)
+    side = pod["spec"]["initContainers"][0]
+    assert side["name"] == SIDECAR_NAME and side["restartPolicy"] == "Always"
+    assert side["command"] == ["kvpool", "sidecar"]
+    assert side["args"] == ["--socket", "/run/kvpool/kvpool.sock", "--pool",
+                            "127.0.0.10:7400,shared-store.pools.svc:7400", "--local", str(64 << 20),
+                            "--drain-seconds", "20"]
+    assert side["startupProbe"]["exec"]["command"] == ["test", "-S", "/run/kvpool/kvpool.sock"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["kvpool-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "80Mi"}  # 64Mi + 16Mi slack
+    assert "kvpool-tenant" not in vols
+    for c in pod["spec"]["containers"]:
+        assert {"name": "kvpool-shm", "mountPath": "/run/kvpool"} in c["volumeMounts"]
+        assert {"name": "KVPOOL_ADDRESS", "value": "unix:///run/kvpool/kvpool.sock"} in c["env"]
+    assert "terminationGracePeriodSeconds" not in pod["spec"]  # the default 30 s already covers 20 + 5
+    assert pod["metadata"]["annotations"]["kvpool.io/injected"] == "pools.shared"
+
+
+def test_tenant_credentials_are_mounted() -> None:
+    r = _plan(_pod("pools.closed"), [TEAM_A])
+    assert r.injected and r.tenant == "team-a"
+    pod = apply_merge_patch(_pod("pools.closed"), r.patch)
+    side = pod["spec"]["initContainers"][0]
+    assert side["args"][-4:] == ["--tenant", "team-a", "--credentials", "/etc/kvpool/tenant/credentials.json"]
+    assert {"name": "kvpool-tenant", "mountPath": "/etc/kvpool/tenant", "readOnly": True} in side["volumeMounts"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["kvpool-tenant"]["secret"]["secretName"] == "kvpool-tenant-team-a"
+    # The app containers never see the credentials.
+    assert all("kvpool-tenant" not in {m["name"] for m in c["volumeMounts"]} for c in pod["spec"]["containers"])
+
+
+def test_idempotent() -> None:
+    first = apply_merge_patch(_pod(), _plan(_pod()).patch)
+    again = _plan(first)
+    assert not again.injected and again.reason == "AlreadyInjected"
+    assert apply_merge_patch(first, again.patch)["spec"] == first["spec"]
+    # Even without the annotation, an existing sidecar container is not added twice.
+    del first["metadata"]["annotations"]["kvpool.io/injected"]
+    assert _plan(first).reason == "AlreadyInjected"
+
+
+def test_never_overwrites_user_values() -> None:
+    user = _pod(terminationGracePeriodSeconds=300,
+                volumes=[{"name": "kvpool-shm", "emptyDir": {}}],
+                initContainers=[{"name": "setup", "image": "s"}])
+    user["spec"]["containers"][0]["env"] = [{"name": "KVPOOL_ADDRESS", "value": "unix:///mine.sock"}]
+    user["spec"]["containers"][1]["volumeMounts"] = [{"name": "other", "mountPath": "/run/kvpool"}]
+    pod = apply_merge_patch(user, _plan(user).patch)
+    spec = pod["spec"]
+    assert spec["terminationGracePeriodSeconds"] == 300
+    assert [v for v in spec["volumes"] if v["name"] == "kvpool-shm"] == [{"name": "kvpool-shm", "emptyDir": {}}]
+    assert [c["name"] for c in spec["initContainers"]] == [SIDECAR_NAME, "setup"]
+    env0 = spec["containers"][0]["env"]
+    assert [e for e in env0 if e["name"] == "KVPOOL_ADDRESS"] == [{"name": "KVPOOL_ADDRESS", "value": "unix:///mine.sock"}]
+    assert spec["containers"][1]["volumeMounts"] == [{"name": "other", "mountPath": "/run/kvpool"}]
+
+
+def test_grace_raised_to_cover_the_drain() -> None:
+    pod = apply_merge_patch(_pod(terminationGracePeriodSeconds=5), _plan(_pod(terminationGracePeriodSeconds=5)).patch)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 25
+    slow = PoolView("pools", "shared", 1, drain_seconds=120, default_tenant="x")
+    r = plan_injection(_pod(), "app", {("pools", "shared"): slow}, [], S)
+    assert r.patch["spec"]["terminationGracePeriodSeconds"] == 125
+
+
+def test_clears_a_copied_skip_reason() -> None:
+    pod = _pod()
+    pod["metadata"]["annotations"] = {"kvpool.io/skip-reason": "NoSuchPool: old"}
+    out = apply_merge_patch(pod, _plan(pod).patch)
+    assert "kvpool.io/skip-reason" not in out["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize(("label", "bindings", "ns", "reason"), [
+    ("nope", [], "app", "NoSuchPool"),
+    ("pools.nope", [], "app", "NoSuchPool"),
+    ("pools.", [], "app", "InvalidPoolLabel"),
+    ("pools.closed", [], "app", "NoTenant"),
+    ("pools.shared", [TEAM_A, parse_tenant(tenant_body("b", "team-b", ["app"]))], "app", "TenantConflict"),
+    ("app.local", [TEAM_A], "app", "TenantNotAdmitted"),
+])
+def test_skip_reasons(label: str, bindings: list[TenantSpec], ns: str, reason: str) -> None:
+    r = _plan(_pod(label), bindings, ns)
+    assert not r.injected and r.reason == reason
+    value = r.patch["metadata"]["annotations"]["kvpool.io/skip-reason"]
+    assert value.startswith(f"{reason}: ") and len(value) > len(reason) + 10
+    assert "spec" not in r.patch
+
+
+def test_skip_opt_out_and_namespace_not_allowed() -> None:
+    pod = _pod()
+    pod["metadata"]["annotations"] = {"kvpool.io/inject": "false"}
+    assert _plan(pod).reason == "OptedOut"
+    only = PoolView("pools", "shared", 1, 0, default_tenant="x", allowed_namespaces=("prod",))
+    assert plan_injection(_pod(), "app", {("pools", "shared"): only}, [], S).reason == "NamespaceNotAllowed"
+
+
+def test_skip_annotation_is_not_rewritten() -> None:
+    r = _plan(_pod("nope"))
+    pod = apply_merge_patch(_pod("nope"), r.patch)
+    assert _plan(pod).patch == {}
+
+
+def test_pool_view_from_a_pool_body() -> None:
+    body = pool_body("shared", "pools", sidecar={"localBytes": "1Gi", "drainSeconds": 7},
+                     tenancy={"defaultTenant": "public"})
+    body["status"] = {"ring": {"epoch": 2, "members": [{"id": "a", "address": "1.2.3.4:7400"}]}}
+    v = pool_view_from_body(body)
+    assert (v.local_bytes, v.drain_seconds, v.default_tenant) == (1 << 30, 7, "public")
+    assert v.seeds == ("1.2.3.4:7400", "shared-store.pools.svc:7400")
