@@ -215,3 +215,18 @@ class StoreClient:
 
     def get_ring(self) -> pb.Ring:
         return self._rpc(self.stub.GetRing, pb.Empty())
+
+    def drain(self, ring: pb.Ring, deadline_unix_ms: int) -> pb.DrainStatus:
+        """Start (or resume, for the same epoch) pushing this node's objects to ``ring``'s owners."""
+        return self._rpc(self.stub.Drain, pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms))
+
+    def drain_status(self) -> pb.DrainStatus:
+        return self._rpc(self.stub.GetDrainStatus, pb.Empty())
+
+    def set_tenants(self, tenants: Sequence[pb.TenantConfig], replace: bool = False) -> None:
+        self._rpc(self.stub.SetTenants, pb.SetTenantsRequest(tenants=list(tenants), replace=replace))
+
+    def set_policy(self, ttl_seconds: dict[str, int] | None = None, high_watermark: float = 0.0,
+                   low_watermark: float = 0.0) -> None:
+        self._rpc(self.stub.SetPolicy, pb.PolicyRequest(ttl_seconds=ttl_seconds or {}, high_watermark=high_watermark,
+                                                        low_watermark=low_watermark))

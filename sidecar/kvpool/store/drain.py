@@ -21,7 +21,7 @@ log = logging.getLogger("kvpool.store.drain")
 
 def run_drain(node: StoreNode, ring: Ring, progress: object) -> None:
     p = progress  # DrainProgress; typed loosely to avoid an import cycle with the service
-    deadline = getattr(p, "deadline_unix_ms") / 1000.0
+    deadline = p.deadline_unix_ms / 1000.0
     active = ring.active
     engine = TransferEngine()
     clients: dict[tuple[str, str], StoreClient] = {}

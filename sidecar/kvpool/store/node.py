@@ -23,6 +23,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..errors import InvalidArgument
 from ..proto import store_pb2 as pb
 from ..ring import Ring
 from .allocator import OutOfSpace
@@ -35,7 +36,19 @@ DAY = 86400.0
 DEFAULT_TTL = {"agent": 3 * DAY, "chatbot": 7 * DAY}
 DEFAULT_TENANT = "default"
 
-RESERVED, COMMITTED = 0, 1
+RESERVED, COMMITTED, COMMITTING = 0, 1, 2
+KINDS = (pb.BLOCK, pb.STATE)
+
+
+def index_key(key: bytes, kind: int) -> bytes:
+    """Key of an entry in its tenant's partition: a block and a state object may share a key."""
+    return key if kind == pb.BLOCK else key + b"\x01"
+
+
+def check_kind(kind: int) -> int:
+    if kind not in KINDS:
+        raise InvalidArgument(f"unknown object kind {kind}")
+    return kind
 
 
 def payload_arena_bytes(payload: int, high_watermark: float, align: int = 4096) -> int:
@@ -48,7 +61,7 @@ class Entry:
     """One object in the index.  Per object, never per byte."""
 
     __slots__ = ("key", "tenant", "kind", "traffic_class", "size", "checksum", "tier", "offset",
-                 "token", "last_access", "state", "pins", "inflight", "expires")
+                 "token", "last_access", "state", "pins", "inflight", "expires", "on_fs")
 
     def __init__(self, key: bytes, tenant: str, kind: int, traffic_class: str, size: int) -> None:
         self.key = key
@@ -65,6 +78,7 @@ class Entry:
         self.pins = 0
         self.inflight = 0
         self.expires = 0.0  # reservation expiry (RESERVED only)
+        self.on_fs = False  # a copy exists on the shared-filesystem tier (removed with the object)
 
 
 @dataclass
@@ -85,6 +99,10 @@ class Lease:
     lease_id: int
     expires: float
     entries: list[Entry]
+    tenant: str = DEFAULT_TENANT
+    read_tokens: list[int] = field(default_factory=list)
+    """Transfer tokens issued under this lease (Get): they die with it, so a read after the
+    lease expired is refused by the guard even when the object is still in place."""
 
 
 @dataclass
@@ -113,12 +131,19 @@ class NodeConfig:
     ttl_seconds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL))
     default_ttl: float = 7 * DAY
     reservation_seconds: float = 30.0
+    commit_grace_seconds: float = 1.0
+    """How long a commit waits for writes to its slots that are still in flight before it
+    refuses them (a writer must wait for its transfers; this only absorbs the race between a
+    transport's completion and its guard release)."""
     """An uncommitted reservation expires after this long (a dead writer leaves nothing)."""
     lease_ms_default: int = 5000
     lease_ms_max: int = 60000
     max_object_bytes: int = 64 << 20
-    verify_on_commit: bool = False
-    """Hash what a writer committed (costs one pass over the bytes; readers verify anyway)."""
+    verify_on_commit: bool | None = None
+    """Hash what a writer committed before it becomes visible (one pass over the bytes, outside
+    the index lock).  ``None`` = automatic: on as soon as the node has tenants with tokens,
+    because a writer that commits a slot without writing it would otherwise publish the
+    previous occupant's bytes — possibly another tenant's — under a checksum it guessed."""
     open_tenancy: bool = True
     """Calls without a token act as the default tenant (dev/local pools)."""
 
@@ -132,13 +157,15 @@ class StoreNode:
         self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id) if cfg.ssd_path and cfg.ssd_bytes else None
         self.sharedfs = SharedFsTier(cfg.sharedfs_path) if cfg.sharedfs_path else None
         self.lock = threading.RLock()
+        self._released = threading.Condition(self.lock)  # signalled when a reserved slot's write ends
         self.index: dict[str, dict[bytes, Entry]] = {}
         # Committed block objects only, per tenant: the match fast path is one C-level map over
         # this dict (a reserved or state entry must never count as a hit).
         self.blocks: dict[str, dict[bytes, Entry]] = {}
         self.lru_dram: OrderedDict[int, Entry] = OrderedDict()  # id(entry) → entry, oldest first
         self.lru_ssd: OrderedDict[int, Entry] = OrderedDict()
-        self.by_token: dict[int, Entry] = {}
+        self.by_token: dict[int, Entry] = {}  # write/generation token → entry
+        self.read_tokens: dict[int, tuple[Entry, Lease]] = {}  # lease-scoped read token → entry
         self.leases: dict[int, Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self.reservations: dict[int, Reservation] = {}
@@ -149,9 +176,7 @@ class StoreNode:
         self.ring = Ring(epoch=0)
         self.draining = False
         self._ids = itertools.count(1)
-        # Tokens are random per node life: a token from before a restart matches nothing.
-        self._token_base = secrets.randbits(62) << 1
-        self._token_seq = itertools.count(1)
+        self._last_id = 0
         self.ssd_used = 0
 
     # ------------------------------------------------------------------ tenancy
@@ -211,7 +236,20 @@ class StoreNode:
     # ------------------------------------------------------------------ housekeeping
 
     def _new_token(self) -> int:
-        return (self._token_base + next(self._token_seq)) & 0x7FFFFFFFFFFFFFFF
+        """A random 63-bit transfer token.
+
+        Random, not sequential: the transfer port does not know tenants, so a token is the only
+        thing between a peer and a slot; one tenant's tokens must say nothing about another's
+        (and a token from before a restart matches nothing).
+        """
+        while True:
+            t = secrets.randbits(63)
+            if t and t not in self.by_token and t not in self.read_tokens:
+                return t
+
+    def _next_id(self) -> int:
+        self._last_id = next(self._ids)
+        return self._last_id
 
     def _sweep(self, now: float) -> None:
         """Drop expired leases and reservations (cheap: heaps ordered by expiry)."""
@@ -231,23 +269,32 @@ class StoreNode:
                         self.counters["reservations_expired"] += 1
 
     def _drop_lease(self, lease: Lease) -> None:
-        self.leases.pop(lease.lease_id, None)
+        if self.leases.pop(lease.lease_id, None) is None:
+            return
         for e in lease.entries:
             e.pins -= 1
+        for t in lease.read_tokens:
+            self.read_tokens.pop(t, None)
+        lease.read_tokens = []
 
-    def _new_lease(self, entries: list[Entry], lease_ms: int, now: float) -> Lease:
-        ms = min(lease_ms or self.cfg.lease_ms_default, self.cfg.lease_ms_max)
-        lease = Lease(next(self._ids), now + ms / 1000.0, entries)
-        for e in entries:
-            e.pins += 1
+    def _lease_expiry(self, lease_ms: int, now: float) -> float:
+        return now + min(lease_ms or self.cfg.lease_ms_default, self.cfg.lease_ms_max) / 1000.0
+
+    def _register_lease(self, lease: Lease) -> Lease:
         self.leases[lease.lease_id] = lease
         heapq.heappush(self._lease_heap, (lease.expires, lease.lease_id))
         return lease
 
+    def _new_lease(self, entries: list[Entry], lease_ms: int, now: float, tenant: str = DEFAULT_TENANT) -> Lease:
+        lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), entries, tenant)
+        for e in entries:
+            e.pins += 1
+        return self._register_lease(lease)
+
     # ------------------------------------------------------------------ lookups
 
     def _lookup(self, part: dict[bytes, Entry], tenant: str, key: bytes, kind: int) -> Entry | None:
-        e = part.get(key)
+        e = part.get(index_key(key, kind))
         if e is not None and e.state == COMMITTED and e.kind == kind:
             return e
         if e is None and self.sharedfs is not None and kind == pb.BLOCK:
@@ -260,8 +307,11 @@ class StoreNode:
         hdr = self.sharedfs.stat(self._tenant(tenant).salt, key)
         if hdr is None or hdr.kind != pb.BLOCK:
             return None
+        if not 0 < hdr.size <= min(self.cfg.max_object_bytes, self.dram.capacity):
+            return None  # a damaged header must not make the node evict DRAM for a phantom
         e = Entry(key, tenant, hdr.kind, "", hdr.size)
-        e.state, e.tier, e.checksum = COMMITTED, "sharedfs", hdr.checksum
+        e.state, e.tier, e.checksum, e.on_fs = COMMITTED, "sharedfs", hdr.checksum, True
+        self._tenant(tenant).objects += 1
         self.index.setdefault(tenant, {})[key] = e
         self.blocks.setdefault(tenant, {})[key] = e
         return e
@@ -269,6 +319,7 @@ class StoreNode:
     def exists(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, prefix_only: bool = True,
                pin: bool = False, lease_ms: int = 0) -> tuple[int, bytes, Lease | None]:
         """Longest present prefix and per-key presence; optionally pin the prefix."""
+        check_kind(kind)
         now = time.time()
         with self.lock:
             self._sweep(now)
@@ -288,11 +339,12 @@ class StoreNode:
                 hits: list[Entry] = found[:prefix]  # type: ignore[assignment]
             else:
                 part = self.index.get(tenant, {})
-                found = [self._lookup(part, tenant, k, kind) for k in keys]
                 present = bytearray(len(keys))
                 prefix = 0
                 hits = []
-                for i, e in enumerate(found):
+                for i, k in enumerate(keys):
+                    # Lazily: with a shared-fs tier a miss costs a stat(), so stop at the first one.
+                    e = self._lookup(part, tenant, k, kind)
                     if e is None or e.state != COMMITTED or e.kind != kind:
                         if prefix_only:
                             break
@@ -308,7 +360,7 @@ class StoreNode:
             # Block-weighted: every key asked counts, hits are the matched prefix.
             self.counters["lookup_blocks"] += len(keys)
             self.counters["hit_blocks"] += prefix
-            lease = self._new_lease(hits[:prefix], lease_ms, now) if pin and prefix else None
+            lease = self._new_lease(hits[:prefix], lease_ms, now, tenant) if pin and prefix else None
             return prefix, bytes(present), lease
 
     # ------------------------------------------------------------------ writes
@@ -317,7 +369,8 @@ class StoreNode:
                   kind: int, timeout_ms: int = 0) -> tuple[list[int], list[int], list[int], int]:
         """Reserve space for each item: per-item codes, offsets, tokens and a reservation id."""
         if len(keys) != len(sizes):
-            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        check_kind(kind)
         now = time.time()
         codes = [pb.OK] * len(keys)
         offsets = [0] * len(keys)
@@ -333,7 +386,7 @@ class StoreNode:
             incoming = 0
             seen: set[bytes] = set()
             for i, (k, size) in enumerate(zip(keys, sizes, strict=True)):
-                old = part.get(k)
+                old = part.get(index_key(k, kind))
                 if size <= 0 or len(k) != 32:
                     codes[i] = pb.INVALID
                 elif size > self.cfg.max_object_bytes or self.dram.alloc.rounded(size) > self.dram.capacity:
@@ -369,13 +422,13 @@ class StoreNode:
                 e.offset = off
                 e.token = self._new_token()
                 e.expires = now + (timeout_ms / 1000.0 if timeout_ms else self.cfg.reservation_seconds)
-                part[k] = e
+                part[index_key(k, kind)] = e
                 self.by_token[e.token] = e
                 t.used_bytes += size
                 offsets[i], tokens[i], entries[i] = off, e.token, e
             rid = 0
             if any(e is not None for e in entries):
-                rid = next(self._ids)
+                rid = self._next_id()
                 expires = max(e.expires for e in entries if e is not None)
                 self.reservations[rid] = Reservation(rid, tenant, entries, expires)
                 heapq.heappush(self._res_heap, (expires, rid))
@@ -389,7 +442,7 @@ class StoreNode:
         for i, size in enumerate(sizes):
             if codes[i] != pb.OK:
                 continue
-            if want + size > t.quota_bytes and t.evict_own_on_quota:
+            if want + size > t.quota_bytes and t.evict_own_on_quota and size <= t.quota_bytes:
                 self._evict_tenant(t, want + size - t.quota_bytes, now)
                 want = t.used_bytes + sum(s for j, s in enumerate(sizes[:i]) if codes[j] == pb.OK)
             if want + size > t.quota_bytes:
@@ -403,20 +456,51 @@ class StoreNode:
         try:
             return self.dram.alloc.alloc(size)
         except OutOfSpace:
-            # Fragmentation or a full arena: free what the largest object needs, then retry.
-            self._evict_dram(self.dram.alloc.rounded(size), now, expire_all=False)
-            return self.dram.alloc.alloc(size)
+            pass
+        # A full or fragmented arena: evict LRU objects (in batches of what this one needs) until a
+        # contiguous extent appears or nothing evictable is left.  Free bytes alone are not enough.
+        need = self.dram.alloc.rounded(size)
+        while True:
+            freed = self._evict_dram(need, now, expire_all=False)
+            try:
+                return self.dram.alloc.alloc(size)
+            except OutOfSpace:
+                if freed == 0:
+                    raise
+
+    def _verify_commits(self) -> bool:
+        v = self.cfg.verify_on_commit
+        return bool(self.token_to_tenant) if v is None else v
 
     def put_commit(self, tenant: str, reservation_id: int, checksums: Sequence[int],
                    revoke: bytes = b"") -> list[int]:
         now = time.time()
         with self.lock:
+            self._sweep(now)
+            if reservation_id <= 0 or reservation_id > self._last_id:
+                raise InvalidArgument(f"reservation {reservation_id} was never issued by this node")
             res = self.reservations.get(reservation_id)
             if res is None or res.tenant != tenant:
                 return [pb.LEASE_EXPIRED] * max(len(checksums), 1)
-            if len(checksums) != len(res.entries):
-                raise ValueError(f"{len(checksums)} checksums for {len(res.entries)} items")
-            codes = [pb.OK] * len(res.entries)
+            n = len(res.entries)
+            if len(checksums) != n:
+                raise InvalidArgument(f"{len(checksums)} checksums for {n} items")
+            if revoke and len(revoke) != n:
+                raise InvalidArgument(f"revoke map of {len(revoke)} bytes for {n} items")
+            # A transport may report a write complete a moment before it releases the guard (the
+            # response and the release race); give in-flight writes a short grace to finish.
+            deadline = time.monotonic() + self.cfg.commit_grace_seconds
+            while any(e is not None and e.state == RESERVED and e.inflight for e in res.entries):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._released.wait(left)
+            if self.reservations.get(reservation_id) is not res:
+                return [pb.LEASE_EXPIRED] * n  # a concurrent commit, revoke or expiry took it
+            # From here the reservation is this call's: a concurrent commit sees it gone.
+            del self.reservations[reservation_id]
+            codes = [pb.OK] * n
+            todo: list[int] = []
             for i, e in enumerate(res.entries):
                 if e is None:
                     codes[i] = pb.INVALID
@@ -431,24 +515,55 @@ class StoreNode:
                     if revoke and revoke[i]:
                         self.counters["revoked"] += 1
                     continue
-                if self.cfg.verify_on_commit and checksum(self.dram.slice(e.offset, e.size)) != checksums[i]:
-                    self._discard(e)
-                    codes[i] = pb.CHECKSUM
-                    self.counters["checksum_failures"] += 1
-                    continue
-                e.checksum = int(checksums[i])
-                e.state = COMMITTED
-                if e.kind == pb.BLOCK:
-                    self.blocks.setdefault(e.tenant, {})[e.key] = e
-                e.last_access = now
-                self.lru_dram[id(e)] = e
-                t = self._tenant(e.tenant)
-                t.objects += 1
-                t.counters["stored"] += 1
-                self.counters["stored"] += 1
-                self.counters["stored_bytes"] += e.size
-            del self.reservations[reservation_id]
-            return codes
+                e.state = COMMITTING  # the guard refuses further writes from now on
+                todo.append(i)
+            verify = self._verify_commits()
+            if not verify:
+                self._finish_commits(res, todo, checksums, codes, None, now)
+                return codes
+            for i in todo:
+                e = res.entries[i]
+                assert e is not None
+                e.inflight += 1  # keeps the extent allocated while it is hashed without the lock
+        # Hash outside the lock: a 4 MiB object must not stall every other call of the node.
+        sums: dict[int, int] = {}
+        for i in todo:
+            e = res.entries[i]
+            assert e is not None
+            sums[i] = checksum(self.dram.slice(e.offset, e.size))
+        with self.lock:
+            for i in todo:
+                e = res.entries[i]
+                assert e is not None
+                e.inflight -= 1
+            self._finish_commits(res, todo, checksums, codes, sums, time.time())
+        return codes
+
+    def _finish_commits(self, res: Reservation, todo: list[int], checksums: Sequence[int], codes: list[int],
+                        sums: dict[int, int] | None, now: float) -> None:
+        for i in todo:
+            e = res.entries[i]
+            assert e is not None
+            if e.state != COMMITTING:  # discarded meanwhile (e.g. the tenant was revoked)
+                codes[i] = pb.LEASE_EXPIRED
+                continue
+            if sums is not None and sums[i] != checksums[i]:
+                self._discard(e)
+                codes[i] = pb.CHECKSUM
+                self.counters["checksum_failures"] += 1
+                self._tenant(e.tenant).counters["checksum_failures"] += 1
+                continue
+            e.checksum = int(checksums[i])
+            e.state = COMMITTED
+            if e.kind == pb.BLOCK:
+                self.blocks.setdefault(e.tenant, {})[e.key] = e
+            e.last_access = now
+            self.lru_dram[id(e)] = e
+            t = self._tenant(e.tenant)
+            t.objects += 1
+            t.counters["stored"] += 1
+            self.counters["stored"] += 1
+            self.counters["stored_bytes"] += e.size
 
     def put_revoke(self, tenant: str, reservation_id: int) -> None:
         with self.lock:
@@ -465,8 +580,9 @@ class StoreNode:
         """Forget an object everywhere and free its space (caller holds the lock)."""
         was_committed = e.state == COMMITTED
         part = self.index.get(e.tenant)
-        if part is not None and part.get(e.key) is e:
-            del part[e.key]
+        ik = index_key(e.key, e.kind)
+        if part is not None and part.get(ik) is e:
+            del part[ik]
         blocks = self.blocks.get(e.tenant)
         if blocks is not None and blocks.get(e.key) is e:
             del blocks[e.key]
@@ -476,18 +592,19 @@ class StoreNode:
             self.lru_dram.pop(id(e), None)
             if e.inflight == 0:
                 self.dram.alloc.free(e.offset)
-            else:
-                # Bytes are moving right now: the transfer's release frees the extent.
-                e.state = -1
             t.used_bytes -= e.size
-        elif e.tier == "ssd" and self.ssd is not None:
+        elif e.tier == "ssd" and self.ssd is not None and e.offset >= 0:
             self.lru_ssd.pop(id(e), None)
             self.ssd.alloc.free(e.offset)
             t.used_bytes -= e.size
-        elif e.tier == "sharedfs" and self.sharedfs is not None:
+        if (e.on_fs or e.tier == "sharedfs") and self.sharedfs is not None:
+            # The copy below goes too, or the next lookup would bring a removed object back.
             self.sharedfs.remove(t.salt, e.key)
+            e.on_fs = False
         if was_committed:
             t.objects -= 1
+        # In flight (a transfer holds the guard): release_guard frees the extent afterwards.
+        e.state = -1
         e.offset = -1 if e.inflight == 0 else e.offset
         e.token = 0
 
@@ -495,48 +612,72 @@ class StoreNode:
 
     def get(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
             lease_id: int = 0) -> tuple[list[int], list[Entry | None], Lease | None]:
-        """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer."""
+        """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer.
+
+        Each object is pinned as soon as it is found, so promoting a later object of the same
+        batch can never evict (and recycle the slot of) an earlier one.  The lease's
+        ``read_tokens`` are the transfer tokens, index-parallel to the found objects.
+        """
+        check_kind(kind)
         now = time.time()
         with self.lock:
             self._sweep(now)
             part = self.index.get(tenant, {})
             codes = [pb.OK] * len(keys)
             found: list[Entry | None] = [None] * len(keys)
-            pinned: list[Entry] = []
+            lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), [], tenant)
             for i, k in enumerate(keys):
                 e = self._lookup(part, tenant, k, kind)
                 if e is None:
                     codes[i] = pb.NOT_FOUND
                     continue
-                if e.tier != "dram" and not self._promote(e, now):
-                    codes[i] = pb.NOT_FOUND if e.tier != "dram" else pb.CHECKSUM
-                    continue
+                e.pins += 1
+                if e.tier != "dram":
+                    code = self._promote(e, now)
+                    if code != pb.OK:
+                        e.pins -= 1
+                        codes[i] = code
+                        continue
+                lease.entries.append(e)
                 e.last_access = now
                 self.lru_dram.move_to_end(id(e))
                 found[i] = e
-                pinned.append(e)
+                t = self._new_token()
+                self.read_tokens[t] = (e, lease)
+                lease.read_tokens.append(t)
             self.counters["get_blocks"] += len(keys)
-            self.counters["get_hits"] += len(pinned)
+            self.counters["get_hits"] += len(lease.entries)
             if lease_id:
                 old = self.leases.get(lease_id)
-                if old is not None:
+                if old is not None and old.tenant == tenant:
                     self._drop_lease(old)
-            lease = self._new_lease(pinned, lease_ms, now) if pinned else None
+            if not lease.entries:
+                return codes, found, None
+            self._register_lease(lease)
             return codes, found, lease
 
-    def release(self, lease_ids: Sequence[int]) -> None:
+    def get_tokens(self, lease: Lease | None, found: Sequence[Entry | None]) -> list[int]:
+        """Transfer tokens of a :meth:`get` answer, index-parallel to ``found`` (0 for misses)."""
+        if lease is None:
+            return [0] * len(found)
+        it = iter(lease.read_tokens)
+        return [next(it) if e is not None else 0 for e in found]
+
+    def release(self, lease_ids: Sequence[int], tenant: str | None = None) -> None:
         with self.lock:
             for lid in lease_ids:
                 lease = self.leases.get(lid)
-                if lease is not None:
+                if lease is not None and (tenant is None or lease.tenant == tenant):
                     self._drop_lease(lease)
 
     def remove(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK) -> list[int]:
+        check_kind(kind)
         with self.lock:
+            self._sweep(time.time())
             part = self.index.get(tenant, {})
             codes = []
             for k in keys:
-                e = part.get(k)
+                e = part.get(index_key(k, kind))
                 if e is None or e.state != COMMITTED or e.kind != kind:
                     codes.append(pb.NOT_FOUND)
                 elif e.pins:
@@ -552,17 +693,28 @@ class StoreNode:
     def acquire(self, op: str, offset: int, length: int, token: int) -> Entry | None:
         """Guard for the transfer server: admit a byte transfer only for a live slot.
 
-        Reads need a committed object with this token (its generation: a recycled slot has a new
-        token) and in bounds; writes need a live reservation.  The entry is marked in flight so
-        eviction leaves it alone until :meth:`release_guard`.
+        Reads need a read token of a live lease (Get), on a committed DRAM object, in bounds:
+        an expired lease, a released one or a recycled slot is refused.  Writes need the
+        generation token of a live reservation.  The entry is marked in flight so eviction
+        and frees leave it alone until :meth:`release_guard`.
         """
+        now = time.time()
         with self.lock:
-            e = self.by_token.get(token)
-            if e is None or e.tier != "dram" or not (e.offset <= offset and offset + length <= e.offset + e.size):
+            if op == "read":
+                hit = self.read_tokens.get(token)
+                if hit is None:
+                    return None
+                e, lease = hit
+                if lease.expires < now or self.leases.get(lease.lease_id) is not lease or e.state != COMMITTED:
+                    return None
+            elif op == "write":
+                e2 = self.by_token.get(token)
+                if e2 is None or e2.state != RESERVED or e2.expires < now:
+                    return None
+                e = e2
+            else:
                 return None
-            if op == "read" and e.state != COMMITTED:
-                return None
-            if op == "write" and (e.state != RESERVED or e.expires < time.time()):
+            if e.tier != "dram" or not (e.offset <= offset and offset + length <= e.offset + e.size):
                 return None
             e.inflight += 1
             return e
@@ -570,9 +722,12 @@ class StoreNode:
     def release_guard(self, e: Entry) -> None:
         with self.lock:
             e.inflight -= 1
-            if e.inflight == 0 and e.state == -1 and e.offset >= 0:
-                self.dram.alloc.free(e.offset)
-                e.offset = -1
+            if e.inflight == 0:
+                if e.state == -1 and e.offset >= 0:
+                    self.dram.alloc.free(e.offset)
+                    e.offset = -1
+                elif e.state == RESERVED:
+                    self._released.notify_all()  # a commit may be waiting for this write
 
     # ------------------------------------------------------------------ eviction and tiers
 
@@ -615,7 +770,7 @@ class StoreNode:
     def _demote(self, e: Entry, now: float) -> bool:
         """Move a DRAM object to the SSD tier (or the shared filesystem); False if neither can."""
         src = self.dram.slice(e.offset, e.size)
-        if self.ssd is not None:
+        if self.ssd is not None and self.ssd.alloc.rounded(e.size) <= self.ssd.capacity:
             try:
                 off = self.ssd.alloc.alloc(e.size)
             except OutOfSpace:
@@ -624,7 +779,12 @@ class StoreNode:
                     off = self.ssd.alloc.alloc(e.size)
                 except OutOfSpace:
                     return self._demote_sharedfs(e, src)
-            self.ssd.write(off, src)
+            try:
+                self.ssd.write(off, src)
+            except OSError as exc:
+                log.warning("SSD write failed, dropping instead of demoting: %s", exc)
+                self.ssd.alloc.free(off)
+                return self._demote_sharedfs(e, src)
             self._move(e, "ssd", off)
             self.lru_ssd[id(e)] = e
             return True
@@ -633,7 +793,15 @@ class StoreNode:
     def _demote_sharedfs(self, e: Entry, src: memoryview) -> bool:
         if self.sharedfs is None:
             return False
-        self.sharedfs.write(self._tenant(e.tenant).salt, e.key, e.kind, src, e.checksum)
+        salt = self._tenant(e.tenant).salt
+        # An object promoted from the shared tier still has its (immutable) file there.
+        if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
+            try:
+                self.sharedfs.write(salt, e.key, e.kind, src, e.checksum)
+            except OSError as exc:
+                log.warning("shared-fs write failed, dropping instead of demoting: %s", exc)
+                return False
+        e.on_fs = True
         self._move(e, "sharedfs", -1)
         self._tenant(e.tenant).used_bytes -= e.size  # shared tier is outside the node's quota
         return True
@@ -652,14 +820,7 @@ class StoreNode:
                 break
             if e.pins:
                 continue
-            if self.sharedfs is not None:
-                buf = bytearray(e.size)
-                self.ssd.read_into(e.offset, memoryview(buf))
-                self.sharedfs.write(self._tenant(e.tenant).salt, e.key, e.kind, memoryview(buf), e.checksum)
-                self.lru_ssd.pop(id(e), None)
-                self.ssd.alloc.free(e.offset)
-                self._tenant(e.tenant).used_bytes -= e.size
-                e.tier, e.offset = "sharedfs", -1
+            if self.sharedfs is not None and self._ssd_to_sharedfs(e):
                 self.counters["demoted"] += 1
             else:
                 self._discard(e)
@@ -667,26 +828,53 @@ class StoreNode:
                 self._tenant(e.tenant).counters["evicted"] += 1
             freed += e.size
 
-    def _promote(self, e: Entry, now: float) -> bool:
-        """Bring an SSD/shared-fs object into DRAM, verifying its checksum; False = a miss."""
+    def _ssd_to_sharedfs(self, e: Entry) -> bool:
+        assert self.ssd is not None and self.sharedfs is not None
+        salt = self._tenant(e.tenant).salt
+        if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
+            buf = bytearray(e.size)
+            try:
+                self.ssd.read_into(e.offset, memoryview(buf))
+                self.sharedfs.write(salt, e.key, e.kind, memoryview(buf), e.checksum)
+            except OSError as exc:
+                log.warning("SSD to shared-fs demotion failed: %s", exc)
+                return False
+        self.lru_ssd.pop(id(e), None)
+        self.ssd.alloc.free(e.offset)
+        self._tenant(e.tenant).used_bytes -= e.size
+        e.tier, e.offset, e.on_fs = "sharedfs", -1, True
+        return True
+
+    def _promote(self, e: Entry, now: float) -> int:
+        """Bring an SSD/shared-fs object into DRAM, verifying its checksum.
+
+        The caller pins ``e`` first (so making room cannot evict the object being promoted).
+        Returns OK, NO_SPACE (nothing could be evicted; the object stays where it is), or
+        CHECKSUM/NOT_FOUND (the copy was bad or gone: the object is forgotten, a miss).
+        """
         try:
             off = self._alloc_dram(e.size, now)
         except OutOfSpace:
-            return False
+            return pb.NO_SPACE
         dst = self.dram.slice(off, e.size)
-        ok = False
-        if e.tier == "ssd" and self.ssd is not None:
-            self.ssd.read_into(e.offset, dst)
-            ok = True
-        elif e.tier == "sharedfs" and self.sharedfs is not None:
-            ok = self.sharedfs.read_into(self._tenant(e.tenant).salt, e.key, dst) is not None
-        if ok and checksum(dst) != e.checksum:
-            ok = False
+        code = pb.NOT_FOUND
+        try:
+            if e.tier == "ssd" and self.ssd is not None and e.offset >= 0:
+                self.ssd.read_into(e.offset, dst)
+                code = pb.OK
+            elif e.tier == "sharedfs" and self.sharedfs is not None:
+                if self.sharedfs.read_into(self._tenant(e.tenant).salt, e.key, dst) is not None:
+                    code = pb.OK
+        except OSError as exc:
+            log.warning("promotion read failed: %s", exc)
+        if code == pb.OK and checksum(dst) != e.checksum:
+            code = pb.CHECKSUM
             self.counters["checksum_failures"] += 1
-        if not ok:
+            self._tenant(e.tenant).counters["checksum_failures"] += 1
+        if code != pb.OK:
             self.dram.alloc.free(off)
             self._discard(e)
-            return False
+            return code
         if e.tier == "ssd" and self.ssd is not None:
             self.lru_ssd.pop(id(e), None)
             self.ssd.alloc.free(e.offset)
@@ -696,7 +884,7 @@ class StoreNode:
         self.by_token[e.token] = e
         self.lru_dram[id(e)] = e
         self.counters["promoted"] += 1
-        return True
+        return pb.OK
 
     def expire_sweep(self) -> int:
         """Drop every expired object (timer-driven, so expired objects do not wait for pressure)."""
@@ -735,8 +923,13 @@ class StoreNode:
         with self.lock:
             if e.state != COMMITTED:
                 return False
-            if e.tier != "dram" and not self._promote(e, time.time()):
-                return False
+            if e.tier != "dram":
+                e.pins += 1
+                try:
+                    if self._promote(e, time.time()) != pb.OK:
+                        return False
+                finally:
+                    e.pins -= 1
             e.inflight += 1
             view = self.dram.slice(e.offset, e.size)
         try:

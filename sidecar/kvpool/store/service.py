@@ -150,10 +150,11 @@ class StoreService(pbg.StoreServicer):
             codes, found, lease = self.node.get(tenant, self._keys(request.keys), request.kind,
                                                 request.lease_ms, request.lease_id)
             n = len(found)
-            offsets, sizes, sums, tokens = [0] * n, [0] * n, [0] * n, [0] * n
+            offsets, sizes, sums = [0] * n, [0] * n, [0] * n
+            tokens = self.node.get_tokens(lease, found)  # lease-scoped: they die with the lease
             for i, e in enumerate(found):
                 if e is not None:
-                    offsets[i], sizes[i], sums[i], tokens[i] = e.offset, e.size, e.checksum, e.token
+                    offsets[i], sizes[i], sums[i] = e.offset, e.size, e.checksum
             return pb.GetReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums, tokens=tokens,
                                lease_id=lease.lease_id if lease else 0,
                                lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
@@ -161,8 +162,8 @@ class StoreService(pbg.StoreServicer):
         return self._call(context, run)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self._tenant(context)
-        self.node.release(list(request.lease_ids))
+        tenant = self._tenant(context)
+        self.node.release(list(request.lease_ids), tenant)  # only the caller's own leases
         return pb.Empty()
 
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.CodesReply:
@@ -175,7 +176,17 @@ class StoreService(pbg.StoreServicer):
                               transfer_address=self.transfer_address)
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
+        # The admin (operator) sees every tenant; a tenant sees only its own usage and counters.
+        # Without an admin token (dev pools) an anonymous caller counts as the admin.
+        token = _bearer(context)
+        only: str | None = None
+        if not (self.admin_token and token == self.admin_token):
+            tid = self._tenant(context)
+            if token or self.admin_token:
+                only = tid
         s: dict[str, Any] = self.node.stats()
+        if only is not None:
+            s["tenants"] = [t for t in s["tenants"] if t[0] == only]
         counters = s["counters"]
         return pb.StatsReply(
             node_id=s["node_id"], epoch=s["epoch"], draining=s["draining"],

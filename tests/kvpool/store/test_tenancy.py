@@ -1,0 +1,150 @@
+"""Tenant isolation on a real node: partitions, tokens, guessed transfer tokens, recycled memory."""
+
+from __future__ import annotations
+
+import base64
+import random
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvpool import errors
+from kvpool.proto import store_pb2 as pb
+from kvpool.transfer import TransferEngine, TransferRequest
+
+KiB = 1 << 10
+
+TENANTS = [
+    {"tenantId": "alpha", "token": "tok-alpha", "salt": base64.b64encode(b"salt-a").decode()},
+    {"tenantId": "beta", "token": "tok-beta", "salt": base64.b64encode(b"salt-b").decode()},
+]
+
+
+def test_same_key_two_tenants_two_objects(stores: Any, h: Any, rng: random.Random) -> None:
+    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+    a, b = node.client("tok-alpha"), node.client("tok-beta")
+    keys = h.rand_keys(rng, 4)
+    va = h.rand_values(rng, [10 * KiB] * 4)
+    assert a.put(keys, va) == [pb.OK] * 4
+    # The second tenant sees nothing of the first one's objects...
+    assert b.exists(keys, prefix_only=False).present == [False] * 4
+    assert b.get(keys) == [None] * 4
+    assert b.remove(keys) == [pb.NOT_FOUND] * 4
+    # ...writes its own under the same keys (not ALREADY_EXISTS)...
+    vb = h.rand_values(rng, [3 * KiB] * 4)
+    assert b.put(keys, vb) == [pb.OK] * 4
+    # ...and each reads its own bytes.
+    assert [bytes(g) for g in a.get(keys) if g is not None] == va
+    assert [bytes(g) for g in b.get(keys) if g is not None] == vb
+    # A tenant sees only its own usage.
+    sa = a.stats()
+    assert [t.tenant_id for t in sa.tenants] == ["alpha"]
+    assert h.stats_tenant(sa, "alpha").objects == 4
+
+
+def test_unknown_or_missing_token_is_unauthenticated(stores: Any, h: Any, rng: random.Random) -> None:
+    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+    keys = h.rand_keys(rng, 2)
+    for token in ("tok-nobody", ""):
+        c = node.client(token)
+        with pytest.raises(errors.Unauthenticated):
+            c.exists(keys)
+        with pytest.raises(errors.Unauthenticated):
+            c.put(keys, [b"x", b"y"])
+        with pytest.raises(errors.Unauthenticated):
+            c.get(keys)
+        with pytest.raises(errors.Unauthenticated):
+            c.remove(keys)
+        with pytest.raises(errors.Unauthenticated):
+            c.stats()
+    # The raw status code, for clients in other languages.
+    stub = node.stub()
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Exists(pb.ExistsRequest(keys=keys[0]), metadata=h.bearer("tok-nobody"), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Health is open (probes), and the node keeps serving tenants.
+    assert node.client().health().ok
+    assert node.client("tok-alpha").put(keys, [b"x", b"y"]) == [pb.OK, pb.OK]
+
+
+def test_admin_calls_need_the_admin_token(stores: Any, h: Any) -> None:
+    node = stores.start("8MiB", tenants=TENANTS, admin_token="adm")
+    ring = pb.Ring(epoch=3, members=[pb.RingMember(id=node.node_id, address=node.address, state="active")])
+    for token in ("", "tok-alpha", "wrong"):
+        with pytest.raises(errors.PermissionDenied):
+            node.client(token).set_ring(ring)
+    assert node.client("adm").set_ring(ring).epoch == 3
+    assert node.client().get_ring().epoch == 3
+
+
+def test_guessed_transfer_tokens_cannot_read_another_tenants_bytes(stores: Any, h: Any,
+                                                                  rng: random.Random) -> None:
+    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+    a, b = node.client("tok-alpha"), node.client("tok-beta")
+    size = 4 * KiB
+    [ka] = h.rand_keys(rng, 1)
+    secret = rng.randbytes(size)
+    assert a.put([ka], [secret]) == [pb.OK]
+    pa = a.get_plan([ka], lease_ms=30000)
+    # Beta reads one of its own objects and then tries tokens around its own at alpha's offset
+    # (an attacker can scan offsets; it must not be able to derive a valid token).
+    [kb] = h.rand_keys(rng, 1)
+    assert b.put([kb], [rng.randbytes(size)]) == [pb.OK]
+    pb_ = b.get_plan([kb], lease_ms=30000)
+    base = pb_.tokens[0]
+    candidates = [t for t in range(max(1, base - 64), base + 65) if t != base]
+    candidates += [base ^ (1 << i) for i in range(63)]
+    with TransferEngine() as eng:
+        bufs = [bytearray(size) for _ in candidates]
+        reqs = [TransferRequest("read", memoryview(buf), pb_.location.segment, pa.offsets[0], size, t & (2**64 - 1))
+                for buf, t in zip(bufs, candidates, strict=True)]
+        sts = eng.transfer(pb_.location.transfer_address, reqs)
+    leaked = [t for t, st, buf in zip(candidates, sts, bufs, strict=True) if st.ok or bytes(buf) == secret]
+    assert leaked == [], "a token near another tenant's token opened its object"
+    assert pa.tokens[0] not in candidates
+
+
+def test_recycled_memory_of_another_tenant_is_never_readable(stores: Any, h: Any, rng: random.Random) -> None:
+    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+    a = node.client("tok-alpha")
+    size = 64 * KiB
+    [ka] = h.rand_keys(rng, 1)
+    secret = rng.randbytes(size)
+    assert a.put([ka], [secret]) == [pb.OK]
+    plan = a.get_plan([ka])
+    a.release([plan.lease_id])
+    assert a.remove([ka]) == [pb.OK]
+    # Beta reserves the freed slot, writes nothing, and commits anyway.
+    stub = node.stub()
+    md = h.bearer("tok-beta")
+    [kb] = h.rand_keys(rng, 1)
+    start = stub.PutStart(pb.PutStartRequest(keys=kb, sizes=[size]), metadata=md, timeout=10)
+    assert list(start.codes) == [pb.OK]
+    assert start.offsets[0] == plan.offsets[0], "the test needs the slot to be reused"
+    commit = stub.PutCommit(pb.PutCommitRequest(reservation_id=start.reservation_id, checksums=[0]),
+                            metadata=md, timeout=10)
+    b = node.client("tok-beta", verify=False)
+    got = b.get([kb])
+    if list(commit.codes) == [pb.OK]:
+        assert got[0] is None or bytes(got[0]) != secret, "uninitialised memory leaked another tenant's bytes"
+    else:
+        assert list(commit.codes) == [pb.CHECKSUM]
+        assert got == [None]
+
+
+def test_sharedfs_objects_are_per_tenant(stores: Any, h: Any, rng: random.Random, tmp_path: Path) -> None:
+    shared = tmp_path / "fs"
+    node = stores.start("1MiB", tenants=TENANTS, closed=True, sharedfs=shared)
+    a = node.client("tok-alpha")
+    keys = h.rand_keys(rng, 16)
+    vals = h.rand_values(rng, [128 * KiB] * 16)
+    for i in range(0, 16, 4):
+        assert a.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
+    assert a.stats().counters["demoted"] > 0
+    other = stores.start("4MiB", tenants=TENANTS, closed=True, sharedfs=shared)
+    assert other.client("tok-beta").exists(keys, prefix_only=False).present == [False] * 16
+    assert other.client("tok-beta").get(keys[:4]) == [None] * 4
+    got = other.client("tok-alpha").get(keys[:4])
+    assert all(g is None or bytes(g) == v for g, v in zip(got, vals[:4], strict=True))
