@@ -76,3 +76,25 @@ def send_all(sock: socket.socket, header: bytes, payload: memoryview | None = No
         sock.sendall(header[sent:])
         sent = len(header)
     sock.sendall(payload[sent - len(header) :])
+
+
+#: Buffers per ``sendmsg`` call (Linux IOV_MAX is 1024).
+MAX_IOV = 512
+
+
+def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
+    """Send every buffer in order, gathering them into ``sendmsg`` calls (partial sends resumed)."""
+    views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + MAX_IOV])
+        while sent:
+            n = views[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        while i < len(views) and views[i].nbytes == 0:
+            i += 1

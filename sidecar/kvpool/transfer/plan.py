@@ -53,7 +53,7 @@ class TransferRequest:
         object.__setattr__(self, "local", view)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per slice, and a frozen __init__ is slower
 class SlicePlan:
     """A piece of request ``index``: bytes ``[start, start + length)`` of it."""
 

@@ -210,27 +210,39 @@ class _Worker(threading.Thread):
             sock.close()
 
     def _send(self, take: list[Slice]) -> bool:
-        sent = 0
+        """Send the requests of ``take`` (and write payloads) in as few ``sendmsg`` calls as the
+        kernel allows; pipelined headers in one call instead of one syscall and segment each."""
         try:
             if self.sock is None:
                 self._connect()
-            sock = self.sock
-            assert sock is not None
-            for s in take:
-                s.request_id = self.next_id
-                self.next_id += 1
-                header = encode_request(
-                    OP_READ if s.is_read else OP_WRITE, s.request_id, s.segment, s.remote_offset, s.length, s.token
-                )
-                # Outstanding before the bytes go out: a failure mid-send must retry it too.
-                self._push(s)
-                sent += 1
-                _sockio.send_all(sock, header, None if s.is_read else s.local)
         except _sockio.STALL_ERRORS as exc:
-            self._abort(TransferCode.TIMEOUT, f"stalled sending to {self.peer.address}: {exc}", take[sent:])
+            self._abort(TransferCode.TIMEOUT, f"connect to {self.peer.address} stalled: {exc}", take)
             return False
         except OSError as exc:
-            self._abort(TransferCode.CONNECTION, f"{self.peer.address}: {exc}", take[sent:])
+            self._abort(TransferCode.CONNECTION, f"connect to {self.peer.address}: {exc}", take)
+            return False
+        sock = self.sock
+        assert sock is not None
+        buffers: list[bytes | memoryview] = []
+        for s in take:
+            s.request_id = self.next_id
+            self.next_id += 1
+            buffers.append(
+                encode_request(
+                    OP_READ if s.is_read else OP_WRITE, s.request_id, s.segment, s.remote_offset, s.length, s.token
+                )
+            )
+            if not s.is_read:
+                buffers.append(s.local)
+            # Outstanding before the bytes go out: a failure mid-send must settle it too.
+            self._push(s)
+        try:
+            _sockio.send_buffers(sock, buffers)
+        except _sockio.STALL_ERRORS as exc:
+            self._abort(TransferCode.TIMEOUT, f"stalled sending to {self.peer.address}: {exc}", [])
+            return False
+        except OSError as exc:
+            self._abort(TransferCode.CONNECTION, f"{self.peer.address}: {exc}", [])
             return False
         return True
 
