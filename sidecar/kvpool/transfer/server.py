@@ -194,13 +194,16 @@ class TransferServer:
             try:
                 if req.op == OP_WRITE:
                     _sockio.recv_exact(sock, target)
-                    sock.sendall(encode_response(TransferCode.OK, req.request_id))
                 else:
                     _sockio.send_all(sock, encode_response(TransferCode.OK, req.request_id, req.length), target)
             finally:
                 target.release()
                 if guard is not None:
                     _release(guard, handle)
+            if req.op == OP_WRITE:
+                # Acknowledged only after the guard is released: a writer that sees OK and commits
+                # never finds its slot still held by this transfer.
+                sock.sendall(encode_response(TransferCode.OK, req.request_id))
 
     def _admit(self, req: RequestHeader) -> tuple[memoryview, Guard | None, object | None] | _Refusal:
         """Resolve the segment, check bounds, ask the guard: the target bytes or why not."""

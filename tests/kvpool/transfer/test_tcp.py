@@ -427,3 +427,22 @@ def test_writes_are_not_starved_by_a_steady_read_load(make_remote: MakeRemote) -
         for r in readers:
             r.join(30)
     assert bytes(seg.view[6 << 20 : 7 << 20]) == payload.tobytes()
+
+
+def test_write_is_acknowledged_after_guard_release(make_remote: MakeRemote) -> None:
+    """A writer that sees OK (and commits) must never race the server's guard release."""
+
+    class Ordered(RecordingGuard):
+        def release(self, handle: object) -> None:
+            time.sleep(0.05)  # a slow release widens any race
+            super().release(handle)
+
+    remote = make_remote("tcp")
+    guard = Ordered()
+    remote.segment("arena", 1 << 20, guard)
+    payload = random_bytes(1 << 20, 8)
+    statuses = remote.engine.submit(remote.address, [TransferRequest("write", payload.data, "arena", 0, 1 << 20)]).wait(
+        10
+    )
+    assert all(s.ok for s in statuses)
+    assert len(guard.released) == len(guard.acquired) == 2  # both slices released before OK arrived
