@@ -1,0 +1,180 @@
+"""One KVPool reconcile as a pure function: what was observed → what to do (STYLE 1).
+
+:func:`plan_pool` composes the planners (layout, scaling, drain, ring, status) into a
+:class:`PoolPlan`; the handler observes (Kubernetes objects, node stats, drain progress), calls
+it, and applies the plan in a fixed order: ring to the nodes, drain calls, children, status,
+Events. Because every part of the plan is recomputed from status and observations, applying a
+plan twice, or half of one before a crash, is harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvpool.ring import Member, Ring
+
+from . import children, drain, membership, scaling, status
+from .drain import DrainState, Event, NodeDrainStatus
+from .membership import StorePod
+from .model import NodeLayout, PoolSpec, SpecError, TenantSpec, TierSpec, parse_pool, resolve_layout
+from .settings import Settings
+from .status import NodeStats, PoolObservation
+from .tenancy import Credentials, NodeTenant, node_tenants
+
+
+@dataclass(frozen=True)
+class PoolObserved:
+    body: Mapping[str, Any]
+    tiers: Mapping[str, TierSpec | SpecError] = field(default_factory=dict)
+    pods: Sequence[StorePod] = ()
+    sts_replicas: int | None = None
+    """Replicas of the existing StatefulSet (None: not created yet)."""
+    sts_updating: bool = False
+    stats: Mapping[str, NodeStats | None] = field(default_factory=dict)
+    """Per usable pod: its Stats (None: it did not answer)."""
+    drain_statuses: Mapping[str, NodeDrainStatus | None] = field(default_factory=dict)
+    tenants: Sequence[tuple[TenantSpec, Credentials]] = ()
+    now_ms: int = 0
+    now_iso: str = ""
+
+
+@dataclass(frozen=True)
+class Policy:
+    ttl_seconds: Mapping[str, float]
+    high_watermark: float
+    low_watermark: float
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    pool: PoolSpec | None
+    status: dict[str, Any]
+    """Merge patch of the pool's status."""
+    events: tuple[Event, ...] = ()
+    layout: NodeLayout | None = None
+    children: tuple[dict[str, Any], ...] = ()
+    ring: Ring | None = None
+    push_ring: tuple[Member, ...] = ()
+    """Usable members whose ring epoch differs from :attr:`ring` (get SetRing first)."""
+    drain_calls: tuple[Member, ...] = ()
+    drain_deadline_ms: int = 0
+    policy: Policy | None = None
+    tenants: tuple[NodeTenant, ...] = ()
+    configure: tuple[Member, ...] = ()
+    """Members that get SetPolicy and SetTenants (all usable ones)."""
+    replicas: int | None = None
+    spec_error: SpecError | None = None
+    scale: scaling.ScaleDecision | None = None
+
+
+def _failed(body: Mapping[str, Any], err: SpecError, obs: PoolObserved, pool: PoolSpec | None) -> PoolPlan:
+    st = body.get("status") or {}
+    view = status.pool_conditions(PoolObservation(
+        desired=pool.replicas if pool else 0, active_members=len((membership.ring_from_status(st) or Ring(0)).active),
+        spec_error=(err.reason, err.message), now_ms=obs.now_ms))
+    conds, events = status.merge_conditions(st.get("conditions"), view.conditions, obs.now_iso,
+                                            int((body.get("metadata") or {}).get("generation", 0)), "")
+    return PoolPlan(pool, {"conditions": conds, "phase": view.phase, "message": view.message}, tuple(events),
+                    spec_error=err)
+
+
+def resolve_tiers(pool: PoolSpec, tiers: Mapping[str, TierSpec | SpecError]) -> dict[str, TierSpec]:
+    """The pool's tiers that parsed; a listed tier that did not is the pool's error too."""
+    out: dict[str, TierSpec] = {}
+    for name in pool.tiers:
+        t = tiers.get(name)
+        if isinstance(t, SpecError):
+            raise SpecError("InvalidTier", t.message)
+        if t is not None:
+            out[name] = t
+    return out
+
+
+def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
+    body = obs.body
+    st: Mapping[str, Any] = body.get("status") or {}
+    pool: PoolSpec | None = None
+    try:
+        pool = parse_pool(body)
+        layout = resolve_layout(pool, resolve_tiers(pool, obs.tiers), settings.default_dram_bytes,
+                                settings.store_memory_overhead_bytes)
+    except SpecError as err:
+        return _failed(body, err, obs, pool)
+
+    previous = membership.ring_from_status(st)
+    node_capacity = layout.capacity_bytes
+    answered = [s for s in obs.stats.values() if s is not None]
+    usage = status.aggregate(answered)
+    current = obs.sts_replicas if obs.sts_replicas is not None else 0
+    state = DrainState.from_status(st.get("drain"))
+    events: list[Event] = []
+    decision: scaling.ScaleDecision | None = None
+    finished: Mapping[str, Any] | None = None
+    calls: tuple[str, ...] = ()
+    deadline = 0
+
+    if state is not None:
+        wanted = scaling.wanted_replicas(pool, state.from_replicas, usage.used_bytes, node_capacity)
+        pods_in = [p for p in obs.pods if p.ordinal < state.from_replicas]
+        ring = membership.plan_ring(previous, pods_in, state.leaving, pool.port, pool.replication)
+        step = drain.step(state, ring.epoch, obs.pods, obs.drain_statuses, obs.now_ms, wanted,
+                          settings.drain_overrun_seconds)
+        events += step.events
+        finished = step.finished
+        if step.state is None:
+            ring = membership.plan_ring(ring, [p for p in obs.pods if p.ordinal < step.member_limit], (), pool.port,
+                                        pool.replication)
+        calls, deadline, state, replicas = step.calls, state.deadline_unix_ms, step.state, step.replicas
+    else:
+        decision = scaling.decide(pool, current, usage.used_bytes, node_capacity)
+        if decision.action == "down":
+            step = drain.start(current, decision.target, obs.pods, obs.now_ms, pool.grace_period_seconds,
+                               decision.reason)
+            events += step.events
+            state, calls, replicas = step.state, step.calls, step.replicas
+            deadline = state.deadline_unix_ms if state else 0
+            ring = membership.plan_ring(previous, [p for p in obs.pods if p.ordinal < step.member_limit],
+                                        step.draining, pool.port, pool.replication)
+            if state is not None:
+                state = replace(state, epoch=ring.epoch)
+        else:
+            replicas = decision.target
+            limit = max(current, replicas) if decision.action == "blocked" else replicas
+            ring = membership.plan_ring(previous, [p for p in obs.pods if p.ordinal < limit], (), pool.port,
+                                        pool.replication)
+    if previous is not None and ring.epoch != previous.epoch:
+        events.append(Event("Normal", "RingUpdated", f"ring epoch {ring.epoch}: {len(ring.active)} active, "
+                                                     f"{len(ring.draining)} draining"))
+
+    by_id = {m.id: m for m in ring.members}
+    push = tuple(m for m in ring.members
+                 if (s := obs.stats.get(m.id)) is None or s.epoch != ring.epoch)
+    unreachable = sorted(k for k, v in obs.stats.items() if v is None)
+    desired = (state.to_replicas if state else
+               decision.wanted if decision and decision.action != "blocked" else replicas)
+    view = status.pool_conditions(PoolObservation(
+        desired=desired, pods=len(obs.pods), ready_pods=sum(p.ready for p in obs.pods),
+        active_members=len(ring.active), unreachable=unreachable, decision=decision, drain=state,
+        now_ms=obs.now_ms, updating=obs.sts_updating))
+    generation = int((body.get("metadata") or {}).get("generation", 0))
+    conds, cond_events = status.merge_conditions(st.get("conditions"), view.conditions, obs.now_iso, generation)
+    events += cond_events
+    patch: dict[str, Any] = {
+        "observedGeneration": generation, "phase": view.phase, "message": view.message, "conditions": conds,
+        "replicas": len(obs.pods), "readyReplicas": len(ring.active), "desiredReplicas": desired,
+        "selector": children.selector_string(pool), "ring": ring.to_dict(),
+        "drain": state.to_status() if state is not None else None,
+        **status.usage_status(usage),
+    }
+    if finished is not None:
+        patch["lastDrain"] = dict(finished)
+    layout_policy = Policy(dict(pool.ttl_seconds), layout.dram.high_watermark, layout.dram.low_watermark)
+    return PoolPlan(
+        pool=pool, status=patch, events=tuple(events), layout=layout,
+        children=tuple(children.children(pool, layout, settings, replicas)), ring=ring, push_ring=push,
+        drain_calls=tuple(by_id[c] for c in calls if c in by_id), drain_deadline_ms=deadline,
+        policy=layout_policy, tenants=tuple(node_tenants(pool, obs.tenants)),
+        configure=tuple(m for m in ring.members if obs.stats.get(m.id) is not None),
+        replicas=replicas, scale=decision)

@@ -1,0 +1,118 @@
+"""A KVPool reconcile end to end as a pure function: children, ring, scale-down, drain, status."""
+
+from typing import Any
+
+from kvpool_operator.drain import NodeDrainStatus
+from kvpool_operator.membership import StorePod
+from kvpool_operator.model import SpecError, parse_tier
+from kvpool_operator.reconcile import PoolObserved, PoolPlan, plan_pool
+from kvpool_operator.settings import Settings
+from kvpool_operator.status import NodeStats
+from kvpool_operator.testing import apply_merge_patch, pool_body, tier_body
+
+S = Settings()
+GI = 1 << 30
+NOW = 1_700_000_000_000
+
+
+def _pods(n: int, ready: bool = True) -> list[StorePod]:
+    return [StorePod(f"p-store-{i}", i, f"127.0.0.{10 + i}", ready=ready) for i in range(n)]
+
+
+def _stats(n: int, used: int = 0, epoch: int = 0) -> dict[str, NodeStats | None]:
+    return {f"p-store-{i}": NodeStats(f"p-store-{i}", epoch=epoch, capacity_bytes=GI, used_bytes=used)
+            for i in range(n)}
+
+
+def _conds(plan: PoolPlan) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in plan.status["conditions"]}
+
+
+def _run(body: dict[str, Any], **obs: Any) -> tuple[PoolPlan, dict[str, Any]]:
+    plan = plan_pool(PoolObserved(body=body, now_ms=obs.pop("now_ms", NOW), now_iso="t", **obs), S)
+    new_body = dict(body, status=apply_merge_patch(body.get("status") or {}, plan.status))
+    return plan, new_body
+
+
+def test_new_pool_creates_children_and_then_becomes_ready() -> None:
+    body = pool_body(storage={"replicas": 3}, tenancy={"defaultTenant": "public"})
+    plan, body = _run(body)
+    assert plan.replicas == 3 and [c["kind"] for c in plan.children][-1] == "StatefulSet"
+    assert plan.children[-1]["spec"]["replicas"] == 3
+    assert _conds(plan)["Ready"] == ("False", "NodesNotReady") and plan.status["phase"] == "Progressing"
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
+    assert plan.ring is not None and plan.ring.epoch == 2 and len(plan.ring.active) == 3
+    assert {m.id for m in plan.push_ring} == {"p-store-0", "p-store-1", "p-store-2"}
+    assert _conds(plan)["Ready"] == ("True", "NodesReady") and plan.status["phase"] == "Ready"
+    assert plan.status["readyReplicas"] == 3 and plan.status["capacity"] == "3.0Gi"
+    assert any(e.reason == "NodesReady" for e in plan.events)
+    # Nodes now at the ring's epoch: nothing to push, nothing changes.
+    plan2, _ = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, epoch=2))
+    assert plan2.push_ring == () and plan2.ring == plan.ring and len(plan2.configure) == 3
+
+
+def test_scale_down_drains_then_shrinks() -> None:
+    body = pool_body(storage={"replicas": 3}, scaleDown={"gracePeriodSeconds": 30})
+    _, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
+    body["spec"]["storage"]["replicas"] = 2
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, used=GI // 10, epoch=1))
+    assert plan.replicas == 3  # not yet
+    assert plan.ring is not None and [m.id for m in plan.ring.draining] == ["p-store-2"]
+    assert [m.id for m in plan.drain_calls] == ["p-store-2"] and plan.drain_deadline_ms == NOW + 30_000
+    assert plan.status["drain"]["leaving"] == ["p-store-2"] and plan.status["drain"]["epoch"] == plan.ring.epoch
+    assert _conds(plan)["Draining"] == ("True", "ScaleDown") and plan.status["phase"] == "Draining"
+    epoch = plan.ring.epoch
+    # An operator restart: the same status, a node that forgot → called again, same deadline.
+    again, _ = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, epoch=epoch),
+                    drain_statuses={"p-store-2": NodeDrainStatus("idle")}, now_ms=NOW + 5000)
+    assert [m.id for m in again.drain_calls] == ["p-store-2"] and again.drain_deadline_ms == NOW + 30_000
+    assert again.ring is not None and again.ring.epoch == epoch
+    done = NodeDrainStatus("done", moved_objects=10, moved_bytes=1000, epoch=epoch)
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, epoch=epoch),
+                      drain_statuses={"p-store-2": done}, now_ms=NOW + 6000)
+    assert plan.replicas == 2 and plan.children[-1]["spec"]["replicas"] == 2
+    assert plan.ring is not None and [m.id for m in plan.ring.members] == ["p-store-0", "p-store-1"]
+    assert plan.ring.epoch == epoch + 1
+    assert body["status"].get("drain") is None and body["status"]["lastDrain"]["movedObjects"] == 10
+    assert _conds(plan)["Draining"] == ("False", "NotDraining")
+    assert any(e.reason == "DrainCompleted" for e in plan.events)
+
+
+def test_scale_down_refused_and_forced() -> None:
+    body = pool_body(storage={"replicas": 3})
+    _, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
+    body["spec"]["storage"]["replicas"] = 2
+    full = _stats(3, used=int(0.6 * GI), epoch=1)  # 1.8Gi on 2Gi: 90 %
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=full)
+    assert plan.replicas == 3 and plan.drain_calls == () and plan.status.get("drain") is None
+    assert _conds(plan)["ScaleDownBlocked"] == ("True", "UtilizationTooHigh") and plan.status["phase"] == "Blocked"
+    assert any(e.type == "Warning" and e.reason == "UtilizationTooHigh" for e in plan.events)
+    assert plan.ring is not None and len(plan.ring.active) == 3
+    body["metadata"]["annotations"] = {"kvpool.io/force-scale-down": "true"}
+    plan, _ = _run(body, pods=_pods(3), sts_replicas=3, stats=full)
+    assert [m.id for m in plan.drain_calls] == ["p-store-2"]
+    assert _conds(plan)["ScaleDownBlocked"] == ("False", "NotBlocked")
+
+
+def test_spec_error_is_a_condition_not_a_crash() -> None:
+    plan, _ = _run(pool_body(storage={"tiers": ["missing"]}))
+    assert plan.spec_error is not None and plan.children == () and plan.status["phase"] == "Failed"
+    assert _conds(plan)["Degraded"] == ("True", "TierNotFound")
+    bad = SpecError("InvalidTier", "KVTier x: watermarks bad")
+    plan, _ = _run(pool_body(storage={"tiers": ["x"]}), tiers={"x": bad})
+    assert _conds(plan)["Degraded"] == ("True", "InvalidTier")
+
+
+def test_tiers_and_tenancy_reach_the_plan() -> None:
+    tiers = {"d": parse_tier(tier_body("d", capacity={"bytes": "2Gi"}, watermarks={"high": 0.9, "low": 0.5}))}
+    plan, _ = _run(pool_body(storage={"tiers": ["d"]}, ttl={"agent": "1h"}), tiers=tiers)
+    assert plan.policy is not None and plan.policy.high_watermark == 0.9 and plan.policy.ttl_seconds["agent"] == 3600
+    assert plan.layout is not None and plan.layout.dram_bytes == 2 * GI
+
+
+def test_unreachable_node_degrades() -> None:
+    body = pool_body(storage={"replicas": 2})
+    stats = _stats(2)
+    stats["p-store-1"] = None
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert _conds(plan)["Degraded"] == ("True", "NodesUnreachable") and "p-store-1" in plan.status["message"]
