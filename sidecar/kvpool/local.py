@@ -44,15 +44,16 @@ class Proc:
     ready_line: str = ""
     log_path: str = ""
     lines: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+    reader: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
 
-def spawn(name: str, argv: list[str], workdir: str, timeout: float = 30.0,
-          env: dict[str, str] | None = None) -> Proc:
-    """Start a kvpool process and wait for its READY line (stderr goes to a log file)."""
+def launch(name: str, argv: list[str], workdir: str, env: dict[str, str] | None = None) -> Proc:
+    """Start a kvpool process (stderr goes to a log file); :func:`wait_ready` waits for it."""
     log_path = os.path.join(workdir, f"{name}.log")
     log_f: IO[str] = open(log_path, "w")  # noqa: SIM115 - handed to the child
     try:
@@ -62,25 +63,42 @@ def spawn(name: str, argv: list[str], workdir: str, timeout: float = 30.0,
     finally:
         log_f.close()
     proc = Proc(name, popen, log_path=log_path)
-    ready = threading.Event()
 
     def reader() -> None:
         assert popen.stdout is not None
         for line in popen.stdout:
             proc.lines.append(line.rstrip())
-            if line.startswith("READY") and not ready.is_set():
+            if line.startswith("READY") and not proc.ready.is_set():
                 proc.ready_line = line.strip()
-                ready.set()
-        ready.set()
+                proc.ready.set()
+        proc.ready.set()  # EOF: the process exited (or closed stdout) before or after READY
 
-    threading.Thread(target=reader, name=f"{name}-stdout", daemon=True).start()
-    if not ready.wait(timeout) or not proc.ready_line:
-        popen.kill()
-        popen.wait()
-        with open(log_path) as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"{name} did not become ready (exit {popen.returncode}):\n{tail}")
+    proc.reader = threading.Thread(target=reader, name=f"{name}-stdout", daemon=True)
+    proc.reader.start()
     return proc
+
+
+def wait_ready(proc: Proc, timeout: float = 60.0) -> Proc:
+    """Wait for ``proc``'s READY line; on failure kill it and raise with the tail of its log."""
+    if not proc.ready.wait(timeout) or not proc.ready_line:
+        proc.popen.kill()
+        proc.popen.wait()
+        close_pipes(proc)
+        with open(proc.log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{proc.name} did not become ready (exit {proc.popen.returncode}):\n{tail}")
+    return proc
+
+
+def spawn(name: str, argv: list[str], workdir: str, timeout: float = 60.0,
+          env: dict[str, str] | None = None) -> Proc:
+    """Start a kvpool process and wait for its READY line (stderr goes to a log file)."""
+    proc = launch(name, argv, workdir, env)
+    try:
+        return wait_ready(proc, timeout)
+    except BaseException:
+        stop_procs([proc], grace=0)
+        raise
 
 
 def stop_procs(procs: Sequence[Proc], grace: float = 10.0) -> None:
@@ -95,6 +113,16 @@ def stop_procs(procs: Sequence[Proc], grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             p.popen.kill()
             p.popen.wait()
+    for p in procs:
+        close_pipes(p)
+
+
+def close_pipes(p: Proc) -> None:
+    """After the process exited: let the reader see EOF, then close our end of its stdout."""
+    if p.reader is not None:
+        p.reader.join(timeout=5)
+    if p.popen.stdout is not None and (p.reader is None or not p.reader.is_alive()):
+        p.popen.stdout.close()
 
 
 class LocalCluster:
@@ -137,12 +165,16 @@ class LocalCluster:
         self.workdir = self._tmp.name
         try:
             self._write_tenants()
-            for _ in range(self.n_stores):
-                self.add_store(publish=False)
+            # Start the processes of each kind concurrently: most of a start is the interpreter
+            # importing numpy and grpc, which overlaps well.
+            stores = [self._launch_store() for _ in range(self.n_stores)]
+            for proc, node_id in stores:
+                self._register_store(proc, node_id)
             if self.n_stores:
                 self.publish_ring()
-            for i in range(self.n_sidecars):
-                self.add_sidecar(self.tenant_ids[i])
+            sidecars = [self._launch_sidecar(self.tenant_ids[i]) for i in range(self.n_sidecars)]
+            for proc, addr in sidecars:
+                self._register_sidecar(proc, addr)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -165,8 +197,7 @@ class LocalCluster:
         with open(self.config_file, "w") as f:
             json.dump(self.store_config, f)
 
-    def add_store(self, publish: bool = True) -> str:
-        """Start one more store node; with ``publish`` a new ring epoch includes it."""
+    def _launch_store(self) -> tuple[Proc, str]:
         i = len(self.store_procs)
         node_id = f"store-{i}"
         d = os.path.join(self.workdir, node_id)
@@ -178,21 +209,32 @@ class LocalCluster:
             argv += ["--ssd-path", os.path.join(d, "ssd"), "--ssd", str(self.ssd_bytes)]
         if self.tokens and "default" not in self.tenant_ids:
             argv.append("--closed")
-        proc = spawn(node_id, argv, d)
+        proc = launch(node_id, argv, d)
+        self.store_procs.append(proc)  # owned from now on: stopped by __exit__ whatever happens
+        return proc, node_id
+
+    def _register_store(self, proc: Proc, node_id: str) -> str:
+        wait_ready(proc)
         addr = proc.ready_line.split()[1]
-        self.store_procs.append(proc)
         self.stores.append(addr)
         self.store_ids.append(node_id)
+        return addr
+
+    def add_store(self, publish: bool = True) -> str:
+        """Start one more store node; with ``publish`` a new ring epoch includes it."""
+        addr = self._register_store(*self._launch_store())
         if publish:
             self.publish_ring()
         return addr
 
-    def add_sidecar(self, tenant: str = "default") -> str:
+    def _launch_sidecar(self, tenant: str, local_bytes: int | None = None,
+                        extra_args: Sequence[str] = ()) -> tuple[Proc, str]:
         i = len(self.sidecar_procs)
         d = os.path.join(self.workdir, f"sidecar-{i}")
         os.makedirs(d)
         sock = os.path.join(d, "kvpool.sock")
-        argv = ["sidecar", "--socket", sock, "--pool", ",".join(self.stores), "--local", str(self.local_bytes),
+        local = self.local_bytes if local_bytes is None else local_bytes
+        argv = ["sidecar", "--socket", sock, "--pool", ",".join(self.stores), "--local", str(local),
                 "--drain-seconds", str(self.drain_seconds), "--log-level", "WARNING"]
         if tenant != "default":
             cred = os.path.join(d, "credentials.json")
@@ -201,10 +243,20 @@ class LocalCluster:
             argv += ["--credentials", cred]
         if self.write_back:
             argv.append("--write-back")
-        proc = spawn(f"sidecar-{i}", argv, d)
+        argv += list(extra_args)
+        proc = launch(f"sidecar-{i}", argv, d)
         self.sidecar_procs.append(proc)
-        self.sidecars.append(f"unix://{sock}")
-        return self.sidecars[-1]
+        return proc, f"unix://{sock}"
+
+    def _register_sidecar(self, proc: Proc, address: str) -> str:
+        wait_ready(proc)
+        self.sidecars.append(address)
+        return address
+
+    def add_sidecar(self, tenant: str = "default", local_bytes: int | None = None,
+                    extra_args: Sequence[str] = ()) -> str:
+        """Start one more sidecar (of ``tenant``; ``local_bytes`` defaults to the cluster's)."""
+        return self._register_sidecar(*self._launch_sidecar(tenant, local_bytes, extra_args))
 
     def publish_ring(self, draining: Sequence[str] = ()) -> int:
         """Push a new ring epoch to every live store node (what the operator does in Kubernetes)."""

@@ -104,15 +104,21 @@ class LocalTier:
             if e.pins == 0 and e.state == DEAD:
                 self.arena.alloc.free(e.offset)
 
+    def _new_lease(self, entries: list[LocalEntry], lease_ms: int, now: float) -> LocalLease:
+        # Under self.lock: pinning must be atomic with the lookup that found the entries, or a
+        # concurrent eviction could free (and a put reuse) an extent between the two.
+        lease = LocalLease(next(self._ids), now + max(lease_ms, 1) / 1000.0, entries)
+        for e in entries:
+            e.pins += 1
+        self.leases[lease.lease_id] = lease
+        heapq.heappush(self._heap, (lease.expires, lease.lease_id))
+        return lease
+
     def lease(self, entries: list[LocalEntry], lease_ms: int) -> LocalLease:
-        now = time.time()
+        """Pin those of ``entries`` that are still live (an evicted one is left out: its extent
+        may already belong to another object)."""
         with self.lock:
-            lease = LocalLease(next(self._ids), now + max(lease_ms, 1) / 1000.0, entries)
-            for e in entries:
-                e.pins += 1
-            self.leases[lease.lease_id] = lease
-            heapq.heappush(self._heap, (lease.expires, lease.lease_id))
-            return lease
+            return self._new_lease([e for e in entries if e.state == COMMITTED], lease_ms, time.time())
 
     def release(self, lease_ids: Sequence[int]) -> None:
         with self.lock:
@@ -123,23 +129,26 @@ class LocalTier:
 
     # -- lookups ------------------------------------------------------------------------------
 
-    def match_prefix(self, keys: list[bytes]) -> tuple[int, list[LocalEntry]]:
-        """Leading run of keys held locally (committed blocks)."""
+    def match_prefix(self, keys: list[bytes], lease_ms: int = 0) -> tuple[int, LocalLease | None]:
+        """Leading run of keys held locally (committed blocks), pinned by a lease when ``lease_ms``."""
         with self.lock:
             found = list(map(self.blocks.get, keys))
             try:
                 n = found.index(None)
             except ValueError:
                 n = len(found)
-            hits = found[:n]
+            hits: list[LocalEntry] = found[:n]  # type: ignore[assignment]
             now = time.time()
             for e in hits:
-                assert e is not None
                 e.last_access = now
                 self.lru.move_to_end(id(e))
-            return n, hits  # type: ignore[return-value]
+            lease = self._new_lease(hits, lease_ms, now) if lease_ms and hits else None
+            return n, lease
 
-    def lookup(self, keys: list[bytes], kind: int) -> list[LocalEntry | None]:
+    def lookup(self, keys: list[bytes], kind: int, lease_ms: int = 0
+               ) -> tuple[list[LocalEntry | None], LocalLease | None]:
+        """Committed objects (None where absent); with ``lease_ms`` a lease pins what was found
+        (possibly nothing yet: :meth:`insert_fetched` adds to it)."""
         with self.lock:
             now = time.time()
             self._sweep(now)
@@ -152,7 +161,8 @@ class LocalTier:
                     out.append(e)
                 else:
                     out.append(None)
-            return out
+            lease = self._new_lease([e for e in out if e is not None], lease_ms, now) if lease_ms else None
+            return out, lease
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -209,12 +219,14 @@ class LocalTier:
             self.on_evict(evicted)
         return codes, entries, rid
 
-    def commit(self, rid: int, checksums: Sequence[int], dirty: bool, pooled: bool = False
-               ) -> tuple[list[int], list[LocalEntry]]:
+    def commit(self, rid: int, checksums: Sequence[int], dirty: bool, pooled: bool = False, pin_ms: int = 0
+               ) -> tuple[list[int], list[LocalEntry], LocalLease | None]:
+        """Publish a reservation's extents; with ``pin_ms`` the published entries are pinned in
+        the same step (the write-through queue holds them until they reach the pool)."""
         with self.lock:
             res = self.reservations.pop(rid, None)
             if res is None:
-                return [pb.LEASE_EXPIRED] * len(checksums), []
+                return [pb.LEASE_EXPIRED] * len(checksums), [], None
             entries = res[1]
             if len(checksums) != len(entries):
                 self.reservations[rid] = res
@@ -230,7 +242,8 @@ class LocalTier:
                     continue
                 self._publish(e, checksums[i], dirty, pooled)
                 done.append(e)
-            return codes, done
+            lease = self._new_lease(list(done), pin_ms, time.time()) if pin_ms and done else None
+            return codes, done, lease
 
     def _publish(self, e: LocalEntry, csum: int, dirty: bool, pooled: bool) -> None:
         e.checksum = csum
@@ -243,16 +256,43 @@ class LocalTier:
             self.blocks[e.key] = e
         self.counters["stored"] += 1
 
-    def insert_fetched(self, e: LocalEntry, csum: int) -> None:
-        """An object fetched from the pool into an extent from :meth:`reserve_one`."""
+    def insert_fetched(self, e: LocalEntry, csum: int, lease: LocalLease | None = None) -> None:
+        """An object fetched from the pool into an extent from :meth:`reserve_one`; pinned by
+        ``lease`` (when it is still live) in the same step that makes it evictable."""
         with self.lock:
             self._publish(e, csum, dirty=False, pooled=True)
+            if lease is not None and self.leases.get(lease.lease_id) is lease:
+                lease.entries.append(e)
+                e.pins += 1
 
-    def reserve_one(self, key: bytes, size: int, kind: int) -> LocalEntry | None:
+    def reserve_one(self, key: bytes, size: int, kind: int) -> tuple[int, LocalEntry | None]:
+        """An extent for one object fetched from the pool (no reservation timer: the fetcher
+        publishes or abandons it); the code says why there is none (IN_FLIGHT: being fetched)."""
         codes, entries, rid = self.reserve([key], [size], kind, "")
         with self.lock:
             self.reservations.pop(rid, None)
-        return entries[0]
+        return codes[0], entries[0]
+
+    def pin_into(self, lease: LocalLease, keys: Sequence[bytes], kind: int) -> tuple[list[LocalEntry | None], int]:
+        """Committed objects among ``keys`` added to a live ``lease``; also how many are still
+        reserved (in flight: a concurrent fetch or put that has not committed yet)."""
+        out: list[LocalEntry | None] = []
+        pending = 0
+        with self.lock:
+            live = self.leases.get(lease.lease_id) is lease
+            now = time.time()
+            for k in keys:
+                e = self.index.get((kind, k))
+                if e is not None and e.state == COMMITTED and live:
+                    e.pins += 1
+                    lease.entries.append(e)
+                    e.last_access = now
+                    self.lru.move_to_end(id(e))
+                    out.append(e)
+                else:
+                    pending += e is not None and e.state == RESERVED
+                    out.append(None)
+        return out, pending
 
     def revoke(self, rid: int) -> None:
         with self.lock:
@@ -304,6 +344,13 @@ class LocalTier:
             freed += e.size
             self.counters["evicted"] += 1
         return out
+
+    def mark_dirty(self, entries: Sequence[LocalEntry]) -> None:
+        """These objects now exist only here (a deferred pool write): eviction hands them over."""
+        with self.lock:
+            for e in entries:
+                if e.state == COMMITTED and not e.pooled:
+                    e.dirty = True
 
     def local_only(self) -> list[LocalEntry]:
         """Objects that exist only here (dirty): what SIGTERM must flush, hottest first."""

@@ -42,10 +42,62 @@ class NodeHandle:
         return time.monotonic() >= self.down_until
 
 
+Routes = dict[str, npt.NDArray[np.intp]]
+
+
 @dataclass
 class PoolMatch:
     prefix: int                       # global leading run of present keys (from `start`)
-    leases: dict[str, int] = field(default_factory=dict)  # node id → lease id
+    leases: list[tuple[str, int]] = field(default_factory=list)  # (node id, lease id)
+
+
+def group_by_owner(own: npt.NDArray[Any], ids: Sequence[str]) -> Routes:
+    """Node id → ascending indices of the keys whose owner (an index into ``ids``, -1: none) it is."""
+    out: Routes = {}
+    if len(own) == 0 or not ids:
+        return out
+    order = np.argsort(own, kind="stable")
+    bounds = np.searchsorted(own[order], np.arange(len(ids) + 1))
+    for j, nid in enumerate(ids):
+        if bounds[j + 1] > bounds[j]:
+            out[nid] = order[bounds[j]:bounds[j + 1]]
+    return out
+
+
+def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | None) -> list[Routes]:
+    """Where else a read looks for keys missing at their active owner, in order (DESIGN §6).
+
+    First the owner among active + draining members (a draining node still holds what it has
+    not pushed yet), then the active owner under the previous ring epoch (after a scale-up the
+    objects stay where they were written until they are moved).  Each source lists only keys
+    whose fallback differs from every node asked before it; a pure function of the rings.
+    """
+    n = len(key_blob) // KEY_BYTES
+    active = [m.id for m in ring.active]
+    if n == 0 or not active:
+        return []
+    primary = np.array(active, dtype=object)[owners(key_blob, active)[:, 0]]
+    asked = [primary]
+    sources: list[list[str]] = []
+    if len(ring.members) != len(active):
+        sources.append([m.id for m in ring.members])
+    if previous is not None and previous.active:
+        prev_ids = [m.id for m in previous.active]
+        if sorted(prev_ids) != sorted(active):
+            sources.append(prev_ids)
+    out: list[Routes] = []
+    for ids in sources:
+        own = owners(key_blob, ids)[:, 0]
+        fb = np.array(ids, dtype=object)[own]
+        new = np.ones(n, dtype=bool)
+        for a in asked:
+            new &= fb != a
+        asked.append(fb)
+        if not new.any():
+            continue
+        sel = np.flatnonzero(new)
+        out.append({nid: sel[idx] for nid, idx in group_by_owner(own[sel], ids).items()})
+    return out
 
 
 class Pool:
@@ -61,8 +113,9 @@ class Pool:
         self.lock = threading.Lock()
         self.nodes: dict[str, NodeHandle] = {}
         self.ring = Ring(epoch=0)
+        self.previous: Ring | None = None
+        """The ring before :attr:`ring`: reads that miss at the new owner try the old one."""
         self._active_ids: list[str] = []
-        self._fallback_ids: list[str] = []
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pool")
         self.errors = 0
         self.refresh_needed = threading.Event()
@@ -76,20 +129,29 @@ class Pool:
     # -- membership ---------------------------------------------------------------------------
 
     def refresh_ring(self) -> bool:
-        """Learn the ring from any reachable node; without an operator (epoch 0) the seeds are
-        the membership, named by their addresses."""
+        """Learn the newest ring any reachable node knows (all asked concurrently); without an
+        operator (epoch 0) the seeds are the membership, named by their addresses."""
+        with self.lock:
+            known = {n.member.address: n.client for n in self.nodes.values()}
+        temp = {a: StoreClient(a, self.token, engine=self.engine, timeout=2.0) for a in self.seeds if a not in known}
+        clients = {**known, **temp}
         best: Ring | None = None
-        for addr in [n.member.address for n in self.nodes.values()] + self.seeds:
-            try:
-                with StoreClient(addr, self.token, engine=self.engine, timeout=2.0) as c:
-                    ring = ring_from_pb(c.get_ring())
-            except errors.KvpoolError:
-                continue
-            if best is None or ring.epoch > best.epoch:
-                best = ring
-            if best.epoch > 0:
-                break
+        try:
+            calls = [(a, c.stub.GetRing.future(pb.Empty(), timeout=2.0, metadata=c._metadata))
+                     for a, c in clients.items()]
+            for _, fut in calls:
+                try:
+                    ring = ring_from_pb(fut.result())
+                except (grpc.RpcError, errors.KvpoolError):
+                    continue
+                if best is None or ring.epoch > best.epoch:
+                    best = ring
+        finally:
+            for c in temp.values():
+                c.close()
         if best is None or best.epoch == 0 or not best.members:
+            if self.ring.epoch > 0:
+                return False  # nobody answered: keep what we know
             best = Ring(epoch=0, members=tuple(Member(a, a) for a in self.seeds))
         self.set_ring(best)
         return True
@@ -98,7 +160,12 @@ class Pool:
         with self.lock:
             if ring.epoch < self.ring.epoch:
                 return
-            for m in ring.members:
+            if ring.epoch > self.ring.epoch and self.ring.members:
+                self.previous = self.ring
+            keep = {m.id: m for m in ring.members}
+            for m in (self.previous.members if self.previous else ()):
+                keep.setdefault(m.id, m)
+            for m in keep.values():
                 h = self.nodes.get(m.id)
                 if h is None or h.member.address != m.address:
                     if h is not None:
@@ -107,11 +174,10 @@ class Pool:
                                                                  timeout=self.rpc_timeout))
                 else:
                     h.member = m
-            for mid in [i for i in self.nodes if ring.member(i) is None]:
+            for mid in [i for i in self.nodes if i not in keep]:
                 self.nodes.pop(mid).client.close()
             self.ring = ring
             self._active_ids = [m.id for m in ring.active]
-            self._fallback_ids = [m.id for m in ring.members]
         self.refresh_needed.clear()
 
     def _note_epoch(self, epoch: int) -> None:
@@ -119,7 +185,8 @@ class Pool:
             self.refresh_needed.set()
 
     def _failed(self, node: NodeHandle, exc: BaseException) -> None:
-        self.errors += 1
+        with self.lock:
+            self.errors += 1
         node.down_until = time.monotonic() + self.backoff
         log.warning("pool node %s failed: %s", node.member.id, exc)
 
@@ -128,25 +195,52 @@ class Pool:
 
     # -- routing ------------------------------------------------------------------------------
 
-    def route(self, key_array: npt.NDArray[Any]) -> dict[str, npt.NDArray[np.intp]]:
+    def route(self, key_array: npt.NDArray[Any]) -> Routes:
         """Owner node id → indices (ascending) of the keys it owns, for the active ring."""
         with self.lock:
             ids = list(self._active_ids)
         if not ids or len(key_array) == 0:
             return {}
-        own = owners(key_array.tobytes(), ids)[:, 0]
-        order = np.argsort(own, kind="stable")
-        bounds = np.searchsorted(own[order], np.arange(len(ids) + 1))
-        return {ids[j]: order[bounds[j]:bounds[j + 1]] for j in range(len(ids)) if bounds[j + 1] > bounds[j]}
+        return group_by_owner(owners(key_array.tobytes(), ids)[:, 0], ids)
 
-    def draining_fallback(self, key_array: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
-        """Owner id among active + draining members per key, or None when nobody drains."""
+    def fallbacks(self, key_array: npt.NDArray[Any]) -> list[Routes]:
+        """Fallback routes for keys missing at their owner (see :func:`fallback_routes`)."""
         with self.lock:
-            if len(self._fallback_ids) == len(self._active_ids):
-                return None
-            ids = list(self._fallback_ids)
-        own = owners(key_array.tobytes(), ids)[:, 0]
-        return np.array(ids, dtype=object)[own]
+            ring, previous = self.ring, self.previous
+        if len(key_array) == 0:
+            return []
+        return fallback_routes(key_array.tobytes(), ring, previous)
+
+    def _up(self, nid: str) -> NodeHandle | None:
+        node = self.nodes.get(nid)
+        return node if node is not None and node.up else None
+
+    def exists_many(self, key_array: npt.NDArray[Any], calls: Sequence[tuple[str, npt.NDArray[np.intp], bool]],
+                    prefix_only: bool, lease_ms: int, kind: int = pb.BLOCK
+                    ) -> list[tuple[str, npt.NDArray[np.intp], pb.ExistsReply | None]]:
+        """One batched Exists per (node, indices, pin), all concurrently; None where it failed."""
+        futs = []
+        for nid, idx, pin in calls:
+            node = self._up(nid)
+            if node is None:
+                futs.append((nid, idx, None))
+                continue
+            req = pb.ExistsRequest(keys=key_array[idx].tobytes(), pin=pin, lease_ms=lease_ms if pin else 0,
+                                   prefix_only=prefix_only, kind=kind, epoch=self.ring.epoch)
+            futs.append((nid, idx, node.client.stub.Exists.future(req, timeout=self.rpc_timeout,
+                                                                  metadata=node.client._metadata)))
+        out = []
+        for nid, idx, fut in futs:
+            reply = None
+            if fut is not None:
+                try:
+                    reply = fut.result()
+                    self._note_epoch(reply.epoch)
+                except grpc.RpcError as exc:
+                    self._failed(self.nodes[nid], exc)
+                    reply = None
+            out.append((nid, idx, reply))
+        return out
 
     # -- match --------------------------------------------------------------------------------
 
@@ -154,88 +248,86 @@ class Pool:
         """Longest prefix of ``key_array`` present in the pool, pinned at each node.
 
         Each owner is asked for the leading run of *its* keys (prefix_only + pin): the global
-        prefix ends at the earliest first miss among the owners.
+        prefix ends at the earliest first miss among the owners.  When a fallback exists (a
+        draining node, or the owners of the previous ring epoch) the keys from that first miss
+        on are asked per key of their owners and fallbacks in one more concurrent round.
         """
         n = len(key_array)
         routes = self.route(key_array)
         if not routes:
             return PoolMatch(0)
-        futures = []
-        for nid, idx in routes.items():
-            node = self.nodes.get(nid)
-            if node is None or not node.up:
-                futures.append((nid, idx, None))
-                continue
-            req = pb.ExistsRequest(keys=key_array[idx].tobytes(), pin=True, lease_ms=lease_ms, prefix_only=True,
-                                   epoch=self.ring.epoch)
-            fut = node.client.stub.Exists.future(req, timeout=self.rpc_timeout, metadata=node.client._metadata)
-            futures.append((nid, idx, fut))
         first_miss = n
-        leases: dict[str, int] = {}
-        for nid, idx, fut in futures:
-            run = 0
-            if fut is not None:
-                try:
-                    reply = fut.result()
-                    run = reply.prefix
-                    if reply.lease_id:
-                        leases[nid] = reply.lease_id
-                    self._note_epoch(reply.epoch)
-                except grpc.RpcError as exc:
-                    self._failed(self.nodes[nid], exc)
+        leases: list[tuple[str, int]] = []
+        for nid, idx, reply in self.exists_many(key_array, [(nid, idx, True) for nid, idx in routes.items()],
+                                                True, lease_ms):
+            run = reply.prefix if reply is not None else 0
+            if reply is not None and reply.lease_id:
+                leases.append((nid, reply.lease_id))
             if run < len(idx):
                 first_miss = min(first_miss, int(idx[run]))
         prefix = first_miss
         if prefix < n:
-            prefix = self._extend_from_draining(key_array, prefix, lease_ms, leases)
+            tail = key_array[prefix:]
+            fbs = self.fallbacks(tail)
+            if fbs:
+                present = np.zeros(len(tail), dtype=bool)
+                calls = [(nid, idx, False) for nid, idx in self.route(tail).items()]
+                calls += [(nid, idx, True) for fb in fbs for nid, idx in fb.items()]
+                for nid, idx, reply in self.exists_many(tail, calls, False, lease_ms):
+                    if reply is None:
+                        continue
+                    if reply.lease_id:
+                        leases.append((nid, reply.lease_id))
+                    got = np.frombuffer(reply.present, dtype=np.uint8).astype(bool)
+                    present[idx[:len(got)][got[:len(idx)]]] = True
+                misses = np.flatnonzero(~present)
+                prefix += int(misses[0]) if len(misses) else len(tail)
         return PoolMatch(prefix, leases)
 
-    def _extend_from_draining(self, key_array: npt.NDArray[Any], prefix: int, lease_ms: int,
-                              leases: dict[str, int]) -> int:
-        """During a drain, a miss at the new owner may still be held by the draining node."""
-        fb = self.draining_fallback(key_array[prefix:])
-        if fb is None:
-            return prefix
-        while prefix < len(key_array):
-            nid = fb[0] if len(fb) else None
-            node = self.nodes.get(nid) if nid is not None else None
-            if node is None or node.member.state != "draining" or not node.up:
-                return prefix
-            # Ask the draining node for the run of keys starting here.
-            try:
-                r = node.client.exists([bytes(k) for k in key_array[prefix:]], pin=True, lease_ms=lease_ms)
-            except errors.KvpoolError as exc:
-                self._failed(node, exc)
-                return prefix
-            if r.lease_id:
-                leases[f"{nid}#drain"] = r.lease_id
-            if r.prefix == 0:
-                return prefix
-            prefix += r.prefix
-            fb = fb[r.prefix:]
-        return prefix
+    def present(self, key_array: npt.NDArray[Any], kind: int) -> npt.NDArray[np.bool_]:
+        """Per-key presence at the owners, then at the fallbacks for what is still missing."""
+        present = np.zeros(len(key_array), dtype=bool)
+        rounds: list[Routes] = [self.route(key_array)]
+        fbs: list[Routes] | None = None
+        while rounds:
+            routes = rounds.pop(0)
+            calls = [(nid, idx[~present[idx]], False) for nid, idx in routes.items()]
+            calls = [c for c in calls if len(c[1])]
+            for _, idx, reply in self.exists_many(key_array, calls, False, 0, kind):
+                if reply is not None:
+                    got = np.frombuffer(reply.present, dtype=np.uint8).astype(bool)
+                    present[idx[:len(got)][got[:len(idx)]]] = True
+            if fbs is None:
+                fbs = self.fallbacks(key_array) if not present.all() else []
+                rounds.extend(fbs)
+        return present
 
-    def release(self, leases: dict[str, int]) -> None:
-        for nid, lid in leases.items():
-            node = self.nodes.get(nid.split("#", 1)[0])
-            if node is None or not node.up:
+    def release(self, leases: Sequence[tuple[str, int]]) -> None:
+        by_node: dict[str, list[int]] = {}
+        for nid, lid in leases:
+            if lid:
+                by_node.setdefault(nid, []).append(lid)
+        for nid, lids in by_node.items():
+            node = self._up(nid)
+            if node is None:
                 continue
             try:
-                node.client.stub.Release.future(pb.ReleaseRequest(lease_ids=[lid]), timeout=self.rpc_timeout,
+                node.client.stub.Release.future(pb.ReleaseRequest(lease_ids=lids), timeout=self.rpc_timeout,
                                                 metadata=node.client._metadata)
             except Exception:  # best effort: leases expire by themselves
                 pass
 
     # -- get ----------------------------------------------------------------------------------
 
-    def get_plans(self, key_array: npt.NDArray[Any], kind: int, lease_ms: int
+    def get_plans(self, key_array: npt.NDArray[Any], kind: int, lease_ms: int, routes: Routes | None = None
                   ) -> list[tuple[NodeHandle, npt.NDArray[np.intp], GetPlan]]:
-        """Ask each owner (concurrently) where its keys are; misses fall back to a draining node."""
-        routes = self.route(key_array)
+        """Ask each node of ``routes`` (default: the owners) concurrently where its keys are."""
+        if routes is None:
+            routes = self.route(key_array)
         calls = []
         for nid, idx in routes.items():
-            node = self.nodes.get(nid)
-            if node is None or not node.up:
+            node = self._up(nid)
+            if node is None or len(idx) == 0:
                 continue
             req = pb.GetRequest(keys=key_array[idx].tobytes(), kind=kind, lease_ms=lease_ms, epoch=self.ring.epoch)
             calls.append((node, idx, node.client.stub.Get.future(req, timeout=self.rpc_timeout,
@@ -253,24 +345,15 @@ class Pool:
         return out
 
     def fetch(self, node: NodeHandle, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[int]:
+        """Move a plan's bytes into ``buffers``; a failed node turns its keys into misses."""
         try:
             return node.client.fetch_into(plan, buffers)
-        except errors.KvpoolError as exc:
+        except (errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
             return [pb.NOT_FOUND] * len(plan.codes)
         finally:
             if plan.lease_id:
-                self.release({node.member.id: plan.lease_id})
-
-    def get_from(self, nid: str, keys: list[bytes], kind: int) -> tuple[NodeHandle, GetPlan] | None:
-        node = self.nodes.get(nid)
-        if node is None or not node.up:
-            return None
-        try:
-            return node, node.client.get_plan(keys, kind=kind)
-        except errors.KvpoolError as exc:
-            self._failed(node, exc)
-            return None
+                self.release([(node.member.id, plan.lease_id)])
 
     # -- put ----------------------------------------------------------------------------------
 
@@ -282,14 +365,14 @@ class Pool:
         codes = [pb.NO_SPACE] * len(keys)
 
         def one(nid: str, idx: npt.NDArray[np.intp]) -> None:
-            node = self.nodes.get(nid)
-            if node is None or not node.up:
+            node = self._up(nid)
+            if node is None:
                 return
             ii = idx.tolist()
             try:
                 res = node.client.put([keys[i] for i in ii], [views[i] for i in ii], traffic_class, kind,
                                       epoch=self.ring.epoch, checksums=[checksums[i] for i in ii])
-            except errors.KvpoolError as exc:
+            except (errors.KvpoolError, OSError, RuntimeError) as exc:
                 self._failed(node, exc)
                 return
             for i, c in zip(ii, res, strict=True):

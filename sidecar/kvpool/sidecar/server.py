@@ -10,6 +10,7 @@ SIGTERM: stop accepting, flush what exists only locally, exit 0.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ from ..proto import sidecar_pb2_grpc as spbg
 from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from . import metrics
-from .local_tier import LocalEntry, LocalTier
+from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
 
 log = logging.getLogger("kvpool.sidecar")
@@ -64,7 +65,7 @@ class SidecarConfig:
 @dataclass
 class _MatchLease:
     local_lease: int
-    pool_leases: dict[str, int]
+    pool_leases: list[tuple[str, int]]
     expires: float
 
 
@@ -80,6 +81,8 @@ class Sidecar(spbg.SidecarServicer):
         self._lock = threading.Lock()
         self.pending: queue.Queue[tuple[list[LocalEntry], list[bytes] | None] | None] = queue.Queue()
         self.pending_bytes = 0
+        self._deferred: collections.deque[LocalEntry] = collections.deque()
+        self.deferred_bytes = 0
         self._pins: dict[int, int] = {}  # id(batch) → lease pinning it while the writer has it
         self.max_pending = cfg.max_pending_bytes or self.local.capacity // 4
         self.counters = self.local.counters
@@ -127,16 +130,15 @@ class Sidecar(spbg.SidecarServicer):
         lease_ms = request.lease_ms or self.cfg.lease_ms
         if request.per_key:
             return self._probe(keys, arr, request.kind)
-        n_local, hits = self.local.match_prefix(keys)
+        n_local, local_lease = self.local.match_prefix(keys, lease_ms)
         prefix = n_local
-        pool_leases: dict[str, int] = {}
+        pool_leases: list[tuple[str, int]] = []
         if n_local < len(keys) and self.pool.enabled and not request.local_only:
             pm = self.pool.match(arr[n_local:], lease_ms)
             prefix += pm.prefix
             pool_leases = pm.leases
         lease_id = 0
         if prefix:
-            local_lease = self.local.lease(hits, lease_ms) if hits else None
             lease_id = next(self._ids)
             with self._lock:
                 self.match_leases[lease_id] = _MatchLease(local_lease.lease_id if local_lease else 0, pool_leases,
@@ -151,24 +153,12 @@ class Sidecar(spbg.SidecarServicer):
         return spb.MatchReply(prefix=prefix, local_prefix=n_local, lease_id=lease_id)
 
     def _probe(self, keys: list[bytes], arr: np.ndarray, kind: int) -> spb.MatchReply:
-        found = self.local.lookup(keys, kind)
-        present = bytearray(e is not None for e in found)
-        missing = [i for i, e in enumerate(found) if e is None]
-        if missing and self.pool.enabled:
-            sub = arr[missing]
-            for nid, idx in self.pool.route(sub).items():
-                node = self.pool.nodes.get(nid)
-                if node is None or not node.up:
-                    continue
-                try:
-                    r = node.client.exists([bytes(k) for k in sub[idx]], prefix_only=False, kind=kind)
-                except Exception as exc:
-                    self.pool._failed(node, exc)
-                    continue
-                for j, p in zip(idx.tolist(), r.present, strict=True):
-                    if p:
-                        present[missing[j]] = 1
-        return spb.MatchReply(present=bytes(present), prefix=sum(present))
+        found, _ = self.local.lookup(keys, kind)
+        present = np.array([e is not None for e in found], dtype=bool)
+        missing = np.flatnonzero(~present)
+        if len(missing) and self.pool.enabled:
+            present[missing] = self.pool.present(arr[missing], kind)
+        return spb.MatchReply(present=present.astype(np.uint8).tobytes(), prefix=int(present.sum()))
 
     def _take_match_lease(self, lease_id: int) -> None:
         with self._lock:
@@ -195,16 +185,23 @@ class Sidecar(spbg.SidecarServicer):
         keys, arr = self._keys(request.keys, context)
         kind = request.kind
         lease_ms = request.lease_ms or self.cfg.lease_ms
-        found = self.local.lookup(keys, kind)
+        # The lease pins local hits in the lookup itself and fetched objects as they land, so
+        # nothing handed to the client can be evicted (and its extent reused) under it.
+        found, lease = self.local.lookup(keys, kind, lease_ms)
+        assert lease is not None
         local_hits = sum(e is not None for e in found)
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
-        if missing and self.pool.enabled:
-            pool_hits = self._fetch_missing(keys, arr, missing, found, kind, lease_ms)
-        present = [e for e in found if e is not None]
-        lease = self.local.lease(present, lease_ms) if present else None
+        try:
+            if missing and self.pool.enabled:
+                pool_hits = self._fetch_missing(keys, arr, missing, found, kind, lease_ms, lease)
+        except BaseException:
+            self.local.release([lease.lease_id])
+            raise
         if request.lease_id:
             self._take_match_lease(request.lease_id)
+        if not lease.entries:
+            self.local.release([lease.lease_id])
         n = len(keys)
         codes, offsets, sizes, sums = [pb.NOT_FOUND] * n, [0] * n, [0] * n, [0] * n
         for i, e in enumerate(found):
@@ -213,17 +210,74 @@ class Sidecar(spbg.SidecarServicer):
         moved = sum(sizes)
         metrics.record_read(self.cfg.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0)
         self.counters["read_blocks"] += n
+        self.counters["read_hits_local"] += local_hits
+        self.counters["read_hits_pool"] += pool_hits
         self.counters["read_misses"] += n - local_hits - pool_hits
         return spb.ReadReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums,
-                             lease_id=lease.lease_id if lease else 0,
-                             lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
+                             lease_id=lease.lease_id if lease.entries else 0,
+                             lease_expires_unix_ms=int(lease.expires * 1000) if lease.entries else 0,
                              local_hits=local_hits, pool_hits=pool_hits)
 
     def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int],
-                       found: list[LocalEntry | None], kind: int, lease_ms: int) -> int:
-        """Fetch misses from their owners straight into fresh arena extents (promotion)."""
-        sub = arr[missing]
-        plans = self.pool.get_plans(sub, kind, lease_ms)
+                       found: list[LocalEntry | None], kind: int, lease_ms: int, lease: LocalLease) -> int:
+        """Fetch misses from their owners straight into fresh arena extents (promotion); what
+        the owners miss is looked for at the fallbacks (draining node, previous ring epoch)."""
+        # A key asked twice in one batch is fetched once.
+        first: dict[bytes, int] = {}
+        dups: list[tuple[int, int]] = []
+        todo: list[int] = []
+        for i in missing:
+            j = first.setdefault(keys[i], i)
+            if j == i:
+                todo.append(i)
+            else:
+                dups.append((i, j))
+        sub = arr[todo]
+        contended: list[int] = []
+        total = self._fetch_round(keys, todo, found, kind, lease_ms, lease, self.pool.get_plans(sub, kind, lease_ms),
+                                  contended)
+        still = np.array([found[i] is None for i in todo], dtype=bool)
+        if still.any():
+            for routes in self.pool.fallbacks(sub):
+                routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
+                plans = self.pool.get_plans(sub, kind, lease_ms, routes)
+                total += self._fetch_round(keys, todo, found, kind, lease_ms, lease, plans, contended)
+                still = np.array([found[i] is None for i in todo], dtype=bool)
+                if not still.any():
+                    break
+        if contended:
+            total += self._await_contended(keys, contended, found, kind, lease)
+        for i, j in dups:
+            e = found[j]
+            if e is not None:
+                found[i] = e
+                total += 1
+        return total
+
+    def _await_contended(self, keys: list[bytes], contended: list[int], found: list[LocalEntry | None],
+                         kind: int, lease: LocalLease) -> int:
+        """Objects a concurrent call was landing in the arena: take them once committed (a
+        bounded wait; a fetch that fails leaves them missing)."""
+        got = 0
+        wait = 0.0005
+        deadline = time.monotonic() + self.pool.rpc_timeout
+        todo = [i for i in contended if found[i] is None]
+        while todo:
+            ents, pending = self.local.pin_into(lease, [keys[i] for i in todo], kind)
+            for i, e in zip(todo, ents, strict=True):
+                if e is not None:
+                    found[i] = e
+                    got += 1
+            todo = [i for i in todo if found[i] is None]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(wait)
+            wait = min(wait * 2, 0.02)
+        return got
+
+    def _fetch_round(self, keys: list[bytes], todo: list[int], found: list[LocalEntry | None], kind: int,
+                     lease_ms: int, lease: LocalLease, plans: list[tuple[Any, np.ndarray, Any]],
+                     contended: list[int]) -> int:
         jobs = []
         for node, idx, plan in plans:
             bufs: list[memoryview | None] = []
@@ -231,64 +285,43 @@ class Sidecar(spbg.SidecarServicer):
             for j, code in enumerate(plan.codes):
                 e = None
                 if code == pb.OK:
-                    e = self.local.reserve_one(keys[missing[int(idx[j])]], plan.sizes[j], kind)
+                    i = todo[int(idx[j])]
+                    why, e = self.local.reserve_one(keys[i], plan.sizes[j], kind)
+                    if why in (pb.IN_FLIGHT, pb.ALREADY_EXISTS):
+                        contended.append(i)  # another call is landing the same object right now
                 ents.append(e)
                 bufs.append(self.local.view(e) if e is not None else None)
             jobs.append((node, idx, plan, bufs, ents))
 
         def run(job: Any) -> int:
             node, idx, plan, bufs, ents = job
-            codes = self.pool.fetch(node, plan, bufs)
+            try:
+                codes = self.pool.fetch(node, plan, bufs)
+            except BaseException:
+                for e in ents:
+                    if e is not None:
+                        self.local.abandon(e)
+                raise
             got = 0
             for j, e in enumerate(ents):
                 if e is None:
                     continue
                 if codes[j] == pb.OK:
-                    self.local.insert_fetched(e, plan.checksums[j])
-                    found[missing[int(idx[j])]] = e
+                    self.local.insert_fetched(e, plan.checksums[j], lease)
+                    found[todo[int(idx[j])]] = e
                     got += 1
                 else:
                     if codes[j] == pb.CHECKSUM:
                         self.counters["pool_checksum_failures"] += 1
+                    self.counters["pool_fetch_failures"] += 1
                     self.local.abandon(e)
             return got
 
+        if not jobs:
+            return 0
         if len(jobs) == 1:
-            total = run(jobs[0])
-        else:
-            total = sum(self._fetchers.map(run, jobs))
-        still = [i for i in missing if found[i] is None]
-        if still and self.pool.draining_fallback(arr[still]) is not None:
-            total += self._fetch_from_draining(keys, arr, still, found, kind)
-        return total
-
-    def _fetch_from_draining(self, keys: list[bytes], arr: np.ndarray, still: list[int],
-                             found: list[LocalEntry | None], kind: int) -> int:
-        fb = self.pool.draining_fallback(arr[still])
-        assert fb is not None
-        got = 0
-        for nid in set(fb.tolist()):
-            node = self.pool.nodes.get(nid)
-            if node is None or node.member.state != "draining":
-                continue
-            sel = [still[j] for j in range(len(still)) if fb[j] == nid]
-            res = self.pool.get_from(nid, [keys[i] for i in sel], kind)
-            if res is None:
-                continue
-            node, plan = res
-            ents = [self.local.reserve_one(keys[i], plan.sizes[j], kind) if plan.codes[j] == pb.OK else None
-                    for j, i in enumerate(sel)]
-            codes = self.pool.fetch(node, plan, [self.local.view(e) if e else None for e in ents])
-            for j, e in enumerate(ents):
-                if e is None:
-                    continue
-                if codes[j] == pb.OK:
-                    self.local.insert_fetched(e, plan.checksums[j])
-                    found[sel[j]] = e
-                    got += 1
-                else:
-                    self.local.abandon(e)
-        return got
+            return run(jobs[0])
+        return sum(self._fetchers.map(run, jobs))
 
     # -- write --------------------------------------------------------------------------------
 
@@ -315,9 +348,11 @@ class Sidecar(spbg.SidecarServicer):
         kind_state = any(e is not None and e.kind == pb.STATE for e in entries)
         # State objects are single-copy host-memory objects: only flushed on drain/eviction.
         dirty = self.cfg.write_back or kind_state or not self.pool.enabled
-        codes, done = self.local.commit(request.reservation_id, sums, dirty=dirty and self.pool.enabled)
-        if done and self.pool.enabled and not dirty:
-            self._enqueue(done)
+        through = self.pool.enabled and not dirty
+        codes, done, pin = self.local.commit(request.reservation_id, sums, dirty=dirty and self.pool.enabled,
+                                             pin_ms=600_000 if through else 0)
+        if pin is not None:
+            self._enqueue(done, pin=pin)
         self.counters["put_blocks"] += len(done)
         metrics.PUT_BYTES.labels(self.cfg.tenant_id).inc(sum(e.size for e in done))
         return pb.CodesReply(codes=codes)
@@ -330,29 +365,65 @@ class Sidecar(spbg.SidecarServicer):
         keys, _ = self._keys(request.keys, context)
         return pb.CodesReply(codes=self.local.remove(keys, request.kind))
 
-    def _enqueue(self, entries: list[LocalEntry], copies: list[bytes] | None = None) -> None:
+    def _enqueue(self, entries: list[LocalEntry], copies: list[bytes] | None = None,
+                 pin: LocalLease | None = None) -> None:
+        """Queue a batch for the pool writer: pinned arena entries (``pin``) or evicted copies."""
         size = sum(e.size for e in entries)
-        if copies is None and self.pending_bytes + size > self.max_pending:
-            # Shed rather than stall the engine: the blocks stay local, the pool misses them.
+        if copies is None and self.pending_bytes + size > self.max_pending and self.pending_bytes > 0:
+            # Shed rather than stall the engine: the blocks become local-only (handed over on
+            # eviction and drain like write-back blocks) and the writer takes them up again
+            # when the backlog has room.
             self.counters["pool_writes_shed"] += len(entries)
+            self.local.mark_dirty(entries)
+            with self._lock:
+                self._deferred.extend(entries)
+                self.deferred_bytes += size
+            if pin is not None:
+                self.local.release([pin.lease_id])
             return
+        with self._lock:
+            self.pending_bytes += size
         if copies is None:
-            lease = self.local.lease(entries, 600_000)
             entries = list(entries)
-            self._pins[id(entries)] = lease.lease_id
+            if pin is not None:
+                self._pins[id(entries)] = pin.lease_id
             self.pending.put((entries, None))
         else:
             self.pending.put((entries, copies))
-        with self._lock:
-            self.pending_bytes += size
 
     def _on_evict(self, evicted: list[tuple[LocalEntry, bytes]]) -> None:
         if self.pool.enabled:
             self._enqueue([e for e, _ in evicted], [b for _, b in evicted])
 
+    def _resume_deferred(self) -> None:
+        """Queue deferred write-through blocks again while the backlog has room."""
+        batch: list[LocalEntry] = []
+        nbytes = 0
+        with self._lock:
+            while self._deferred and len(batch) < 64:
+                e = self._deferred[0]
+                if batch and self.pending_bytes + nbytes + e.size > self.max_pending:
+                    break
+                self._deferred.popleft()
+                self.deferred_bytes -= e.size
+                batch.append(e)
+                nbytes += e.size
+        if not batch:
+            return
+        lease = self.local.lease([e for e in batch if e.dirty], 600_000)  # evicted ones went as copies
+        if lease.entries:
+            self._enqueue(lease.entries, pin=lease)
+        else:
+            self.local.release([lease.lease_id])
+
     def _push_loop(self) -> None:
         while True:
-            item = self.pending.get()
+            try:
+                item = self.pending.get(timeout=0.1)
+            except queue.Empty:
+                if self._deferred:
+                    self._resume_deferred()
+                continue
             if item is None:
                 return
             entries, copies = item
@@ -366,6 +437,8 @@ class Sidecar(spbg.SidecarServicer):
                 lid = self._pins.pop(id(entries), None)
                 if lid:
                     self.local.release([lid])
+            if self._deferred and self.pending.empty():
+                self._resume_deferred()
 
     def _push(self, entries: list[LocalEntry], copies: list[bytes] | None) -> tuple[int, int]:
         """Write a batch to the owners (never what the pool is known to hold); ok / failed counts."""
@@ -409,6 +482,7 @@ class Sidecar(spbg.SidecarServicer):
                 dropped += sum(len(items[s:s + 16]) for s in range(start, len(items), 16))
                 break
             lease = self.local.lease(batch, 60_000)
+            batch = lease.entries  # evicted meanwhile: already handed to the writer as copies
             try:
                 ok, failed = self._push(batch, None)
             finally:
@@ -425,7 +499,7 @@ class Sidecar(spbg.SidecarServicer):
         return spb.SidecarStats(counters=dict(self.counters), local_capacity_bytes=self.local.capacity,
                                 local_used_bytes=self.local.used, local_objects=len(self.local.lru),
                                 ring_epoch=self.pool.ring.epoch, pool_nodes_up=self.pool.nodes_up(),
-                                pending_pool_bytes=max(self.pending_bytes, 0))
+                                pending_pool_bytes=max(self.pending_bytes + self.deferred_bytes, 0))
 
     def close(self) -> None:
         self._stop.set()

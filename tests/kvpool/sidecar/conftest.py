@@ -1,0 +1,138 @@
+"""Harness for sidecar integration tests: real store and sidecar processes from ``LocalCluster``.
+
+A session-wide cluster serves the tests that only read and write; tests that kill or stop
+processes start their own.  After every test (and at the end of the session) a scan of /proc
+asserts that no `kvpool store` / `kvpool sidecar` process descended from this test process is
+left, except those of the shared cluster while it is alive.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from kvpool.local import LocalCluster
+
+KiB, MiB = 1 << 10, 1 << 20
+_shared_pids: set[int] = set()
+
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid → (ppid, state, cmdline) of every process (psutil-free)."""
+    out: dict[int, tuple[int, str, str]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as fb:
+                cmd = fb.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue  # exited while we looked
+        rest = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        out[int(name)] = (int(rest[1]), rest[0], cmd)
+    return out
+
+
+def kvpool_descendants(root: int | None = None) -> dict[int, str]:
+    """Live `kvpool store|sidecar` processes below ``root`` (default: this process)."""
+    root = os.getpid() if root is None else root
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: dict[int, str] = {}
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        _, state, cmd = table[pid]
+        words = cmd.split()
+        if state != "Z" and "kvpool" in " ".join(words[:3]) and any(w in ("store", "sidecar") for w in words[:4]):
+            found[pid] = cmd
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def _assert_no_orphans(allowed: set[int]) -> None:
+    left = {p: c for p, c in kvpool_descendants().items() if p not in allowed}
+    assert not left, f"kvpool processes left behind: {left}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphans_at_end() -> Iterator[None]:
+    yield
+    _assert_no_orphans(set())
+
+
+@pytest.fixture(autouse=True)
+def no_orphans_after_test() -> Iterator[None]:
+    yield
+    _assert_no_orphans(set(_shared_pids))
+
+
+@pytest.fixture(scope="session")
+def shared() -> Iterator[LocalCluster]:
+    """Two store nodes and two sidecars of one tenant, shared by the read/write tests."""
+    with LocalCluster(stores=2, sidecars=2, store_bytes=192 * MiB, local_bytes=64 * MiB) as lc:
+        _shared_pids.update(lc.pids)
+        try:
+            yield lc
+        finally:
+            _shared_pids.clear()
+    _assert_no_orphans(set())
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> random.Random:
+    return random.Random(request.node.nodeid)
+
+
+class H:
+    """Helpers handed to tests through the ``h`` fixture (test modules cannot import conftest)."""
+
+    KiB, MiB = KiB, MiB
+
+    @staticmethod
+    def keys(rng: random.Random, n: int) -> list[bytes]:
+        return [rng.randbytes(32) for _ in range(n)]
+
+    @staticmethod
+    def values(rng: random.Random, sizes: Sequence[int]) -> list[bytes]:
+        return [rng.randbytes(s) for s in sizes]
+
+    @staticmethod
+    def counters(client: Any) -> dict[str, int]:
+        return dict(client.stats().counters)
+
+    @staticmethod
+    def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+        """Poll ``pred`` until truthy (a deadline for liveness only; never a timing assertion)."""
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            v = pred()
+            if v:
+                return v
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    @staticmethod
+    def store_tenant_bytes(lc: LocalCluster, i: int) -> dict[str, int]:
+        """tenant → used bytes at store node ``i`` (admin view)."""
+        with lc.admin(lc.stores[i]) as c:
+            return {t.tenant_id: t.used_bytes for t in c.stats().tenants}
+
+    kvpool_descendants = staticmethod(kvpool_descendants)
+
+
+@pytest.fixture
+def h() -> type[H]:
+    return H
