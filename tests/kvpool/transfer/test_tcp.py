@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 import threading
@@ -11,9 +12,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvpool.transfer import TransferCode, TransferEngine, TransferRequest
+from kvpool.transfer import Segment, SegmentRegistry, TransferCode, TransferEngine, TransferRequest, TransferServer
 from kvpool.transfer.protocol import REQUEST, REQUEST_MAGIC, RESPONSE_SIZE, VERSION, decode_response
-from kvpool.transfer.segment import Op, Segment
+from kvpool.transfer.segment import Op
 from kvpool.transfer.testing import MakeProxy, MakeRemote, RecordingGuard, random_bytes
 
 
@@ -56,12 +57,13 @@ def test_small_batch_is_spread_over_connections(make_remote: MakeRemote) -> None
     assert len(guard.acquired) == 2  # one 1 MiB request → two 512 KiB slices, one per connection
 
 
+@pytest.mark.parametrize("connections", [1, 2])
 @pytest.mark.parametrize("op", ["read", "write"])
 @pytest.mark.parametrize("cut_at", [10, 100_000, 700_000])
 def test_connection_cut_mid_transfer_is_retried(
-    make_remote: MakeRemote, proxy: MakeProxy, op: str, cut_at: int
+    make_remote: MakeRemote, proxy: MakeProxy, op: str, cut_at: int, connections: int
 ) -> None:
-    remote = make_remote("tcp", connections_per_peer=2, slice_bytes=256 * 1024)
+    remote = make_remote("tcp", connections_per_peer=connections, slice_bytes=256 * 1024)
     seg = remote.segment("arena", 4 << 20)
     original = _fill(seg)
     # the first connection dies after `cut_at` bytes towards the client; later ones are healthy
@@ -446,3 +448,81 @@ def test_write_is_acknowledged_after_guard_release(make_remote: MakeRemote) -> N
     )
     assert all(s.ok for s in statuses)
     assert len(guard.released) == len(guard.acquired) == 2  # both slices released before OK arrived
+
+
+def test_server_restart_on_same_port_is_absorbed_by_retry() -> None:
+    registry = SegmentRegistry()
+    seg = Segment.anonymous("arena", 1 << 20)
+    data = random_bytes(1 << 20, 11)
+    np.frombuffer(seg.view, np.uint8)[:] = data
+    registry.register(seg)
+    server = TransferServer(registry).start()
+    port = int(server.address.rsplit(":", 1)[1])
+    try:
+        with TransferEngine(connections_per_peer=1) as engine:
+            buf = bytearray(1 << 20)
+            req = TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)
+            assert engine.submit(server.address, [req]).wait(10)[0].ok
+            server.stop()  # the engine's persistent connection is now dead
+            server = TransferServer(registry, port=port).start()
+            buf[:] = bytes(len(buf))
+            assert engine.submit(server.address, [req]).wait(10)[0].ok
+            assert bytes(buf) == data.tobytes()
+    finally:
+        server.stop()
+        seg.close()
+
+
+def test_fuzzed_frames_never_crash_or_wedge_the_server(make_remote: MakeRemote) -> None:
+    remote = make_remote("tcp")
+    seg = remote.segment("arena", 64 * 1024)
+    _fill(seg)
+    rng = np.random.default_rng(2024)
+    pick = random.Random(2024)
+    names = [b"arena", b"nope", b"arena\x00x", "é".encode(), b"a" * 64]
+    for _ in range(150):
+        kind = rng.integers(0, 4)
+        frame = bytearray(
+            REQUEST.pack(
+                REQUEST_MAGIC,
+                VERSION,
+                int(rng.integers(0, 4)),
+                0,
+                int(rng.integers(0, 1 << 63)),
+                pick.choice([0, 100, 65535, 1 << 40, (1 << 64) - 1]),
+                pick.choice([0, 1, 4096, 70000, 1 << 31, (1 << 64) - 1]),
+                int(rng.integers(0, 1 << 63)),
+                b"",
+            )
+        )
+        name = names[int(rng.integers(0, len(names)))]
+        frame[6:8] = len(name).to_bytes(2, "little")
+        frame[40 : 40 + len(name)] = name
+        if kind == 1:  # flip random bytes
+            for pos in rng.integers(0, len(frame), 3):
+                frame[int(pos)] ^= int(rng.integers(1, 256))
+        elif kind == 2:  # truncate
+            frame = frame[: int(rng.integers(1, len(frame)))]
+        elif kind == 3:  # trailing garbage
+            frame += rng.integers(0, 256, int(rng.integers(1, 300)), dtype=np.uint8).tobytes()
+        with _raw(remote.address) as sock:
+            sock.settimeout(5)
+            try:
+                sock.sendall(bytes(frame))
+                sock.shutdown(socket.SHUT_WR)  # and go away; the server must cope either way
+                while sock.recv(1 << 16):
+                    pass
+            except (ConnectionError, TimeoutError, OSError):
+                pass  # the server may drop us at any point; that is allowed
+    # every fuzzed connection is gone and service is intact
+    deadline = time.monotonic() + 10
+    while remote.server.connection_count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.server.connection_count == 0
+    buf = bytearray(64 * 1024)
+    assert (
+        remote.engine.submit(remote.address, [TransferRequest("read", memoryview(buf), "arena", 0, 64 * 1024)])
+        .wait(10)[0]
+        .ok
+    )
+    assert bytes(buf) == bytes(seg.view)  # (well-formed fuzzed writes may have changed it)
