@@ -24,6 +24,8 @@ class TransferRequest:
     ``write`` copies ``local`` there. ``local`` must be a contiguous buffer of exactly ``length``
     bytes (writable for a read) and must stay untouched until the request's status is final.
     ``token`` is passed to the remote segment's guard (the store's lease/generation check).
+    After a failed read the contents of ``local`` are undefined; after a failed write, so are
+    the remote bytes (the store revokes such a reservation rather than committing it).
     """
 
     op: Op

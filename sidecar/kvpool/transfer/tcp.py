@@ -6,9 +6,10 @@ up to ``max_inflight`` slices / ``window_bytes`` bytes outstanding and matches t
 responses. It never starts sending a write payload while read responses are still due on its
 connection: both sides would otherwise block in ``sendall`` with full socket buffers.
 
-Failure policy: a connection error fails every slice outstanding on that connection; each is
-retried once (on whichever connection takes it first — the failed one reconnects first, so it is
-usually another) and fails with ``CONNECTION`` the second time. A stall (no progress for
+Failure policy: a connection error fails every slice outstanding on that connection; each goes
+back to the front of the queue and is retried once — on whichever connection takes it first, a
+freshly opened one if that is the failed worker's own — and fails with ``CONNECTION`` the second
+time. A retried slice is re-sent whole, so partial bytes of the first attempt are overwritten. A stall (no progress for
 ``stall_timeout``) fails the outstanding slices *and* the slices still queued for that peer with
 ``TIMEOUT`` — retrying into a stalled peer would multiply the wait.
 """
