@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import pytest
 
-from kvpool.transfer import TransferCode, TransferEngine, rdma_devices, rdma_status
+from kvpool.transfer import TransferCode, TransferEngine, TransferRequest, TransferStatus, rdma_devices, rdma_status
+from kvpool.transfer import rdma as rdma_module
 from kvpool.transfer.rdma import (
     RdmaEndpoint,
     RdmaSegmentKey,
     RdmaUnavailable,
+    WorkRequestPlan,
+    buffer_address,
     build_send_wr,
     gid_bytes,
     make_gid,
     plan_work_requests,
     waves,
 )
+from kvpool.transfer.testing import random_bytes
 
 
 def test_status_is_consistent_with_devices() -> None:
@@ -129,9 +136,6 @@ def test_rdma_loopback_read_write() -> None:
     devices, reason = rdma_status()
     if not devices:
         pytest.skip(f"no RDMA devices: {reason}")
-    import mmap
-
-    from kvpool.transfer import TransferRequest
     from kvpool.transfer.rdma import RdmaContext
 
     ctx = RdmaContext(devices[0])
@@ -151,3 +155,84 @@ def test_rdma_loopback_read_write() -> None:
         b.close()
     finally:
         ctx.close()
+
+
+class _FakeContext:
+    """Registered regions only; the fake queue pair moves bytes with memmove."""
+
+    def __init__(self) -> None:
+        self.regions: list[tuple[int, int]] = []
+
+    def register(self, view: memoryview) -> None:
+        addr = buffer_address(view)
+        self.regions.append((addr, addr + view.nbytes))
+
+    def lkey_for(self, addr: int, length: int) -> int | None:
+        for i, (start, end) in enumerate(self.regions):
+            if start <= addr and addr + length <= end:
+                return 100 + i
+        return None
+
+
+class _FakeQueuePair:
+    """Executes work requests like a NIC would, one-sided, by address (and can fail some)."""
+
+    def __init__(self, context: _FakeContext, fail_wr: set[int] | None = None) -> None:
+        self.context = context
+        self.fail_wr = fail_wr or set()
+        self.posted: list[WorkRequestPlan] = []
+        self.closed = False
+
+    def execute(
+        self, plans: list[WorkRequestPlan], lkeys: dict[int, int], stall_timeout: float
+    ) -> dict[int, TransferStatus]:
+        errors: dict[int, TransferStatus] = {}
+        for p in plans:
+            assert lkeys[p.wr_id] >= 100
+            self.posted.append(p)
+            if p.wr_id in self.fail_wr:
+                errors[p.index] = TransferStatus(TransferCode.CONNECTION, "injected completion error")
+                continue
+            dst, src = (p.local_addr, p.remote_addr) if p.is_read else (p.remote_addr, p.local_addr)
+            ctypes.memmove(dst, src, p.length)
+        return errors
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_engine_routes_to_rdma_and_maps_statuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rdma_module, "rdma_status", lambda refresh=False: (["fake0"], ""))
+    remote_mem = mmap.mmap(-1, 1 << 20)
+    local_mem = mmap.mmap(-1, 1 << 20)
+    remote, local = memoryview(remote_mem), memoryview(local_mem)
+    remote[:] = random_bytes(1 << 20, 3).tobytes()
+    ctx = _FakeContext()
+    ctx.register(remote)
+    ctx.register(local)
+    key = RdmaSegmentKey("arena", buffer_address(remote), remote.nbytes, rkey=9)
+    qp = _FakeQueuePair(ctx, fail_wr={3})
+    unregistered = bytearray(16)
+    with TransferEngine() as engine:
+        engine.attach_rdma("store-0:7000", qp, [key])  # type: ignore[arg-type]
+        reqs = [
+            TransferRequest("read", local[0:4096], "arena", 8192, 4096),
+            TransferRequest("write", local[4096:8192], "arena", 0, 4096),
+            TransferRequest("read", local[8192:8200], "arena", (1 << 20) - 4, 8),  # out of bounds
+            TransferRequest("read", local[8200:8300], "arena", 0, 100),  # wr 3: injected failure
+            TransferRequest("read", memoryview(unregistered), "arena", 0, 16),  # local not registered
+        ]
+        statuses = engine.submit("store-0:7000", reqs).wait(10)
+    assert [s.code for s in statuses] == [
+        TransferCode.OK,
+        TransferCode.OK,
+        TransferCode.OUT_OF_BOUNDS,
+        TransferCode.CONNECTION,
+        TransferCode.OUT_OF_BOUNDS,
+    ]
+    assert bytes(local[0:4096]) == bytes(remote[8192:12288])
+    assert bytes(remote[0:4096]) == bytes(local[4096:8192])
+    assert {p.rkey for p in qp.posted} == {9}
+    assert qp.closed  # the engine owns the attached queue pair
+    local.release()
+    remote.release()
