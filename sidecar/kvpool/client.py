@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from . import errors
-from .keys import pack_keys
+from .keys import pack_keys as _pack_keys
 from .planning import HitPlan, plan_hit
 from .proto import sidecar_pb2 as spb
 from .proto import sidecar_pb2_grpc as spbg
@@ -25,6 +25,16 @@ from .store.tiers import checksum
 from .store_client import as_bytes_view
 
 Buffer = Any
+
+
+def pack_keys(keys: Sequence[bytes]) -> bytes:
+    """Keys as one blob; a key of the wrong length is an :class:`~kvpool.errors.InvalidArgument`."""
+    try:
+        return _pack_keys(keys)
+    except errors.InvalidArgument:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgument(str(exc)) from None
 
 
 class Blocks(list[memoryview]):

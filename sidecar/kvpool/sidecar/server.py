@@ -56,6 +56,9 @@ class SidecarConfig:
     """Blocks reach the pool on local eviction instead of right after the put."""
     drain_seconds: float = 20.0
     lease_ms: int = 10000
+    """Lease of a match or read when the client asks for none."""
+    max_lease_ms: int = 60000
+    """Longest lease a client may ask for (a lease pins local-tier space)."""
     max_pending_bytes: int = 0
     """Write-through backlog above which new pool writes are shed (0: a quarter of the local tier)."""
     metrics_port: int = 0
@@ -127,7 +130,7 @@ class Sidecar(spbg.SidecarServicer):
     def Match(self, request: spb.MatchRequest, context: grpc.ServicerContext) -> spb.MatchReply:
         t0 = time.perf_counter()
         keys, arr = self._keys(request.keys, context)
-        lease_ms = request.lease_ms or self.cfg.lease_ms
+        lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
         if request.per_key:
             return self._probe(keys, arr, request.kind)
         n_local, local_lease = self.local.match_prefix(keys, lease_ms)
@@ -184,7 +187,7 @@ class Sidecar(spbg.SidecarServicer):
         t0 = time.perf_counter()
         keys, arr = self._keys(request.keys, context)
         kind = request.kind
-        lease_ms = request.lease_ms or self.cfg.lease_ms
+        lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
         # The lease pins local hits in the lookup itself and fetched objects as they land, so
         # nothing handed to the client can be evicted (and its extent reused) under it.
         found, lease = self.local.lookup(keys, kind, lease_ms)

@@ -19,7 +19,7 @@ import pytest
 from kvpool.local import LocalCluster
 
 KiB, MiB = 1 << 10, 1 << 20
-_shared_pids: set[int] = set()
+_long_lived: list[LocalCluster] = []  # clusters of session/module fixtures, while they run
 
 
 def _proc_table() -> dict[int, tuple[int, str, str]]:
@@ -73,19 +73,29 @@ def no_orphans_at_end() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def no_orphans_after_test() -> Iterator[None]:
     yield
-    _assert_no_orphans(set(_shared_pids))
+    _assert_no_orphans({pid for lc in _long_lived for pid in lc.pids})
+
+
+def _long_lived_cluster(**kw: Any) -> Iterator[LocalCluster]:
+    with LocalCluster(**kw) as lc:
+        _long_lived.append(lc)
+        try:
+            yield lc
+        finally:
+            _long_lived.remove(lc)
+    _assert_no_orphans({pid for other in _long_lived for pid in other.pids})
 
 
 @pytest.fixture(scope="session")
 def shared() -> Iterator[LocalCluster]:
     """Two store nodes and two sidecars of one tenant, shared by the read/write tests."""
-    with LocalCluster(stores=2, sidecars=2, store_bytes=192 * MiB, local_bytes=64 * MiB) as lc:
-        _shared_pids.update(lc.pids)
-        try:
-            yield lc
-        finally:
-            _shared_pids.clear()
-    _assert_no_orphans(set())
+    yield from _long_lived_cluster(stores=2, sidecars=2, store_bytes=192 * MiB, local_bytes=64 * MiB)
+
+
+@pytest.fixture(scope="module")
+def module_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """A cluster for one test module, built from the module's ``CLUSTER`` dict of arguments."""
+    yield from _long_lived_cluster(**request.module.CLUSTER)
 
 
 @pytest.fixture

@@ -1,0 +1,124 @@
+"""Malformed client requests get a clear error and leave the sidecar serving."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from kvpool import errors
+from kvpool.proto import sidecar_pb2 as spb
+from kvpool.proto import sidecar_pb2_grpc as spbg
+from kvpool.proto import store_pb2 as pb
+
+
+@pytest.fixture
+def stub(shared: Any) -> Iterator[spbg.SidecarStub]:
+    with grpc.insecure_channel(shared.sidecars[0]) as ch:
+        yield spbg.SidecarStub(ch)
+
+
+def _still_serving(shared: Any, h: Any, rng: random.Random) -> None:
+    assert shared.sidecar_procs[0].popen.poll() is None
+    with shared.connect(0) as c:
+        keys = h.keys(rng, 2)
+        values = h.values(rng, [100, 5000])
+        assert c.put(keys, values) == [pb.OK, pb.OK]
+        with c.get(keys) as got:
+            assert [bytes(v) for v in got] == values
+
+
+def _invalid(call: Any) -> str:
+    with pytest.raises(grpc.RpcError) as ei:
+        call()
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+    return str(ei.value.details())
+
+
+@pytest.mark.parametrize("nbytes", [1, 31, 33, 65])
+def test_keys_blob_not_a_multiple_of_32(shared: Any, h: Any, rng: random.Random, stub: Any, nbytes: int) -> None:
+    blob = rng.randbytes(nbytes)
+    for call in (lambda: stub.Match(spb.MatchRequest(keys=blob), timeout=10),
+                 lambda: stub.Match(spb.MatchRequest(keys=blob, per_key=True, kind=pb.STATE), timeout=10),
+                 lambda: stub.Read(spb.ReadRequest(keys=blob), timeout=10),
+                 lambda: stub.WriteStart(spb.WriteStartRequest(keys=blob, sizes=[1]), timeout=10),
+                 lambda: stub.Remove(pb.RemoveRequest(keys=blob), timeout=10)):
+        detail = _invalid(call)
+        assert f"{nbytes} bytes" in detail and "multiple of 32" in detail
+    _still_serving(shared, h, rng)
+
+
+def test_mismatched_sizes_and_checksums(shared: Any, h: Any, rng: random.Random, stub: Any) -> None:
+    keys = b"".join(h.keys(rng, 3))
+    detail = _invalid(lambda: stub.WriteStart(spb.WriteStartRequest(keys=keys, sizes=[10, 10]), timeout=10))
+    assert "3 keys but 2 sizes" in detail
+    start = stub.WriteStart(spb.WriteStartRequest(keys=keys, sizes=[10, 10, 10]), timeout=10)
+    assert list(start.codes) == [pb.OK] * 3 and start.reservation_id
+    detail = _invalid(lambda: stub.WriteCommit(spb.WriteCommitRequest(
+        reservation_id=start.reservation_id, checksums=[1, 2]), timeout=10))
+    assert "2 checksums for 3 items" in detail
+    # The reservation survived the bad commit: a correct one publishes it.
+    ok = stub.WriteCommit(spb.WriteCommitRequest(reservation_id=start.reservation_id, checksums=[0, 0, 0]),
+                          timeout=10)
+    assert list(ok.codes) == [pb.OK] * 3
+    # Committing twice, or an unknown reservation, is a per-item failure, not a crash.
+    again = stub.WriteCommit(spb.WriteCommitRequest(reservation_id=start.reservation_id, checksums=[0, 0, 0]),
+                             timeout=10)
+    assert list(again.codes) == [pb.LEASE_EXPIRED] * 3
+    unknown = stub.WriteCommit(spb.WriteCommitRequest(reservation_id=987654321, checksums=[0]), timeout=10)
+    assert list(unknown.codes) == [pb.LEASE_EXPIRED]
+    _still_serving(shared, h, rng)
+
+
+def test_bad_items_are_refused_per_item(shared: Any, h: Any, rng: random.Random, stub: Any) -> None:
+    k = h.keys(rng, 4)
+    capacity = shared.connect(0).stats().local_capacity_bytes
+    start = stub.WriteStart(spb.WriteStartRequest(keys=b"".join([k[0], k[1], k[2], k[2], k[3]]),
+                                                  sizes=[0, capacity * 2, 10, 10, 1 << 62]), timeout=10)
+    assert list(start.codes) == [pb.INVALID, pb.TOO_LARGE, pb.OK, pb.INVALID, pb.TOO_LARGE]
+    stub.WriteRevoke(pb.PutRevokeRequest(reservation_id=start.reservation_id), timeout=10)
+    # A revoked reservation cannot be committed, and its key is free again.
+    assert list(stub.WriteCommit(spb.WriteCommitRequest(reservation_id=start.reservation_id,
+                                                        checksums=[0] * 5), timeout=10).codes) == [
+        pb.LEASE_EXPIRED] * 5
+    with shared.connect(0) as c:
+        assert c.put([k[2]], [b"x" * 10]) == [pb.OK]
+    # Releasing leases nobody holds, reading an unknown kind: harmless.
+    stub.Release(spb.LeaseRequest(lease_ids=[0, 1, 2**63]), timeout=10)
+    r = stub.Read(spb.ReadRequest(keys=k[0], kind=7), timeout=10)
+    assert list(r.codes) == [pb.NOT_FOUND]
+    assert stub.Match(spb.MatchRequest(keys=b""), timeout=10).prefix == 0
+    _still_serving(shared, h, rng)
+
+
+def test_client_side_argument_errors(shared: Any, h: Any, rng: random.Random) -> None:
+    with shared.connect(0) as c:
+        keys = h.keys(rng, 2)
+        with pytest.raises(errors.InvalidArgument, match="2 keys but 1 values"):
+            c.put(keys, [b"x"])
+        with pytest.raises(errors.InvalidArgument, match="multiple of 128"):
+            c.put_state(keys[0], 100, b"state")
+        with pytest.raises(errors.InvalidArgument, match="multiple of 128"):
+            c.get_state(keys[0], 0)
+        with pytest.raises(errors.InvalidArgument):
+            c.match([b"short"])
+        with pytest.raises(errors.InvalidArgument):
+            c.put([b"k" * 31], [b"v"])
+    with pytest.raises(errors.InvalidArgument, match="unix://"):
+        __import__("kvpool").connect("127.0.0.1:1234")
+    _still_serving(shared, h, rng)
+
+
+def test_oversized_lease_is_capped(shared: Any, h: Any, rng: random.Random, stub: Any) -> None:
+    """A client cannot pin the local tier for weeks: leases are capped by the sidecar."""
+    import time
+
+    with shared.connect(0) as c:
+        keys = h.keys(rng, 1)
+        assert c.put(keys, [b"v" * 64]) == [pb.OK]
+    r = stub.Read(spb.ReadRequest(keys=keys[0], lease_ms=2**32 - 1), timeout=10)
+    assert r.lease_id and r.lease_expires_unix_ms <= (time.time() + 120) * 1000
+    stub.Release(spb.LeaseRequest(lease_ids=[r.lease_id]), timeout=10)
