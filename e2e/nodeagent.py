@@ -133,6 +133,64 @@ def resource_value(container: dict[str, Any], ref: dict[str, Any]) -> str:
     return str(value)
 
 
+def _ready(pod: dict[str, Any]) -> bool:
+    conds = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def _selects(selector: dict[str, str], pod: dict[str, Any]) -> bool:
+    labels = pod["metadata"].get("labels") or {}
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def render_hosts(me: dict[str, Any], pods: list[dict[str, Any]],
+                 services: list[dict[str, Any]]) -> str:
+    """/etc/hosts for pod ``me``: the harness's stand-in for cluster DNS.
+
+    * every pod with a hostname and subdomain (StatefulSet pods) under
+      ``<host>.<subdomain>.<ns>.svc.cluster.local`` and the shorter forms a search path allows;
+    * every Service with a selector under its names, mapped to the IPs of the ready pods it
+      selects (there is no kube-proxy, so a ClusterIP is not routable; the pod IPs are; a client
+      must use the target port, which the operator's services keep equal to the port).
+    Names relative to ``me``'s namespace are added for its own namespace only, as a
+    ``search <ns>.svc.cluster.local svc.cluster.local cluster.local`` line would resolve them.
+    """
+    my_ns = me["metadata"]["namespace"]
+    my_ip = me.get("status", {}).get("podIP", "")
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+
+    def names(base: list[str], ns: str) -> list[str]:
+        full = [".".join([*base, ns, "svc", "cluster", "local"]), ".".join([*base, ns, "svc"]),
+                ".".join([*base, ns])]
+        return full + ([".".join(base)] if ns == my_ns else [])
+
+    own_host = me["spec"].get("hostname") or me["metadata"]["name"]
+    own_names = [own_host]
+    if me["spec"].get("subdomain"):
+        own_names = names([own_host, me["spec"]["subdomain"]], my_ns) + own_names
+    if my_ip:
+        lines.append(f"{my_ip}\t{' '.join(own_names)}")
+    for pod in sorted(pods, key=lambda p: (p["metadata"]["namespace"], p["metadata"]["name"])):
+        ip = pod.get("status", {}).get("podIP")
+        host, sub = pod["spec"].get("hostname"), pod["spec"].get("subdomain")
+        if not ip or not host or not sub or pod["metadata"].get("uid") == me["metadata"].get("uid"):
+            continue
+        lines.append(f"{ip}\t{' '.join(names([host, sub], pod['metadata']['namespace']))}")
+    for svc in services:
+        meta, spec = svc["metadata"], svc.get("spec", {})
+        selector = spec.get("selector") or {}
+        not_ready_too = spec.get("publishNotReadyAddresses", False)
+        ips = sorted(
+            p["status"]["podIP"] for p in pods
+            if p["metadata"]["namespace"] == meta["namespace"] and _selects(selector, p)
+            and p.get("status", {}).get("podIP") and (not_ready_too or _ready(p))
+            and p["metadata"].get("deletionTimestamp") is None
+        )
+        for ip in ips:
+            lines.append(f"{ip}\t{' '.join(names([meta['name']], meta['namespace']))}")
+    return "\n".join(lines) + "\n"
+
+
 @dataclasses.dataclass
 class ProbeState:
     """Counters for one probe of one container."""
@@ -511,14 +569,7 @@ class PodWorker(threading.Thread):
         pod = self._pod_with_ip()
         vols_dir = self.dir / "volumes"
         vols_dir.mkdir(exist_ok=True)
-        hostname = pod["spec"].get("hostname") or self.pod_name
-        sub = pod["spec"].get("subdomain")
-        names = [hostname]
-        if sub:
-            names.insert(0, f"{hostname}.{sub}.{self.ns}.svc.cluster.local")
-        (self.dir / "hosts").write_text(
-            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n" f"{self.ip}\t{' '.join(names)}\n"
-        )
+        self.write_hosts(render_hosts(pod, [pod], []))
         for vol in pod["spec"].get("volumes") or []:
             name = vol["name"]
             if "emptyDir" in vol:
@@ -542,6 +593,16 @@ class PodWorker(threading.Thread):
                     continue
                 _write_files(path, files)
             self.mounts[name] = path
+
+    def write_hosts(self, text: str) -> None:
+        """Rewrite the pod's /etc/hosts in place: the containers see it through a bind mount of
+        this very inode, so a rename would leave them with the old file."""
+        path = self.dir / "hosts"
+        if path.exists() and path.read_text() == text:
+            return
+        with path.open("r+" if path.exists() else "w") as fh:
+            fh.write(text)
+            fh.truncate()
 
     def _projected_files(self, vol: dict[str, Any],
                          pod: dict[str, Any]) -> dict[str, tuple[bytes, int]] | None:
@@ -1097,6 +1158,70 @@ class Agent:
                 log.warning("pod watch: %s; re-listing", exc)
                 time.sleep(0.5)
 
+    def housekeeping(self) -> None:
+        """Every second: refresh each pod's /etc/hosts, provision PVs for pending claims."""
+        while not self.stop_event.wait(1.0):
+            try:
+                pods = json.loads(self.core.list_pod_for_all_namespaces(
+                    _preload_content=False).data)["items"]
+                services = json.loads(self.core.list_service_for_all_namespaces(
+                    _preload_content=False).data)["items"]
+                with self.lock:
+                    workers = list(self.workers.values())
+                by_uid = {p["metadata"]["uid"]: p for p in pods}
+                for w in workers:
+                    me = by_uid.get(w.uid)
+                    if me is not None and w.ip and w.prepared:
+                        me = json.loads(json.dumps(me))
+                        me.setdefault("status", {})["podIP"] = w.ip
+                        w.write_hosts(render_hosts(me, pods, services))
+                self._provision_volumes()
+            except Exception as exc:  # the apiserver may be going away; retry next period
+                if not self.stop_event.is_set():
+                    log.warning("housekeeping: %s", exc)
+
+    def _provision_volumes(self) -> None:
+        """A hostPath PV, pre-bound, for every pending claim; Released ones are removed.
+
+        No provisioner runs in the harness, and a StatefulSet's claims would stay Pending; the
+        PV controller (kube-controller-manager) does the actual binding. The data lives in the
+        same directory the pods' PVC mounts use (``<state>/pvc/<ns>/<claim>``).
+        """
+        claims = json.loads(self.core.list_persistent_volume_claim_for_all_namespaces(
+            _preload_content=False).data)["items"]
+        for pvc in claims:
+            meta, spec = pvc["metadata"], pvc["spec"]
+            if pvc.get("status", {}).get("phase") != "Pending" or spec.get("volumeName"):
+                continue
+            path = self.state_dir / "pvc" / meta["namespace"] / meta["name"]
+            path.mkdir(parents=True, exist_ok=True)
+            size = ((spec.get("resources") or {}).get("requests") or {}).get("storage", "1Gi")
+            pv: dict[str, Any] = {"apiVersion": "v1", "kind": "PersistentVolume",
+                  "metadata": {"name": f"pv-{meta['uid']}",
+                               "labels": {"kvpool.io/e2e-provisioned": "true"}},
+                  "spec": {"capacity": {"storage": size},
+                           "accessModes": spec.get("accessModes") or ["ReadWriteOnce"],
+                           "persistentVolumeReclaimPolicy": "Retain",
+                           "storageClassName": spec.get("storageClassName") or "",
+                           "volumeMode": spec.get("volumeMode") or "Filesystem",
+                           "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
+                           "claimRef": {"namespace": meta["namespace"], "name": meta["name"],
+                                        "uid": meta["uid"]}}}
+            try:
+                self.core.create_persistent_volume(pv)
+                log.info("provisioned %s for %s/%s", pv["metadata"]["name"], meta["namespace"],
+                         meta["name"])
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+        pvs = json.loads(self.core.list_persistent_volume(
+            label_selector="kvpool.io/e2e-provisioned=true", _preload_content=False).data)["items"]
+        for pv in pvs:
+            if pv.get("status", {}).get("phase") == "Released":
+                with contextlib.suppress(ApiException):
+                    self.core.delete_persistent_volume(pv["metadata"]["name"])
+                shutil.rmtree(pv["spec"]["hostPath"]["path"], ignore_errors=True)
+
     def shutdown(self) -> None:
         self.stop_event.set()
         with self.lock:
@@ -1134,6 +1259,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=agent.heartbeat, name="heartbeat", daemon=True).start()
     threading.Thread(target=agent.watch_pods, name="pod-watch", daemon=True).start()
+    threading.Thread(target=agent.housekeeping, name="housekeeping", daemon=True).start()
     log.info("node %s registered; running pods", args.node_name)
     stop.wait()
     log.info("stopping: killing pod processes")
