@@ -207,6 +207,44 @@ def keys32(prefix: str, n: int) -> list[bytes]:
 
 
 # --------------------------------------------------------------------------------------------
+# machine load
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)  # idle + iowait
+    return sum(parts), idle
+
+
+def cpu_busy(sample: float = 0.5) -> float:
+    """Fraction of all CPUs busy over `sample` seconds (0..1), whoever keeps them busy."""
+    try:
+        t0, i0 = _cpu_times()
+        time.sleep(sample)
+        t1, i1 = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    dt = t1 - t0
+    return 1.0 - (i1 - i0) / dt if dt > 0 else 0.0
+
+
+def wait_idle(max_wait: float, busy_below: float = 0.25,
+              log: Callable[[str], None] | None = None) -> float:
+    """Wait up to max_wait seconds for the CPUs to be mostly idle; returns the last busy
+    fraction seen (the benchmark shares 2 cores with anything else running)."""
+    deadline = time.monotonic() + max_wait
+    busy = cpu_busy()
+    waited = False
+    while busy >= busy_below and time.monotonic() < deadline:
+        if log and not waited:
+            log(f"[bench] CPUs {busy:.0%} busy; waiting up to {max_wait:.0f}s for quiet")
+        waited = True
+        busy = cpu_busy(1.0)
+    return busy
+
+
+# --------------------------------------------------------------------------------------------
 # processes
 
 

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import ceilings, kvpool_sidecar, kvpool_store  # noqa: E402
-from bench.common import EXISTS_KEYS, Context, MiB, Plan, Procs, Row, size_label, unavailable  # noqa: E402
+from bench.common import EXISTS_KEYS, Context, MiB, Plan, Procs, Row, cpu_busy, size_label, unavailable, wait_idle  # noqa: E402
 from bench.peers import mooncake_peer, redis_peer  # noqa: E402
 
 Step = Callable[[Context], list[Row]]
@@ -311,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the whole suite N times (systems interleaved); rows and ratios "
                          "are medians over rounds: steadier on a shared, busy machine")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                    help="before each step wait up to SECONDS for the CPUs to be < 25%% busy "
+                         "(other work on this machine skews every number)")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the work directory with every process's log")
     args = ap.parse_args(argv)
@@ -331,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, _raise_interrupt)
            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     rounds: list[list[Row]] = []
+    steps_log: list[dict[str, Any]] = []
     interrupted = False
     started = time.monotonic()
     load_before = os.getloadavg()[0]
@@ -339,8 +343,11 @@ def main(argv: list[str] | None = None) -> int:
             rows: list[Row] = []
             rounds.append(rows)
             for name, step in steps:
+                busy = wait_idle(args.wait_idle, log=ctx.log) if args.wait_idle > 0 \
+                    else cpu_busy()
                 t0 = time.monotonic()
-                ctx.log(f"[bench] round {rnd + 1}/{args.rounds}: {name} ...")
+                ctx.log(f"[bench] round {rnd + 1}/{args.rounds}: {name} (CPUs {busy:.0%} busy "
+                        f"before) ...")
                 try:
                     got = step(ctx)
                 except KeyboardInterrupt:
@@ -350,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     procs.stop_all()  # nothing of one system runs while the next is measured
                 rows += got
+                steps_log.append({"round": rnd + 1, "step": name, "seconds":
+                                  round(time.monotonic() - t0, 1),
+                                  "cpu_busy_before": round(busy, 3),
+                                  "loadavg_after": round(os.getloadavg()[0], 2)})
                 ctx.log(f"[bench] {name}: {len(got)} rows in {time.monotonic() - t0:.1f}s")
     except KeyboardInterrupt:
         interrupted = True
@@ -398,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             "suite": args.suite, "quick": args.quick, "interrupted": interrupted,
             "environment": environment(), "plan": plan.to_json(),
             "loadavg_before_after": [round(load_before, 2), round(load_after, 2)],
+            "steps": steps_log,
             "rounds": len(rounds),
             "rows": [r.to_json() for r in rows],
             "ratios": ratios, "ratios_doc": doc, "ratios_targets": targets,
