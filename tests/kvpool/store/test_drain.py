@@ -23,9 +23,14 @@ def _ring(epoch: int, a: Any, b: Any, a_state: str = "active") -> pb.Ring:
         pb.RingMember(id=b.node_id, address=b.address, state="active", transfer_address=b.transfer_address)])
 
 
-def test_drain_moves_every_object_to_the_new_owner(stores: Any, h: Any, rng: random.Random) -> None:
-    a = stores.start("16MiB", tenants=TENANTS, admin_token=ADMIN, node_id="store-a")
-    b = stores.start("16MiB", tenants=TENANTS, admin_token=ADMIN, node_id="store-b")
+@pytest.fixture(scope="module")
+def nodes(module_stores: Any) -> dict[str, Any]:
+    spec = {"dram": "16MiB", "tenants": TENANTS, "admin_token": ADMIN}
+    return module_stores.start_many({"store-a": spec, "store-b": spec, "store-d": spec})
+
+
+def test_drain_moves_every_object_to_the_new_owner(nodes: Any, h: Any, rng: random.Random) -> None:
+    a, b = nodes["store-a"], nodes["store-b"]
     for n in (a, b):
         assert n.client(ADMIN).set_ring(_ring(1, a, b)).epoch == 1
     # Objects of two tenants (the open default one and alpha), block and state kinds.
@@ -56,17 +61,16 @@ def test_drain_moves_every_object_to_the_new_owner(stores: Any, h: Any, rng: ran
     assert again.state == "done" and again.moved_objects == 40
 
 
-def test_drain_to_a_dead_target_counts_drops(stores: Any, h: Any, rng: random.Random) -> None:
-    a = stores.start("16MiB", admin_token=ADMIN, node_id="store-a")
-    b = stores.start("16MiB", admin_token=ADMIN, node_id="store-b")
-    ca = a.client()
+def test_drain_to_a_dead_target_counts_drops(nodes: Any, h: Any, rng: random.Random) -> None:
+    b, d = nodes["store-b"], nodes["store-d"]
+    cb = b.client()
     keys = h.rand_keys(rng, 6)
-    assert ca.put(keys, h.rand_values(rng, [4 * KiB] * 6)) == [pb.OK] * 6
-    ring = _ring(5, a, b, "draining")
-    b.kill()
-    a.client(ADMIN).drain(ring, int(time.time() * 1000) + 20000)
-    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
-    assert done.moved_objects == 0 and done.dropped_objects == 6
-    assert a.client().health().ok
-    # The objects are still on the leaving node (a drop is counted, never silent, never data loss here).
-    assert ca.exists(keys).prefix == 6
+    assert cb.put(keys, h.rand_values(rng, [4 * KiB] * 6)) == [pb.OK] * 6
+    total = sum(t.objects for t in b.client(ADMIN).stats().tenants)
+    d.kill()
+    b.client(ADMIN).drain(_ring(5, b, d, "draining"), int(time.time() * 1000) + 20000)
+    done = h.wait_for(lambda: (s := b.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
+    assert done.epoch == 5 and done.moved_objects == 0 and done.dropped_objects == total
+    assert b.client().health().ok
+    # The objects are still on the leaving node (a drop is counted, never silent).
+    assert cb.exists(keys).prefix == 6

@@ -15,7 +15,6 @@ import random
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -244,13 +243,16 @@ class Fuzzer:
         self.engine.close()
 
 
+@pytest.fixture(scope="module")
+def nodes(module_stores: Any) -> dict[str, Any]:
+    return module_stores.start_many({
+        "dram": {"dram": "4MiB", "tenants": TENANTS},
+        "all-tiers": {"dram": "4MiB", "tenants": TENANTS, "ssd": "6MiB", "sharedfs": module_stores.tmp / "fs"}})
+
+
 @pytest.mark.parametrize("tiers", ["dram", "all-tiers"])
-def test_random_request_sequences(stores: Any, h: Any, tmp_path: Path, request: pytest.FixtureRequest,
-                                  tiers: str) -> None:
-    kw: dict[str, Any] = {"tenants": TENANTS}
-    if tiers == "all-tiers":
-        kw.update(ssd="6MiB", sharedfs=tmp_path / "fs")
-    node = stores.start("4MiB", **kw)
+def test_random_request_sequences(nodes: Any, h: Any, request: pytest.FixtureRequest, tiers: str) -> None:
+    node = nodes[tiers]
     seed = f"{request.node.nodeid}"
     keys = h.rand_keys(random.Random(seed), 24)
     fuzzers = [Fuzzer(node, random.Random(f"{seed}/{i}"), keys) for i in range(2)]

@@ -17,65 +17,80 @@ from kvpool.transfer import TransferEngine, TransferRequest
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def _start_writer(node: Any, h: Any, mode: str, key: bytes, size: int, timeout_ms: int) -> tuple[
-        subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, str(h.here / "_killed_writer.py"), node.address, mode, key.hex(),
+@pytest.fixture(scope="module")
+def nodes(module_stores: Any) -> dict[str, Any]:
+    return module_stores.start_many({
+        "twophase": {"dram": "8MiB"},
+        "lease": {"dram": "4MiB"}, "recycle": {"dram": "4MiB"}, "pinned": {"dram": "4MiB"},
+        "allpinned": {"dram": "4MiB"}})
+
+
+def _usage(h: Any, c: Any) -> tuple[int, int, dict[str, int]]:
+    """DRAM bytes in use, the default tenant's bytes, and the node's counters (for deltas)."""
+    st = c.stats()
+    return (h.stats_tier(st, "dram").used_bytes, h.stats_tenant(st, "default").used_bytes, dict(st.counters))
+
+
+def _spawn_writer(node: Any, h: Any, mode: str, key: bytes, size: int, timeout_ms: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(h.here / "_killed_writer.py"), node.address, mode, key.hex(),
                              str(size), str(timeout_ms)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_wrote(proc: subprocess.Popen[str]) -> None:
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("WROTE"):
         proc.kill()
         _, err = proc.communicate(timeout=10)
         raise AssertionError(f"writer failed: {line!r} {err}")
-    return proc, int(line.split()[1])
 
 
-@pytest.mark.parametrize("mode", ["full", "partial"])
-def test_writer_killed_before_commit_leaves_nothing(stores: Any, h: Any, rng: random.Random, mode: str) -> None:
-    node = stores.start("8MiB")
+def test_writer_killed_before_commit_leaves_nothing(nodes: Any, h: Any, rng: random.Random) -> None:
+    """Two real writer processes reserve and send bytes (one all of them, one half), then die."""
+    node = nodes["twophase"]
     c = node.client()
-    [key] = h.rand_keys(rng, 1)
+    used0, tenant0, counters0 = _usage(h, c)
+    keys = h.rand_keys(rng, 2)
     size = 1 * MiB
-    timeout_ms = 1500
-    proc, _ = _start_writer(node, h, mode, key, size, timeout_ms)
+    timeout_ms = 800
     t0 = time.monotonic()
+    procs = [_spawn_writer(node, h, mode, k, size, timeout_ms) for mode, k in zip(["full", "partial"], keys,
+                                                                                  strict=True)]
     try:
-        # Reserved (and, in "full" mode, every byte written): still invisible to everyone.
-        assert c.exists([key]).prefix == 0
-        assert c.get([key]) == [None]
+        for p in procs:
+            _wait_wrote(p)
+        # Reserved (and, for "full", every byte written): still invisible to everyone.
+        assert c.exists(keys, prefix_only=False).present == [False, False]
+        assert c.get(keys) == [None, None]
         s = c.stats()
-        assert h.stats_tier(s, "dram").used_bytes >= size  # the reservation holds its space...
-        # ...and the key, so a concurrent writer is told someone else is writing it.
-        assert c.put([key], [b"x" * size]) == [pb.IN_FLIGHT]
+        assert h.stats_tier(s, "dram").used_bytes >= used0 + 2 * size  # the reservations hold their space...
+        # ...and their keys, so a concurrent writer is told someone else is writing them.
+        assert c.put(keys, [b"x" * size] * 2) == [pb.IN_FLIGHT] * 2
     finally:
-        proc.kill()
-        proc.communicate(timeout=10)
-    assert c.exists([key]).prefix == 0
-    assert c.get([key]) == [None]
-    # After the reservation's expiry the space comes back and the key is free again.
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=10)
+    assert c.exists(keys, prefix_only=False).present == [False, False]
+    assert c.get(keys) == [None, None]
+    # After the reservations' expiry the space comes back and the keys are free again.
     left = timeout_ms / 1000 - (time.monotonic() - t0)
     if left > 0:
-        time.sleep(left + 0.1)
+        time.sleep(left)
 
-    def reclaimed() -> bool:
-        st = c.stats()
-        return h.stats_tier(st, "dram").used_bytes == 0 and h.stats_tenant(st, "default").used_bytes == 0
-
-    h.wait_for(reclaimed, 10, what="reservation space to be reclaimed")
-    st = c.stats()
-    assert st.counters["reservations_expired"] == 1
-    assert st.counters.get("stored", 0) == 0
-    assert h.stats_tier(st, "dram").objects == 0
-    value = rng.randbytes(size)
-    assert c.put([key], [value]) == [pb.OK]
-    [got] = c.get([key])
-    assert got is not None and bytes(got) == value
+    h.wait_for(lambda: _usage(h, c)[:2] == (used0, tenant0), 10, what="reservation space to be reclaimed")
+    counters = _usage(h, c)[2]
+    assert counters["reservations_expired"] - counters0.get("reservations_expired", 0) == 2
+    assert counters.get("stored", 0) == counters0.get("stored", 0)
+    values = h.rand_values(rng, [size, size])
+    assert c.put(keys, values) == [pb.OK, pb.OK]
+    assert [bytes(g) if g is not None else None for g in c.get(keys)] == values
 
 
-def test_commit_after_reservation_expiry_is_refused(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("8MiB")
+def test_commit_after_reservation_expiry_is_refused(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["twophase"]
     stub = node.stub()
     c = node.client()
+    used0, tenant0, _ = _usage(h, c)
     [key] = h.rand_keys(rng, 1)
     value = rng.randbytes(64 * KiB)
     start = stub.PutStart(pb.PutStartRequest(keys=key, sizes=[len(value)], timeout_ms=200), timeout=10)
@@ -94,13 +109,14 @@ def test_commit_after_reservation_expiry_is_refused(stores: Any, h: Any, rng: ra
                                                 checksums=[checksum(value)]), timeout=10)
     assert list(commit.codes) == [pb.LEASE_EXPIRED]
     assert c.exists([key]).prefix == 0
-    assert h.stats_tier(c.stats(), "dram").used_bytes == 0
+    assert _usage(h, c)[:2] == (used0, tenant0)
 
 
-def test_revoke_frees_the_reservation(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("8MiB")
+def test_revoke_frees_the_reservation(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["twophase"]
     stub = node.stub()
     c = node.client()
+    _, tenant0, counters0 = _usage(h, c)
     keys = h.rand_keys(rng, 3)
     start = stub.PutStart(pb.PutStartRequest(keys=b"".join(keys), sizes=[4096] * 3), timeout=10)
     assert list(start.codes) == [pb.OK] * 3
@@ -120,9 +136,9 @@ def test_revoke_frees_the_reservation(stores: Any, h: Any, rng: random.Random) -
     start = stub.PutStart(pb.PutStartRequest(keys=keys[1], sizes=[4096]), timeout=10)
     stub.PutRevoke(pb.PutRevokeRequest(reservation_id=start.reservation_id), timeout=10)
     assert c.exists([keys[1]]).prefix == 0
-    st = c.stats()
-    assert st.counters["revoked"] == 2
-    assert h.stats_tenant(st, "default").used_bytes == 2 * 4096
+    _, tenant1, counters1 = _usage(h, c)
+    assert counters1["revoked"] - counters0.get("revoked", 0) == 2
+    assert tenant1 - tenant0 == 2 * 4096
     # A commit of a revoked reservation commits nothing.
     commit = stub.PutCommit(pb.PutCommitRequest(reservation_id=start.reservation_id, checksums=[0]), timeout=10)
     assert list(commit.codes) == [pb.LEASE_EXPIRED]
@@ -136,8 +152,8 @@ def _stale_fetch(node: Any, plan: Any, size: int, verify: bool) -> tuple[int, by
     return code, bytes(buf)
 
 
-def test_expired_lease_fails_closed(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("4MiB")
+def test_expired_lease_fails_closed(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["lease"]
     c = node.client()
     size = 256 * KiB
     [ka, kb] = h.rand_keys(rng, 2)
@@ -169,8 +185,8 @@ def test_expired_lease_fails_closed(stores: Any, h: Any, rng: random.Random) -> 
             assert got != vb, "the guard let a stale plan read another object's bytes"
 
 
-def test_slot_recycled_by_eviction_fails_closed(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("4MiB")
+def test_slot_recycled_by_eviction_fails_closed(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["recycle"]
     c = node.client()
     size = 512 * KiB
     keys = h.rand_keys(rng, 40)
@@ -190,8 +206,8 @@ def test_slot_recycled_by_eviction_fails_closed(stores: Any, h: Any, rng: random
             assert got not in vals, "the guard let a stale plan read another object's bytes"
 
 
-def test_pinned_objects_are_never_evicted(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("4MiB")
+def test_pinned_objects_are_never_evicted(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["pinned"]
     c = node.client()
     size = 256 * KiB
     keys = h.rand_keys(rng, 12)
@@ -215,8 +231,8 @@ def test_pinned_objects_are_never_evicted(stores: Any, h: Any, rng: random.Rando
     assert c.exists(keys[:8]).prefix == 0
 
 
-def test_everything_pinned_refuses_with_no_space(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("4MiB")
+def test_everything_pinned_refuses_with_no_space(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["allpinned"]
     c = node.client()
     size = 512 * KiB
     keys = h.rand_keys(rng, 7)

@@ -7,10 +7,21 @@ import random
 import time
 from typing import Any
 
+import pytest
+
 from kvpool import errors
 from kvpool.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def nodes(module_stores: Any) -> dict[str, Any]:
+    return module_stores.start_many({
+        "pressure": {"dram": "8MiB"},
+        "ttl": {"dram": "4MiB", "config": {"ttlSeconds": {"chatbot": 1, "agent": 3600}}},
+        "quota": {"dram": "16MiB", "tenants": _tenants(), "closed": True},
+        "evictown": {"dram": "16MiB", "tenants": _tenants(), "closed": True}})
 
 
 def _check_within_capacity(h: Any, c: Any) -> Any:
@@ -22,8 +33,8 @@ def _check_within_capacity(h: Any, c: Any) -> Any:
     return st
 
 
-def test_write_pressure_stays_within_capacity_and_evicts(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("8MiB")
+def test_write_pressure_stays_within_capacity_and_evicts(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["pressure"]
     c = node.client()
     cap = h.stats_tier(c.stats(), "dram").capacity_bytes
     written: list[tuple[bytes, bytes]] = []
@@ -61,16 +72,16 @@ def test_write_pressure_stays_within_capacity_and_evicts(stores: Any, h: Any, rn
     assert h.stats_tenant(st, "default").used_bytes <= dram.used_bytes
 
 
-def test_object_larger_than_the_arena_is_refused_clearly(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("1MiB")
-    c = node.client()
+def test_object_larger_than_the_arena_is_refused_clearly(nodes: Any, h: Any, rng: random.Random) -> None:
+    c = nodes["quota"].client("tok-big")  # a tenant without a quota: only the arena limits it
+    before = h.stats_tenant(c.stats(), "big").counters.get("stored", 0)
     keys = h.rand_keys(rng, 2)
-    assert c.put(keys, [b"a" * (2 * MiB), b"b" * 1000]) == [pb.TOO_LARGE, pb.OK]
-    assert c.stats().counters.get("stored") == 1
+    assert c.put(keys, [b"a" * (20 * MiB), b"b" * 1000]) == [pb.TOO_LARGE, pb.OK]
+    assert h.stats_tenant(c.stats(), "big").counters["stored"] == before + 1
 
 
-def test_ttl_expired_objects_are_evicted_first(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("4MiB", config={"ttlSeconds": {"chatbot": 1, "agent": 3600}})
+def test_ttl_expired_objects_are_evicted_first(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["ttl"]
     c = node.client()
     size = 256 * KiB
     old_agent = h.rand_keys(rng, 6)    # least recently used, but within their TTL
@@ -104,8 +115,8 @@ def _tenants() -> list[dict[str, Any]]:
     ]
 
 
-def test_quota_refusals_are_counted_and_reported(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("16MiB", tenants=_tenants(), closed=True)
+def test_quota_refusals_are_counted_and_reported(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["quota"]
     c = node.client("tok-refuse")
     size = 256 * KiB
     keys = h.rand_keys(rng, 8)
@@ -132,8 +143,8 @@ def test_quota_refusals_are_counted_and_reported(stores: Any, h: Any, rng: rando
     assert big.put(h.rand_keys(rng, 8), h.rand_values(rng, [size] * 8)) == [pb.OK] * 8
 
 
-def test_quota_evict_own_mode(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("16MiB", tenants=_tenants(), closed=True)
+def test_quota_evict_own_mode(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["evictown"]
     other = node.client("tok-big")
     size = 256 * KiB
     other_keys = h.rand_keys(rng, 4)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import random
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,9 +21,21 @@ TENANTS = [
 ]
 
 
-def test_same_key_two_tenants_two_objects(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+@pytest.fixture(scope="module")
+def nodes(module_stores: Any) -> dict[str, Any]:
+    fs = module_stores.tmp / "fs"
+    closed = {"dram": "8MiB", "tenants": TENANTS, "closed": True}
+    return module_stores.start_many({
+        "iso": closed, "recycled": closed,
+        "admin": {"dram": "8MiB", "tenants": TENANTS, "admin_token": "adm"},
+        "fs_a": {"dram": "1MiB", "tenants": TENANTS, "closed": True, "sharedfs": fs},
+        "fs_b": {"dram": "4MiB", "tenants": TENANTS, "closed": True, "sharedfs": fs}})
+
+
+def test_same_key_two_tenants_two_objects(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["iso"]
     a, b = node.client("tok-alpha"), node.client("tok-beta")
+    objects0 = h.stats_tenant(a.stats(), "alpha").objects
     keys = h.rand_keys(rng, 4)
     va = h.rand_values(rng, [10 * KiB] * 4)
     assert a.put(keys, va) == [pb.OK] * 4
@@ -41,11 +52,11 @@ def test_same_key_two_tenants_two_objects(stores: Any, h: Any, rng: random.Rando
     # A tenant sees only its own usage.
     sa = a.stats()
     assert [t.tenant_id for t in sa.tenants] == ["alpha"]
-    assert h.stats_tenant(sa, "alpha").objects == 4
+    assert h.stats_tenant(sa, "alpha").objects == objects0 + 4
 
 
-def test_unknown_or_missing_token_is_unauthenticated(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+def test_unknown_or_missing_token_is_unauthenticated(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["iso"]
     keys = h.rand_keys(rng, 2)
     for token in ("tok-nobody", ""):
         c = node.client(token)
@@ -69,8 +80,8 @@ def test_unknown_or_missing_token_is_unauthenticated(stores: Any, h: Any, rng: r
     assert node.client("tok-alpha").put(keys, [b"x", b"y"]) == [pb.OK, pb.OK]
 
 
-def test_admin_calls_need_the_admin_token(stores: Any, h: Any) -> None:
-    node = stores.start("8MiB", tenants=TENANTS, admin_token="adm")
+def test_admin_calls_need_the_admin_token(nodes: Any, h: Any) -> None:
+    node = nodes["admin"]
     ring = pb.Ring(epoch=3, members=[pb.RingMember(id=node.node_id, address=node.address, state="active")])
     for token in ("", "tok-alpha", "wrong"):
         with pytest.raises(errors.PermissionDenied):
@@ -79,9 +90,9 @@ def test_admin_calls_need_the_admin_token(stores: Any, h: Any) -> None:
     assert node.client().get_ring().epoch == 3
 
 
-def test_guessed_transfer_tokens_cannot_read_another_tenants_bytes(stores: Any, h: Any,
+def test_guessed_transfer_tokens_cannot_read_another_tenants_bytes(nodes: Any, h: Any,
                                                                   rng: random.Random) -> None:
-    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+    node = nodes["iso"]
     a, b = node.client("tok-alpha"), node.client("tok-beta")
     size = 4 * KiB
     [ka] = h.rand_keys(rng, 1)
@@ -106,8 +117,8 @@ def test_guessed_transfer_tokens_cannot_read_another_tenants_bytes(stores: Any, 
     assert pa.tokens[0] not in candidates
 
 
-def test_recycled_memory_of_another_tenant_is_never_readable(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("8MiB", tenants=TENANTS, closed=True)
+def test_recycled_memory_of_another_tenant_is_never_readable(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["recycled"]
     a = node.client("tok-alpha")
     size = 64 * KiB
     [ka] = h.rand_keys(rng, 1)
@@ -134,17 +145,15 @@ def test_recycled_memory_of_another_tenant_is_never_readable(stores: Any, h: Any
         assert got == [None]
 
 
-def test_sharedfs_objects_are_per_tenant(stores: Any, h: Any, rng: random.Random, tmp_path: Path) -> None:
-    shared = tmp_path / "fs"
-    node = stores.start("1MiB", tenants=TENANTS, closed=True, sharedfs=shared)
-    a = node.client("tok-alpha")
+def test_sharedfs_objects_are_per_tenant(nodes: Any, h: Any, rng: random.Random) -> None:
+    a = nodes["fs_a"].client("tok-alpha")
     keys = h.rand_keys(rng, 16)
     vals = h.rand_values(rng, [128 * KiB] * 16)
     for i in range(0, 16, 4):
         assert a.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
     assert a.stats().counters["demoted"] > 0
-    other = stores.start("4MiB", tenants=TENANTS, closed=True, sharedfs=shared)
+    other = nodes["fs_b"]  # a second node on the same shared directory
     assert other.client("tok-beta").exists(keys, prefix_only=False).present == [False] * 16
     assert other.client("tok-beta").get(keys[:4]) == [None] * 4
     got = other.client("tok-alpha").get(keys[:4])
-    assert all(g is None or bytes(g) == v for g, v in zip(got, vals[:4], strict=True))
+    assert all(g is not None and bytes(g) == v for g, v in zip(got, vals[:4], strict=True))

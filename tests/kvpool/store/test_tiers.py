@@ -7,6 +7,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvpool.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -19,8 +21,17 @@ def _read_all(c: Any, keys: list[bytes], batch: int = 4) -> list[bytes | None]:
     return out
 
 
-def test_ssd_demotion_and_promotion_are_byte_exact(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("2MiB", ssd="64MiB")
+@pytest.fixture(scope="module")
+def nodes(module_stores: Any) -> dict[str, Any]:
+    fs = module_stores.tmp / "sharedfs"
+    return module_stores.start_many({
+        "ssd": {"dram": "2MiB", "ssd": "64MiB"}, "ssdfull": {"dram": "1MiB", "ssd": "3MiB"},
+        "fs_a": {"dram": "1MiB", "sharedfs": fs}, "fs_b": {"dram": "4MiB", "sharedfs": fs},
+        "fs_fresh": {"dram": "4MiB", "sharedfs": fs}})
+
+
+def test_ssd_demotion_and_promotion_are_byte_exact(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["ssd"]
     c = node.client()
     sizes = [rng.choice([1, 4 * KiB, 100 * KiB, 256 * KiB, 513 * KiB, rng.randint(1, 300 * KiB)]) for _ in range(60)]
     keys = h.rand_keys(rng, len(sizes))
@@ -45,8 +56,8 @@ def test_ssd_demotion_and_promotion_are_byte_exact(stores: Any, h: Any, rng: ran
     assert _read_all(c, [keys[i] for i in order], batch=3) == [vals[i] for i in order]
 
 
-def test_ssd_full_drops_the_coldest_and_never_returns_wrong_bytes(stores: Any, h: Any, rng: random.Random) -> None:
-    node = stores.start("1MiB", ssd="3MiB")
+def test_ssd_full_drops_the_coldest_and_never_returns_wrong_bytes(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["ssdfull"]
     c = node.client()
     size = 200 * KiB
     keys = h.rand_keys(rng, 40)
@@ -96,10 +107,10 @@ def _payload_files(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if p.is_file() and not p.name.startswith(".tmp")]
 
 
-def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(stores: Any, h: Any, rng: random.Random,
-                                                                   tmp_path: Path) -> None:
-    shared = tmp_path / "sharedfs"
-    a = stores.start("1MiB", sharedfs=shared)
+def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(nodes: Any, module_stores: Any, h: Any,
+                                                                   rng: random.Random) -> None:
+    shared = module_stores.tmp / "sharedfs"
+    a = nodes["fs_a"]
     ca = a.client()
     size = 128 * KiB
     keys = h.rand_keys(rng, 24)
@@ -116,28 +127,33 @@ def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(stores: Any, 
     # The node reads its demoted objects back byte-exact (promotion from the shared tier)...
     assert _read_all(ca, keys) == vals
     # ...and so does another node that never saw them (the tier is shared).
-    b = stores.start("4MiB", sharedfs=shared)
+    b = nodes["fs_b"]
     cb = b.client()
     got_b = _read_all(cb, keys)
     on_fs = [i for i, g in enumerate(got_b) if g is not None]
     assert len(on_fs) == len(_payload_files(shared)) > 0
     assert all(got_b[i] == vals[i] for i in on_fs)
-    # Corrupt every payload file (one byte in the payload, header untouched).
-    for p in _payload_files(shared):
+    # Damage every file: a flipped payload byte (header intact), a truncation after the header,
+    # or garbage instead of a header.
+    flipped = truncated = 0
+    for i, p in enumerate(sorted(_payload_files(shared))):
         raw = bytearray(p.read_bytes())
-        raw[-1] ^= 0xFF
+        if i % 3 == 0:
+            raw[-1] ^= 0xFF
+            flipped += 1
+        elif i % 3 == 1:
+            raw = raw[:40]
+            truncated += 1
+        else:
+            raw = bytearray(os.urandom(10))
         p.write_bytes(bytes(raw))
-    fresh = stores.start("4MiB", sharedfs=shared)
+    assert flipped > 0 and truncated > 0
+    fresh = nodes["fs_fresh"]  # started before, but has never looked at these keys
     cf = fresh.client()
-    assert cf.exists(keys, prefix_only=False).present.count(True) == len(on_fs)  # headers still match
+    assert cf.exists(keys, prefix_only=False).present.count(True) == flipped + truncated  # headers look fine
     got = _read_all(cf, keys)
-    assert got == [None] * 24, "a corrupted shared-fs object must be a miss"
+    assert got == [None] * 24, "a damaged shared-fs object must be a miss"
     st = cf.stats()
-    assert st.counters["checksum_failures"] == len(on_fs)
+    assert st.counters["checksum_failures"] == flipped
     # A miss, and forgotten: the next lookup does not trust the file again.
     assert cf.exists(keys, prefix_only=False).present == [False] * 24
-    # Truncated and garbage files are misses too.
-    for i, p in enumerate(_payload_files(shared)):
-        p.write_bytes(os.urandom(10) if i % 2 else p.read_bytes()[:40])
-    other = stores.start("4MiB", sharedfs=shared)
-    assert _read_all(other.client(), keys) == [None] * 24
