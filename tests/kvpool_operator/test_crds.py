@@ -16,7 +16,8 @@ import yaml  # type: ignore[import-untyped]
 from kvpool_operator.model import parse_pool, parse_tenant, parse_tier
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CRDS = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "crds").glob("*.yaml"))}
+CRDS = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "crds").glob("*.yaml"))
+        if p.stem != "kopf-peering"}
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
@@ -56,6 +57,11 @@ def test_three_crds_with_names_and_scopes() -> None:
         assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
         assert version["subresources"]["status"] == {}
         assert version["additionalPrinterColumns"]
+
+
+def test_kopf_peering_crds() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "crds" / "kopf-peering.yaml").read_text()))
+    assert {d["metadata"]["name"] for d in docs} == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
 
 def test_kvpool_printer_columns() -> None:

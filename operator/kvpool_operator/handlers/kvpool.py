@@ -1,0 +1,57 @@
+"""kopf handlers of KVPool: every cause (create, update, resume, timer, a store pod or the
+StatefulSet changing) asks for the same idempotent reconcile (kvpool_operator.pools)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from .. import metrics, pools
+from ..kube import KubeError
+from ..model import GROUP, STORE_POOL_LABEL, VERSION
+from ..runtime import Runtime
+
+
+def register(registry: Any, rt: Runtime) -> None:
+    def run(namespace: str | None, name: str | None) -> None:
+        if not namespace or not name:
+            return
+        try:
+            pools.reconcile(rt, namespace, name)
+        except KubeError as exc:
+            # Conflicts and API hiccups are not failures: re-read and retry shortly.
+            raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=2 if exc.conflict else 5) from exc
+
+    @kopf.on.resume(GROUP, VERSION, "kvpools", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "kvpools", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "kvpools", registry=registry)
+    def changed(namespace: str | None, name: str | None, **_: Any) -> None:
+        run(namespace, name)
+
+    @kopf.timer(GROUP, VERSION, "kvpools", interval=rt.settings.reconcile_interval_seconds, registry=registry,
+                initial_delay=rt.settings.reconcile_interval_seconds / 2)
+    def tick(namespace: str | None, name: str | None, **_: Any) -> None:
+        run(namespace, name)
+
+    @kopf.on.delete(GROUP, VERSION, "kvpools", registry=registry, optional=True)
+    def deleted(**_: Any) -> None:
+        metrics.POOLS.dec()
+        # Children go with the pool (ownerReferences); nothing to undo at the nodes.
+
+    @kopf.on.create(GROUP, VERSION, "kvpools", registry=registry, id="count")
+    @kopf.on.resume(GROUP, VERSION, "kvpools", registry=registry, id="count")
+    def counted(**_: Any) -> None:
+        metrics.POOLS.inc()
+
+    # A store pod becoming ready (or going away) changes the ring: do not wait for the timer.
+    @kopf.on.event("v1", "pods", labels={STORE_POOL_LABEL: kopf.PRESENT}, registry=registry)
+    def store_pod(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
+        if type is not None:  # None: the initial listing, which the resume handlers cover
+            run(namespace, labels.get(STORE_POOL_LABEL))
+
+    # Drift repair: someone edited or deleted a child StatefulSet.
+    @kopf.on.event("apps", "v1", "statefulsets", labels={STORE_POOL_LABEL: kopf.PRESENT}, registry=registry)
+    def store_set(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
+        if type in ("MODIFIED", "DELETED"):
+            run(namespace, labels.get(STORE_POOL_LABEL))

@@ -1,0 +1,136 @@
+"""``kvpool operator``: run the operator (kopf) with its webhook, peering, liveness and metrics.
+
+    kvpool operator [--namespace NS] [--watch-namespace NS ...] [--image IMAGE]
+                    [--webhook-port 9443 --webhook-cert F --webhook-key F [--webhook-host H]
+                     [--webhook-addr A] [--webhook-ca F] [--webhook-managed NAME]]
+                    [--peering NAME | --standalone] [--liveness URL] [--metrics-port N]
+
+Certificates are given as files (kopf's self-signed generation needs oscrypto, which is not
+usable here; the Helm chart or cert-manager provides them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import metrics
+from .kube import Kube, KubeError
+from .nodes import Nodes
+from .runtime import Runtime
+from .settings import Settings
+
+log = logging.getLogger("kvpool.operator")
+PEERING_CRD = "clusterkopfpeerings.kopf.dev"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Settings()
+    ap = argparse.ArgumentParser(prog="kvpool operator", description="Run the kvpool operator (kopf)")
+    ap.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", d.namespace),
+                    help="namespace the operator runs in")
+    ap.add_argument("--watch-namespace", action="append", default=[],
+                    help="watch only this namespace (repeatable; default: the whole cluster)")
+    ap.add_argument("--image", default=os.environ.get("KVPOOL_IMAGE", d.image),
+                    help="image of store nodes and sidecars when a pool names none")
+    ap.add_argument("--image-pull-policy", default=d.image_pull_policy)
+    ap.add_argument("--command", default=" ".join(d.command),
+                    help="entry point of that image (the role is appended), e.g. 'kvpool'")
+    ap.add_argument("--default-dram", default=str(d.default_dram_bytes),
+                    help="DRAM per node of a pool that lists no KVTier (bytes or e.g. 1Gi)")
+    ap.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_seconds)
+    ap.add_argument("--tenant-interval", type=float, default=d.tenant_interval_seconds)
+    ap.add_argument("--sidecar-metrics-port", type=int, default=d.sidecar_metrics_port)
+    ap.add_argument("--webhook-port", type=int, default=None, help="serve the injection webhook on this port")
+    ap.add_argument("--webhook-addr", default="0.0.0.0", help="address the webhook listens on")
+    ap.add_argument("--webhook-host", default=None, help="host name or IP the API server reaches the webhook at")
+    ap.add_argument("--webhook-cert", default=None, help="PEM certificate of the webhook server")
+    ap.add_argument("--webhook-key", default=None, help="PEM private key of the webhook server")
+    ap.add_argument("--webhook-ca", default=None, help="CA bundle for a managed webhook configuration")
+    ap.add_argument("--webhook-managed", default=None, metavar="NAME",
+                    help="let the operator keep the MutatingWebhookConfiguration NAME up to date")
+    ap.add_argument("--peering", default="kvpool-operator", help="kopf peering name (several replicas)")
+    ap.add_argument("--standalone", action="store_true", help="no peering: this replica handles everything")
+    ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL ('' off)")
+    ap.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0 off)")
+    return ap
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    from .units import parse_bytes
+
+    try:
+        dram = parse_bytes(args.default_dram, "--default-dram")
+    except ValueError as exc:
+        raise SystemExit(f"kvpool operator: {exc}") from None
+    return Settings(image=args.image, image_pull_policy=args.image_pull_policy, command=tuple(args.command.split()),
+                    namespace=args.namespace, default_dram_bytes=dram,
+                    reconcile_interval_seconds=args.reconcile_interval, tenant_interval_seconds=args.tenant_interval,
+                    sidecar_metrics_port=args.sidecar_metrics_port)
+
+
+def _peering(kube: Kube, args: argparse.Namespace) -> tuple[bool, str | None]:
+    """(standalone, peering name): peer only where kopf's peering CRD is installed."""
+    if args.standalone:
+        return True, None
+    try:
+        if kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", PEERING_CRD) is None:
+            log.warning("%s is not installed: running standalone (install crds/kopf-peering.yaml for "
+                        "several replicas)", PEERING_CRD)
+            return True, None
+        kube.create({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": args.peering}})
+    except KubeError as exc:
+        log.warning("cannot set up peering (%s): running standalone", exc)
+        return True, None
+    return False, args.peering
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.webhook_port is not None and not (args.webhook_cert and args.webhook_key):
+        raise SystemExit("kvpool operator: --webhook-port needs --webhook-cert and --webhook-key")
+    import kopf
+
+    from .handlers import register_all
+
+    settings = settings_from(args)
+    kube = Kube.from_environment()
+    rt = Runtime(settings, kube, Nodes(settings.node_timeout_seconds))
+    registry = kopf.OperatorRegistry()
+    register_all(registry, rt, with_webhook=args.webhook_port is not None)
+
+    @kopf.on.login(registry=registry)
+    def login(**kw: Any) -> Any:
+        return kopf.login_via_client(**kw)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpool.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="kvpool.io", key="last-handled-configuration")
+        settings.persistence.finalizer = "kvpool.io/finalizer"
+        settings.posting.level = logging.WARNING  # Events come from our own transitions, not kopf's logs
+        settings.watching.server_timeout = 300
+        settings.execution.max_workers = 32
+        if args.webhook_port is not None:
+            settings.admission.server = kopf.WebhookServer(
+                addr=args.webhook_addr, port=args.webhook_port, host=args.webhook_host,
+                certfile=args.webhook_cert, pkeyfile=args.webhook_key, cafile=args.webhook_ca)
+            if args.webhook_managed:
+                settings.admission.managed = args.webhook_managed
+
+    standalone, peering_name = _peering(kube, args)
+    metrics.serve(args.metrics_port)
+    kopf.run(registry=registry, standalone=standalone, peering_name=peering_name,
+             clusterwide=not args.watch_namespace, namespaces=args.watch_namespace,
+             liveness_endpoint=args.liveness or None)
+    rt.nodes.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
