@@ -12,6 +12,7 @@ until that request's status is final, and never after.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -202,6 +203,19 @@ class TransferEngine:
             if peer is None:
                 peer = self._peers[address] = TcpPeer(address, self._tcp_settings)
         return peer
+
+    def stats(self) -> dict[str, int]:
+        """Totals over all peers, computed now (cheap; meant to be read at scrape time):
+        ``bytes_read``, ``bytes_written``, ``slices_ok``, ``slices_<error>``, ``retries``,
+        ``connects``, ``connection_failures``, ``peers``. Never broken down per key or request."""
+        with self._lock:
+            peers = list(self._peers.values())
+        total: collections.Counter[str] = collections.Counter()
+        for peer in peers:
+            total.update(peer.stats())
+        result = dict(total)
+        result["peers"] = len(peers)
+        return result
 
     def disconnect(self, peer: str) -> None:
         """Drop ``peer``'s connections and workers (e.g. it left the ring); its queued requests

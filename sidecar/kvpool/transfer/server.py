@@ -9,6 +9,7 @@ and a write whose request is refused still has its payload consumed so the strea
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -62,6 +63,9 @@ class TransferServer:
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._stopping = threading.Event()
+        self._stats_lock = threading.Lock()
+        self._stats: collections.Counter[str] = collections.Counter()  # of closed connections
+        self._live: dict[socket.socket, collections.Counter[str]] = {}  # written by their threads only
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -90,6 +94,23 @@ class TransferServer:
     def connection_count(self) -> int:
         with self._lock:
             return len(self._connections)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``connections`` (open now), ``accepted``, ``refused_connections``,
+        ``protocol_errors``, ``requests_ok``, ``requests_<error>``, ``bytes_sent``, ``bytes_received``."""
+        with self._lock:
+            live = list(self._live.values())
+        with self._stats_lock:
+            total = collections.Counter(self._stats)
+        for counts in live:
+            total.update(dict.copy(counts))  # dict.copy is atomic under the GIL; iteration is not
+        result = dict(total)
+        result["connections"] = len(live)
+        return result
+
+    def _count(self, counts: collections.Counter[str]) -> None:
+        with self._stats_lock:
+            self._stats.update(counts)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, cut every connection, and join the threads."""
@@ -137,6 +158,7 @@ class TransferServer:
                         target=self._serve, args=(sock,), name=f"kvpool-transfer-conn-{peer}", daemon=True
                     )
                     self._connections[sock] = thread
+            self._count(collections.Counter(refused_connections=1) if too_many else collections.Counter(accepted=1))
             if too_many:
                 log.warning(
                     "transfer server %s: refusing %s, %d connections open", self.address, peer, self._max_connections
@@ -146,24 +168,32 @@ class TransferServer:
             thread.start()
 
     def _serve(self, sock: socket.socket) -> None:
+        # Per-connection counters: only this thread writes them (no lock on the hot path);
+        # stats() reads them, and they are folded into the totals when the connection ends.
+        counts: collections.Counter[str] = collections.Counter()
+        with self._lock:
+            self._live[sock] = counts
         try:
             _sockio.tune(sock)
             _sockio.set_stall_timeout(sock, self._io_timeout)
-            self._serve_stream(sock)
+            self._serve_stream(sock, counts)
         except (ConnectionError, TimeoutError, OSError) as exc:
             if not self._stopping.is_set():
                 log.debug("transfer connection closed: %s", exc)
         except ProtocolError as exc:
+            counts["protocol_errors"] += 1
             log.info("transfer connection dropped: %s", exc)
         except Exception:  # never let one peer take the server down
             log.exception("transfer connection failed")
         finally:
             with self._lock:
                 self._connections.pop(sock, None)
+                self._live.pop(sock, None)
+            self._count(counts)
             _shutdown(sock)
             sock.close()
 
-    def _serve_stream(self, sock: socket.socket) -> None:
+    def _serve_stream(self, sock: socket.socket, counts: collections.Counter[str]) -> None:
         header = bytearray(REQUEST_SIZE)
         header_view = memoryview(header)
         scratch: memoryview | None = None
@@ -187,6 +217,7 @@ class TransferServer:
                     if scratch is None:
                         scratch = memoryview(bytearray(_DISCARD_BYTES))
                     _sockio.discard(sock, req.length, scratch)
+                counts["requests_" + admitted.code.name.lower()] += 1  # before the peer can see it
                 sock.sendall(encode_response(admitted.code, req.request_id, 0, admitted.message))
                 continue
 
@@ -194,12 +225,15 @@ class TransferServer:
             try:
                 if req.op == OP_WRITE:
                     _sockio.recv_exact(sock, target)
+                    counts["bytes_received"] += req.length
                 else:
+                    counts["bytes_sent"] += req.length  # counted as it starts: the peer may be faster
                     _sockio.send_all(sock, encode_response(TransferCode.OK, req.request_id, req.length), target)
             finally:
                 target.release()
                 if guard is not None:
                     _release(guard, handle)
+            counts["requests_ok"] += 1
             if req.op == OP_WRITE:
                 # Acknowledged only after the guard is released: a writer that sees OK and commits
                 # never finds its slot still held by this transfer.

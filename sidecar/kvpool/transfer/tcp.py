@@ -105,6 +105,13 @@ class TcpPeer:
         for s in slices:
             s.fail(TransferCode.CONNECTION, "transfer engine closed")
 
+    def stats(self) -> collections.Counter[str]:
+        """Counters of all workers of this peer (bytes, slices by outcome, retries, connects)."""
+        total = collections.Counter[str]()
+        for worker in self.workers:
+            total.update(dict.copy(worker.stats))  # dict.copy is atomic under the GIL; iteration is not
+        return total
+
     def drain_queued(self) -> list[Slice]:
         with self.cond:
             queued = list(self.reads) + list(self.writes)
@@ -134,6 +141,8 @@ class _Worker(threading.Thread):
         self.inflight_bytes = 0
         self.reads_since_write = 0
         self.next_id = 1
+        # Counters owned by this thread alone (no lock); summed at scrape time.
+        self.stats = collections.Counter[str]()
         self.response = bytearray(RESPONSE_SIZE)
         self.response_view = memoryview(self.response)
 
@@ -197,6 +206,7 @@ class _Worker(threading.Thread):
     def _connect(self) -> None:
         timeout = self.peer.settings.stall_timeout
         sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
+        self.stats["connects"] += 1
         _sockio.tune(sock)
         _sockio.set_stall_timeout(sock, timeout)
         self.sock = sock
@@ -290,7 +300,14 @@ class _Worker(threading.Thread):
             self._abort(TransferCode.CONNECTION, f"{self.peer.address}: {exc}", [])
             return
         self._pop()
-        s.complete(STATUS_OK if resp.code is TransferCode.OK else TransferStatus(resp.code, message))
+        stats = self.stats
+        if resp.code is TransferCode.OK:
+            stats["bytes_read" if s.is_read else "bytes_written"] += s.length
+            stats["slices_ok"] += 1
+            s.complete(STATUS_OK)
+        else:
+            stats["slices_" + resp.code.name.lower()] += 1
+            s.complete(TransferStatus(resp.code, message))
 
     def _abort(self, code: TransferCode, message: str, unsent: list[Slice]) -> None:
         """The connection is unusable: drop it and settle everything that was riding on it."""
@@ -306,6 +323,9 @@ class _Worker(threading.Thread):
                 retry.append(s)
             else:
                 s.fail(code, message)
+                self.stats["slices_" + code.name.lower()] += 1
+        self.stats["retries"] += len(retry)
+        self.stats["connection_failures"] += 1
         if retry:
             self.peer.requeue(retry)
         if code is TransferCode.TIMEOUT:

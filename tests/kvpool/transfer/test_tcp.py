@@ -532,3 +532,22 @@ def test_fuzzed_frames_never_crash_or_wedge_the_server(make_remote: MakeRemote) 
         .ok
     )
     assert bytes(buf) == bytes(seg.view)  # (well-formed fuzzed writes may have changed it)
+
+
+def test_stats_count_bytes_and_outcomes(make_remote: MakeRemote) -> None:
+    remote = make_remote("tcp", connections_per_peer=2)
+    remote.segment("arena", 4 << 20)
+    payload = random_bytes(2 << 20, 1)
+    buf = bytearray(1 << 20)
+    reqs = [
+        TransferRequest("write", payload.data, "arena", 0, 2 << 20),
+        TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20),
+        TransferRequest("read", memoryview(bytearray(16)), "missing", 0, 16),
+    ]
+    remote.engine.submit(remote.address, reqs).wait(10)
+    engine = remote.engine.stats()
+    assert engine["bytes_written"] == 2 << 20 and engine["bytes_read"] == 1 << 20
+    assert engine["slices_no_segment"] == 1 and engine["peers"] == 1 and engine["connects"] == 2
+    server = remote.server.stats()  # live connections are counted without closing them
+    assert server["bytes_received"] == 2 << 20 and server["bytes_sent"] == 1 << 20
+    assert server["requests_no_segment"] == 1 and server["connections"] == 2 and server["accepted"] == 2
