@@ -1,0 +1,273 @@
+"""The store node's state machine in-process (no sockets): guard, leases, commits, accounting.
+
+Bytes are moved the way the transfer server moves them: ``acquire`` → copy into/out of the
+arena → ``release_guard``.  The integration tests in tests/kvpool/store do the same over TCP.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool import errors
+from kvpool.proto import store_pb2 as pb
+from kvpool.store.node import NodeConfig, StoreNode, Tenant
+from kvpool.store.tiers import checksum
+
+KiB = 1 << 10
+T = "default"
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> Iterator[object]:
+    made: list[StoreNode] = []
+
+    def make(**kw: object) -> StoreNode:
+        cfg = NodeConfig(node_id=f"n{len(made)}", shm_dir=str(tmp_path), **kw)  # type: ignore[arg-type]
+        n = StoreNode(cfg)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def write(node: StoreNode, off: int, tok: int, data: bytes) -> bool:
+    e = node.acquire("write", off, len(data), tok)
+    if e is None:
+        return False
+    try:
+        node.dram.view[off:off + len(data)] = data
+    finally:
+        node.release_guard(e)
+    return True
+
+
+def read(node: StoreNode, off: int, size: int, tok: int) -> bytes | None:
+    e = node.acquire("read", off, size, tok)
+    if e is None:
+        return None
+    try:
+        return bytes(node.dram.view[off:off + size])
+    finally:
+        node.release_guard(e)
+
+
+def put(node: StoreNode, keys: list[bytes], vals: list[bytes], tenant: str = T, kind: int = pb.BLOCK,
+        tc: str = "chatbot") -> list[int]:
+    codes, offs, toks, rid = node.put_start(tenant, keys, [len(v) for v in vals], tc, kind)
+    sums = [0] * len(keys)
+    for i, c in enumerate(codes):
+        if c == pb.OK:
+            assert write(node, offs[i], toks[i], vals[i])
+            sums[i] = checksum(vals[i])
+    if not rid:
+        return codes
+    commit = node.put_commit(tenant, rid, sums)
+    return [commit[i] if c == pb.OK else c for i, c in enumerate(codes)]
+
+
+def get(node: StoreNode, keys: list[bytes], tenant: str = T, kind: int = pb.BLOCK) -> list[bytes | None]:
+    codes, found, lease = node.get(tenant, keys, kind)
+    toks = node.get_tokens(lease, found)
+    out: list[bytes | None] = []
+    for c, e, t in zip(codes, found, toks, strict=True):
+        out.append(read(node, e.offset, e.size, t) if c == pb.OK and e is not None else None)
+    if lease is not None:
+        node.release([lease.lease_id], tenant)
+    return out
+
+
+def test_read_tokens_die_with_their_lease(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    k = b"k" * 32
+    assert put(node, [k], [b"v" * 5000]) == [pb.OK]
+    codes, found, lease = node.get(T, [k], lease_ms=10_000)
+    assert lease is not None and found[0] is not None
+    [tok] = node.get_tokens(lease, found)
+    e = found[0]
+    assert read(node, e.offset, e.size, tok) == b"v" * 5000
+    # The entry's write token never opens a read, and a read token never opens a write.
+    assert node.acquire("read", e.offset, e.size, e.token) is None
+    assert node.acquire("write", e.offset, e.size, tok) is None
+    node.release([lease.lease_id], "someone-else")  # not theirs: nothing happens
+    assert read(node, e.offset, e.size, tok) is not None
+    node.release([lease.lease_id], T)
+    assert read(node, e.offset, e.size, tok) is None
+    # Expiry does the same as a release.
+    _, found, lease = node.get(T, [k], lease_ms=1)
+    [tok] = node.get_tokens(lease, found)
+    time.sleep(0.01)
+    assert read(node, e.offset, e.size, tok) is None
+
+
+def test_tokens_are_random(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    keys = [bytes([i]) * 32 for i in range(64)]
+    _, _, toks, _ = node.put_start(T, keys, [10] * 64, "chatbot", pb.BLOCK)
+    assert len(set(toks)) == 64 and 0 not in toks
+    gaps = sorted(abs(a - b) for a, b in zip(toks, toks[1:], strict=False))
+    assert gaps[0] > 1 << 20  # nothing like a counter
+
+
+def test_block_and_state_objects_share_a_key(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    k = b"s" * 32
+    assert put(node, [k], [b"block"]) == [pb.OK]
+    assert put(node, [k], [b"state!"], kind=pb.STATE) == [pb.OK]
+    assert get(node, [k]) == [b"block"]
+    assert get(node, [k], kind=pb.STATE) == [b"state!"]
+    assert node.remove(T, [k], pb.STATE) == [pb.OK]
+    assert get(node, [k]) == [b"block"]
+    with pytest.raises(errors.InvalidArgument):
+        node.exists(T, [k], kind=9)
+
+
+def test_commits_are_verified_on_multi_tenant_nodes(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    k1, k2 = b"1" * 32, b"2" * 32
+    # Single-tenant node: the commit's checksum is taken on trust (readers verify).
+    codes, offs, toks, rid = node.put_start(T, [k1], [100], "chatbot", pb.BLOCK)
+    assert node.put_commit(T, rid, [12345]) == [pb.OK]
+    node.set_tenants([Tenant("a", "tok-a")])
+    codes, offs, toks, rid = node.put_start("a", [k2], [100], "chatbot", pb.BLOCK)
+    assert write(node, offs[0], toks[0], b"x" * 100)
+    assert node.put_commit("a", rid, [checksum(b"y" * 100)]) == [pb.CHECKSUM]
+    assert node.exists("a", [k2])[0] == 0
+    assert put(node, [k2], [b"x" * 100], tenant="a") == [pb.OK]
+
+
+def test_commit_waits_for_a_write_that_is_finishing(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20, commit_grace_seconds=5.0)
+    k = b"w" * 32
+    _, offs, toks, rid = node.put_start(T, [k], [100], "chatbot", pb.BLOCK)
+    e = node.acquire("write", offs[0], 100, toks[0])
+    assert e is not None
+
+    def finish() -> None:
+        time.sleep(0.05)
+        node.dram.view[offs[0]:offs[0] + 100] = b"z" * 100
+        node.release_guard(e)
+
+    threading.Thread(target=finish).start()
+    assert node.put_commit(T, rid, [checksum(b"z" * 100)]) == [pb.OK]
+    assert get(node, [k]) == [b"z" * 100]
+    # A write that never finishes within the grace is refused, and its space comes back.
+    node.cfg.commit_grace_seconds = 0.05
+    k2 = b"v" * 32
+    _, offs, toks, rid = node.put_start(T, [k2], [100], "chatbot", pb.BLOCK)
+    e2 = node.acquire("write", offs[0], 100, toks[0])
+    assert e2 is not None
+    assert node.put_commit(T, rid, [0]) == [pb.LEASE_EXPIRED]
+    node.release_guard(e2)
+    assert node.exists(T, [k2])[0] == 0
+    assert node.dram.alloc.used == node.dram.alloc.rounded(100)
+
+
+def test_reservation_ids_never_issued_are_invalid(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    for rid in (0, 1, 10**9):
+        with pytest.raises(errors.InvalidArgument):
+            node.put_commit(T, rid, [0])
+    _, _, _, rid = node.put_start(T, [b"a" * 32, b"b" * 32], [10, 10], "chatbot", pb.BLOCK)
+    with pytest.raises(errors.InvalidArgument):
+        node.put_commit(T, rid, [0, 0], revoke=b"\x01")
+    assert node.put_commit(T, rid, [0, 0], revoke=b"\x01\x01") == [pb.OK, pb.OK]
+    assert node.put_commit(T, rid, [0, 0]) == [pb.LEASE_EXPIRED, pb.LEASE_EXPIRED]
+
+
+def test_fragmented_arena_evicts_until_an_extent_fits(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20, high_watermark=0.999, low_watermark=0.99)
+    # Alternate small and medium objects, then remove every medium one: lots of free bytes, but
+    # no free extent as large as 256 KiB.
+    small = [bytes([1, i]) * 16 for i in range(100)]
+    medium = [bytes([2, i]) * 16 for i in range(100)]
+    placed_m = []
+    for i in range(100):
+        if put(node, [small[i]], [b"s" * 4096]) != [pb.OK]:
+            break
+        if put(node, [medium[i]], [b"m" * 8192]) != [pb.OK]:
+            break
+        placed_m.append(medium[i])
+    node.remove(T, placed_m)
+    assert node.dram.alloc.free_bytes >= 256 * KiB > node.dram.alloc.largest_free
+    assert put(node, [b"L" * 32], [b"L" * (256 * KiB)]) == [pb.OK]
+    assert get(node, [b"L" * 32]) == [b"L" * (256 * KiB)]
+    node.dram.alloc.check()
+
+
+def test_quota_larger_than_the_object_evicts_nothing(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    node.set_tenants([Tenant("q", "tok-q", quota_bytes=64 * KiB, evict_own_on_quota=True)])
+    keys = [bytes([i]) * 32 for i in range(4)]
+    assert put(node, keys, [b"x" * (16 * KiB)] * 4, tenant="q") == [pb.OK] * 4
+    assert put(node, [b"big" + b"\0" * 29], [b"y" * (65 * KiB)], tenant="q") == [pb.QUOTA_EXCEEDED]
+    assert node.exists("q", keys)[0] == 4
+
+
+def test_promotion_in_a_batch_never_evicts_an_earlier_item(make_node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=256 * KiB, ssd_path=str(tmp_path / "ssd"), ssd_bytes=4 << 20)
+    keys = [bytes([i]) * 32 for i in range(16)]
+    vals = [bytes([i]) * (60 * KiB) for i in range(16)]
+    for k, v in zip(keys, vals, strict=True):
+        assert put(node, [k], [v]) == [pb.OK]
+    assert node.counters["demoted"] > 0
+    # Batches of 3 x 60 KiB fit in DRAM together; each promotion evicts others (never these).
+    for i in range(0, 15, 3):
+        assert get(node, keys[i:i + 3]) == vals[i:i + 3]
+
+
+def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=512 * KiB, ssd_path=str(tmp_path / "ssd2"), ssd_bytes=1 << 20,
+                     sharedfs_path=str(tmp_path / "fs"))
+    node.set_tenants([Tenant("a", "tok-a", b"sa", 200 * KiB), Tenant("b", "tok-b", b"sb", 300 * KiB, {}, True)])
+    rng = random.Random(7)
+    keys = [bytes([i]) * 32 for i in range(20)]
+    tenants = [T, "a", "b"]
+    leases: list[int] = []
+    for _ in range(1500):
+        t = rng.choice(tenants)
+        kind = rng.choice([pb.BLOCK, pb.BLOCK, pb.STATE])
+        ks = rng.sample(keys, rng.randint(1, 5))
+        op = rng.random()
+        if op < 0.35:
+            vals = [bytes([hash((t, k, kind)) & 0xFF]) * rng.randint(1, 90 * KiB) for k in ks]
+            put(node, ks, vals, tenant=t, kind=kind)
+        elif op < 0.45:
+            _, _, _, rid = node.put_start(t, ks, [rng.randint(1, 50 * KiB) for _ in ks], "agent", kind,
+                                          timeout_ms=rng.randint(1, 20))
+            if rid and rng.random() < 0.5:
+                node.put_revoke(t, rid)
+        elif op < 0.7:
+            for k, g in zip(ks, get(node, ks, tenant=t, kind=kind), strict=True):
+                assert g is None or set(g) == {hash((t, k, kind)) & 0xFF}
+        elif op < 0.8:
+            _, _, lease = node.exists(t, ks, kind=kind, pin=True, lease_ms=rng.randint(1, 30))
+            if lease is not None:
+                leases.append(lease.lease_id)
+        elif op < 0.9:
+            node.remove(t, ks, kind)
+        else:
+            node.release(leases[-3:], t)
+        for part in (node.dram.alloc, node.ssd.alloc):  # type: ignore[union-attr]
+            assert 0 <= part.used <= part.capacity
+        assert all(x.used_bytes >= 0 and x.objects >= 0 for x in node.tenants.values())
+    assert node.counters["demoted"] and node.counters["promoted"] and node.counters["evicted_quota"], node.counters
+    time.sleep(0.05)  # every reservation and lease above has expired
+    for t in tenants:
+        for kind in (pb.BLOCK, pb.STATE):
+            node.remove(t, keys, kind)
+    node.dram.alloc.check()
+    node.ssd.alloc.check()  # type: ignore[union-attr]
+    assert node.dram.alloc.used == 0 and node.ssd.alloc.used == 0  # type: ignore[union-attr]
+    assert all(x.used_bytes == 0 and x.objects == 0 for x in node.tenants.values()), node.tenants
+    assert not node.read_tokens and not node.by_token and not node.lru_dram and not node.lru_ssd
+    for t in tenants:
+        assert node.exists(t, keys, prefix_only=False)[1] == bytes(len(keys))
+    assert [p for p in (tmp_path / "fs").rglob("*") if p.is_file()] == []
