@@ -42,15 +42,3 @@ class TransferStatus:
 
 #: Shared instance for the common case, so a successful request allocates nothing.
 STATUS_OK = TransferStatus(TransferCode.OK)
-
-
-class TransferError(Exception):
-    """Raised by transport internals to carry a code to the place that records the status."""
-
-    def __init__(self, code: TransferCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-    def status(self) -> TransferStatus:
-        return TransferStatus(self.code, self.message)
