@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -192,3 +194,33 @@ def test_mutating_webhook_mutates_a_running_pod(cluster: Cluster, api: client.Ap
         assert (tmp_path / "env").read_text() == "from-webhook"
     finally:
         adm.delete_mutating_webhook_configuration(name)
+
+
+def test_helm_installs_and_uninstalls_a_chart(cluster: Cluster, api: client.ApiClient,
+                                              namespace: str, tmp_path: Path) -> None:
+    chart = tmp_path / "chart"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("greeting: hello\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-settings\n"
+        "data:\n  greeting: {{ .Values.greeting | quote }}\n")
+    # helm keeps caches and config under $HOME by default; keep this test's to itself.
+    env = {"PATH": os.environ.get("PATH", ""), "HELM_CACHE_HOME": str(tmp_path / "cache"),
+           "HELM_CONFIG_HOME": str(tmp_path / "config"), "HELM_DATA_HOME": str(tmp_path / "data"),
+           "KUBECONFIG": str(cluster.kubeconfig)}
+
+    def helm(*args: str) -> str:
+        proc = subprocess.run([str(cluster.binaries.helm), *args, "-n", namespace], env=env,
+                              text=True, capture_output=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    helm("install", "demo", str(chart), "--set", "greeting=hi", "--wait", "--timeout", "60s")
+    core: Any = client.CoreV1Api(api)
+    assert core.read_namespaced_config_map("demo-settings", namespace).data == {"greeting": "hi"}
+    assert "demo" in helm("list", "-q")
+    helm("uninstall", "demo", "--wait")
+    with pytest.raises(ApiException) as gone:
+        core.read_namespaced_config_map("demo-settings", namespace)
+    assert gone.value.status == 404
