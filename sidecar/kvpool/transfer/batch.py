@@ -7,6 +7,7 @@ early slice already failed. The first error of a request is its status.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,19 @@ class BatchHandle:
             raise TimeoutError(f"batch not finished within {timeout} s")
         return [s if s is not None else STATUS_OK for s in self._final]
 
+    async def wait_async(self) -> list[TransferStatus]:
+        """``wait()`` for asyncio code: suspends the task, never blocks the event loop."""
+        if not self.done:
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
+
+            def wake(_: BatchHandle) -> None:
+                loop.call_soon_threadsafe(_resolve, future)
+
+            self.add_done_callback(wake)
+            await future
+        return self.wait(0)
+
     def add_done_callback(self, callback: Callable[[BatchHandle], None]) -> None:
         with self._lock:
             if self._remaining:
@@ -109,6 +123,11 @@ class BatchHandle:
 
     def __repr__(self) -> str:
         return f"<BatchHandle {len(self) - self._remaining}/{len(self)} done>"
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # the awaiting task may have been cancelled meanwhile
+        future.set_result(None)
 
 
 @dataclass(eq=False, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import struct
@@ -12,7 +13,15 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvpool.transfer import Segment, SegmentRegistry, TransferCode, TransferEngine, TransferRequest, TransferServer
+from kvpool.transfer import (
+    Segment,
+    SegmentRegistry,
+    TransferCode,
+    TransferEngine,
+    TransferRequest,
+    TransferServer,
+    TransferStatus,
+)
 from kvpool.transfer.protocol import REQUEST, REQUEST_MAGIC, RESPONSE_SIZE, VERSION, decode_response
 from kvpool.transfer.segment import Op
 from kvpool.transfer.testing import MakeProxy, MakeRemote, RecordingGuard, random_bytes
@@ -551,3 +560,29 @@ def test_stats_count_bytes_and_outcomes(make_remote: MakeRemote) -> None:
     server = remote.server.stats()  # live connections are counted without closing them
     assert server["bytes_received"] == 2 << 20 and server["bytes_sent"] == 1 << 20
     assert server["requests_no_segment"] == 1 and server["connections"] == 2 and server["accepted"] == 2
+
+
+def test_wait_async_does_not_block_the_loop(make_remote: MakeRemote) -> None:
+    remote = make_remote("tcp")
+    seg = remote.segment("arena", 4 << 20)
+    data = _fill(seg)
+    bufs = [bytearray(1 << 20) for _ in range(4)]
+    reqs = [TransferRequest("read", memoryview(b), "arena", i << 20, 1 << 20) for i, b in enumerate(bufs)]
+
+    async def main() -> tuple[list[TransferStatus], int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        statuses = await remote.engine.submit(remote.address, reqs).wait_async()
+        task.cancel()
+        return statuses, ticks
+
+    statuses, ticks = asyncio.run(main())
+    assert all(s.ok for s in statuses) and ticks > 0
+    assert b"".join(bytes(b) for b in bufs) == data.tobytes()
