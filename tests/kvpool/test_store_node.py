@@ -255,7 +255,7 @@ def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) ->
             node.remove(t, ks, kind)
         else:
             node.release(leases[-3:], t)
-        for part in (node.dram.alloc, node.ssd.alloc):  # type: ignore[union-attr]
+        for part in (node.dram.alloc, node.ssd.alloc):
             assert 0 <= part.used <= part.capacity
         assert all(x.used_bytes >= 0 and x.objects >= 0 for x in node.tenants.values())
     assert node.counters["demoted"] and node.counters["promoted"] and node.counters["evicted_quota"], node.counters
@@ -264,8 +264,8 @@ def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) ->
         for kind in (pb.BLOCK, pb.STATE):
             node.remove(t, keys, kind)
     node.dram.alloc.check()
-    node.ssd.alloc.check()  # type: ignore[union-attr]
-    assert node.dram.alloc.used == 0 and node.ssd.alloc.used == 0  # type: ignore[union-attr]
+    node.ssd.alloc.check()
+    assert node.dram.alloc.used == 0 and node.ssd.alloc.used == 0
     assert all(x.used_bytes == 0 and x.objects == 0 for x in node.tenants.values()), node.tenants
     assert not node.read_tokens and not node.by_token and not node.lru_dram and not node.lru_ssd
     for t in tenants:

@@ -23,7 +23,7 @@ from kvpool.transfer.protocol import OP_WRITE, encode_request
 def main() -> None:
     address, mode, key_hex, size_s, timeout_s = sys.argv[1:6]
     key, size = bytes.fromhex(key_hex), int(size_s)
-    stub = pbg.StoreStub(grpc.insecure_channel(address))
+    stub = pbg.StoreStub(grpc.insecure_channel(address))  # type: ignore[no-untyped-call]
     start = stub.PutStart(pb.PutStartRequest(keys=key, sizes=[size], traffic_class="chatbot",
                                              timeout_ms=int(timeout_s)), timeout=10)
     assert list(start.codes) == [pb.OK], list(start.codes)

@@ -56,7 +56,7 @@ class StoreProcess:
     def stub(self) -> pbg.StoreStub:
         ch = grpc.insecure_channel(self.address, options=[("grpc.enable_http_proxy", 0)])
         self.channels.append(ch)
-        return pbg.StoreStub(ch)
+        return pbg.StoreStub(ch)  # type: ignore[no-untyped-call]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -224,10 +224,16 @@ def module_stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
         pytest.fail("\n".join(problems))
 
 
-@pytest.fixture(scope="module")
-def shared_store(module_stores: Stores) -> StoreProcess:
-    """One node shared by the tests of a module that do not depend on node state."""
-    return module_stores.start("64MiB")
+@pytest.fixture(scope="session")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
+    """One node shared by every test that does not depend on node state (round trips, bad input)."""
+    s = Stores(tmp_path_factory.mktemp("shared"))
+    try:
+        yield s.start("64MiB")
+    finally:
+        problems = s.cleanup()
+    if problems:
+        pytest.fail("\n".join(problems))
 
 
 @pytest.fixture
@@ -247,14 +253,14 @@ def rand_values(rng: random.Random, sizes: Sequence[int]) -> list[bytes]:
 def stats_tier(stats: pb.StatsReply, name: str) -> pb.TierStats:
     for t in stats.tiers:
         if t.name == name:
-            return t
+            return t  # type: ignore[no-any-return]
     raise AssertionError(f"no tier {name!r} in stats: {[t.name for t in stats.tiers]}")
 
 
 def stats_tenant(stats: pb.StatsReply, tenant_id: str) -> pb.TenantStats:
     for t in stats.tenants:
         if t.tenant_id == tenant_id:
-            return t
+            return t  # type: ignore[no-any-return]
     raise AssertionError(f"no tenant {tenant_id!r} in stats: {[t.tenant_id for t in stats.tenants]}")
 
 

@@ -24,7 +24,7 @@ def _ring(epoch: int, a: Any, b: Any, a_state: str = "active") -> pb.Ring:
 
 
 @pytest.fixture(scope="module")
-def nodes(module_stores: Any) -> dict[str, Any]:
+def nodes(module_stores: Any) -> Any:
     spec = {"dram": "16MiB", "tenants": TENANTS, "admin_token": ADMIN}
     return module_stores.start_many({"store-a": spec, "store-b": spec, "store-d": spec})
 

@@ -18,7 +18,7 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 @pytest.fixture(scope="module")
-def nodes(module_stores: Any) -> dict[str, Any]:
+def nodes(module_stores: Any) -> Any:
     return module_stores.start_many({
         "twophase": {"dram": "8MiB"},
         "lease": {"dram": "4MiB"}, "recycle": {"dram": "4MiB"}, "pinned": {"dram": "4MiB"},

@@ -19,7 +19,7 @@ def _code(fn: Any, req: Any) -> grpc.StatusCode:
     try:
         fn(req, timeout=10)
     except grpc.RpcError as err:
-        return err.code()  # type: ignore[no-any-return]
+        return err.code()
     return grpc.StatusCode.OK
 
 
@@ -41,14 +41,14 @@ def test_malformed_control_requests_are_invalid_argument(shared_store: Any, rng:
     cases = [
         (s.Exists, pb.ExistsRequest(keys=b"x" * 33)),
         (s.Exists, pb.ExistsRequest(keys=b"x" * 31)),
-        (s.Exists, pb.ExistsRequest(keys=k2, kind=7)),
+        (s.Exists, pb.ExistsRequest(keys=k2, kind=7)),  # type: ignore[arg-type]
         (s.Get, pb.GetRequest(keys=b"y" * 65)),
-        (s.Get, pb.GetRequest(keys=k2, kind=-3)),
+        (s.Get, pb.GetRequest(keys=k2, kind=-3)),  # type: ignore[arg-type]
         (s.Remove, pb.RemoveRequest(keys=b"z" * 1)),
         (s.PutStart, pb.PutStartRequest(keys=b"k" * 40, sizes=[1])),
         (s.PutStart, pb.PutStartRequest(keys=k2, sizes=[1])),            # 2 keys, 1 size
         (s.PutStart, pb.PutStartRequest(keys=k2[:32], sizes=[1, 2, 3])),  # 1 key, 3 sizes
-        (s.PutStart, pb.PutStartRequest(keys=k2, sizes=[10, 10], kind=9)),
+        (s.PutStart, pb.PutStartRequest(keys=k2, sizes=[10, 10], kind=9)),  # type: ignore[arg-type]
         (s.PutCommit, pb.PutCommitRequest(reservation_id=0, checksums=[1])),
         (s.PutCommit, pb.PutCommitRequest(reservation_id=2**64 - 1, checksums=[1])),
         (s.PutCommit, pb.PutCommitRequest(reservation_id=987654321, checksums=[])),
@@ -151,7 +151,7 @@ def test_garbage_on_the_grpc_port(shared_store: Any, rng: random.Random) -> None
     _round_trip(shared_store, rng)
 
 
-@pytest.mark.parametrize("n", [0, 1, 4096])
+@pytest.mark.parametrize("n", [0, 1, 1024])
 def test_big_and_empty_batches(shared_store: Any, rng: random.Random, n: int) -> None:
     c = shared_store.client()
     keys = [rng.randbytes(32) for _ in range(n)]

@@ -16,7 +16,7 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 @pytest.fixture(scope="module")
-def nodes(module_stores: Any) -> dict[str, Any]:
+def nodes(module_stores: Any) -> Any:
     return module_stores.start_many({
         "pressure": {"dram": "8MiB"},
         "ttl": {"dram": "4MiB", "config": {"ttlSeconds": {"chatbot": 1, "agent": 3600}}},

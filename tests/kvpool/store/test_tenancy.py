@@ -22,7 +22,7 @@ TENANTS = [
 
 
 @pytest.fixture(scope="module")
-def nodes(module_stores: Any) -> dict[str, Any]:
+def nodes(module_stores: Any) -> Any:
     fs = module_stores.tmp / "fs"
     closed = {"dram": "8MiB", "tenants": TENANTS, "closed": True}
     return module_stores.start_many({

@@ -22,7 +22,7 @@ def _read_all(c: Any, keys: list[bytes], batch: int = 4) -> list[bytes | None]:
 
 
 @pytest.fixture(scope="module")
-def nodes(module_stores: Any) -> dict[str, Any]:
+def nodes(module_stores: Any) -> Any:
     fs = module_stores.tmp / "sharedfs"
     return module_stores.start_many({
         "ssd": {"dram": "2MiB", "ssd": "64MiB"}, "ssdfull": {"dram": "1MiB", "ssd": "3MiB"},
