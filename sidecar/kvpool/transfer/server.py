@@ -13,6 +13,7 @@ import collections
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from kvpool.transfer import _sockio
@@ -39,6 +40,9 @@ class TransferServer:
     ``io_timeout`` bounds how long a peer may stall *inside* a request (a half-sent header or
     payload, an unread response) before its connection is dropped — so a stalled peer cannot pin
     a guarded slot forever. Idle connections between requests are kept indefinitely.
+    ``max_connections`` caps open connections (one thread each); beyond it new ones are closed at
+    once. ``max_request_bytes`` is the largest refused write whose payload is still drained to
+    keep the stream usable; a longer one means a broken or hostile peer and closes the connection.
     """
 
     def __init__(
@@ -48,7 +52,7 @@ class TransferServer:
         port: int = 0,
         *,
         io_timeout: float = 30.0,
-        max_connections: int = 256,
+        max_connections: int = 1024,
         max_request_bytes: int = 1 << 30,
     ) -> None:
         self.registry = registry
@@ -85,7 +89,8 @@ class TransferServer:
 
     @property
     def address(self) -> str:
-        """``host:port`` peers connect to (kept after :meth:`stop`)."""
+        """``host:port`` bound (kept after :meth:`stop`); with a wildcard host, advertise the
+        pod's own address to peers instead."""
         if self._address is None:
             raise RuntimeError("server not started")
         return self._address
@@ -150,7 +155,9 @@ class TransferServer:
             except OSError:
                 if self._stopping.is_set():
                     return
-                continue  # e.g. EMFILE or ECONNABORTED: keep serving the others
+                # e.g. EMFILE or ECONNABORTED: keep serving the others, without spinning
+                time.sleep(0.05)
+                continue
             with self._lock:
                 too_many = len(self._connections) >= self._max_connections
                 if not too_many:
