@@ -125,14 +125,19 @@ class StoreClient:
     # -- writes -----------------------------------------------------------------------------
 
     def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = "chatbot",
-            kind: int = pb.BLOCK, epoch: int = 0, checksums: Sequence[int] | None = None) -> list[int]:
-        """Store objects (two-phase); per-item codes (OK, ALREADY_EXISTS, QUOTA_EXCEEDED, ...)."""
+            kind: int = pb.BLOCK, epoch: int = 0, checksums: Sequence[int] | None = None,
+            timeout_ms: int = 0) -> list[int]:
+        """Store objects (two-phase); per-item codes (OK, ALREADY_EXISTS, QUOTA_EXCEEDED, ...).
+
+        ``timeout_ms`` bounds the reservation (the node's default when 0): if this process dies
+        between reserve and commit, the space comes back after that long.
+        """
         if len(keys) != len(values):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         views = [as_bytes_view(v) for v in values]
         start = self._rpc(self.stub.PutStart, pb.PutStartRequest(
             keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=kind,
-            epoch=epoch))
+            epoch=epoch, timeout_ms=timeout_ms))
         codes = list(start.codes)
         todo = [i for i, c in enumerate(codes) if c == pb.OK]
         if not todo:

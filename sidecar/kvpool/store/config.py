@@ -58,6 +58,14 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
             raise ConfigError("ttlSeconds must map traffic classes to non-negative seconds")
         cfg.ttl_seconds = {str(k): float(v) for k, v in ttl.items()}
     cfg.open_tenancy = not (args.closed or doc.get("closed", False))
+    verify = doc.get("verifyOnCommit", "auto")
+    if verify not in (True, False, "auto"):
+        raise ConfigError(f"verifyOnCommit must be true, false or \"auto\", got {verify!r}")
+    cfg.verify_on_commit = None if verify == "auto" else bool(verify)
+    res = doc.get("reservationSeconds", cfg.reservation_seconds)
+    if not isinstance(res, int | float) or res <= 0:
+        raise ConfigError(f"reservationSeconds must be a positive number, got {res!r}")
+    cfg.reservation_seconds = float(res)
     if "shmDir" in doc:
         cfg.shm_dir = str(doc["shmDir"])
     return cfg
