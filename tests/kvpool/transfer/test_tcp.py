@@ -586,3 +586,25 @@ def test_wait_async_does_not_block_the_loop(make_remote: MakeRemote) -> None:
     statuses, ticks = asyncio.run(main())
     assert all(s.ok for s in statuses) and ticks > 0
     assert b"".join(bytes(b) for b in bufs) == data.tobytes()
+
+
+def test_connection_cap_refuses_extra_connections_only() -> None:
+    registry = SegmentRegistry()
+    seg = Segment.anonymous("arena", 4096)
+    registry.register(seg)
+    server = TransferServer(registry, max_connections=2).start()
+    try:
+        with TransferEngine(connections_per_peer=1) as engine, _raw(server.address) as holder:
+            req = TransferRequest("read", memoryview(bytearray(4096)), "arena", 0, 4096)
+            assert engine.submit(server.address, [req]).wait(10)[0].ok
+            deadline = time.monotonic() + 5
+            while server.connection_count < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.connection_count == 2  # the engine's and the holder's
+            with _raw(server.address) as extra:
+                _expect_closed(extra)  # over the cap: closed at once
+            assert engine.submit(server.address, [req]).wait(10)[0].ok  # the admitted ones still serve
+            assert server.stats()["refused_connections"] == 1
+    finally:
+        server.stop()
+        seg.close()
