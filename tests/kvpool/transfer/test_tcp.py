@@ -594,7 +594,7 @@ def test_connection_cap_refuses_extra_connections_only() -> None:
     registry.register(seg)
     server = TransferServer(registry, max_connections=2).start()
     try:
-        with TransferEngine(connections_per_peer=1) as engine, _raw(server.address) as holder:
+        with TransferEngine(connections_per_peer=1) as engine, _raw(server.address):  # holds a slot
             req = TransferRequest("read", memoryview(bytearray(4096)), "arena", 0, 4096)
             assert engine.submit(server.address, [req]).wait(10)[0].ok
             deadline = time.monotonic() + 5
