@@ -227,6 +227,11 @@ class StoreNode:
             return t.ttl_seconds[e.traffic_class]
         return self.cfg.ttl_seconds.get(e.traffic_class, self.cfg.default_ttl)
 
+    def _fs_salt(self, tid: str) -> bytes:
+        """Key of the shared-fs file names of a tenant.  The tenant id is always mixed in: two
+        tenants configured without a salt must still never name (and so read) each other's files."""
+        return b"kvpool-tenant\0" + tid.encode() + b"\0" + self._tenant(tid).salt
+
     def _tenant(self, tid: str) -> Tenant:
         t = self.tenants.get(tid)
         if t is None:
@@ -304,7 +309,7 @@ class StoreNode:
     def _adopt_sharedfs(self, tenant: str, key: bytes) -> Entry | None:
         """A shared-filesystem object written by any node (or a previous life) becomes known."""
         assert self.sharedfs is not None
-        hdr = self.sharedfs.stat(self._tenant(tenant).salt, key)
+        hdr = self.sharedfs.stat(self._fs_salt(tenant), key)
         if hdr is None or hdr.kind != pb.BLOCK:
             return None
         if not 0 < hdr.size <= min(self.cfg.max_object_bytes, self.dram.capacity):
@@ -599,7 +604,7 @@ class StoreNode:
             t.used_bytes -= e.size
         if (e.on_fs or e.tier == "sharedfs") and self.sharedfs is not None:
             # The copy below goes too, or the next lookup would bring a removed object back.
-            self.sharedfs.remove(t.salt, e.key)
+            self.sharedfs.remove(self._fs_salt(e.tenant), e.key)
             e.on_fs = False
         if was_committed:
             t.objects -= 1
@@ -793,7 +798,7 @@ class StoreNode:
     def _demote_sharedfs(self, e: Entry, src: memoryview) -> bool:
         if self.sharedfs is None:
             return False
-        salt = self._tenant(e.tenant).salt
+        salt = self._fs_salt(e.tenant)
         # An object promoted from the shared tier still has its (immutable) file there.
         if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
             try:
@@ -830,7 +835,7 @@ class StoreNode:
 
     def _ssd_to_sharedfs(self, e: Entry) -> bool:
         assert self.ssd is not None and self.sharedfs is not None
-        salt = self._tenant(e.tenant).salt
+        salt = self._fs_salt(e.tenant)
         if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
             buf = bytearray(e.size)
             try:
@@ -863,7 +868,7 @@ class StoreNode:
                 self.ssd.read_into(e.offset, dst)
                 code = pb.OK
             elif e.tier == "sharedfs" and self.sharedfs is not None:
-                if self.sharedfs.read_into(self._tenant(e.tenant).salt, e.key, dst) is not None:
+                if self.sharedfs.read_into(self._fs_salt(e.tenant), e.key, dst) is not None:
                     code = pb.OK
         except OSError as exc:
             log.warning("promotion read failed: %s", exc)

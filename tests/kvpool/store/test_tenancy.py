@@ -29,7 +29,11 @@ def nodes(module_stores: Any) -> Any:
         "iso": closed, "recycled": closed,
         "admin": {"dram": "8MiB", "tenants": TENANTS, "admin_token": "adm"},
         "fs_a": {"dram": "1MiB", "tenants": TENANTS, "closed": True, "sharedfs": fs},
-        "fs_b": {"dram": "4MiB", "tenants": TENANTS, "closed": True, "sharedfs": fs}})
+        "fs_b": {"dram": "4MiB", "tenants": TENANTS, "closed": True, "sharedfs": fs},
+        "fs_nosalt": {"dram": "1MiB", "tenants": NO_SALT, "sharedfs": module_stores.tmp / "fs-nosalt"}})
+
+
+NO_SALT = [{"tenantId": "gamma", "token": "tok-gamma"}, {"tenantId": "delta", "token": "tok-delta"}]
 
 
 def test_same_key_two_tenants_two_objects(nodes: Any, h: Any, rng: random.Random) -> None:
@@ -157,3 +161,18 @@ def test_sharedfs_objects_are_per_tenant(nodes: Any, h: Any, rng: random.Random)
     assert other.client("tok-beta").get(keys[:4]) == [None] * 4
     got = other.client("tok-alpha").get(keys[:4])
     assert all(g is not None and bytes(g) == v for g, v in zip(got, vals[:4], strict=True))
+
+
+def test_tenants_without_salt_do_not_share_shared_fs_files(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["fs_nosalt"]
+    g = node.client("tok-gamma")
+    keys = h.rand_keys(rng, 16)
+    vals = h.rand_values(rng, [128 * KiB] * 16)
+    for i in range(0, 16, 4):
+        assert g.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
+    assert g.stats().counters["demoted"] > 0
+    for token in ("tok-delta", ""):  # another tenant, and the open default tenant
+        c = node.client(token)
+        assert c.exists(keys, prefix_only=False).present == [False] * 16
+        assert c.get(keys[:4]) == [None] * 4
+    assert [bytes(x) if x is not None else None for x in g.get(keys[:4])] == vals[:4]
