@@ -50,6 +50,7 @@ QUICK_SESSIONS = 60
 CAPACITIES = (8000, 2000)  # local capacity in blocks at FULL_SESSIONS
 ROUTINGS = ("random", "sticky")
 SEED = 20240611
+THINK_SECONDS = 0.5  # the least time between a session's answer and its next turn (see replay)
 
 
 # -- the workload -------------------------------------------------------------------------------
@@ -125,10 +126,11 @@ def unique_blocks(keys: list[list[bytes]]) -> int:
     return len(seen)
 
 
-def floor_tokens(wl: Workload, session_keys: list[list[bytes]]) -> int:
-    """Prefill tokens recomputed with one unbounded cache shared by everyone: what each turn adds."""
+def floor_tokens(wl: Workload, session_keys: list[list[bytes]]) -> list[int]:
+    """Per turn, the prefill tokens recomputed with one unbounded cache shared by everyone: what
+    each turn adds (its new user tokens, and the system prompt the first time it is seen)."""
     held: set[bytes] = set()
-    total = 0
+    out = []
     for s, k in wl.order:
         keys = session_keys[s]
         L = wl.prompt_tokens(k)
@@ -136,10 +138,10 @@ def floor_tokens(wl: Workload, session_keys: list[list[bytes]]) -> int:
         n = 0
         while n < nb and keys[n] in held:
             n += 1
-        total += plan_hit(L, n * BLOCK_TOKENS, block_tokens=BLOCK_TOKENS, window_tokens=0,
-                          rollback_tokens=0).compute_tokens
+        out.append(plan_hit(L, n * BLOCK_TOKENS, block_tokens=BLOCK_TOKENS, window_tokens=0,
+                            rollback_tokens=0).compute_tokens)
         held.update(keys[:wl.after_blocks(k)])
-    return total
+    return out
 
 
 # -- block values ---------------------------------------------------------------------------------
@@ -191,6 +193,9 @@ class CellResult:
     local_write_bytes: int = 0
     pool_write_bytes: int = 0
     pool_writes_shed: int = 0
+    turns_above_floor: int = 0
+    think_waits: int = 0
+    think_wait_seconds: float = 0.0
     verified_blocks: int = 0
     checked_blocks: int = 0
     mismatches: int = 0
@@ -215,9 +220,17 @@ def _wait_pool_writes(clients: Sequence[Any], seconds: float = 30.0) -> None:
 
 
 def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: Sequence[Any],
-           routes: npt.NDArray[np.int64], values: Values, verify_every: int = 4,
-           progress: Callable[[int, int], None] | None = None) -> CellResult:
-    """One cell on running sidecars (one client per engine instance): every turn of the workload."""
+           routes: npt.NDArray[np.int64], values: Values, floor: Sequence[int], verify_every: int = 4,
+           think_seconds: float = THINK_SECONDS, progress: Callable[[int, int], None] | None = None
+           ) -> CellResult:
+    """One cell on running sidecars (one client per engine instance): every turn of the workload.
+
+    ``floor`` is each turn's floor (:func:`floor_tokens`); turns recomputing more are counted.
+    Think time: in life a user reads the answer for seconds before the next turn, while the
+    replay runs turns back to back; so when a session's previous turn ended less than
+    ``think_seconds`` ago on another instance, the turn first waits (a bounded poll) for that
+    instance's write-through backlog to reach the pool, as it would have by then.
+    """
     from .errors import NotFound
 
     res = CellResult(cell.name, cell.routing, cell.pool, cell.local_blocks)
@@ -226,9 +239,18 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
     head = values.pattern[:32].tobytes()
     head_int = int.from_bytes(head, "little")
     n_turns = len(wl.order)
+    last_turn: dict[int, tuple[float, int]] = {}  # session → (end of its previous turn, instance)
     for t, (s, k) in enumerate(wl.order):
         inst = int(routes[t]) if cell.routing == "random" else s % len(clients)
         c = clients[inst]
+        prev = last_turn.get(s)
+        if cell.pool and prev is not None and prev[1] != inst and time.perf_counter() - prev[0] < think_seconds:
+            res.think_waits += 1
+            tw = time.perf_counter()
+            deadline = prev[0] + think_seconds
+            while clients[prev[1]].stats().pending_pool_bytes and time.perf_counter() < deadline:
+                time.sleep(0.002)
+            res.think_wait_seconds += time.perf_counter() - tw
         keys = session_keys[s]
         L = wl.prompt_tokens(k)
         prompt_keys = keys[:L // BLOCK_TOKENS]
@@ -269,11 +291,14 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
         res.turns += 1
         res.prompt_tokens += L
         res.recomputed_tokens += plan.compute_tokens
+        if plan.compute_tokens > floor[t]:
+            res.turns_above_floor += 1
         # The engine now holds KV for prompt + answer: store every full block it did not match.
         rest = keys[n:wl.after_blocks(k)]
         if rest:
             codes = c.put(rest, list(values.batch(rest)))
             res.put_failures += sum(1 for x in codes if x not in (0, 5))  # OK, ALREADY_EXISTS
+        last_turn[s] = (time.perf_counter(), inst)
         if progress is not None:
             progress(t + 1, n_turns)
     if cell.pool:
@@ -348,7 +373,8 @@ def run_demo(sessions: int = FULL_SESSIONS, cells: str | None = None, seed: int 
             keyspaces[routing] = wl.keys(f"kvpool-demo/chat-8b/{routing}")
         return keyspaces[routing]
 
-    floor = floor_tokens(wl, keys_of(ROUTINGS[0]))
+    floor_per_turn = floor_tokens(wl, keys_of(ROUTINGS[0]))
+    floor = sum(floor_per_turn)
     n_unique = unique_blocks(keys_of(ROUTINGS[0]))
     total = wl.total_prompt_tokens
     values = Values(value_bytes)
@@ -393,7 +419,8 @@ def run_demo(sessions: int = FULL_SESSIONS, cells: str | None = None, seed: int 
                         say(f"{label} {100 * done / n:5.1f}%  {done}/{n} turns  {now - t_cell:6.1f} s   ")
 
                     show(0, 1)
-                    r = replay(wl, keys_of(cell.routing), cell, clients, routes, values, verify_every, show)
+                    r = replay(wl, keys_of(cell.routing), cell, clients, routes, values, floor_per_turn,
+                               verify_every, progress=show)
                     say(f"{label} done: {100 * r.recompute_share:5.1f}% recomputed in {r.wall_seconds:5.1f} s"
                         + " " * 16, "\n")
                     results[cell.name] = r
@@ -453,6 +480,8 @@ def format_report(out: dict[str, Any]) -> str:
             f"{_mb(c['local_read_bytes']):>11} {_mb(c['pool_read_bytes']):>10} {_mb(c['pool_write_bytes']):>10}  "
             f"{c['wall_seconds']:6.1f}  {c['mismatches']:>4}")
         extra = [f"{k}={c[k]}" for k in ("get_failures", "put_failures", "pool_writes_shed") if c[k]]
+        if c["pool"] and c["turns_above_floor"]:
+            extra.append(f"{c['turns_above_floor']} of {c['turns']} turns above their floor")
         if extra:
             lines.append(f"{'':<8} note: {', '.join(extra)}")
     n_full = sum(c["verified_blocks"] for c in out["cells"])
@@ -508,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    sessions = args.sessions or (QUICK_SESSIONS if args.quick else FULL_SESSIONS)
+    sessions = args.sessions if args.sessions is not None else QUICK_SESSIONS if args.quick else FULL_SESSIONS
     if sessions <= 0:
         print("kvpool demo: --sessions must be positive", file=sys.stderr)
         return 2
