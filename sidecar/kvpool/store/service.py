@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -291,7 +292,11 @@ class _Guard:
 
 def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin_token: str,
                   tenants: list[Tenant] | None = None, expire_interval: float = 30.0) -> int:
-    running = start_store(cfg, listen, transfer_port, admin_token)
+    try:
+        running = start_store(cfg, listen, transfer_port, admin_token)
+    except (RuntimeError, OSError) as exc:  # a clear line, not a traceback, for a config problem
+        print(f"kvpool store: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 2
     if tenants:
         running.node.set_tenants(tenants)
     stop = threading.Event()

@@ -7,6 +7,7 @@ one preallocated region (or a directory) addressed by locations the index keeps;
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import mmap
@@ -75,8 +76,16 @@ class SsdTier:
         self.alloc = ExtentAllocator(capacity, align)
         self.capacity = self.alloc.capacity
         self.path = os.path.join(directory, f"kvpool-{node_id}.slots")
-        # O_TRUNC: discard any previous life's content before serving (restart safety).
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            # One live node per slot file: a second process on the same path would truncate the
+            # first one's objects under its feet.  Lock first, then truncate.
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            raise RuntimeError(f"SSD slot file {self.path} is in use by another store node") from None
+        # Discard any previous life's content before serving (restart safety).
+        os.ftruncate(self._fd, 0)
         try:
             os.posix_fallocate(self._fd, 0, self.capacity)
         except OSError:
@@ -96,11 +105,11 @@ class SsdTier:
             done += n
 
     def close(self) -> None:
-        os.close(self._fd)
         try:
-            os.unlink(self.path)
+            os.unlink(self.path)  # while still locked: a successor never sees a half-closed file
         except FileNotFoundError:
             pass
+        os.close(self._fd)
 
 
 def _advance(bufs: list[bytes | memoryview], n: int) -> list[bytes | memoryview]:

@@ -103,6 +103,22 @@ def test_restart_never_serves_stale_bytes(stores: Any, h: Any, rng: random.Rando
         old = new
 
 
+def test_second_node_on_a_live_ssd_path_refuses_to_start(stores: Any, h: Any, rng: random.Random,
+                                                          tmp_path: Path) -> None:
+    ssd_dir = tmp_path / "ssd-shared"
+    node = stores.start("1MiB", ssd="8MiB", ssd_path=ssd_dir, node_id="store-x")
+    c = node.client()
+    keys = h.rand_keys(rng, 12)
+    vals = h.rand_values(rng, [200 * KiB] * 12)
+    for i in range(0, 12, 4):
+        assert c.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
+    assert c.stats().counters["demoted"] > 0
+    with pytest.raises(RuntimeError, match="in use by another store node"):
+        stores.start("1MiB", ssd="8MiB", ssd_path=ssd_dir, node_id="store-x")
+    # The first node's SSD objects were not truncated away.
+    assert _read_all(c, keys) == vals
+
+
 def _payload_files(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if p.is_file() and not p.name.startswith(".tmp")]
 
