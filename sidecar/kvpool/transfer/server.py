@@ -117,6 +117,18 @@ class TransferServer:
         with self._stats_lock:
             self._stats.update(counts)
 
+    def drop_connections(self) -> int:
+        """Cut every open connection (peers reconnect and retry on their own); returns how many.
+
+        For a node that must stop serving in-flight transfers at once (e.g. before remapping a
+        segment) and for fault injection in tests.
+        """
+        with self._lock:
+            sockets = list(self._connections)
+        for sock in sockets:
+            _shutdown(sock)
+        return len(sockets)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, cut every connection, and join the threads."""
         self._stopping.set()

@@ -608,3 +608,39 @@ def test_connection_cap_refuses_extra_connections_only() -> None:
     finally:
         server.stop()
         seg.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_server_drops_connections_mid_batch(make_remote: MakeRemote, op: str) -> None:
+    """The server itself closes the sockets while a batch is in flight: retried, never wrong bytes."""
+    remote = make_remote("tcp", connections_per_peer=2, slice_bytes=256 * 1024)
+
+    class DropOnce(RecordingGuard):
+        def acquire(self, op: Op, offset: int, length: int, token: int) -> object | None:
+            handle = super().acquire(op, offset, length, token)
+            if len(self.acquired) == 5:
+                remote.server.drop_connections()
+            return handle
+
+    guard = DropOnce()
+    seg = remote.segment("arena", 8 << 20, guard)
+    original = _fill(seg)
+    new = random_bytes(8 << 20, 77)
+    bufs = [bytearray(1 << 20) for _ in range(8)]
+    reqs = [
+        TransferRequest("read", memoryview(b), "arena", i << 20, 1 << 20)
+        if op == "read"
+        else TransferRequest("write", new[i << 20 : (i + 1) << 20].data, "arena", i << 20, 1 << 20)
+        for i, b in enumerate(bufs)
+    ]
+    statuses = remote.engine.submit(remote.address, reqs).wait(30)
+    assert all(s.ok for s in statuses), statuses
+    if op == "read":
+        assert b"".join(bytes(b) for b in bufs) == original.tobytes()
+    else:
+        assert bytes(seg.view) == new.tobytes()
+    assert remote.engine.stats()["retries"] >= 1
+    deadline = time.monotonic() + 5  # the cut connections' threads release on their way out
+    while len(guard.released) != len(guard.acquired) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(guard.released) == len(guard.acquired)  # nothing stays pinned
