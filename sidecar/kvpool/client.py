@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,6 +83,8 @@ class Client:
         self._arena_ro = self._arena.toreadonly()
         self._closed = False
         self._lock = threading.Lock()
+        self._pending_matches: OrderedDict[bytes, int] = OrderedDict()  # first key → match lease
+        self.max_pending_matches = 1024
 
     def _rpc(self, method: Any, request: Any) -> Any:
         try:
@@ -92,16 +95,34 @@ class Client:
     # -- matching -----------------------------------------------------------------------------
 
     def match(self, keys: Sequence[bytes], lease_ms: int | None = None) -> int:
-        """Blocks matched from the start (local tier or pool); pinned until ``get`` or the lease ends."""
-        n, _ = self.match_lease(keys, lease_ms)
+        """Blocks matched from the start (local tier or pool); pinned until ``get`` or the lease ends.
+
+        The pin is remembered by the first key: a following :meth:`get` of keys starting with
+        the same key consumes it (so matched blocks do not stay pinned for the whole lease).
+        """
+        n, lease_id = self.match_lease(keys, lease_ms)
+        if lease_id:
+            with self._lock:
+                old = self._pending_matches.pop(keys[0], 0)
+                self._pending_matches[keys[0]] = lease_id
+                stale = [self._pending_matches.popitem(last=False)[1]
+                         for _ in range(len(self._pending_matches) - self.max_pending_matches)]
+            for lid in ([old] if old else []) + stale:
+                self.release(lid)
         return n
 
     def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int]:
-        """Like :meth:`match`, also returning the lease id (pass it to :meth:`get`)."""
+        """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`)."""
         if not keys:
             return 0, 0
         r = self._rpc(self._stub.Match, spb.MatchRequest(keys=pack_keys(keys), lease_ms=lease_ms or self.lease_ms))
         return r.prefix, r.lease_id
+
+    def _consume_match(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        with self._lock:
+            return self._pending_matches.pop(keys[0], 0)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -109,6 +130,8 @@ class Client:
         """Views of the objects (equal to what was put); raises NotFound if any key is absent."""
         if not keys:
             return Blocks([], self, 0)
+        if not lease_id and kind == pb.BLOCK:
+            lease_id = self._consume_match(keys)
         r = self._rpc(self._stub.Read, spb.ReadRequest(keys=pack_keys(keys), lease_id=lease_id, kind=kind,
                                                        lease_ms=self.lease_ms))
         codes = list(r.codes)
@@ -123,7 +146,12 @@ class Client:
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
         """Copy objects into caller buffers; per-item sizes, -1 where absent (no exception)."""
-        r = self._rpc(self._stub.Read, spb.ReadRequest(keys=pack_keys(keys), lease_ms=self.lease_ms))
+        if len(keys) != len(buffers):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        r = self._rpc(self._stub.Read, spb.ReadRequest(keys=pack_keys(keys), lease_id=self._consume_match(keys),
+                                                       lease_ms=self.lease_ms))
         out = []
         try:
             for c, o, s, b in zip(r.codes, r.offsets, r.sizes, buffers, strict=True):

@@ -197,15 +197,11 @@ class LocalTier:
                     codes[i] = pb.INVALID
                     continue
                 try:
-                    off = self.arena.alloc.alloc(s)
+                    off = self._alloc_evicting(s, evicted)
                 except OutOfSpace:
-                    evicted += self._evict(self.arena.alloc.rounded(s))
-                    try:
-                        off = self.arena.alloc.alloc(s)
-                    except OutOfSpace:
-                        codes[i] = pb.NO_SPACE
-                        self.counters["refused_space"] += 1
-                        continue
+                    codes[i] = pb.NO_SPACE
+                    self.counters["refused_space"] += 1
+                    continue
                 e = LocalEntry(k, kind, traffic_class, s, off)
                 e.expires = now + self.reservation_seconds
                 self.index[(kind, k)] = e
@@ -327,6 +323,26 @@ class LocalTier:
         e.state = DEAD
         if e.pins == 0:
             self.arena.alloc.free(e.offset)
+
+    def _alloc_evicting(self, size: int, evicted: list[tuple[LocalEntry, bytes]]) -> int:
+        """Allocate, evicting least-recently-used objects until a *contiguous* extent is free:
+        freeing ``size`` bytes in total is not enough when the free space is fragmented."""
+        alloc = self.arena.alloc
+        try:
+            return alloc.alloc(size)
+        except OutOfSpace:
+            pass
+        need = alloc.rounded(size)
+        for e in list(self.lru.values()):
+            if alloc.largest_free >= need:
+                break
+            if e.pins:
+                continue
+            if e.dirty:
+                evicted.append((e, bytes(self.view(e))))
+            self._forget(e)
+            self.counters["evicted"] += 1
+        return alloc.alloc(size)
 
     def _evict(self, need: int) -> list[tuple[LocalEntry, bytes]]:
         """Free LRU victims now; dirty ones (only here) leave a copy for the ``on_evict`` hook,

@@ -44,6 +44,22 @@ class NodeHandle:
 
 Routes = dict[str, npt.NDArray[np.intp]]
 
+UNREACHABLE = -1
+"""Per-item result of a pool write whose owner could not be reached (not a store code)."""
+
+_DOWN_STATUSES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                  grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+def node_is_down(exc: BaseException) -> bool:
+    """Whether a failed call means the node is unreachable (back off from it) rather than that
+    it refused this request (a bad argument, a missing token: the node is fine)."""
+    if isinstance(exc, grpc.RpcError):
+        return exc.code() in _DOWN_STATUSES if hasattr(exc, "code") else True
+    if isinstance(exc, errors.KvpoolError):
+        return isinstance(exc, errors.Unavailable) or type(exc) is errors.KvpoolError
+    return True  # transport errors (OSError, a closed engine)
+
 
 @dataclass
 class PoolMatch:
@@ -119,6 +135,8 @@ class Pool:
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pool")
         self.errors = 0
         self.refresh_needed = threading.Event()
+        self._seen_epoch = 0
+        self._refresh_lock = threading.Lock()
         if self.seeds:
             self.refresh_ring()
 
@@ -182,13 +200,29 @@ class Pool:
 
     def _note_epoch(self, epoch: int) -> None:
         if epoch > self.ring.epoch:
+            with self.lock:
+                self._seen_epoch = max(self._seen_epoch, epoch)
             self.refresh_needed.set()
+
+    def catch_up(self) -> bool:
+        """If a node answered for a newer epoch than ours, learn the ring now (one caller does,
+        the others wait for it); True when the ring changed, so the caller routes again."""
+        if self._seen_epoch <= self.ring.epoch:
+            return False
+        before = self.ring.epoch
+        with self._refresh_lock:
+            if self._seen_epoch > self.ring.epoch:
+                self.refresh_ring()
+        return self.ring.epoch != before
 
     def _failed(self, node: NodeHandle, exc: BaseException) -> None:
         with self.lock:
             self.errors += 1
-        node.down_until = time.monotonic() + self.backoff
-        log.warning("pool node %s failed: %s", node.member.id, exc)
+        if node_is_down(exc):
+            node.down_until = time.monotonic() + self.backoff
+            log.warning("pool node %s unreachable, backing off %.1fs: %s", node.member.id, self.backoff, exc)
+        else:
+            log.warning("pool node %s refused a call: %s", node.member.id, exc)
 
     def nodes_up(self) -> int:
         return sum(1 for n in self.nodes.values() if n.up)
@@ -245,6 +279,15 @@ class Pool:
     # -- match --------------------------------------------------------------------------------
 
     def match(self, key_array: npt.NDArray[Any], lease_ms: int) -> PoolMatch:
+        """Longest prefix of ``key_array`` present in the pool (see :meth:`_match`); asked again
+        when a node told us of a newer ring on the way (the first call after a ring change)."""
+        m = self._match(key_array, lease_ms)
+        if m.prefix < len(key_array) and self.catch_up():
+            self.release(m.leases)
+            m = self._match(key_array, lease_ms)
+        return m
+
+    def _match(self, key_array: npt.NDArray[Any], lease_ms: int) -> PoolMatch:
         """Longest prefix of ``key_array`` present in the pool, pinned at each node.
 
         Each owner is asked for the leading run of *its* keys (prefix_only + pin): the global
@@ -286,6 +329,12 @@ class Pool:
 
     def present(self, key_array: npt.NDArray[Any], kind: int) -> npt.NDArray[np.bool_]:
         """Per-key presence at the owners, then at the fallbacks for what is still missing."""
+        p = self._present(key_array, kind)
+        if not p.all() and self.catch_up():
+            p = self._present(key_array, kind)
+        return p
+
+    def _present(self, key_array: npt.NDArray[Any], kind: int) -> npt.NDArray[np.bool_]:
         present = np.zeros(len(key_array), dtype=bool)
         rounds: list[Routes] = [self.route(key_array)]
         fbs: list[Routes] | None = None
@@ -359,10 +408,11 @@ class Pool:
 
     def put(self, keys: list[bytes], views: list[memoryview], checksums: list[int], traffic_class: str,
             kind: int) -> list[int]:
-        """Write-through of a batch to the owners, concurrently; per-item codes."""
+        """Write-through of a batch to the owners, concurrently; per-item codes (UNREACHABLE
+        where the owner could not be asked)."""
         key_array = np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}")
         routes = self.route(key_array)
-        codes = [pb.NO_SPACE] * len(keys)
+        codes = [UNREACHABLE] * len(keys)
 
         def one(nid: str, idx: npt.NDArray[np.intp]) -> None:
             node = self._up(nid)

@@ -36,7 +36,7 @@ from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from . import metrics
 from .local_tier import LocalEntry, LocalLease, LocalTier
-from .pool import Pool
+from .pool import UNREACHABLE, Pool
 
 log = logging.getLogger("kvpool.sidecar")
 
@@ -106,6 +106,12 @@ class Sidecar(spbg.SidecarServicer):
         arr = np.frombuffer(blob, dtype=f"V{KEY_BYTES}")
         return arr.tolist(), arr
 
+    @staticmethod
+    def _kind(kind: int, context: grpc.ServicerContext) -> int:
+        if kind not in (pb.BLOCK, pb.STATE):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown object kind {kind}")
+        return kind
+
     def _refresh_loop(self) -> None:
         while not self._stop.is_set():
             if self.pool.refresh_needed.wait(1.0) and not self._stop.is_set():
@@ -132,7 +138,7 @@ class Sidecar(spbg.SidecarServicer):
         keys, arr = self._keys(request.keys, context)
         lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
         if request.per_key:
-            return self._probe(keys, arr, request.kind)
+            return self._probe(keys, arr, self._kind(request.kind, context))
         n_local, local_lease = self.local.match_prefix(keys, lease_ms)
         prefix = n_local
         pool_leases: list[tuple[str, int]] = []
@@ -186,7 +192,7 @@ class Sidecar(spbg.SidecarServicer):
     def Read(self, request: spb.ReadRequest, context: grpc.ServicerContext) -> spb.ReadReply:
         t0 = time.perf_counter()
         keys, arr = self._keys(request.keys, context)
-        kind = request.kind
+        kind = self._kind(request.kind, context)
         lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
         # The lease pins local hits in the lookup itself and fetched objects as they land, so
         # nothing handed to the client can be evicted (and its extent reused) under it.
@@ -240,6 +246,12 @@ class Sidecar(spbg.SidecarServicer):
         total = self._fetch_round(keys, todo, found, kind, lease_ms, lease, self.pool.get_plans(sub, kind, lease_ms),
                                   contended)
         still = np.array([found[i] is None for i in todo], dtype=bool)
+        if still.any() and self.pool.catch_up():
+            # A node told us of a newer ring: route what is missing again under it first.
+            routes = {nid: idx[still[idx]] for nid, idx in self.pool.route(sub).items()}
+            total += self._fetch_round(keys, todo, found, kind, lease_ms, lease,
+                                       self.pool.get_plans(sub, kind, lease_ms, routes), contended)
+            still = np.array([found[i] is None for i in todo], dtype=bool)
         if still.any():
             for routes in self.pool.fallbacks(sub):
                 routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
@@ -332,6 +344,7 @@ class Sidecar(spbg.SidecarServicer):
         keys, _ = self._keys(request.keys, context)
         if len(request.sizes) != len(keys):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(request.sizes)} sizes")
+        self._kind(request.kind, context)
         codes, entries, rid = self.local.reserve(keys, list(request.sizes), request.kind,
                                                  request.traffic_class or "chatbot")
         return spb.WriteStartReply(codes=codes, offsets=[e.offset if e else 0 for e in entries], reservation_id=rid)
@@ -366,7 +379,7 @@ class Sidecar(spbg.SidecarServicer):
 
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.CodesReply:
         keys, _ = self._keys(request.keys, context)
-        return pb.CodesReply(codes=self.local.remove(keys, request.kind))
+        return pb.CodesReply(codes=self.local.remove(keys, self._kind(request.kind, context)))
 
     def _enqueue(self, entries: list[LocalEntry], copies: list[bytes] | None = None,
                  pin: LocalLease | None = None) -> None:
@@ -444,28 +457,46 @@ class Sidecar(spbg.SidecarServicer):
                 self._resume_deferred()
 
     def _push(self, entries: list[LocalEntry], copies: list[bytes] | None) -> tuple[int, int]:
-        """Write a batch to the owners (never what the pool is known to hold); ok / failed counts."""
+        """Write a batch to the owners (never what the pool is known to hold); ok / failed counts.
+
+        An item refused because our ring is stale (DRAINING, WRONG_OWNER) is sent once more after
+        learning the new ring; one that still failed stays local-only (dirty), so eviction or
+        the drain at SIGTERM hands it over again.
+        """
         todo = [i for i, e in enumerate(entries) if not e.pooled]
         if not todo:
             return 0, 0
         ok = failed = 0
-        for kind in (pb.BLOCK, pb.STATE):
-            sel = [i for i in todo if entries[i].kind == kind]
-            if not sel:
-                continue
-            views = [memoryview(copies[i]) if copies is not None else self.local.view(entries[i]) for i in sel]
-            codes = self.pool.put([entries[i].key for i in sel], views, [entries[i].checksum for i in sel],
-                                  entries[sel[0]].traffic_class or "chatbot", kind)
-            for i, c in zip(sel, codes, strict=True):
+        groups: dict[tuple[int, str], list[int]] = {}
+        for i in todo:
+            groups.setdefault((entries[i].kind, entries[i].traffic_class or "chatbot"), []).append(i)
+        still_local: list[LocalEntry] = []
+        for (kind, traffic_class), sel in groups.items():
+            codes: dict[int, int] = {}
+            for attempt in range(2):
+                views = [memoryview(copies[i]) if copies is not None else self.local.view(entries[i]) for i in sel]
+                got = self.pool.put([entries[i].key for i in sel], views, [entries[i].checksum for i in sel],
+                                    traffic_class, kind)
+                codes.update(zip(sel, got, strict=True))
+                stale = [i for i in sel if codes[i] in (pb.DRAINING, pb.WRONG_OWNER)]
+                if not stale or attempt or not self.pool.catch_up():
+                    break
+                sel = stale
+            for i, c in codes.items():
                 if c in (pb.OK, pb.ALREADY_EXISTS):
                     entries[i].pooled = True
                     entries[i].dirty = False
                     ok += 1
                 else:
                     failed += 1
-                    self.counters[f"pool_write_{pb.Code.Name(c).lower()}"] += 1
+                    name = "unreachable" if c == UNREACHABLE else pb.Code.Name(c).lower()
+                    self.counters[f"pool_write_{name}"] += 1
+                    if copies is None:
+                        still_local.append(entries[i])
+        if still_local:
+            self.local.mark_dirty(still_local)
         self.counters["pool_writes"] += ok
-        metrics.POOL_BYTES_OUT.labels(self.cfg.tenant_id).inc(sum(entries[i].size for i in todo))
+        metrics.POOL_BYTES_OUT.labels(self.cfg.tenant_id).inc(sum(entries[i].size for i in todo if entries[i].pooled))
         return ok, failed
 
     def Flush(self, request: spb.FlushRequest, context: grpc.ServicerContext) -> spb.FlushReply:
@@ -499,7 +530,9 @@ class Sidecar(spbg.SidecarServicer):
         return flushed, nbytes, dropped
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.SidecarStats:
-        return spb.SidecarStats(counters=dict(self.counters), local_capacity_bytes=self.local.capacity,
+        counters = dict(self.counters)
+        counters["pool_errors"] = self.pool.errors
+        return spb.SidecarStats(counters=counters, local_capacity_bytes=self.local.capacity,
                                 local_used_bytes=self.local.used, local_objects=len(self.local.lru),
                                 ring_epoch=self.pool.ring.epoch, pool_nodes_up=self.pool.nodes_up(),
                                 pending_pool_bytes=max(self.pending_bytes + self.deferred_bytes, 0))
