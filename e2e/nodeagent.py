@@ -270,6 +270,7 @@ class PodWorker(threading.Thread):
         self.stopping = False  # agent shutting down: kill, keep the object
         spec = pod["spec"]
         self.policy: str = spec.get("restartPolicy", "Always")
+        self.host_network = bool(spec.get("hostNetwork"))
         inits = spec.get("initContainers") or []
         self.init: list[Container] = [
             Container(c, "sidecar" if c.get("restartPolicy") == "Always" else "init") for c in inits
@@ -323,6 +324,10 @@ class PodWorker(threading.Thread):
                 log.info("pod %s/%s: terminating, grace %ss", self.ns, self.pod_name, grace)
             if self.term_deadline is not None:
                 if self._terminate_step():
+                    # A kubelet reports a terminal phase before the object goes away.
+                    if self.phase not in ("Succeeded", "Failed"):
+                        failed = any(c.exit_code for c in self.main if c.exit_code is not None)
+                        self.phase = "Failed" if failed else "Succeeded"
                     self._publish()
                     self._delete_object()
                     return
@@ -341,7 +346,8 @@ class PodWorker(threading.Thread):
     def _prepare(self) -> None:
         try:
             if not self.ip:
-                self.ip = self.agent.ips.take()
+                # hostNetwork pods share the node's address, as they would on a real node.
+                self.ip = "127.0.0.1" if self.host_network else self.agent.ips.take()
                 self.start_time = now_rfc3339()
             self.dir.mkdir(parents=True, exist_ok=True)
             self._make_volumes()
@@ -854,9 +860,9 @@ class PodWorker(threading.Thread):
                 raise
 
     def _cleanup(self) -> None:
-        if self.ip:
+        if self.ip and not self.host_network:
             self.agent.ips.give(self.ip)
-            self.ip = ""
+        self.ip = ""
         shutil.rmtree(self.shm_dir, ignore_errors=True)
         # Keep the per-pod dir (its logs are printed when a test fails); drop volume contents.
         shutil.rmtree(self.dir / "volumes", ignore_errors=True)
