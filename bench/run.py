@@ -114,7 +114,8 @@ RATIOS_DOC = {
                    "the median batch, so > 1 means kvpool is faster. Time ratios "
                    "(exists8192_*, match8192_*) are kvpool p50 time / peer p50 time, so < 1 "
                    "means kvpool is faster. null: one side was not measured "
-                   "(see ratios_missing).",
+                   "(see ratios_missing). Ratios named mooncake_* are peer context (Mooncake over a "
+                   "ceiling), not kvpool over a peer.",
 }
 
 
