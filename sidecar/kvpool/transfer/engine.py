@@ -91,20 +91,23 @@ class TransferEngine:
     def rdma_available(self) -> bool:
         return bool(rdma.rdma_devices())
 
-    def attach_rdma(self, peer: str, queue_pair: rdma.RdmaQueuePair, keys: list[rdma.RdmaSegmentKey]) -> None:
+    def attach_rdma(self, peer: str, queue_pair: rdma.QueuePairLike, keys: list[rdma.RdmaSegmentKey]) -> None:
         """Route requests for ``keys``' segments of ``peer`` over a connected RDMA queue pair.
 
-        Raises :class:`~kvpool.transfer.rdma.RdmaUnavailable` on a host without devices, so
-        RDMA is only ever chosen where it exists. Local buffers of RDMA requests must lie in a
-        region registered with the queue pair's :class:`~kvpool.transfer.rdma.RdmaContext`.
+        Calling it again with the same queue pair adds keys; with another one, replaces (and
+        closes) the old. Raises :class:`~kvpool.transfer.rdma.RdmaUnavailable` on a host without
+        devices, so RDMA is only ever chosen where it exists. The engine owns the queue pair from
+        now on. If the queue pair fails, later requests to ``peer`` go over TCP.
         """
         devices, reason = rdma.rdma_status()
         if not devices:
             raise rdma.RdmaUnavailable(f"no RDMA devices: {reason}")
-        new = rdma.RdmaPeer(queue_pair, keys, self.settings.stall_timeout)
         with self._lock:
             old = self._rdma.get(peer)
-            self._rdma[peer] = new
+            if old is not None and old.qp is queue_pair:
+                old.add_keys(keys)
+                return
+            self._rdma[peer] = rdma.RdmaPeer(queue_pair, keys, self.settings.stall_timeout)
         if old is not None:
             old.close()
 

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -296,6 +296,15 @@ class RdmaContext:
             self._regions.append((addr, addr + view.nbytes, mr))
         return RdmaSegmentKey(name, addr, view.nbytes, int(mr.rkey))
 
+    def register_temporary(self, addr: int, length: int) -> tuple[int, Any]:
+        """Register ``[addr, addr + length)`` for one batch; returns ``(lkey, region)`` — close the
+        region when the batch is done."""
+        import pyverbs.enums as e
+        from pyverbs.mr import MR
+
+        mr = MR(self.pd, length, e.IBV_ACCESS_LOCAL_WRITE, address=addr)
+        return int(mr.lkey), mr
+
     def lkey_for(self, addr: int, length: int) -> int | None:
         """The lkey of a registered region that contains ``[addr, addr + length)``."""
         with self._lock:
@@ -399,19 +408,52 @@ class RdmaQueuePair:
         self.qp.close()
 
 
-class RdmaPeer:
-    """RDMA path to one peer: a connected queue pair and the keys of the peer's segments."""
+class QueuePairLike(Protocol):
+    """What :class:`RdmaPeer` needs of a queue pair (a real :class:`RdmaQueuePair`, or a
+    simulation in :mod:`kvpool.transfer.testing`)."""
 
-    def __init__(self, qp: RdmaQueuePair, keys: list[RdmaSegmentKey], stall_timeout: float = 10.0) -> None:
+    @property
+    def context(self) -> ContextLike: ...
+
+    def execute(
+        self, plans: list[WorkRequestPlan], lkeys: dict[int, int], stall_timeout: float
+    ) -> dict[int, TransferStatus]: ...
+
+    def close(self) -> None: ...
+
+
+class ContextLike(Protocol):
+    def lkey_for(self, addr: int, length: int) -> int | None: ...
+
+    def register_temporary(self, addr: int, length: int) -> tuple[int, Any]: ...
+
+
+class RdmaPeer:
+    """RDMA path to one peer: a connected queue pair and the keys of the peer's segments.
+
+    Batches run one at a time on the queue pair, on this peer's own thread. Local buffers outside
+    every registered region are registered for the duration of their batch (correct, but a
+    registration per request: register long-lived buffers with the context instead). After a
+    stall or a failed completion the queue pair is in an unknown (RC: error) state, so the peer
+    marks itself broken and the engine sends that peer's later requests over TCP.
+    """
+
+    def __init__(self, qp: QueuePairLike, keys: list[RdmaSegmentKey], stall_timeout: float = 10.0) -> None:
         self.qp = qp
         self.keys = {k.segment: k for k in keys}
         self.stall_timeout = stall_timeout
-        self._lock = threading.Lock()  # one batch at a time on the queue pair
+        self.broken = False
         self._queue: queue.SimpleQueue[tuple[BatchHandle, list[tuple[int, TransferRequest]]] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._loop, name="kvpool-transfer-rdma", daemon=True)
         self._thread.start()
+
+    def add_keys(self, keys: list[RdmaSegmentKey]) -> None:
+        self.keys = {**self.keys, **{k.segment: k for k in keys}}  # swapped whole: readers never lock
+
+    def handles(self, segment: str) -> bool:
+        return not self.broken and segment in self.keys
 
     def submit(self, handle: BatchHandle, items: list[tuple[int, TransferRequest]]) -> None:
         """Queue ``items`` for this peer's worker thread (the caller has ``_expect``-ed them)."""
@@ -424,41 +466,49 @@ class RdmaPeer:
                 return
             handle, items = job
             try:
-                self.run(handle, items)
+                statuses = self.run([req for _, req in items])
             except Exception as exc:  # a device error fails this batch, never hangs it
-                for index, _ in items:
-                    handle._complete(index, TransferStatus(TransferCode.CONNECTION, f"RDMA error: {exc}"))
+                self.broken = True
+                statuses = [TransferStatus(TransferCode.CONNECTION, f"RDMA error: {exc}")] * len(items)
+            for (index, _), status in zip(items, statuses, strict=True):
+                handle._complete(index, status)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5)
         self.qp.close()
 
-    def handles(self, segment: str) -> bool:
-        return segment in self.keys
-
-    def run(self, handle: BatchHandle, items: list[tuple[int, TransferRequest]]) -> None:
-        """Move ``items`` (batch index, request) and complete them on ``handle``."""
+    def run(self, requests: list[TransferRequest]) -> list[TransferStatus]:
+        """Move ``requests`` (all for this peer) and return their statuses, in order."""
+        if self.broken:
+            return [TransferStatus(TransferCode.CONNECTION, "RDMA queue pair failed earlier")] * len(requests)
         context = self.qp.context
-        by_segment: dict[str, list[tuple[int, TransferRequest]]] = {}
-        for index, req in items:
-            by_segment.setdefault(req.remote_segment, []).append((index, req))
-        with self._lock:
-            for segment, group in by_segment.items():
+        statuses: list[TransferStatus] = [STATUS_OK] * len(requests)
+        by_segment: dict[str, list[int]] = {}
+        for position, req in enumerate(requests):
+            by_segment.setdefault(req.remote_segment, []).append(position)
+        temporary: list[Any] = []
+        try:
+            for segment, positions in by_segment.items():
                 key = self.keys[segment]
-                triples = [(r.op == "read", buffer_address(r.local), r.remote_offset, r.length) for _, r in group]
+                group = [requests[i] for i in positions]
+                triples = [(r.op == "read", buffer_address(r.local), r.remote_offset, r.length) for r in group]
                 plans, errors = plan_work_requests(triples, key)
                 lkeys: dict[int, int] = {}
                 for p in plans:
                     lkey = context.lkey_for(p.local_addr, p.length)
                     if lkey is None:
-                        errors.setdefault(
-                            p.index,
-                            TransferStatus(TransferCode.OUT_OF_BOUNDS, "local buffer is not in a registered region"),
-                        )
-                    else:
-                        lkeys[p.wr_id] = lkey
+                        lkey, region = context.register_temporary(p.local_addr, p.length)
+                        temporary.append(region)
+                    lkeys[p.wr_id] = lkey
                 runnable = [p for p in plans if p.index not in errors]
-                errors.update(self.qp.execute(runnable, lkeys, self.stall_timeout))
-                for local_index, (index, _) in enumerate(group):
-                    handle._complete(index, errors.get(local_index, STATUS_OK))
+                failed = self.qp.execute(runnable, lkeys, self.stall_timeout)
+                if any(st.code in (TransferCode.TIMEOUT, TransferCode.CONNECTION) for st in failed.values()):
+                    self.broken = True
+                errors.update(failed)
+                for local_index, position in enumerate(positions):
+                    statuses[position] = errors.get(local_index, STATUS_OK)
+        finally:
+            for region in temporary:
+                region.close()
+        return statuses

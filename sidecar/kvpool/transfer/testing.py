@@ -1,23 +1,28 @@
 """Test helpers for code that uses the transfer engine (kept in the package so store and
-sidecar tests can use them too): a recording :class:`Guard`, a server+engine pair, and a TCP
-proxy that cuts connections mid-stream.
+sidecar tests can use them too): a recording :class:`Guard`, a server+engine pair, a TCP proxy
+that cuts connections mid-stream, and a simulated RDMA device (one-sided copies by address,
+rkey and bounds checked like a NIC) so the RDMA path runs on hosts without one.
 
 Nothing here is used on the data path.
 """
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvpool.transfer.engine import TransferEngine
+from kvpool.transfer.rdma import RdmaSegmentKey, WorkRequestPlan, buffer_address
 from kvpool.transfer.segment import Guard, Op, Segment, SegmentRegistry
 from kvpool.transfer.server import TransferServer
+from kvpool.transfer.status import TransferCode, TransferStatus
 
 
 def random_bytes(n: int, seed: int) -> npt.NDArray[np.uint8]:
@@ -48,20 +53,31 @@ class RecordingGuard:
 
 @dataclass
 class Remote:
-    """A transfer server plus an engine that talks to it over ``kind`` ("tcp" or "shm")."""
+    """A transfer server plus an engine that reaches its segments over ``kind``: "tcp", "shm",
+    "rdma-sim" (the simulated device; the caller makes :func:`rdma_status` report it) or "rdma"
+    (the host's first device, looped back). Segments not attached otherwise go over TCP."""
 
     kind: str
     registry: SegmentRegistry
     server: TransferServer
     engine: TransferEngine
     segments: list[Segment] = field(default_factory=list)
+    rdma: Any = None  # SimulatedRdmaContext or RdmaContext
+    queue_pair: Any = None
+    _responder: Any = None  # the serving side of a real loopback queue pair
 
     @property
     def address(self) -> str:
         return self.server.address
 
     def segment(self, name: str, size: int, guard: Guard | None = None) -> Segment:
-        if self.kind == "shm":
+        if self.kind in ("rdma-sim", "rdma"):
+            seg = Segment.anonymous(name, size)
+            self.registry.register(seg, guard)
+            if self.rdma is None:
+                self._open_rdma()
+            self.engine.attach_rdma(self.address, self.queue_pair, [self.rdma.register(name, seg.view)])
+        elif self.kind == "shm":
             seg = Segment.shared(name, size)
             assert seg.path is not None
             self.registry.register(seg, guard)
@@ -72,9 +88,26 @@ class Remote:
         self.segments.append(seg)
         return seg
 
+    def _open_rdma(self) -> None:
+        if self.kind == "rdma-sim":
+            self.rdma = SimulatedRdmaContext()
+            self.queue_pair = self.rdma.create_queue_pair()
+            return
+        from kvpool.transfer.rdma import RdmaContext
+
+        self.rdma = RdmaContext()
+        self.queue_pair = self.rdma.create_queue_pair()
+        self._responder = self.rdma.create_queue_pair()
+        self.queue_pair.connect(self._responder.endpoint)
+        self._responder.connect(self.queue_pair.endpoint)
+
     def close(self) -> None:
-        self.engine.close()
+        self.engine.close()  # closes the attached queue pair
         self.server.stop()
+        if self._responder is not None:
+            self._responder.close()
+        if self.kind == "rdma" and self.rdma is not None:
+            self.rdma.close()
         for seg in self.segments:
             seg.close()
 
@@ -170,3 +203,76 @@ class CuttingProxy:
 MakeRemote = Callable[..., Remote]
 #: Signature of the ``proxy`` fixture: ``proxy(upstream_address, cut)``.
 MakeProxy = Callable[[str, Callable[[int], "int | None"]], CuttingProxy]
+
+
+class _Region:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class SimulatedRdmaContext:
+    """Stands in for :class:`~kvpool.transfer.rdma.RdmaContext`: tracks registered regions."""
+
+    def __init__(self) -> None:
+        self.regions: list[tuple[int, int, int]] = []  # (start, end, key)
+        self.temporary: list[_Region] = []
+
+    def register(self, name: str, view: memoryview) -> RdmaSegmentKey:
+        addr = buffer_address(view)
+        key = len(self.regions) + 1
+        self.regions.append((addr, addr + view.nbytes, key))
+        return RdmaSegmentKey(name, addr, view.nbytes, key)
+
+    def lkey_for(self, addr: int, length: int) -> int | None:
+        for start, end, key in self.regions:
+            if start <= addr and addr + length <= end:
+                return key
+        return None
+
+    def register_temporary(self, addr: int, length: int) -> tuple[int, _Region]:
+        region = _Region()
+        self.temporary.append(region)
+        self.regions.append((addr, addr + length, 10_000 + len(self.temporary)))
+        return self.regions[-1][2], region
+
+    def create_queue_pair(self) -> SimulatedQueuePair:
+        return SimulatedQueuePair(self)
+
+
+class SimulatedQueuePair:
+    """One-sided READ/WRITE by ``memmove``, checking keys and bounds the way a NIC would
+    (a violation completes with an error, like IBV_WC_REM_ACCESS_ERR). ``fail_wr`` injects
+    completion errors for chosen work-request ids."""
+
+    def __init__(self, context: SimulatedRdmaContext, fail_wr: set[int] | None = None) -> None:
+        self.context = context
+        self.fail_wr = fail_wr or set()
+        self.posted: list[WorkRequestPlan] = []
+        self.closed = False
+
+    def _allowed(self, addr: int, length: int, key: int) -> bool:
+        return any(k == key and s <= addr and addr + length <= e for s, e, k in self.context.regions)
+
+    def execute(
+        self, plans: list[WorkRequestPlan], lkeys: dict[int, int], stall_timeout: float
+    ) -> dict[int, TransferStatus]:
+        errors: dict[int, TransferStatus] = {}
+        for p in plans:
+            self.posted.append(p)
+            if p.wr_id in self.fail_wr:
+                errors.setdefault(p.index, TransferStatus(TransferCode.CONNECTION, "injected completion error"))
+                continue
+            if not self._allowed(p.local_addr, p.length, lkeys[p.wr_id]) or not self._allowed(
+                p.remote_addr, p.length, p.rkey
+            ):
+                errors.setdefault(p.index, TransferStatus(TransferCode.CONNECTION, "remote access error"))
+                continue
+            dst, src = (p.local_addr, p.remote_addr) if p.is_read else (p.remote_addr, p.local_addr)
+            ctypes.memmove(dst, src, p.length)
+        return errors
+
+    def close(self) -> None:
+        self.closed = True

@@ -8,18 +8,24 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvpool.transfer import SegmentRegistry, TransferEngine, TransferServer
+from kvpool.transfer import SegmentRegistry, TransferEngine, TransferServer, rdma
 from kvpool.transfer.testing import CuttingProxy, RecordingGuard, Remote, random_bytes
 
 MakeRemote = Callable[..., Remote]
 
 
 @pytest.fixture
-def make_remote() -> Iterator[MakeRemote]:
+def make_remote(monkeypatch: pytest.MonkeyPatch) -> Iterator[MakeRemote]:
     """``make_remote(kind, **engine_args)``: a started server and an engine reaching it."""
     made: list[Remote] = []
 
     def make(kind: str = "tcp", **engine_args: object) -> Remote:
+        if kind == "rdma":
+            devices, reason = rdma.rdma_status()
+            if not devices:
+                pytest.skip(f"no RDMA devices: {reason}")
+        if kind == "rdma-sim":  # the engine only takes RDMA where a device exists
+            monkeypatch.setattr(rdma, "rdma_status", lambda refresh=False: (["sim0"], ""))
         registry = SegmentRegistry()
         server = TransferServer(registry).start()
         engine = TransferEngine(**engine_args)  # type: ignore[arg-type]

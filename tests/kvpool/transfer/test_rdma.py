@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 
+import numpy as np
 import pytest
 
-from kvpool.transfer import TransferCode, TransferEngine, TransferRequest, TransferStatus, rdma_devices, rdma_status
+from kvpool.transfer import TransferCode, TransferEngine, TransferRequest, rdma_devices, rdma_status
 from kvpool.transfer import rdma as rdma_module
 from kvpool.transfer.rdma import (
     RdmaEndpoint,
     RdmaSegmentKey,
     RdmaUnavailable,
-    WorkRequestPlan,
-    buffer_address,
     build_send_wr,
     gid_bytes,
     make_gid,
     plan_work_requests,
     waves,
 )
-from kvpool.transfer.testing import random_bytes
+from kvpool.transfer.testing import MakeRemote, SimulatedQueuePair, SimulatedRdmaContext, random_bytes
 
 
 def test_status_is_consistent_with_devices() -> None:
@@ -157,70 +155,25 @@ def test_rdma_loopback_read_write() -> None:
         ctx.close()
 
 
-class _FakeContext:
-    """Registered regions only; the fake queue pair moves bytes with memmove."""
-
-    def __init__(self) -> None:
-        self.regions: list[tuple[int, int]] = []
-
-    def register(self, view: memoryview) -> None:
-        addr = buffer_address(view)
-        self.regions.append((addr, addr + view.nbytes))
-
-    def lkey_for(self, addr: int, length: int) -> int | None:
-        for i, (start, end) in enumerate(self.regions):
-            if start <= addr and addr + length <= end:
-                return 100 + i
-        return None
-
-
-class _FakeQueuePair:
-    """Executes work requests like a NIC would, one-sided, by address (and can fail some)."""
-
-    def __init__(self, context: _FakeContext, fail_wr: set[int] | None = None) -> None:
-        self.context = context
-        self.fail_wr = fail_wr or set()
-        self.posted: list[WorkRequestPlan] = []
-        self.closed = False
-
-    def execute(
-        self, plans: list[WorkRequestPlan], lkeys: dict[int, int], stall_timeout: float
-    ) -> dict[int, TransferStatus]:
-        errors: dict[int, TransferStatus] = {}
-        for p in plans:
-            assert lkeys[p.wr_id] >= 100
-            self.posted.append(p)
-            if p.wr_id in self.fail_wr:
-                errors[p.index] = TransferStatus(TransferCode.CONNECTION, "injected completion error")
-                continue
-            dst, src = (p.local_addr, p.remote_addr) if p.is_read else (p.remote_addr, p.local_addr)
-            ctypes.memmove(dst, src, p.length)
-        return errors
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def test_engine_routes_to_rdma_and_maps_statuses(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rdma_module, "rdma_status", lambda refresh=False: (["fake0"], ""))
+    monkeypatch.setattr(rdma_module, "rdma_status", lambda refresh=False: (["sim0"], ""))
     remote_mem = mmap.mmap(-1, 1 << 20)
     local_mem = mmap.mmap(-1, 1 << 20)
     remote, local = memoryview(remote_mem), memoryview(local_mem)
     remote[:] = random_bytes(1 << 20, 3).tobytes()
-    ctx = _FakeContext()
-    ctx.register(remote)
-    ctx.register(local)
-    key = RdmaSegmentKey("arena", buffer_address(remote), remote.nbytes, rkey=9)
-    qp = _FakeQueuePair(ctx, fail_wr={3})
+    ctx = SimulatedRdmaContext()
+    key = ctx.register("arena", remote)
+    ctx.register("local", local)
+    qp = SimulatedQueuePair(ctx, fail_wr={3})
     unregistered = bytearray(16)
     with TransferEngine() as engine:
-        engine.attach_rdma("store-0:7000", qp, [key])  # type: ignore[arg-type]
+        engine.attach_rdma("store-0:7000", qp, [key])
         reqs = [
             TransferRequest("read", local[0:4096], "arena", 8192, 4096),
             TransferRequest("write", local[4096:8192], "arena", 0, 4096),
             TransferRequest("read", local[8192:8200], "arena", (1 << 20) - 4, 8),  # out of bounds
             TransferRequest("read", local[8200:8300], "arena", 0, 100),  # wr 3: injected failure
-            TransferRequest("read", memoryview(unregistered), "arena", 0, 16),  # local not registered
+            TransferRequest("read", memoryview(unregistered), "arena", 16, 16),  # registered for the batch
         ]
         statuses = engine.submit("store-0:7000", reqs).wait(10)
     assert [s.code for s in statuses] == [
@@ -228,11 +181,47 @@ def test_engine_routes_to_rdma_and_maps_statuses(monkeypatch: pytest.MonkeyPatch
         TransferCode.OK,
         TransferCode.OUT_OF_BOUNDS,
         TransferCode.CONNECTION,
-        TransferCode.OUT_OF_BOUNDS,
+        TransferCode.OK,
     ]
     assert bytes(local[0:4096]) == bytes(remote[8192:12288])
     assert bytes(remote[0:4096]) == bytes(local[4096:8192])
-    assert {p.rkey for p in qp.posted} == {9}
+    assert bytes(unregistered) == bytes(remote[16:32])
+    assert len(ctx.temporary) == 1 and ctx.temporary[0].closed
+    assert {p.rkey for p in qp.posted} == {key.rkey}
     assert qp.closed  # the engine owns the attached queue pair
     local.release()
     remote.release()
+
+
+def test_wrong_rkey_is_a_remote_access_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rdma_module, "rdma_status", lambda refresh=False: (["sim0"], ""))
+    ctx = SimulatedRdmaContext()
+    remote = memoryview(bytearray(8192))
+    key = ctx.register("arena", remote)
+    forged = RdmaSegmentKey("arena", key.addr, key.length, key.rkey + 1)
+    with TransferEngine() as engine:
+        engine.attach_rdma("p:1", ctx.create_queue_pair(), [forged])
+        statuses = engine.submit("p:1", [TransferRequest("read", memoryview(bytearray(64)), "arena", 0, 64)]).wait(10)
+    assert statuses[0].code is TransferCode.CONNECTION and "access" in statuses[0].message
+
+
+def test_simulated_rdma_path_is_really_taken_and_falls_back_to_tcp_when_broken(make_remote: MakeRemote) -> None:
+    remote = make_remote("rdma-sim")
+    seg = remote.segment("arena", 1 << 20)
+    np.frombuffer(seg.view, np.uint8)[:] = random_bytes(1 << 20, 4)
+    buf = bytearray(1 << 20)
+    req = TransferRequest("read", memoryview(buf), "arena", 0, 1 << 20)
+    assert remote.engine.submit(remote.address, [req]).wait(10)[0].ok
+    assert bytes(buf) == bytes(seg.view)
+    qp = remote.queue_pair
+    assert qp is not None and len(qp.posted) == 1
+    assert remote.engine.stats().get("bytes_read", 0) == 0  # nothing went over TCP
+    assert remote.rdma is not None and all(r.closed for r in remote.rdma.temporary)  # per-batch MRs released
+
+    qp.fail_wr = {1}  # the next batch's first work request completes in error
+    statuses = remote.engine.submit(remote.address, [req]).wait(10)
+    assert statuses[0].code is TransferCode.CONNECTION
+    buf[:] = bytes(len(buf))
+    assert remote.engine.submit(remote.address, [req]).wait(10)[0].ok  # the broken QP is bypassed: TCP
+    assert bytes(buf) == bytes(seg.view)
+    assert remote.engine.stats()["bytes_read"] == 1 << 20
