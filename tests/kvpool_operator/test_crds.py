@@ -100,8 +100,9 @@ def test_cel_rules_present() -> None:
     pool = {r["rule"]: r["message"] for r in _rules(_schema("kvpool"))}
     tier = {r["rule"]: r["message"] for r in _rules(_schema("kvtier"))}
     tenant = {r["rule"]: r["message"] for r in _rules(_schema("tenantnamespace"))}
-    assert "self.minReplicas <= self.maxReplicas" in pool
-    assert "self.low < self.high" in tier
+    assert any("self.minReplicas" in r and "<=" in r and "self.maxReplicas" in r for r in pool)
+    assert any("self.low" in r and "<" in r and "self.high" in r for r in tier)
+    assert any("self.storage.replication <= self.storage.replicas" in r for r in pool)
     assert any("quantity(self).isGreaterThan(quantity('0'))" in r for r in tenant)  # quota positive
     assert any("quantity(self).isGreaterThan(quantity('0'))" in r for r in tier)  # capacity positive
     assert sum("self == oldSelf" == r for r in _rules_list("kvpool")) == 2  # blockTokens and hash
