@@ -271,3 +271,19 @@ def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) ->
     for t in tenants:
         assert node.exists(t, keys, prefix_only=False)[1] == bytes(len(keys))
     assert [p for p in (tmp_path / "fs").rglob("*") if p.is_file()] == []
+
+
+def test_state_objects_never_leave_dram(make_node, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=256 * KiB, ssd_path=str(tmp_path / "ssd3"), ssd_bytes=4 << 20,
+                     sharedfs_path=str(tmp_path / "fs3"))
+    states = [bytes([0xA0, i]) * 16 for i in range(3)]
+    assert put(node, states, [b"S" * (40 * KiB)] * 3, kind=pb.STATE) == [pb.OK] * 3
+    for i in range(20):  # push 5x the arena of blocks through
+        assert put(node, [bytes([0xB0, i]) * 16], [b"B" * (60 * KiB)]) == [pb.OK]
+    assert node.counters["demoted"] > 0
+    below = [e for e in list(node.lru_ssd.values()) if e.kind == pb.STATE]
+    assert below == []
+    assert all(e.tier == "dram" for part in node.index.values() for e in part.values() if e.kind == pb.STATE)
+    # Evicted states are gone (a miss), never served from a lower tier.
+    for g in get(node, states, kind=pb.STATE):
+        assert g is None or g == b"S" * (40 * KiB)

@@ -472,6 +472,7 @@ class StoreNode:
             except OutOfSpace:
                 if freed == 0:
                     raise
+                need *= 2  # geometric: a badly fragmented arena costs O(log n) passes, not O(n)
 
     def _verify_commits(self) -> bool:
         v = self.cfg.verify_on_commit
