@@ -55,6 +55,7 @@ log = logging.getLogger("nodeagent")
 TICK = 0.1  # worker loop period: probes and exits are noticed within this
 MAX_BACKOFF = 10.0  # a kubelet caps at 5 min; tests cannot wait that long
 DEFAULT_GRACE = 30
+VOLUME_REFRESH = 5.0  # a kubelet syncs ConfigMap/Secret volumes about once a minute
 # Absolute paths: Popen resolves a bare name with the *container's* PATH, which a pod may set.
 UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
@@ -600,6 +601,25 @@ class PodWorker(threading.Thread):
                 _write_files(path, files)
             self.mounts[name] = path
 
+    def refresh_volumes(self) -> None:
+        """Bring Secret/ConfigMap/downwardAPI/projected volumes up to date, as a kubelet does
+        periodically (a missing source keeps the old content rather than failing the pod)."""
+        if not self.prepared or self.term_deadline is not None:
+            return
+        pod = self._pod_with_ip()
+        for vol in pod["spec"].get("volumes") or []:
+            if not any(k in vol for k in ("secret", "configMap", "downwardAPI", "projected")):
+                continue
+            path = self.mounts.get(vol["name"])
+            if path is None:
+                continue
+            try:
+                files = self._projected_files(vol, pod, refresh=True)
+            except ConfigError:
+                continue
+            if files is not None and _write_files(path, files):
+                log.info("pod %s/%s: volume %s updated", self.ns, self.pod_name, vol["name"])
+
     def write_hosts(self, text: str) -> None:
         """Rewrite the pod's /etc/hosts in place: the containers see it through a bind mount of
         this very inode, so a rename would leave them with the old file."""
@@ -610,8 +630,8 @@ class PodWorker(threading.Thread):
             fh.write(text)
             fh.truncate()
 
-    def _projected_files(self, vol: dict[str, Any],
-                         pod: dict[str, Any]) -> dict[str, tuple[bytes, int]] | None:
+    def _projected_files(self, vol: dict[str, Any], pod: dict[str, Any],
+                         refresh: bool = False) -> dict[str, tuple[bytes, int]] | None:
         """Files of a Secret/ConfigMap/downwardAPI/projected volume: rel path -> (data, mode)."""
         files: dict[str, tuple[bytes, int]] = {}
         if "secret" in vol:
@@ -641,7 +661,12 @@ class PodWorker(threading.Thread):
                             item.get("mode", mode))
                 elif "serviceAccountToken" in src:
                     tok = src["serviceAccountToken"]
-                    files[tok["path"]] = (self.agent.sa_token(pod, tok).encode(), mode)
+                    existing = self.dir / "volumes" / vol["name"] / tok["path"]
+                    # A token is valid for an hour and harness sessions are shorter: on a
+                    # refresh keep the one already issued instead of asking the API again.
+                    token = (existing.read_bytes() if refresh and existing.is_file()
+                             else self.agent.sa_token(pod, tok).encode())
+                    files[tok["path"]] = (token, mode)
         else:
             log.warning("pod %s/%s: unsupported volume %s", self.ns, self.pod_name, vol["name"])
             return None
@@ -946,15 +971,32 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
-def _write_files(root: Path, files: dict[str, tuple[bytes, int]]) -> None:
-    if root.exists():
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
+def _write_files(root: Path, files: dict[str, tuple[bytes, int]]) -> bool:
+    """Make ``root`` hold exactly ``files``; True if anything changed.
+
+    Updates happen inside the existing directory (write to a temp name, then rename), never by
+    replacing the directory: the containers see it through a bind mount of this very inode.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    changed = False
     for rel, (data, mode) in files.items():
         target = root / rel
+        if target.is_file() and target.read_bytes() == data:
+            if target.stat().st_mode & 0o7777 != mode:
+                target.chmod(mode)
+            continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        target.chmod(mode)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(data)
+        tmp.chmod(mode)
+        tmp.rename(target)
+        changed = True
+    wanted = {root / rel for rel in files}
+    for path in sorted(root.rglob("*"), reverse=True):
+        if path.is_file() and path not in wanted:
+            path.unlink()
+            changed = True
+    return changed
 
 
 class Agent:
@@ -1165,7 +1207,9 @@ class Agent:
                 time.sleep(0.5)
 
     def housekeeping(self) -> None:
-        """Every second: refresh each pod's /etc/hosts, provision PVs for pending claims."""
+        """Every second: refresh each pod's /etc/hosts, provision PVs for pending claims; every
+        few seconds: refresh Secret/ConfigMap volumes."""
+        next_volume_refresh = 0.0
         while not self.stop_event.wait(1.0):
             try:
                 pods = json.loads(self.core.list_pod_for_all_namespaces(
@@ -1182,6 +1226,10 @@ class Agent:
                         me.setdefault("status", {})["podIP"] = w.ip
                         w.write_hosts(render_hosts(me, pods, services))
                 self._provision_volumes()
+                if time.monotonic() >= next_volume_refresh:
+                    for w in workers:
+                        w.refresh_volumes()
+                    next_volume_refresh = time.monotonic() + VOLUME_REFRESH
             except Exception as exc:  # the apiserver may be going away; retry next period
                 if not self.stop_event.is_set():
                     log.warning("housekeeping: %s", exc)

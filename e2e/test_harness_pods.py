@@ -403,3 +403,29 @@ def test_init_container_and_liveness_restart(cluster: Cluster, api: client.ApiCl
 
 def condition_true(pod: dict[str, Any], ctype: str) -> bool:
     return any(c["type"] == ctype and c["status"] == "True" for c in pod["status"]["conditions"])
+
+
+def test_configmap_volume_follows_updates(cluster: Cluster, api: client.ApiClient,
+                                          namespace: str, tmp_path: Path) -> None:
+    core: Any = client.CoreV1Api(api)
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "live"},
+                                                  "data": {"value": "one"}})
+    vol, mount = report_volume(tmp_path)
+    core.create_namespaced_pod(namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "follower"},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "volumes": [vol, {"name": "cfg", "configMap": {"name": "live"}}],
+            "containers": [{
+                "name": "c", "image": "unused",
+                "command": ["sh", "-c", "while true; do cp /etc/live/value /report/seen; "
+                            "sleep 0.2; done"],
+                "volumeMounts": [mount, {"name": "cfg", "mountPath": "/etc/live"}],
+            }],
+        },
+    })
+    seen = tmp_path / "seen"
+    wait_for(lambda: seen.exists() and seen.read_text() == "one", 60, "first value seen")
+    core.patch_namespaced_config_map("live", namespace, {"data": {"value": "two"}})
+    # The same mounted directory, new content: a process reading it sees the update.
+    wait_for(lambda: seen.read_text() == "two", 30, "updated value seen in the pod")
