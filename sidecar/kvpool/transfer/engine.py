@@ -18,11 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.transfer import rdma
-from kvpool.transfer.batch import BatchHandle, Slice
-from kvpool.transfer.plan import TransferRequest, plan_slices
-from kvpool.transfer.shm import SharedMemoryTransport
+from kvpool.transfer.batch import BatchHandle
+from kvpool.transfer.plan import TransferRequest
+from kvpool.transfer.shm import ShmPeer
 from kvpool.transfer.status import TransferStatus
 from kvpool.transfer.tcp import TcpPeer, TcpSettings, parse_address
+from kvpool.transfer.transport import Item, Transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +66,17 @@ class TransferEngine:
         self.settings = EngineSettings(
             connections_per_peer, slice_bytes, min_slice_bytes, stall_timeout, max_inflight, window_bytes
         )
-        self._tcp_settings = TcpSettings(connections_per_peer, stall_timeout, max_inflight, window_bytes)
+        self._tcp_settings = TcpSettings(
+            connections=connections_per_peer,
+            slice_bytes=slice_bytes,
+            min_slice_bytes=min_slice_bytes,
+            stall_timeout=stall_timeout,
+            max_inflight=max_inflight,
+            window_bytes=window_bytes,
+        )
         self._lock = threading.Lock()
         self._peers: dict[str, TcpPeer] = {}
-        self._shm = SharedMemoryTransport()
+        self._shm: dict[str, ShmPeer] = {}
         self._rdma: dict[str, rdma.RdmaPeer] = {}
         self._closed = False
 
@@ -80,10 +88,18 @@ class TransferEngine:
         From now on requests for that segment of that peer are plain memory copies.
         The segment's guard is *not* consulted on this path — verify checksums of what you read.
         """
-        self._shm.attach(peer, segment_name, path)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("transfer engine is closed")
+            shm = self._shm.get(peer)
+            if shm is None:
+                shm = self._shm[peer] = ShmPeer(peer)
+        shm.attach(segment_name, path)
 
     def detach_shared(self, peer: str, segment_name: str) -> None:
-        self._shm.detach(peer, segment_name)
+        shm = self._shm.get(peer)
+        if shm is not None:
+            shm.detach(segment_name)
 
     # -- RDMA ------------------------------------------------------------------------------
 
@@ -116,77 +132,35 @@ class TransferEngine:
     def submit(self, peer: str, requests: Sequence[TransferRequest]) -> BatchHandle:
         """Start moving ``requests`` to/from ``peer`` (``"host:port"``); returns at once.
 
-        TCP and RDMA requests are handed to the peer's workers first, so the network is busy
-        while shared-memory requests are copied inline (they are final when this returns).
-        Raises ``ValueError`` for a malformed address and ``RuntimeError`` after :meth:`close`,
-        before anything has moved.
+        Each request goes to the first of the peer's transports that handles its segment:
+        shared memory, RDMA, then TCP. The asynchronous transports are started first, so the
+        network is busy while shared-memory requests are copied inline (those are final when
+        this returns). Raises ``ValueError`` for a malformed address and ``RuntimeError`` after
+        :meth:`close`, before anything has moved.
         """
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         handle = BatchHandle(len(requests))
-        shm_items: list[TransferRequest | None] = [None] * len(requests)
-        rdma_items: list[tuple[int, TransferRequest]] = []
-        tcp_indexes: list[int] = []
-        rdma_peer = self._rdma.get(peer)
+        routes: list[Transport] = [t for t in (self._shm.get(peer), self._rdma.get(peer)) if t is not None]
+        groups: dict[int, list[Item]] = {}
+        tcp_items: list[Item] = []
         for index, req in enumerate(requests):
-            if req.length and self._shm.handles(peer, req.remote_segment):
-                shm_items[index] = req
-            elif req.length and rdma_peer is not None and rdma_peer.handles(req.remote_segment):
-                rdma_items.append((index, req))
+            if not req.length:
+                continue  # nothing to move; final (OK) when sealed
+            for position, transport in enumerate(routes):
+                if transport.handles(req.remote_segment):
+                    groups.setdefault(position, []).append((index, req))
+                    break
             else:
-                tcp_indexes.append(index)
-        tcp_peer = self._peer(peer) if tcp_indexes else None
-        slices = self._slices(handle, requests, tcp_indexes)
-        for index, item in enumerate(shm_items):
-            if item is not None:
-                handle._expect(index, 1)
-        for index, _ in rdma_items:
-            handle._expect(index, 1)
+                tcp_items.append((index, req))
+        work: list[tuple[Transport, list[Item]]] = [(routes[p], items) for p, items in groups.items()]
+        if tcp_items:
+            work.append((self._tcp_peer(peer), tcp_items))  # may raise: nothing has moved yet
+        work.sort(key=lambda pair: pair[0].inline)  # asynchronous ones first
+        for transport, items in work:
+            transport.submit(handle, items)
         handle._seal()
-        if slices:
-            assert tcp_peer is not None
-            tcp_peer.enqueue(slices)
-        if rdma_items:
-            assert rdma_peer is not None
-            rdma_peer.submit(handle, rdma_items)
-        for index, item in enumerate(shm_items):
-            if item is not None:
-                handle._complete(index, self._shm.transfer(peer, item))
         return handle
-
-    def _slices(self, handle: BatchHandle, requests: Sequence[TransferRequest], indexes: list[int]) -> list[Slice]:
-        """Cut the TCP requests into slices and register them with ``handle``."""
-        if not indexes:
-            return []
-        settings = self.settings
-        plan = plan_slices(
-            [requests[i].length for i in indexes],
-            settings.connections_per_peer,
-            settings.slice_bytes,
-            settings.min_slice_bytes,
-        )
-        names: dict[str, bytes] = {}
-        slices: list[Slice] = []
-        for piece in plan:
-            index = indexes[piece.index]
-            req = requests[index]
-            name = names.get(req.remote_segment)
-            if name is None:
-                name = names[req.remote_segment] = req.remote_segment.encode("utf-8")
-            slices.append(
-                Slice(
-                    handle,
-                    index,
-                    req.op == "read",
-                    req.local[piece.start : piece.start + piece.length],
-                    name,
-                    req.remote_offset + piece.start,
-                    piece.length,
-                    req.token,
-                )
-            )
-            handle._expect(index, 1)
-        return slices
 
     def transfer(
         self, peer: str, requests: Sequence[TransferRequest], timeout: float | None = None
@@ -194,7 +168,7 @@ class TransferEngine:
         """``submit(...).wait(timeout)`` for callers that just want the statuses."""
         return self.submit(peer, requests).wait(timeout)
 
-    def _peer(self, address: str) -> TcpPeer:
+    def _tcp_peer(self, address: str) -> TcpPeer:
         peer = self._peers.get(address)
         if peer is not None:
             return peer
@@ -234,11 +208,13 @@ class TransferEngine:
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
             rdma_peers, self._rdma = list(self._rdma.values()), {}
+            shm_peers, self._shm = list(self._shm.values()), {}
         for peer in peers:
             peer.close()
         for rdma_peer in rdma_peers:
             rdma_peer.close()
-        self._shm.close()
+        for shm_peer in shm_peers:
+            shm_peer.close()
 
     def __enter__(self) -> TransferEngine:
         return self

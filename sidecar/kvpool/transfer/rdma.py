@@ -438,6 +438,8 @@ class RdmaPeer:
     marks itself broken and the engine sends that peer's later requests over TCP.
     """
 
+    inline = False
+
     def __init__(self, qp: QueuePairLike, keys: list[RdmaSegmentKey], stall_timeout: float = 10.0) -> None:
         self.qp = qp
         self.keys = {k.segment: k for k in keys}
@@ -456,7 +458,9 @@ class RdmaPeer:
         return not self.broken and segment in self.keys
 
     def submit(self, handle: BatchHandle, items: list[tuple[int, TransferRequest]]) -> None:
-        """Queue ``items`` for this peer's worker thread (the caller has ``_expect``-ed them)."""
+        """Queue ``items`` for this peer's worker thread (one piece per request)."""
+        for index, _ in items:
+            handle._expect(index, 1)
         self._queue.put((handle, items))
 
     def _loop(self) -> None:
@@ -474,6 +478,7 @@ class RdmaPeer:
                 handle._complete(index, status)
 
     def close(self) -> None:
+        """Finish the queued batches (the queue pair still works), then close the queue pair."""
         self._queue.put(None)
         self._thread.join(5)
         self.qp.close()

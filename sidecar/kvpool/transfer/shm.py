@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from kvpool.transfer.batch import BatchHandle
 from kvpool.transfer.plan import TransferRequest
 from kvpool.transfer.protocol import check_bounds
 from kvpool.transfer.segment import Segment
@@ -24,33 +25,44 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
-class SharedMemoryTransport:
-    """Mapped peer segments, keyed by (peer address, segment name)."""
+class ShmPeer:
+    """Shared-memory transport to one peer: its attached segments, mapped here."""
 
-    def __init__(self) -> None:
+    inline = True
+
+    def __init__(self, address: str) -> None:
+        self.address = address
         self._lock = threading.Lock()
-        self._segments: dict[tuple[str, str], Segment] = {}
+        self._segments: dict[str, Segment] = {}
 
-    def attach(self, peer: str, name: str, path: str) -> Segment:
+    def attach(self, name: str, path: str) -> Segment:
         segment = Segment.open_shared(name, path)
         with self._lock:
-            old = self._segments.get((peer, name))
-            self._segments[(peer, name)] = segment
+            old = self._segments.get(name)
+            self._segments = {**self._segments, name: segment}  # swapped whole: readers never lock
         if old is not None:
             old.close()
         return segment
 
-    def detach(self, peer: str, name: str) -> None:
+    def detach(self, name: str) -> None:
         with self._lock:
-            segment = self._segments.pop((peer, name), None)
+            segments = dict(self._segments)
+            segment = segments.pop(name, None)
+            self._segments = segments
         if segment is not None:
             segment.close()
 
-    def handles(self, peer: str, name: str) -> bool:
-        return (peer, name) in self._segments
+    def handles(self, segment: str) -> bool:
+        return segment in self._segments
 
-    def transfer(self, peer: str, req: TransferRequest) -> TransferStatus:
-        segment = self._segments.get((peer, req.remote_segment))
+    def submit(self, handle: BatchHandle, items: list[tuple[int, TransferRequest]]) -> None:
+        for index, _ in items:
+            handle._expect(index, 1)
+        for index, req in items:
+            handle._complete(index, self.transfer(req))
+
+    def transfer(self, req: TransferRequest) -> TransferStatus:
+        segment = self._segments.get(req.remote_segment)
         if segment is None:
             return TransferStatus(TransferCode.NO_SEGMENT, f"segment {req.remote_segment!r} not attached")
         try:

@@ -23,7 +23,8 @@ import threading
 from dataclasses import dataclass
 
 from kvpool.transfer import _sockio
-from kvpool.transfer.batch import Slice
+from kvpool.transfer.batch import BatchHandle, Slice
+from kvpool.transfer.plan import TransferRequest, plan_slices
 from kvpool.transfer.protocol import (
     OP_READ,
     OP_WRITE,
@@ -43,6 +44,10 @@ class TcpSettings:
 
     connections: int = 2
     """Persistent connections (and worker threads) per peer."""
+    slice_bytes: int = 1 << 20
+    """Largest piece a request is cut into; pieces spread over the connections."""
+    min_slice_bytes: int = 64 << 10
+    """Smallest piece worth its own round trip when a small batch is spread over connections."""
     stall_timeout: float = 10.0
     """Seconds without progress on a connection before its slices fail with TIMEOUT."""
     max_inflight: int = 64
@@ -67,7 +72,9 @@ def parse_address(peer: str) -> tuple[str, int]:
 
 
 class TcpPeer:
-    """The queue and connection workers for one remote transfer server."""
+    """TCP transport to one remote transfer server: its queue and connection workers."""
+
+    inline = False
 
     def __init__(self, address: str, settings: TcpSettings) -> None:
         self.address = address
@@ -80,6 +87,37 @@ class TcpPeer:
         self.workers = [_Worker(self, i) for i in range(settings.connections)]
         for worker in self.workers:
             worker.start()
+
+    def handles(self, segment: str) -> bool:
+        return True  # the fallback: the server answers NO_SEGMENT for what it does not have
+
+    def submit(self, handle: BatchHandle, items: list[tuple[int, TransferRequest]]) -> None:
+        """Cut the requests into slices, register them with ``handle``, queue them."""
+        settings = self.settings
+        plan = plan_slices(
+            [req.length for _, req in items], settings.connections, settings.slice_bytes, settings.min_slice_bytes
+        )
+        names: dict[str, bytes] = {}
+        slices: list[Slice] = []
+        for piece in plan:
+            index, req = items[piece.index]
+            name = names.get(req.remote_segment)
+            if name is None:
+                name = names[req.remote_segment] = req.remote_segment.encode("utf-8")
+            slices.append(
+                Slice(
+                    handle,
+                    index,
+                    req.op == "read",
+                    req.local[piece.start : piece.start + piece.length],
+                    name,
+                    req.remote_offset + piece.start,
+                    piece.length,
+                    req.token,
+                )
+            )
+            handle._expect(index, 1)
+        self.enqueue(slices)
 
     def enqueue(self, slices: list[Slice]) -> None:
         with self.cond:
