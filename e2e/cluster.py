@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from e2e import build, pki
+from e2e import build, pki, procs
 
 SERVICE_CIDR = "10.96.0.0/16"
 FIRST_SERVICE_IP = "10.96.0.1"
@@ -114,20 +114,7 @@ def kubeconfig_text(server: str, ca: Path, cert: Path, key: Path, user: str) -> 
 
 def sweep_processes(run_id: str) -> int:
     """SIGKILL every process whose environment carries ``RUN_ID_ENV=run_id``."""
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-    return killed
+    return procs.kill_marked(RUN_ID_ENV, run_id)
 
 
 class Cluster:

@@ -50,11 +50,14 @@ from typing import Any
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from e2e import procs
+
 log = logging.getLogger("nodeagent")
 
 TICK = 0.1  # worker loop period: probes and exits are noticed within this
 MAX_BACKOFF = 10.0  # a kubelet caps at 5 min; tests cannot wait that long
 DEFAULT_GRACE = 30
+POD_MARKER_ENV = "KVPOOL_E2E_POD_UID"
 VOLUME_REFRESH = 5.0  # a kubelet syncs ConfigMap/Secret volumes about once a minute
 # Absolute paths: Popen resolves a bare name with the *container's* PATH, which a pod may set.
 UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
@@ -516,6 +519,7 @@ class PodWorker(threading.Thread):
         pod = self._pod_with_ip()
         env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
         env["HOSTNAME"] = pod["spec"].get("hostname") or self.pod_name
+        env[POD_MARKER_ENV] = self.uid  # lets _cleanup find processes that left the group
         # In-cluster clients (kopf, kubernetes.config.load_incluster_config) read these; the
         # service IP is not routable here, so point them at the apiserver directly.
         env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"
@@ -885,6 +889,8 @@ class PodWorker(threading.Thread):
                 raise
 
     def _cleanup(self) -> None:
+        if not self.stopping:
+            procs.kill_marked(POD_MARKER_ENV, self.uid)
         if self.ip and not self.host_network:
             self.agent.ips.give(self.ip)
         self.ip = ""
