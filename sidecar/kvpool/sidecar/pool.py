@@ -80,30 +80,43 @@ def group_by_owner(own: npt.NDArray[Any], ids: Sequence[str]) -> Routes:
     return out
 
 
-def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | None) -> list[Routes]:
+def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | Sequence[Ring] | None = None,
+                    ranks: int = 0) -> list[Routes]:
     """Where else a read looks for keys missing at their active owner, in order (DESIGN §6).
 
-    First the owner among active + draining members (a draining node still holds what it has
-    not pushed yet), then the active owner under the previous ring epoch (after a scale-up the
-    objects stay where they were written until they are moved).  Each source lists only keys
-    whose fallback differs from every node asked before it; a pure function of the rings.
+    1. The owner among active + draining members: a draining node still holds what it has not
+       pushed yet.
+    2. During a ring transition (``ranks`` > 0): the 2nd, 3rd, ... highest-weight active members.
+       Rendezvous hashing moves a key only to a node that joined, so an object written before
+       one or more scale-ups lives at the first node in weight order that existed then, even
+       when this sidecar never saw the intermediate epochs.
+    3. The active owner under each earlier ring epoch (``previous``, newest first): covers
+       members that left since.
+    Each source lists only keys whose fallback differs from every node asked before it.
+    A pure function of the rings.
     """
     n = len(key_blob) // KEY_BYTES
     active = [m.id for m in ring.active]
     if n == 0 or not active:
         return []
-    primary = np.array(active, dtype=object)[owners(key_blob, active)[:, 0]]
-    asked = [primary]
-    sources: list[list[str]] = []
+    history = [previous] if isinstance(previous, Ring) else list(previous or ())
+    ranks = max(0, min(ranks, len(active) - 1))
+    ranked = owners(key_blob, active, ranks + 1)
+    asked = [np.array(active, dtype=object)[ranked[:, 0]]]
+    sources: list[tuple[list[str], npt.NDArray[np.intp]]] = []
     if len(ring.members) != len(active):
-        sources.append([m.id for m in ring.members])
-    if previous is not None and previous.active:
-        prev_ids = [m.id for m in previous.active]
-        if sorted(prev_ids) != sorted(active):
-            sources.append(prev_ids)
+        ids = [m.id for m in ring.members]
+        sources.append((ids, owners(key_blob, ids)[:, 0]))
+    for r in range(1, ranks + 1):
+        sources.append((active, ranked[:, r]))
+    seen = [sorted(active)]
+    for old in history:
+        ids = [m.id for m in old.active]
+        if ids and sorted(ids) not in seen:
+            seen.append(sorted(ids))
+            sources.append((ids, owners(key_blob, ids)[:, 0]))
     out: list[Routes] = []
-    for ids in sources:
-        own = owners(key_blob, ids)[:, 0]
+    for ids, own in sources:
         fb = np.array(ids, dtype=object)[own]
         new = np.ones(n, dtype=bool)
         for a in asked:
@@ -120,7 +133,8 @@ class Pool:
     """Membership + per-node clients, thread-safe."""
 
     def __init__(self, seeds: Sequence[str], token: str = "", backoff: float = 1.0,
-                 rpc_timeout: float = 5.0) -> None:
+                 rpc_timeout: float = 5.0, history_depth: int = 3, transition_seconds: float = 600.0,
+                 fallback_ranks: int = 2) -> None:
         self.seeds = [s for s in seeds if s]
         self.token = token
         self.backoff = backoff
@@ -129,8 +143,15 @@ class Pool:
         self.lock = threading.Lock()
         self.nodes: dict[str, NodeHandle] = {}
         self.ring = Ring(epoch=0)
-        self.previous: Ring | None = None
-        """The ring before :attr:`ring`: reads that miss at the new owner try the old one."""
+        self.history: list[Ring] = []
+        """Earlier rings, newest first (at most ``history_depth``): reads that miss at the new
+        owner try the owners of these epochs, whose objects may not have moved yet."""
+        self.history_depth = history_depth
+        self.transition_seconds = transition_seconds
+        """How long after a ring change misses are also looked for where the keys used to live
+        (objects are not moved on scale-up yet); outside it a miss costs one round, no more."""
+        self.fallback_ranks = fallback_ranks
+        self._transition_until = 0.0
         self._active_ids: list[str] = []
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pool")
         self.errors = 0
@@ -179,10 +200,12 @@ class Pool:
             if ring.epoch < self.ring.epoch:
                 return
             if ring.epoch > self.ring.epoch and self.ring.members:
-                self.previous = self.ring
+                self.history = [self.ring, *self.history][:self.history_depth]
+                self._transition_until = time.monotonic() + self.transition_seconds
             keep = {m.id: m for m in ring.members}
-            for m in (self.previous.members if self.previous else ()):
-                keep.setdefault(m.id, m)
+            for old in self.history:
+                for m in old.members:
+                    keep.setdefault(m.id, m)
             for m in keep.values():
                 h = self.nodes.get(m.id)
                 if h is None or h.member.address != m.address:
@@ -240,10 +263,16 @@ class Pool:
     def fallbacks(self, key_array: npt.NDArray[Any]) -> list[Routes]:
         """Fallback routes for keys missing at their owner (see :func:`fallback_routes`)."""
         with self.lock:
-            ring, previous = self.ring, self.previous
+            ring, history = self.ring, list(self.history)
         if len(key_array) == 0:
             return []
-        return fallback_routes(key_array.tobytes(), ring, previous)
+        if time.monotonic() >= self._transition_until:
+            return fallback_routes(key_array.tobytes(), ring)  # draining members only
+        return fallback_routes(key_array.tobytes(), ring, history, self.fallback_ranks)
+
+    @property
+    def in_transition(self) -> bool:
+        return time.monotonic() < self._transition_until
 
     def _up(self, nid: str) -> NodeHandle | None:
         node = self.nodes.get(nid)
@@ -292,7 +321,7 @@ class Pool:
 
         Each owner is asked for the leading run of *its* keys (prefix_only + pin): the global
         prefix ends at the earliest first miss among the owners.  When a fallback exists (a
-        draining node, or the owners of the previous ring epoch) the keys from that first miss
+        draining node, or the owners of earlier ring epochs) the keys from that first miss
         on are asked per key of their owners and fallbacks in one more concurrent round.
         """
         n = len(key_array)

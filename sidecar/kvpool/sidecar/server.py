@@ -230,7 +230,7 @@ class Sidecar(spbg.SidecarServicer):
     def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int],
                        found: list[LocalEntry | None], kind: int, lease_ms: int, lease: LocalLease) -> int:
         """Fetch misses from their owners straight into fresh arena extents (promotion); what
-        the owners miss is looked for at the fallbacks (draining node, previous ring epoch)."""
+        the owners miss is looked for at the fallbacks (draining node, earlier ring epochs)."""
         # A key asked twice in one batch is fetched once.
         first: dict[bytes, int] = {}
         dups: list[tuple[int, int]] = []

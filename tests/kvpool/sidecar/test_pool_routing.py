@@ -1,0 +1,127 @@
+"""Routing of the sidecar's pool view: grouping by owner, the read fallbacks during ring
+transitions (pure), and which failures mark a node down."""
+
+from __future__ import annotations
+
+import random
+import socket
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from kvpool import errors
+from kvpool.proto import store_pb2 as pb
+from kvpool.ring import Member, Ring, owners, weights
+from kvpool.sidecar.pool import fallback_routes, group_by_owner, node_is_down
+from kvpool.store_client import StoreClient
+
+
+def _keys(rng: random.Random, n: int) -> bytes:
+    return rng.randbytes(32 * n)
+
+
+def _ring(epoch: int, *ids: str, draining: tuple[str, ...] = ()) -> Ring:
+    return Ring(epoch, tuple(Member(i, f"addr-{i}", "draining" if i in draining else "active") for i in ids))
+
+
+def _where(routes: list[dict[str, np.ndarray]], n: int) -> list[list[str]]:
+    """Per key, the fallback nodes in the order they are asked."""
+    out: list[list[str]] = [[] for _ in range(n)]
+    for r in routes:
+        for nid, idx in r.items():
+            for i in idx.tolist():
+                out[i].append(nid)
+    return out
+
+
+def test_group_by_owner_partitions_in_order() -> None:
+    own = np.array([2, 0, 2, 1, 0, 2])
+    g = group_by_owner(own, ["a", "b", "c"])
+    assert {k: v.tolist() for k, v in g.items()} == {"a": [1, 4], "b": [3], "c": [0, 2, 5]}
+    assert group_by_owner(np.array([], dtype=np.intp), ["a"]) == {}
+
+
+def test_no_fallback_in_a_steady_ring(rng: random.Random) -> None:
+    assert fallback_routes(_keys(rng, 100), _ring(1, "a", "b", "c")) == []
+    assert fallback_routes(b"", _ring(1, "a")) == []
+    assert fallback_routes(_keys(rng, 3), Ring(1)) == []
+
+
+def test_draining_member_is_asked_for_the_keys_it_held(rng: random.Random) -> None:
+    blob = _keys(rng, 400)
+    ring = _ring(2, "a", "b", "c", draining=("c",))
+    where = _where(fallback_routes(blob, ring), 400)
+    held = ring.read_fallbacks(blob)
+    for i, fb in enumerate(where):
+        assert fb == (["c"] if ring.members[held[i]].id == "c" else [])
+    assert any(where)
+
+
+def test_scale_up_falls_back_to_the_previous_owner(rng: random.Random) -> None:
+    blob = _keys(rng, 400)
+    old, new = _ring(1, "a", "b"), _ring(2, "a", "b", "c")
+    where = _where(fallback_routes(blob, new, old), 400)
+    before = owners(blob, ["a", "b"])[:, 0]
+    after = owners(blob, ["a", "b", "c"])[:, 0]
+    for i in range(400):
+        if after[i] == 2:  # moved to c: read where it was written
+            assert where[i] == [["a", "b"][before[i]]]
+        else:
+            assert where[i] == []
+
+
+def test_ranks_find_objects_behind_skipped_epochs(rng: random.Random) -> None:
+    """Objects written at any earlier size of a growing ring are found by the ranked fallbacks
+    of the current ring alone (a sidecar that never saw the epochs in between)."""
+    ids = [f"s{i}" for i in range(5)]
+    blob = _keys(rng, 300)
+    for size in range(1, 5):
+        written_at = owners(blob, ids[:size])[:, 0]
+        where = _where(fallback_routes(blob, _ring(9, *ids), ranks=4), 300)
+        primary = owners(blob, ids)[:, 0]
+        for i in range(300):
+            home = ids[written_at[i]]
+            assert home == ids[primary[i]] or home in where[i]
+    # Ranks follow the rendezvous weights.
+    w = weights(blob, ids)
+    second = np.argsort(w, axis=1)[:, -2]
+    where = _where(fallback_routes(blob, _ring(9, *ids), ranks=1), 300)
+    assert [x[0] for x in where] == [ids[j] for j in second.tolist()]
+
+
+def test_each_fallback_asks_a_new_node(rng: random.Random) -> None:
+    blob = _keys(rng, 300)
+    ring = _ring(3, "a", "b", "c", "d", draining=("d",))
+    routes = fallback_routes(blob, ring, [_ring(2, "a", "b", "d"), _ring(1, "a")], ranks=2)
+    primary = owners(blob, ["a", "b", "c"])[:, 0]
+    for i, fb in enumerate(_where(routes, 300)):
+        asked = [["a", "b", "c"][primary[i]], *fb]
+        assert len(asked) == len(set(asked))
+
+
+@pytest.mark.parametrize("exc,down", [
+    (errors.Unavailable("gone"), True),
+    (errors.KvpoolError("?"), True),
+    (OSError("reset"), True),
+    (errors.InvalidArgument("bad kind"), False),
+    (errors.Unauthenticated("token"), False),
+    (errors.NoSpace("full"), False),
+])
+def test_only_transport_failures_mark_a_node_down(exc: BaseException, down: bool) -> None:
+    assert node_is_down(exc) is down
+
+
+def test_rpc_status_decides_down(shared: Any, rng: random.Random) -> None:
+    """Real failed calls: a refused request leaves the node up, an unreachable node is down."""
+    with StoreClient(shared.stores[0]) as c:
+        with pytest.raises(grpc.RpcError) as bad:
+            c.stub.Exists(pb.ExistsRequest(keys=b"x" * 33), timeout=10)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and not node_is_down(bad.value)
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]  # bound, never listening: connections are refused
+        with StoreClient(f"127.0.0.1:{port}", timeout=5) as c, pytest.raises(grpc.RpcError) as gone:
+            c.stub.Exists(pb.ExistsRequest(keys=b""), timeout=5)
+    assert gone.value.code() == grpc.StatusCode.UNAVAILABLE and node_is_down(gone.value)
