@@ -250,6 +250,8 @@ class Cluster:
             _terminate(comp.proc, grace=15.0 if comp.name == "node-agent" else 5.0)
         self.components.clear()
         sweep_processes(self.run_id)
+        # The agent removes its memory-backed emptyDirs itself, unless it was killed.
+        shutil.rmtree(f"/dev/shm/kvpool-e2e-{self.run_id}", ignore_errors=True)
         if self._own_workdir and not os.environ.get("KVPOOL_E2E_KEEP"):
             _unmount_below(self.workdir)
             shutil.rmtree(self.workdir, ignore_errors=True)
