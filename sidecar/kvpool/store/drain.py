@@ -35,13 +35,18 @@ def run_drain(node: StoreNode, ring: Ring, progress: object) -> None:
             if time.time() >= deadline:
                 break
             target = active[int(owner_idx)]
-            token = node.tenants[e.tenant].token if e.tenant in node.tenants else ""
-            ck = (target.address, token)
-            client = clients.get(ck)
-            if client is None:
-                client = clients[ck] = StoreClient(target.address, token if e.tenant != DEFAULT_TENANT or token
-                                                   else "", engine=engine)
-            ok = _push(node, client, e, ring.epoch)
+            tenant = node.tenants.get(e.tenant)
+            token = tenant.token if tenant is not None else ""
+            if e.tenant != DEFAULT_TENANT and not token:
+                # A tenant without a token (revoked) cannot be written at the target as itself;
+                # without a token its objects would land in the target's open default partition.
+                ok = False
+            else:
+                ck = (target.address, token)
+                client = clients.get(ck)
+                if client is None:
+                    client = clients[ck] = StoreClient(target.address, token, engine=engine)
+                ok = _push(node, client, e, ring.epoch)
             if ok:
                 p.moved_objects += 1  # type: ignore[attr-defined]
                 p.moved_bytes += e.size  # type: ignore[attr-defined]

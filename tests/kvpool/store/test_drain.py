@@ -26,7 +26,8 @@ def _ring(epoch: int, a: Any, b: Any, a_state: str = "active") -> pb.Ring:
 @pytest.fixture(scope="module")
 def nodes(module_stores: Any) -> Any:
     spec = {"dram": "16MiB", "tenants": TENANTS, "admin_token": ADMIN}
-    return module_stores.start_many({"store-a": spec, "store-b": spec, "store-d": spec})
+    return module_stores.start_many({"store-a": spec, "store-b": spec, "store-d": spec,
+                                     "store-e": spec, "store-f": spec})
 
 
 def test_drain_moves_every_object_to_the_new_owner(nodes: Any, h: Any, rng: random.Random) -> None:
@@ -74,3 +75,15 @@ def test_drain_to_a_dead_target_counts_drops(nodes: Any, h: Any, rng: random.Ran
     assert b.client().health().ok
     # The objects are still on the leaving node (a drop is counted, never silent).
     assert cb.exists(keys).prefix == 6
+
+
+def test_drain_never_moves_a_revoked_tenant_into_the_open_partition(nodes: Any, h: Any, rng: random.Random) -> None:
+    e, f = nodes["store-e"], nodes["store-f"]
+    keys = h.rand_keys(rng, 5)
+    assert e.client("tok-alpha").put(keys, h.rand_values(rng, [4 * KiB] * 5)) == [pb.OK] * 5
+    e.client(ADMIN).set_tenants([], replace=True)  # alpha's token is revoked on the leaving node
+    e.client(ADMIN).drain(_ring(7, e, f, "draining"), int(time.time() * 1000) + 20000)
+    done = h.wait_for(lambda: (s := e.client(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
+    assert done.moved_objects == 0 and done.dropped_objects == 5
+    assert f.client().exists(keys, prefix_only=False).present == [False] * 5
+    assert f.client("tok-alpha").exists(keys, prefix_only=False).present == [False] * 5
