@@ -198,7 +198,8 @@ class Sidecar(spbg.SidecarServicer):
         # nothing handed to the client can be evicted (and its extent reused) under it.
         found, lease = self.local.lookup(keys, kind, lease_ms)
         assert lease is not None
-        local_hits = sum(e is not None for e in found)
+        local_found = [e is not None for e in found]
+        local_hits = sum(local_found)
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
         try:
@@ -217,7 +218,8 @@ class Sidecar(spbg.SidecarServicer):
             if e is not None:
                 codes[i], offsets[i], sizes[i], sums[i] = pb.OK, e.offset, e.size, e.checksum
         moved = sum(sizes)
-        metrics.record_read(self.cfg.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0)
+        fetched = sum(e.size for e, was in zip(found, local_found, strict=True) if e is not None and not was)
+        metrics.record_read(self.cfg.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0, fetched)
         self.counters["read_blocks"] += n
         self.counters["read_hits_local"] += local_hits
         self.counters["read_hits_pool"] += pool_hits
@@ -350,6 +352,7 @@ class Sidecar(spbg.SidecarServicer):
         return spb.WriteStartReply(codes=codes, offsets=[e.offset if e else 0 for e in entries], reservation_id=rid)
 
     def WriteCommit(self, request: spb.WriteCommitRequest, context: grpc.ServicerContext) -> pb.CodesReply:
+        t0 = time.perf_counter()
         sums = list(request.checksums)
         with self.local.lock:
             res = self.local.reservations.get(request.reservation_id)
@@ -370,7 +373,7 @@ class Sidecar(spbg.SidecarServicer):
         if pin is not None:
             self._enqueue(done, pin=pin)
         self.counters["put_blocks"] += len(done)
-        metrics.PUT_BYTES.labels(self.cfg.tenant_id).inc(sum(e.size for e in done))
+        metrics.record_put(self.cfg.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
         return pb.CodesReply(codes=codes)
 
     def WriteRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:

@@ -1,0 +1,106 @@
+"""The local tier under pressure (LRU eviction, pinned views stay valid, data still readable
+from the pool) and the sidecar's Prometheus endpoint."""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+import urllib.request
+from typing import Any
+
+from kvpool.proto import store_pb2 as pb
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_eviction_under_pressure_keeps_capacity_and_data(shared: Any, h: Any, rng: random.Random) -> None:
+    addr = shared.add_sidecar(local_bytes=4 * MiB)
+    i = shared.sidecars.index(addr)
+    with shared.connect(i) as c:
+        cap = c.stats().local_capacity_bytes
+        assert 4 * MiB <= cap < 5 * MiB
+        written: list[tuple[bytes, bytes]] = []
+        pinned_keys = h.keys(rng, 4)
+        pinned_vals = h.values(rng, [64 * KiB] * 4)
+        assert c.put(pinned_keys, pinned_vals) == [pb.OK] * 4
+        with c.get(pinned_keys) as pinned:  # held across the pressure below
+            while sum(len(v) for _, v in written) < 3 * cap:
+                ks = h.keys(rng, 8)
+                vs = h.values(rng, [rng.randrange(1, 96 * KiB) for _ in ks])
+                assert c.put(ks, vs) == [pb.OK] * 8
+                written += zip(ks, vs, strict=True)
+                st = c.stats()
+                assert st.local_used_bytes <= st.local_capacity_bytes
+            # Pinned views were never evicted, so their bytes never changed under us.
+            assert [bytes(v) for v in pinned] == pinned_vals
+        st = c.stats()
+        assert st.counters["evicted"] > 0 and st.local_used_bytes <= st.local_capacity_bytes
+        h.wait_for(lambda: c.stats().pending_pool_bytes == 0, what="write-through backlog")
+        assert st.counters.get("pool_write_unreachable", 0) == 0
+        # Everything is still readable: what was evicted comes back from the pool.
+        before = h.counters(c)
+        keys = [k for k, _ in written]
+        assert c.match(keys[:16]) == 16
+        for j in range(0, len(keys), 16):
+            with c.get(keys[j:j + 16]) as got:
+                assert [bytes(v) for v in got] == [v for _, v in written[j:j + 16]]
+        after = h.counters(c)
+        assert after["read_hits_pool"] > before.get("read_hits_pool", 0)
+        assert c.stats().local_used_bytes <= cap
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(kvpool_[a-zA-Z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_prometheus_endpoint_serves_kvpool_series(shared: Any, h: Any, rng: random.Random) -> None:
+    port = _free_port()
+    addr = shared.add_sidecar(local_bytes=8 * MiB, extra_args=["--metrics-port", str(port)])
+    with shared.connect(shared.sidecars.index(addr)) as c, shared.connect(0) as other:
+        keys = h.keys(rng, 10)
+        values = h.values(rng, [10 * KiB] * 10)
+        assert other.put(keys[5:], values[5:]) == [pb.OK] * 5  # in the pool, not local here
+        h.wait_for(lambda: other.stats().pending_pool_bytes == 0, what="write-through backlog")
+        assert c.put(keys[:5], values[:5]) == [pb.OK] * 5
+        h.wait_for(lambda: c.stats().pending_pool_bytes == 0, what="write-through backlog")
+        assert c.match(keys) == 10
+        with c.get(keys) as got:
+            assert [bytes(v) for v in got] == values
+        st = c.stats()
+        m = _scrape(port)
+    t = 'tenant="default"'
+    assert m[f"kvpool_lookup_blocks_total{{{t}}}"] == 10
+    assert m[f'kvpool_hit_blocks_total{{{t},tier="local"}}'] == 5
+    assert m[f'kvpool_hit_blocks_total{{{t},tier="pool"}}'] == 5
+    assert m[f'kvpool_read_blocks_total{{{t},tier="local"}}'] == 5
+    assert m[f'kvpool_read_blocks_total{{{t},tier="pool"}}'] == 5
+    assert m[f"kvpool_read_bytes_total{{{t}}}"] == sum(map(len, values))
+    assert m[f"kvpool_put_bytes_total{{{t}}}"] == sum(map(len, values[:5]))
+    assert m[f"kvpool_pool_bytes_out_total{{{t}}}"] == sum(map(len, values[:5]))
+    assert m[f"kvpool_pool_bytes_in_total{{{t}}}"] == sum(map(len, values[5:]))
+    for op in ("match", "read", "put"):
+        assert m[f'kvpool_op_seconds_count{{op="{op}"}}'] >= 1
+        assert f'kvpool_op_seconds_bucket{{le="+Inf",op="{op}"}}' in m
+    assert m["kvpool_local_capacity_bytes"] == st.local_capacity_bytes
+    assert m["kvpool_local_used_bytes"] == st.local_used_bytes > 0
+    assert m["kvpool_local_objects"] == 10
+    assert m["kvpool_pool_nodes_up"] == 2
+    assert m["kvpool_ring_epoch"] == st.ring_epoch
+    assert m["kvpool_pool_errors_total"] == 0
+    assert "kvpool_local_evictions_total" in m
+    # No per-key labels anywhere: a handful of series, whatever the number of keys.
+    assert len(m) < 80
