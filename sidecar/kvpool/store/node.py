@@ -737,12 +737,30 @@ class StoreNode:
 
     # ------------------------------------------------------------------ eviction and tiers
 
-    def _evict_dram(self, need: int, now: float, expire_all: bool = True) -> int:
-        plan = choose_victims(list(self.lru_dram.values()), need, now, self._ttl_map(), self.cfg.default_ttl,
-                              expire_all=expire_all)
+    def _dram_victims(self, need: int, now: float, expire_all: bool) -> list[Entry]:
+        entries = list(self.lru_dram.values())
+        if not any(t.ttl_seconds for t in self.tenants.values()):
+            plan = choose_victims(entries, need, now, self._ttl_map(), self.cfg.default_ttl, expire_all=expire_all)
+            return plan.victims  # type: ignore[return-value]
+        # Some tenant overrides the pool's TTLs: decide expiry per object (tenant + class), then
+        # plain LRU for the rest (an empty TTL map never expires anything).
+        expired: list[Entry] = []
+        rest: list[Entry] = []
         freed = 0
-        for c in plan.victims:
-            e: Entry = c  # type: ignore[assignment]
+        for e in entries:
+            if e.pins or e.inflight:
+                continue
+            if (expire_all or freed < need) and is_expired(e, now, {e.traffic_class: self._ttl_for(e)}, 0.0):
+                expired.append(e)
+                freed += e.size
+            else:
+                rest.append(e)
+        plan = choose_victims(rest, max(0, need - freed), now, {}, 0.0, expire_all=False)
+        return expired + plan.victims  # type: ignore[operator]
+
+    def _evict_dram(self, need: int, now: float, expire_all: bool = True) -> int:
+        freed = 0
+        for e in self._dram_victims(need, now, expire_all):
             expired = is_expired(e, now, self._ttl_map_for(e), self._ttl_for(e))
             if expired:
                 self._discard(e)

@@ -20,6 +20,8 @@ def nodes(module_stores: Any) -> Any:
     return module_stores.start_many({
         "pressure": {"dram": "8MiB"},
         "ttl": {"dram": "4MiB", "config": {"ttlSeconds": {"chatbot": 1, "agent": 3600}}},
+        "ttl_tenant": {"dram": "4MiB", "config": {"ttlSeconds": {"agent": 3600}},
+                       "tenants": [{"tenantId": "brief", "token": "tok-brief", "ttlSeconds": {"agent": 1}}]},
         "quota": {"dram": "16MiB", "tenants": _tenants(), "closed": True},
         "evictown": {"dram": "16MiB", "tenants": _tenants(), "closed": True}})
 
@@ -103,6 +105,24 @@ def test_ttl_expired_objects_are_evicted_first(nodes: Any, h: Any, rng: random.R
     assert [bytes(g) if g is not None else None for g in c.get(old_agent)] == agent_vals
     assert c.exists(new_chat, prefix_only=False).present.count(True) == 6 - st.counters["expired"]
     assert h.stats_tenant(st, "default").counters["expired"] == st.counters["expired"]
+
+
+def test_tenant_ttl_override_expires_first(nodes: Any, h: Any, rng: random.Random) -> None:
+    node = nodes["ttl_tenant"]
+    pool, brief = node.client(), node.client("tok-brief")
+    size = 256 * KiB
+    old_pool = h.rand_keys(rng, 6)     # oldest, pool TTL (1 h)
+    new_brief = h.rand_keys(rng, 6)    # newer, but this tenant's agent TTL is 1 s
+    pool_vals = h.rand_values(rng, [size] * 6)
+    assert pool.put(old_pool, pool_vals, traffic_class="agent") == [pb.OK] * 6
+    time.sleep(0.05)
+    assert brief.put(new_brief, h.rand_values(rng, [size] * 6), traffic_class="agent") == [pb.OK] * 6
+    time.sleep(1.3)
+    assert pool.put(h.rand_keys(rng, 6), h.rand_values(rng, [size] * 6), traffic_class="agent") == [pb.OK] * 6
+    st = node.client().stats()
+    assert h.stats_tenant(st, "brief").counters["expired"] >= 2
+    assert st.counters.get("evicted", 0) == 0
+    assert [bytes(g) if g is not None else None for g in pool.get(old_pool)] == pool_vals
 
 
 def _tenants() -> list[dict[str, Any]]:
