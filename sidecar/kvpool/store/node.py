@@ -280,7 +280,8 @@ class StoreNode:
             e.pins -= 1
         for t in lease.read_tokens:
             self.read_tokens.pop(t, None)
-        lease.read_tokens = []
+        # lease.read_tokens stays as it is: a Get reply may still be assembled from it (outside
+        # the lock); those tokens are dead, so the reply is well-formed and its reads fail closed.
 
     def _lease_expiry(self, lease_ms: int, now: float) -> float:
         return now + min(lease_ms or self.cfg.lease_ms_default, self.cfg.lease_ms_max) / 1000.0
