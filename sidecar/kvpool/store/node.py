@@ -663,6 +663,18 @@ class StoreNode:
             self._register_lease(lease)
             return codes, found, lease
 
+    def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
+                 lease_id: int = 0) -> tuple[list[int], list[int], list[int], list[int], list[int], Lease | None]:
+        """:meth:`get` as plain numbers (codes, offsets, sizes, checksums, tokens, lease), taken
+        under the lock: a lease that expires right away must not leave a half-read answer."""
+        with self.lock:
+            codes, found, lease = self.get(tenant, keys, kind, lease_ms, lease_id)
+            tokens = self.get_tokens(lease, found)
+            offsets = [e.offset if e is not None else 0 for e in found]
+            sizes = [e.size if e is not None else 0 for e in found]
+            sums = [e.checksum if e is not None else 0 for e in found]
+        return codes, offsets, sizes, sums, tokens, lease
+
     def get_tokens(self, lease: Lease | None, found: Sequence[Entry | None]) -> list[int]:
         """Transfer tokens of a :meth:`get` answer, index-parallel to ``found`` (0 for misses)."""
         if lease is None:

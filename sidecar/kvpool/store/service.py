@@ -148,14 +148,9 @@ class StoreService(pbg.StoreServicer):
         tenant = self._tenant(context)
 
         def run() -> pb.GetReply:
-            codes, found, lease = self.node.get(tenant, self._keys(request.keys), request.kind,
-                                                request.lease_ms, request.lease_id)
-            n = len(found)
-            offsets, sizes, sums = [0] * n, [0] * n, [0] * n
-            tokens = self.node.get_tokens(lease, found)  # lease-scoped: they die with the lease
-            for i, e in enumerate(found):
-                if e is not None:
-                    offsets[i], sizes[i], sums[i] = e.offset, e.size, e.checksum
+            # Tokens are lease-scoped: they die with the lease.
+            codes, offsets, sizes, sums, tokens, lease = self.node.get_plan(
+                tenant, self._keys(request.keys), request.kind, request.lease_ms, request.lease_id)
             return pb.GetReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums, tokens=tokens,
                                lease_id=lease.lease_id if lease else 0,
                                lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
