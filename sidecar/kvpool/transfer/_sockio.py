@@ -13,12 +13,13 @@ import struct
 #: surfaces as EAGAIN (``BlockingIOError``); a Python-level timeout as ``TimeoutError``.
 STALL_ERRORS = (TimeoutError, BlockingIOError)
 
-#: Kernel socket buffers; ``None`` leaves them to the kernel's autotuning.
-SOCKET_BUFFER_BYTES: int | None = 4 * 1024 * 1024
+#: Fixed kernel socket buffers, or ``None`` for the kernel's autotuning — which measured as
+#: cheaper per byte on loopback than fixed 4 MiB buffers (setting them disables autotuning).
+SOCKET_BUFFER_BYTES: int | None = None
 
 
 def tune(sock: socket.socket) -> None:
-    """Low latency for small pipelined headers, big buffers for bulk payload."""
+    """No Nagle delay for the small pipelined headers; buffer sizes per ``SOCKET_BUFFER_BYTES``."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if SOCKET_BUFFER_BYTES is None:
         return

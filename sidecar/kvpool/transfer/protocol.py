@@ -81,6 +81,19 @@ def decode_request(data: bytes | bytearray | memoryview) -> RequestHeader:
         raise ProtocolError(f"unsupported protocol version {version}")
     if op not in OP_NAMES:
         raise ProtocolError(f"unknown op {op}")
+    name = _NAME_CACHE.get((name_len, raw_name))
+    if name is None:
+        name = _decode_name(name_len, raw_name)
+    return RequestHeader(op, request_id, name, offset, length, token)
+
+
+# A server sees the same few segment names over and over: validating and decoding each one once
+# keeps that work off the per-request path. Bounded, so hostile peers cannot grow it.
+_NAME_CACHE: dict[tuple[int, bytes], str] = {}
+_NAME_CACHE_MAX = 1024
+
+
+def _decode_name(name_len: int, raw_name: bytes) -> str:
     if not 0 < name_len <= MAX_SEGMENT_NAME_BYTES:
         raise ProtocolError(f"bad segment name length {name_len}")
     if raw_name[name_len:].strip(b"\x00"):
@@ -89,7 +102,10 @@ def decode_request(data: bytes | bytearray | memoryview) -> RequestHeader:
         name = raw_name[:name_len].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProtocolError("segment name is not UTF-8") from exc
-    return RequestHeader(op, request_id, name, offset, length, token)
+    if len(_NAME_CACHE) >= _NAME_CACHE_MAX:
+        _NAME_CACHE.clear()
+    _NAME_CACHE[(name_len, raw_name)] = name
+    return name
 
 
 def encode_response(code: TransferCode, request_id: int, payload_len: int = 0, message: str = "") -> bytes:
