@@ -314,7 +314,20 @@ class RdmaContext:
         return None
 
     def create_queue_pair(self, depth: int = 256) -> RdmaQueuePair:
+        """A new queue pair; send its :attr:`~RdmaQueuePair.endpoint` to the peer, then
+        :meth:`~RdmaQueuePair.connect` it to the peer's."""
         return RdmaQueuePair(self, depth)
+
+    def accept(self, remote: RdmaEndpoint, depth: int = 256) -> RdmaQueuePair:
+        """Serving side of the handshake: a queue pair already connected to ``remote``; answer
+        with its ``endpoint`` (and the segment keys) over the control plane."""
+        qp = RdmaQueuePair(self, depth)
+        try:
+            qp.connect(remote)
+        except BaseException:
+            qp.close()
+            raise
+        return qp
 
     def close(self) -> None:
         with self._lock:
