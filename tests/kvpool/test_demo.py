@@ -88,7 +88,8 @@ def test_bytes_exact_and_moved(result: dict[str, Any]) -> None:
         assert c["get_failures"] == 0 and c["put_failures"] == 0, c
         assert c["local_read_bytes"] > 0, c["name"]
         if c["pool"]:
-            assert c["pool_write_bytes"] > 0 and c["pool_writes_shed"] == 0, c
+            # Write-through: every block put reached the pool (deferred ones included) by the end.
+            assert c["counters"].get("pool_writes", 0) >= c["counters"]["put_blocks"] > 0, c
         else:
             assert c["pool_read_bytes"] == 0 and c["pool_write_bytes"] == 0, c
     # With tight local tiers and random routing, the pool serves a large part of the hits.
