@@ -29,14 +29,14 @@ def _first(index: Any) -> dict[Any, Any]:
 
 
 def register_indexes(registry: Any, rt: Runtime) -> None:
-    @kopf.index(GROUP, VERSION, "kvpools", registry=registry)
+    @kopf.index(GROUP, VERSION, "kvpools", id="kvpool_pools", registry=registry)
     def kvpool_pools(body: Any, namespace: str | None, name: str | None, **_: Any) -> dict[tuple[str, str], PoolView]:
         try:
             return {(str(namespace), str(name)): pool_view_from_body(body)}
         except SpecError:
             return {}
 
-    @kopf.index(GROUP, VERSION, "tenantnamespaces", registry=registry)
+    @kopf.index(GROUP, VERSION, "tenantnamespaces", id="kvpool_tenants", registry=registry)
     def kvpool_tenants(body: Any, meta: Any, **_: Any) -> dict[str, TenantSpec]:
         if meta.get("deletionTimestamp"):
             return {}

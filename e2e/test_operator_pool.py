@@ -1,0 +1,276 @@
+"""The operator against the real control plane: a KVPool becomes store pods whose readiness moves
+its conditions and ring; pods created through the API server come back injected (or say why
+not); TenantNamespaces get their Secrets; a too-full scale-down is refused until forced.
+
+The operator runs as a process (``kvpool operator``) with its webhook on 127.0.0.1 and the
+harness's webhook certificate; the store pods it creates run as processes on the node agent.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.cluster import Cluster, free_port
+from e2e.test_operator_crds import install_crds
+from e2e.testutil import wait_for
+from kvpool_operator.kube import Kube
+
+pytestmark = pytest.mark.cluster
+
+API = "kvpool.io/v1alpha1"
+
+
+class Operator:
+    def __init__(self, cluster: Cluster, workdir: Path) -> None:
+        assert cluster.pki is not None
+        self.port = free_port()
+        self.log = workdir / "operator.log"
+        env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
+        self._out = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool", "--log-level", "INFO", "operator", "--standalone",
+             "--metrics-port", "0", "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
+             "--reconcile-interval", "2", "--tenant-interval", "3",
+             "--webhook-port", str(self.port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
+             "--webhook-cert", str(cluster.pki.webhook.cert), "--webhook-key", str(cluster.pki.webhook.key)],
+            env=env, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+
+    def tail(self, n: int = 80) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def kube(api: Any) -> Kube:
+    return Kube(api)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    install_crds(cluster)
+    op = Operator(cluster, tmp_path_factory.mktemp("operator"))
+    assert cluster.pki is not None
+    name = f"kvpool-e2e-{op.port}"
+    kube.request("POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", body={
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "inject.kvpool.io",
+            "clientConfig": {"url": f"https://127.0.0.1:{op.port}/kvpool-inject",
+                             "caBundle": base64.b64encode(cluster.pki.ca.cert.read_bytes()).decode()},
+            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
+            "objectSelector": {"matchExpressions": [{"key": "kvpool.io/pool", "operator": "Exists"}]},
+            "namespaceSelector": {"matchExpressions": [{"key": "kvpool-e2e/test", "operator": "Exists"}]},
+            "sideEffects": "None", "admissionReviewVersions": ["v1"], "failurePolicy": "Ignore",
+            "timeoutSeconds": 5,
+        }]})
+    try:
+        yield op
+    finally:
+        kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}")
+        op.stop()
+        # Kept beside the other harness output for a post-mortem (the tmp dir may be gone).
+        shutil.copyfile(op.log, Path(os.environ.get("KVPOOL_E2E_ARTIFACTS", "/tmp")) / "kvpool-e2e-operator.log")
+
+
+def kvpool(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": API, "kind": "KVPool", "metadata": {"name": name}, "spec": spec}
+
+
+def create(kube: Kube, doc: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+    if namespace:
+        doc = {**doc, "metadata": {**doc["metadata"], "namespace": namespace}}
+    got = kube.create(doc)
+    assert got is not None, f"{doc['kind']} {doc['metadata']['name']} exists already"
+    return got
+
+
+def pool_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
+    return dict((kube.get(API, "KVPool", name, ns) or {}).get("status") or {})
+
+
+def cond(status: dict[str, Any], ctype: str) -> tuple[str, str] | None:
+    for c in status.get("conditions") or []:
+        if c["type"] == ctype:
+            return c["status"], c.get("reason", "")
+    return None
+
+
+def engine_pod(name: str, label: str, **meta: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"kvpool.io/pool": label},
+                                                             **meta},
+            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "engine", "image": "unused", "command": ["sleep", "600"]}]}}
+
+
+def create_pod_injected(kube: Kube, ns: str, pod: dict[str, Any]) -> dict[str, Any]:
+    """Create a pod once the webhook is in force (dry runs tell: the configuration and the
+    operator's pool index both take a moment)."""
+    def decided() -> dict[str, Any] | None:
+        got = kube.request("POST", f"/api/v1/namespaces/{ns}/pods", body=pod, query={"dryRun": "All"})
+        ann = (got.get("metadata") or {}).get("annotations") or {}
+        return got if ("kvpool.io/injected" in ann or "kvpool.io/skip-reason" in ann) else None
+
+    wait_for(decided, 60, "the injection webhook to answer", interval=0.5)
+    created: dict[str, Any] = kube.request("POST", f"/api/v1/namespaces/{ns}/pods", body=pod)
+    return created
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+def test_pool_children_and_conditions(operator: Operator, kube: Kube, namespace: str) -> None:
+    create(kube, kvpool("p", storage={"replicas": 2}, tenancy={"defaultTenant": "public"}), namespace)
+    sts = wait_for(lambda: kube.get("apps/v1", "StatefulSet", "p-store", namespace), 60, "the StatefulSet")
+    assert sts["spec"]["replicas"] == 2
+    for api_version, kind, name in [("v1", "Service", "p-store"), ("v1", "ConfigMap", "p-store-config"),
+                                    ("policy/v1", "PodDisruptionBudget", "p-store"),
+                                    ("v1", "ServiceAccount", "p-store"), ("v1", "Secret", "p-store-admin"),
+                                    ("apps/v1", "StatefulSet", "p-store")]:
+        obj = kube.get(api_version, kind, name, namespace)
+        assert obj is not None, f"{kind} {name}"
+        ref = obj["metadata"]["ownerReferences"][0]
+        assert (ref["kind"], ref["name"], ref.get("controller")) == ("KVPool", "p", True)
+    cfg = json.loads(kube.get("v1", "ConfigMap", "p-store-config", namespace)["data"]["node.json"])  # type: ignore[index]
+    assert cfg["closed"] is False and cfg["dramBytes"] == 1 << 30
+
+    st = wait_for(lambda: (s := pool_status(kube, namespace, "p")) and cond(s, "Ready") == ("True", "NodesReady")
+                  and s, 120, "the pool Ready")
+    assert st["phase"] == "Ready" and st["readyReplicas"] == 2 and st["desiredReplicas"] == 2
+    members = st["ring"]["members"]
+    assert sorted(m["id"] for m in members) == ["p-store-0", "p-store-1"]
+    pods = {p["metadata"]["name"]: p for p in kube.list("v1", "Pod", namespace, "kvpool.io/store-of=p")}
+    for m in members:  # the ring names the pods' own IPs
+        assert m["address"] == f"{pods[m['id']]['status']['podIP']}:7400" and m["state"] == "active"
+    assert st["capacityBytes"] > 0 and st["capacity"].endswith("Gi")
+    reasons = {e["reason"] for e in kube.list("v1", "Event", namespace) if e["involvedObject"]["kind"] == "KVPool"}
+    assert {"NodesReady", "RingUpdated"} <= reasons
+
+    # Drift repair: a deleted child comes back.
+    kube.delete("v1", "ConfigMap", "p-store-config", namespace)
+    wait_for(lambda: kube.get("v1", "ConfigMap", "p-store-config", namespace), 30, "the ConfigMap to be repaired")
+
+    # A store pod going away moves the ring to a new epoch.
+    epoch = st["ring"]["epoch"]
+    kube.delete("v1", "Pod", "p-store-1", namespace)
+    wait_for(lambda: pool_status(kube, namespace, "p")["ring"]["epoch"] > epoch, 60, "a new ring epoch")
+
+
+def test_injection_and_skip_reasons(operator: Operator, kube: Kube, namespace: str) -> None:
+    create(kube, kvpool("open", sidecar={"localBytes": "32Mi", "drainSeconds": 40},
+                        tenancy={"defaultTenant": "public"}), namespace)
+    create(kube, kvpool("closed", storage={"replicas": 0}), namespace)
+    wait_for(lambda: pool_status(kube, namespace, "open").get("ring"), 60, "the pool's first status")
+    pod = create_pod_injected(kube, namespace, engine_pod("engine", "open"))
+    assert pod["metadata"]["annotations"]["kvpool.io/injected"] == f"{namespace}.open"
+    side = pod["spec"]["initContainers"][0]
+    assert side["name"] == "kvpool-sidecar" and side["restartPolicy"] == "Always"
+    assert side["command"] == ["kvpool", "sidecar"] and "--pool" in side["args"]
+    assert side["args"][side["args"].index("--local") + 1] == str(32 << 20)
+    assert side["startupProbe"]["exec"]["command"][:2] == ["test", "-S"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["kvpool-shm"]["emptyDir"]["medium"] == "Memory"
+    app = pod["spec"]["containers"][0]
+    assert {"name": "KVPOOL_ADDRESS", "value": "unix:///run/kvpool/kvpool.sock"} in app["env"]
+    assert any(m["mountPath"] == "/run/kvpool" for m in app["volumeMounts"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 45  # drain 40 + margin, above the user's 1
+
+    skipped = create_pod_injected(kube, namespace, engine_pod("nopool", "nonexistent"))
+    assert skipped["metadata"]["annotations"]["kvpool.io/skip-reason"].startswith("NoSuchPool: ")
+    assert not skipped["spec"].get("initContainers")
+    closed = create_pod_injected(kube, namespace, engine_pod("notenant", "closed"))
+    assert closed["metadata"]["annotations"]["kvpool.io/skip-reason"].startswith("NoTenant: ")
+    user = engine_pod("mine", "open", annotations={"kvpool.io/injected": "by-hand"})
+    same = create_pod_injected(kube, namespace, user)
+    assert same["metadata"]["annotations"]["kvpool.io/skip-reason"].startswith("AlreadyInjected: ")
+
+
+def test_tenant_namespace_secrets(operator: Operator, kube: Kube, namespace: str) -> None:
+    other = f"{namespace}-b"
+    kube.create({"apiVersion": "v1", "kind": "Namespace",
+                 "metadata": {"name": other, "labels": {"kvpool-e2e/test": other}}})
+    try:
+        create(kube, kvpool("shared", storage={"replicas": 1}), namespace)
+        tn_name = f"tn-{namespace}"
+        create(kube, {"apiVersion": API, "kind": "TenantNamespace", "metadata": {"name": tn_name},
+                      "spec": {"tenantId": tn_name, "namespaces": [namespace, other],
+                               "pools": [{"pool": f"{namespace}.shared", "quotaBytes": "64Mi"}]}})
+        secret = f"kvpool-tenant-{tn_name}"
+        got = [wait_for(lambda ns=ns: kube.get("v1", "Secret", secret, ns), 60, f"the Secret in {ns}")
+               for ns in (namespace, other)]
+        docs = [json.loads(base64.b64decode(s["data"]["credentials.json"])) for s in got]
+        assert docs[0] == docs[1] and docs[0]["tenantId"] == tn_name and len(docs[0]["token"]) >= 32
+        st = wait_for(lambda: ((kube.get(API, "TenantNamespace", tn_name) or {}).get("status") or {}).get(
+            "conditions") and kube.get(API, "TenantNamespace", tn_name)["status"], 30, "the tenant status")  # type: ignore[index]
+        assert cond(st, "Ready") == ("True", "SecretsReady") and sorted(st["secrets"]) == sorted([namespace, other])
+        assert st["pools"][0]["pool"] == f"{namespace}.shared" and st["pools"][0]["quotaBytes"] == 64 << 20
+
+        # A pod of the tenant's namespace gets its credentials mounted into the sidecar only.
+        wait_for(lambda: pool_status(kube, namespace, "shared").get("ring"), 60, "the pool's first status")
+        pod = create_pod_injected(kube, other, engine_pod("engine", f"{namespace}.shared"))
+        side = pod["spec"]["initContainers"][0]
+        assert side["args"][side["args"].index("--tenant") + 1] == tn_name
+        vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert vols["kvpool-tenant"]["secret"]["secretName"] == secret
+
+        # Deleting the TenantNamespace removes its Secrets (they are owned by it).
+        kube.delete(API, "TenantNamespace", tn_name)
+        for ns in (namespace, other):
+            wait_for(lambda ns=ns: kube.get("v1", "Secret", secret, ns) is None, 120, f"the Secret in {ns} gone")
+    finally:
+        kube.delete("v1", "Namespace", other)
+
+
+def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespace: str) -> None:
+    from kvpool.store_client import StoreClient
+
+    kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": f"small-{namespace}"},
+                "spec": {"medium": "dram", "capacity": {"bytes": "16Mi"}}})
+    create(kube, kvpool("s", storage={"replicas": 2, "tiers": [f"small-{namespace}"]},
+                        scaleDown={"gracePeriodSeconds": 10}, tenancy={"defaultTenant": "public"}), namespace)
+    st = wait_for(lambda: (s := pool_status(kube, namespace, "s")) and s.get("readyReplicas") == 2 and s, 120,
+                  "two ready store nodes")
+    # Fill each node to ~7Mi: 14Mi on the 16Mi that one node would have left is 87 % > 80 %.
+    block = os.urandom(256 << 10)
+    for m in st["ring"]["members"]:
+        with StoreClient(m["address"]) as c:
+            keys = [os.urandom(32) for _ in range(28)]
+            codes = c.put(keys, [block] * len(keys))
+            assert all(code == 0 for code in codes), codes
+    wait_for(lambda: pool_status(kube, namespace, "s").get("usedBytes", 0) >= 14 << 20, 30, "usage in status")
+    kube.merge_patch(API, "KVPool", "s", namespace, {"spec": {"storage": {"replicas": 1}}})
+    st = wait_for(lambda: (s := pool_status(kube, namespace, "s")) and cond(s, "ScaleDownBlocked") == (
+        "True", "UtilizationTooHigh") and s, 30, "ScaleDownBlocked")
+    assert "kvpool.io/force-scale-down" in st["message"]
+    time.sleep(3)
+    assert kube.get("apps/v1", "StatefulSet", "s-store", namespace)["spec"]["replicas"] == 2  # type: ignore[index]
+    kube.merge_patch(API, "KVPool", "s", namespace,
+                     {"metadata": {"annotations": {"kvpool.io/force-scale-down": "true"}}})
+    wait_for(lambda: kube.get("apps/v1", "StatefulSet", "s-store", namespace)["spec"]["replicas"] == 1,  # type: ignore[index]
+             90, "the StatefulSet lowered after the drain")
+    st = pool_status(kube, namespace, "s")
+    assert st["lastDrain"]["leaving"] == ["s-store-1"] and st["lastDrain"]["result"] in ("Completed",
+                                                                                         "DeadlineExceeded")
+    assert [m["id"] for m in st["ring"]["members"]] == ["s-store-0"]
+    reasons = {e["reason"] for e in kube.list("v1", "Event", namespace) if e["involvedObject"]["kind"] == "KVPool"}
+    assert {"UtilizationTooHigh", "DrainStarted"} <= reasons
+    kube.delete(API, "KVTier", f"small-{namespace}")
