@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import socket
 import struct
@@ -644,3 +645,60 @@ def test_server_drops_connections_mid_batch(make_remote: MakeRemote, op: str) ->
     while len(guard.released) != len(guard.acquired) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(guard.released) == len(guard.acquired)  # nothing stays pinned
+
+
+def test_random_traffic_through_a_flaky_link_never_returns_wrong_bytes(
+    make_remote: MakeRemote, proxy: MakeProxy
+) -> None:
+    """Every connection dies after a random amount of traffic; whatever a status says OK is exact."""
+    remote = make_remote("tcp", connections_per_peer=2, slice_bytes=128 * 1024)
+    region = 2 << 20
+    workers = 3
+    seg = remote.segment("arena", workers * region)
+    cuts = random.Random(7)
+    p = proxy(remote.address, lambda i: cuts.randint(20_000, 3_000_000))
+    failures: list[str] = []
+    outcomes = collections.Counter[str]()
+
+    def worker(w: int) -> None:
+        rng = random.Random(w)
+        base = w * region
+        shadow = bytearray(seg.view[base : base + region])  # what the region must hold
+        known = bytearray(b"\x01") * region  # 0 where a failed write left bytes undefined
+        for round_ in range(12):
+            reqs: list[TransferRequest] = []
+            spans: list[tuple[int, int]] = []
+            cursor = rng.randrange(0, 4096)
+            while len(reqs) < 8 and cursor < region:
+                n = min(rng.randint(1, 300_000), region - cursor)
+                data = random_bytes(n, w * 1000 + round_ * 10 + len(reqs))
+                reqs.append(TransferRequest("write", data.data, "arena", base + cursor, n))
+                spans.append((cursor, n))
+                cursor += n + rng.randrange(0, 8192)
+            for req, (off, n), status in zip(reqs, spans, remote.engine.submit(p.address, reqs).wait(60), strict=True):
+                outcomes["write_" + status.code.name] += 1
+                shadow[off : off + n] = req.local
+                known[off : off + n] = (b"\x01" if status.ok else b"\x00") * n
+            reads = [(off, bytearray(n)) for off, n in spans]
+            statuses = remote.engine.submit(
+                p.address, [TransferRequest("read", memoryview(b), "arena", base + off, len(b)) for off, b in reads]
+            ).wait(60)
+            for (off, buf), status in zip(reads, statuses, strict=True):
+                outcomes["read_" + status.code.name] += 1
+                if not status.ok:
+                    continue
+                mask = np.frombuffer(known, np.uint8)[off : off + len(buf)].astype(bool)
+                got = np.frombuffer(buf, np.uint8)[mask]
+                want = np.frombuffer(shadow, np.uint8)[off : off + len(buf)][mask]
+                if not np.array_equal(got, want):
+                    failures.append(f"worker {w} round {round_}: wrong bytes at {off}")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures
+    assert p.cuts > 3, outcomes  # the link really was flaky
+    assert outcomes["read_OK"] > 0 and outcomes["write_OK"] > 0
+    assert set(outcomes) <= {"read_OK", "write_OK", "read_CONNECTION", "write_CONNECTION"}
