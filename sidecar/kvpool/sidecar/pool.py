@@ -202,6 +202,10 @@ class Pool:
             if ring.epoch > self.ring.epoch and self.ring.members:
                 self.history = [self.ring, *self.history][:self.history_depth]
                 self._transition_until = time.monotonic() + self.transition_seconds
+            elif not self.ring.members and ring.epoch > 1:
+                # Bootstrapping into a ring that has changed before: a change may be recent, and
+                # its objects not moved yet (the ranked fallbacks find them without history).
+                self._transition_until = time.monotonic() + self.transition_seconds
             keep = {m.id: m for m in ring.members}
             for old in self.history:
                 for m in old.members:

@@ -18,7 +18,7 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 # Sidecars 0/2 are tenant alpha, 1/3 tenant beta: 2 and 3 start with empty local tiers.
-CLUSTER = dict(stores=2, sidecars=4, store_bytes=64 * MiB, local_bytes=16 * MiB,
+CLUSTER = dict(stores=1, sidecars=4, store_bytes=64 * MiB, local_bytes=16 * MiB,
                tenants=["alpha", "beta", "alpha", "beta"])
 
 
