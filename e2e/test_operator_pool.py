@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,15 @@ def pool_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
     return dict((kube.get(API, "KVPool", name, ns) or {}).get("status") or {})
 
 
+def wait_status(kube: Kube, ns: str, name: str, pred: Callable[[dict[str, Any]], bool], timeout: float,
+                what: str) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        st = pool_status(kube, ns, name)
+        return st if st and pred(st) else None
+
+    return wait_for(check, timeout, what)
+
+
 def cond(status: dict[str, Any], ctype: str) -> tuple[str, str] | None:
     for c in status.get("conditions") or []:
         if c["type"] == ctype:
@@ -153,8 +162,7 @@ def test_pool_children_and_conditions(operator: Operator, kube: Kube, namespace:
     cfg = json.loads(kube.get("v1", "ConfigMap", "p-store-config", namespace)["data"]["node.json"])  # type: ignore[index]
     assert cfg["closed"] is False and cfg["dramBytes"] == 1 << 30
 
-    st = wait_for(lambda: (s := pool_status(kube, namespace, "p")) and cond(s, "Ready") == ("True", "NodesReady")
-                  and s, 120, "the pool Ready")
+    st = wait_status(kube, namespace, "p", lambda s: cond(s, "Ready") == ("True", "NodesReady"), 120, "the pool Ready")
     assert st["phase"] == "Ready" and st["readyReplicas"] == 2 and st["desiredReplicas"] == 2
     members = st["ring"]["members"]
     assert sorted(m["id"] for m in members) == ["p-store-0", "p-store-1"]
@@ -215,8 +223,10 @@ def test_tenant_namespace_secrets(operator: Operator, kube: Kube, namespace: str
                       "spec": {"tenantId": tn_name, "namespaces": [namespace, other],
                                "pools": [{"pool": f"{namespace}.shared", "quotaBytes": "64Mi"}]}})
         secret = f"kvpool-tenant-{tn_name}"
-        got = [wait_for(lambda ns=ns: kube.get("v1", "Secret", secret, ns), 60, f"the Secret in {ns}")
-               for ns in (namespace, other)]
+        def secret_in(ns: str) -> Callable[[], dict[str, Any] | None]:
+            return lambda: kube.get("v1", "Secret", secret, ns)
+
+        got = [wait_for(secret_in(ns), 60, f"the Secret in {ns}") for ns in (namespace, other)]
         docs = [json.loads(base64.b64decode(s["data"]["credentials.json"])) for s in got]
         assert docs[0] == docs[1] and docs[0]["tenantId"] == tn_name and len(docs[0]["token"]) >= 32
         st = wait_for(lambda: ((kube.get(API, "TenantNamespace", tn_name) or {}).get("status") or {}).get(
@@ -235,7 +245,8 @@ def test_tenant_namespace_secrets(operator: Operator, kube: Kube, namespace: str
         # Deleting the TenantNamespace removes its Secrets (they are owned by it).
         kube.delete(API, "TenantNamespace", tn_name)
         for ns in (namespace, other):
-            wait_for(lambda ns=ns: kube.get("v1", "Secret", secret, ns) is None, 120, f"the Secret in {ns} gone")
+            present = secret_in(ns)
+            wait_for(lambda: present() is None, 120, f"the Secret in {ns} gone")  # noqa: B023 (used at once)
     finally:
         kube.delete("v1", "Namespace", other)
 
@@ -247,8 +258,7 @@ def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespac
                 "spec": {"medium": "dram", "capacity": {"bytes": "16Mi"}}})
     create(kube, kvpool("s", storage={"replicas": 2, "tiers": [f"small-{namespace}"]},
                         scaleDown={"gracePeriodSeconds": 10}, tenancy={"defaultTenant": "public"}), namespace)
-    st = wait_for(lambda: (s := pool_status(kube, namespace, "s")) and s.get("readyReplicas") == 2 and s, 120,
-                  "two ready store nodes")
+    st = wait_status(kube, namespace, "s", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
     # Fill each node to ~7Mi: 14Mi on the 16Mi that one node would have left is 87 % > 80 %.
     block = os.urandom(256 << 10)
     for m in st["ring"]["members"]:
@@ -258,8 +268,8 @@ def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespac
             assert all(code == 0 for code in codes), codes
     wait_for(lambda: pool_status(kube, namespace, "s").get("usedBytes", 0) >= 14 << 20, 30, "usage in status")
     kube.merge_patch(API, "KVPool", "s", namespace, {"spec": {"storage": {"replicas": 1}}})
-    st = wait_for(lambda: (s := pool_status(kube, namespace, "s")) and cond(s, "ScaleDownBlocked") == (
-        "True", "UtilizationTooHigh") and s, 30, "ScaleDownBlocked")
+    st = wait_status(kube, namespace, "s", lambda s: cond(s, "ScaleDownBlocked") == ("True", "UtilizationTooHigh"),
+                     30, "ScaleDownBlocked")
     assert "kvpool.io/force-scale-down" in st["message"]
     time.sleep(3)
     assert kube.get("apps/v1", "StatefulSet", "s-store", namespace)["spec"]["replicas"] == 2  # type: ignore[index]

@@ -129,6 +129,10 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         calls, deadline, state, replicas = step.calls, state.deadline_unix_ms, step.state, step.replicas
     else:
         decision = scaling.decide(pool, current, usage.used_bytes, node_capacity)
+        last = int(st.get("lastScaleUnixMs") or 0)
+        if (decision.reason == "Autoscaling" and decision.action in ("up", "down") and obs.sts_replicas is not None
+                and obs.now_ms - last < settings.autoscale_cooldown_seconds * 1000):
+            decision = scaling.ScaleDecision("none", current, current, current)  # let the last step settle
         if decision.action == "down":
             step = drain.start(current, decision.target, obs.pods, obs.now_ms, pool.grace_period_seconds,
                                decision.reason)
@@ -170,6 +174,8 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     }
     if finished is not None:
         patch["lastDrain"] = dict(finished)
+    if decision is not None and decision.action in ("up", "down") and obs.sts_replicas is not None:
+        patch["lastScaleUnixMs"] = obs.now_ms
     layout_policy = Policy(dict(pool.ttl_seconds), layout.dram.high_watermark, layout.dram.low_watermark)
     return PoolPlan(
         pool=pool, status=patch, events=tuple(events), layout=layout,

@@ -43,8 +43,8 @@ class Settings:
     """Deadline of one admin call to a store node."""
     drain_overrun_seconds: float = 30.0
     """A drain still running this long after its deadline is ended by the operator."""
-    scale_up_cooldown_seconds: float = 60.0
-    """The autoscaler changes a pool's size at most this often."""
+    autoscale_cooldown_seconds: float = 60.0
+    """The autoscaler changes a pool's size at most this often (user changes are not delayed)."""
     store_labels: dict[str, str] = field(default_factory=dict)
     """Extra labels on every store pod (e.g. for network policies)."""
 

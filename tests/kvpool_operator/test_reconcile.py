@@ -116,3 +116,15 @@ def test_unreachable_node_degrades() -> None:
     stats["p-store-1"] = None
     plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=stats)
     assert _conds(plan)["Degraded"] == ("True", "NodesUnreachable") and "p-store-1" in plan.status["message"]
+
+
+def test_autoscaler_steps_are_spaced_by_the_cooldown() -> None:
+    body = pool_body(storage={"replicas": 2}, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5,
+                                                           "targetUtilization": 0.5})
+    hot = _stats(2, used=GI, epoch=1)  # 2Gi used on 2Gi: wants 4 nodes
+    plan, body = _run(body, pods=_pods(2), sts_replicas=2, stats=hot)
+    assert plan.replicas == 4 and plan.status["lastScaleUnixMs"] == NOW
+    plan, body = _run(body, pods=_pods(4), sts_replicas=4, stats=_stats(4, used=GI, epoch=1), now_ms=NOW + 1000)
+    assert plan.replicas == 4  # 4Gi used on 4Gi would want more, but the last step is too recent
+    plan, _ = _run(body, pods=_pods(4), sts_replicas=4, stats=_stats(4, used=GI, epoch=1), now_ms=NOW + 61_000)
+    assert plan.replicas == 5
