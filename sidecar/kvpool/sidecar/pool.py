@@ -296,7 +296,7 @@ class Pool:
                                    prefix_only=prefix_only, kind=kind, epoch=self.ring.epoch)
             futs.append((nid, idx, node.client.stub.Exists.future(req, timeout=self.rpc_timeout,
                                                                   metadata=node.client._metadata)))
-        out = []
+        out: list[tuple[str, npt.NDArray[np.intp], pb.ExistsReply | None]] = []
         for nid, idx, fut in futs:
             reply = None
             if fut is not None:

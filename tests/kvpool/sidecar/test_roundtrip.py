@@ -151,7 +151,7 @@ def test_put_is_idempotent_and_never_changes_an_object(shared: Any, h: Any, rng:
 
 
 def _store_index(lc: Any, key: bytes) -> int:
-    return lc.store_ids.index(_owner_ids(lc, [key])[0])
+    return int(lc.store_ids.index(_owner_ids(lc, [key])[0]))
 
 
 def test_many_client_threads_share_one_sidecar(shared: Any, h: Any, rng: random.Random) -> None:
@@ -162,7 +162,7 @@ def test_many_client_threads_share_one_sidecar(shared: Any, h: Any, rng: random.
                    for _ in range(24)]
 
         def write(batch: tuple[list[bytes], list[bytes]]) -> list[int]:
-            return a.put(*batch)
+            return list(a.put(*batch))
 
         with cf.ThreadPoolExecutor(6) as ex:
             assert all(codes == [pb.OK] * 8 for codes in ex.map(write, batches))

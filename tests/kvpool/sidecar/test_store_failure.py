@@ -127,3 +127,23 @@ def test_kill_store_under_load(h: Any, rng: random.Random) -> None:
             with r2.get(fresh) as got:
                 assert [bytes(v) for v in got] == fvalues
         assert all(p.popen.poll() is None for p in lc.sidecar_procs)
+
+        # Now the whole pool dies.  A sidecar stopped with local-only state objects reports them
+        # dropped, and still exits cleanly within its drain deadline.
+        os.kill(lc.store_pids[survivor], signal.SIGKILL)
+        lc.store_procs[survivor].popen.wait()
+        with lc.connect(0) as w:
+            for k in h.keys(rng, 3):
+                assert w.put_state(k, 128, rng.randbytes(10 * KiB)) == pb.OK
+            with w.get(fresh[:4]) as got:  # and the local tier still serves
+                assert [bytes(v) for v in got] == fvalues[:4]
+        proc = lc.sidecar_procs[0]
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(timeout=60) == 0
+        assert proc.reader is not None
+        proc.reader.join(timeout=10)
+        flushed = [ln for ln in proc.lines if ln.startswith("FLUSHED")]
+        assert len(flushed) == 1, proc.lines
+        got = dict(kv.split("=") for kv in flushed[0].split()[1:])
+        # The 3 states, and the blocks whose write-through failed while their owner was dead.
+        assert got["objects"] == "0" and int(got["dropped"]) >= 3, flushed
