@@ -16,7 +16,9 @@ from kvpool.transfer.segment import Op, validate_segment_name
 PAGE = 4096
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+# Not frozen (a frozen dataclass pays object.__setattr__ per field, and requests are built per
+# object on the hot path); treat instances as immutable all the same.
+@dataclass(slots=True, eq=False)
 class TransferRequest:
     """One byte move between caller-owned ``local`` memory and a peer's segment.
 
@@ -51,8 +53,14 @@ class TransferRequest:
             raise ValueError("remote_offset/length out of range")
         if not 0 <= self.token <= U64_MAX:
             raise ValueError("token must fit in 64 bits")
-        validate_segment_name(self.remote_segment)
-        object.__setattr__(self, "local", view)
+        if self.remote_segment not in _VALID_NAMES:
+            validate_segment_name(self.remote_segment)
+            if len(_VALID_NAMES) < 1024:  # the same few names recur; bounded all the same
+                _VALID_NAMES.add(self.remote_segment)
+        self.local = view
+
+
+_VALID_NAMES: set[str] = set()
 
 
 @dataclass(slots=True)  # not frozen: built per slice, and a frozen __init__ is slower
@@ -73,23 +81,24 @@ def slice_size(total_bytes: int, connections: int, slice_bytes: int, min_slice: 
     return max(PAGE, -(-size // PAGE) * PAGE)
 
 
-def plan_slices(lengths: list[int], connections: int, slice_bytes: int, min_slice: int = 64 * 1024) -> list[SlicePlan]:
-    """Cut requests of the given lengths into pieces (zero-length requests get none).
+def split(length: int, size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` pieces of a request longer than ``size``: equal multiples of a page
+    (the last takes the remainder), so no tiny tail costs a whole round trip on its own."""
+    pieces = -(-length // size)
+    piece = -(-length // pieces)
+    piece = -(-piece // PAGE) * PAGE
+    return [(start, min(piece, length - start)) for start in range(0, length, piece)]
 
-    Pieces of one request are equal-sized multiples of a page (the last takes the remainder),
-    so no tiny tail slice costs a whole round trip on its own.
-    """
+
+def plan_slices(lengths: list[int], connections: int, slice_bytes: int, min_slice: int = 64 * 1024) -> list[SlicePlan]:
+    """Cut requests of the given lengths into pieces (zero-length requests get none)."""
     size = slice_size(sum(lengths), connections, slice_bytes, min_slice)
     plan: list[SlicePlan] = []
     for index, length in enumerate(lengths):
         if length <= 0:
             continue
-        pieces = -(-length // size)
-        piece = -(-length // pieces)
-        piece = -(-piece // PAGE) * PAGE
-        start = 0
-        while start < length:
-            n = min(piece, length - start)
-            plan.append(SlicePlan(index, start, n))
-            start += n
+        if length <= size:
+            plan.append(SlicePlan(index, 0, length))
+        else:
+            plan.extend(SlicePlan(index, start, n) for start, n in split(length, size))
     return plan

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvpool.transfer import _sockio
 from kvpool.transfer.batch import BatchHandle, Slice
-from kvpool.transfer.plan import TransferRequest, plan_slices
+from kvpool.transfer.plan import TransferRequest, slice_size, split
 from kvpool.transfer.protocol import (
     OP_READ,
     OP_WRITE,
@@ -92,31 +92,32 @@ class TcpPeer:
         return True  # the fallback: the server answers NO_SEGMENT for what it does not have
 
     def submit(self, handle: BatchHandle, items: list[tuple[int, TransferRequest]]) -> None:
-        """Cut the requests into slices, register them with ``handle``, queue them."""
+        """Cut the requests into slices (see :func:`~kvpool.transfer.plan.plan_slices`), register
+        them with ``handle``, queue them. Inlined here: it runs for every batch."""
         settings = self.settings
-        plan = plan_slices(
-            [req.length for _, req in items], settings.connections, settings.slice_bytes, settings.min_slice_bytes
-        )
+        size = slice_size(sum(req.length for _, req in items), settings.connections, settings.slice_bytes,
+                          settings.min_slice_bytes)  # fmt: skip
         names: dict[str, bytes] = {}
         slices: list[Slice] = []
-        for piece in plan:
-            index, req = items[piece.index]
+        append = slices.append
+        for index, req in items:
             name = names.get(req.remote_segment)
             if name is None:
                 name = names[req.remote_segment] = req.remote_segment.encode("utf-8")
-            slices.append(
-                Slice(
-                    handle,
-                    index,
-                    req.op == "read",
-                    req.local[piece.start : piece.start + piece.length],
-                    name,
-                    req.remote_offset + piece.start,
-                    piece.length,
-                    req.token,
-                )
-            )
-            handle._expect(index, 1)
+            is_read = req.op == "read"
+            if req.length <= size:
+                append(Slice(handle, index, is_read, req.local, name, req.remote_offset, req.length, req.token))
+                handle._expect(index, 1)
+                continue
+            pieces = split(req.length, size)
+            for start, n in pieces:
+                append(
+                    Slice(
+                        handle, index, is_read, req.local[start : start + n], name, req.remote_offset + start, n,
+                        req.token,
+                    )
+                )  # fmt: skip
+            handle._expect(index, len(pieces))
         self.enqueue(slices)
 
     def enqueue(self, slices: list[Slice]) -> None:
