@@ -9,6 +9,8 @@ byte-exact.  No mocks: store nodes and sidecars are real processes.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -20,15 +22,18 @@ SESSIONS = 40  # capacities scale with sessions/300: 1067 and 267 blocks
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
-    """The demo through its command line (`kvpool demo` dispatches to ``demo.main``), once."""
-    path = tmp_path_factory.mktemp("demo") / "demo.json"
-    rc = demo.main(["--sessions", str(SESSIONS), "--verify-every", "1", "--json", str(path), "--no-progress"])
-    return rc, json.loads(path.read_text())
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], str, str]:
+    """`kvpool demo` at reduced size, once, in its own process as a user runs it."""
+    d = tmp_path_factory.mktemp("demo")
+    path = d / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "kvpool", "demo", "--sessions", str(SESSIONS), "--verify-every", "1",
+                           "--json", str(path)], capture_output=True, text=True, timeout=280)
+    assert path.exists(), proc.stderr[-3000:]
+    return proc.returncode, json.loads(path.read_text()), proc.stdout, proc.stderr
 
 
 @pytest.fixture(scope="module")
-def result(run: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+def result(run: tuple[int, dict[str, Any], str, str]) -> dict[str, Any]:
     return run[1]
 
 
@@ -99,8 +104,12 @@ def test_bytes_exact_and_moved(result: dict[str, Any]) -> None:
     assert "floor" in text and "mismatches: 0" in text and len(text.splitlines()) >= 15
 
 
-def test_cli(run: tuple[int, dict[str, Any]]) -> None:
-    assert run[0] == 0  # 0: no mismatches, no failed gets or puts, local tiers cleared between cells
+def test_cli(run: tuple[int, dict[str, Any], str, str]) -> None:
+    rc, out, stdout, stderr = run
+    assert rc == 0, stderr[-3000:]  # 0: no mismatches, failed gets or puts; local tiers emptied between cells
+    assert stdout == demo.format_report(out) + "\n"
+    assert "recomputed" in stderr and "done]" in stderr  # the progress lines
+    assert "Traceback" not in stderr and "fork_posix" not in stderr
     cells = demo.select_cells(demo.all_cells([1067, 267]), "sticky/no-pool,random/pool/267")
     assert [c.name for c in cells] == ["random/pool/267", "sticky/no-pool/1067", "sticky/no-pool/267"]
     assert demo.main(["--cells", "nonesuch", "--no-progress"]) == 2
