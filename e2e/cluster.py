@@ -194,6 +194,11 @@ class Cluster:
             # Endpoints, and loopback addresses are refused there.
             "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
+            # `kubectl logs` goes through the apiserver to the node agent's kubelet API.
+            f"--kubelet-client-certificate={p.kubelet_client.cert}",
+            f"--kubelet-client-key={p.kubelet_client.key}",
+            f"--kubelet-certificate-authority={p.ca.cert}",
+            "--kubelet-preferred-address-types=InternalIP",
             "--profiling=false",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             "--v=1",
@@ -241,6 +246,9 @@ class Cluster:
                 "--apiserver-port", str(self.apiserver_port),
                 "--ca-file", str(p.ca.cert),
                 "--run-id", self.run_id,
+                "--kubelet-port", str(free_port()),
+                "--serving-cert", str(p.kubelet.cert),
+                "--serving-key", str(p.kubelet.key),
             ], cwd=Path(__file__).resolve().parent.parent)
             wait_until("node agent", lambda: self._node_ready(ctx), timeout, node.check_alive)
 

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import http.client
+import http.server
 import json
 import logging
 import os
@@ -41,9 +42,11 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -755,8 +758,6 @@ class PodWorker(threading.Thread):
                             else http.client.HTTPConnection)
                 kwargs: dict[str, Any] = {"timeout": timeout}
                 if conn_cls is http.client.HTTPSConnection:
-                    import ssl
-
                     kwargs["context"] = ssl._create_unverified_context()  # kubelet skips verify
                 conn = conn_cls(host, port, **kwargs)
                 try:
@@ -1024,6 +1025,7 @@ class Agent:
         self.finished: set[str] = set()
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
+        self.kubelet_port = 0  # set by serve_kubelet_api; 0: no kubelet API
 
     # -- node ----------------------------------------------------------------------------------
 
@@ -1071,6 +1073,7 @@ class Agent:
             "capacity": cap, "allocatable": cap, "conditions": conds,
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
                           {"type": "Hostname", "address": self.node_name}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
             "nodeInfo": {"kubeletVersion": "v0.0.0-kvpool-e2e", "kubeProxyVersion": "",
                          "operatingSystem": "linux", "architecture": "amd64",
                          "containerRuntimeVersion": "kvpool-e2e://local",
@@ -1293,6 +1296,70 @@ class Agent:
         shutil.rmtree(self.shm_root, ignore_errors=True)
 
 
+class _KubeletApi(http.server.BaseHTTPRequestHandler):
+    """The one kubelet endpoint worth having here: ``/containerLogs/<ns>/<pod>/<container>``,
+    which the apiserver calls for ``kubectl logs`` (with ``tailLines`` and ``follow``)."""
+
+    state_dir: Path
+    stop_event: threading.Event
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        url = urllib.parse.urlsplit(self.path)
+        parts = url.path.strip("/").split("/")
+        query = urllib.parse.parse_qs(url.query)
+        if len(parts) != 4 or parts[0] != "containerLogs":
+            self.send_error(404, "only /containerLogs/<ns>/<pod>/<container> is served")
+            return
+        ns, pod, container = parts[1:]
+        logs = sorted((self.state_dir / "pods").glob(f"{ns}_{pod}_*/{container}.log"),
+                      key=lambda p: p.stat().st_mtime)
+        if not logs:
+            self.send_error(404, f"no log for container {container} of pod {ns}/{pod}")
+            return
+        path = logs[-1]
+        data = path.read_bytes()
+        tail = query.get("tailLines", [""])[0]
+        if tail.isdigit():
+            data = b"".join(data.splitlines(keepends=True)[-int(tail):]) if int(tail) else b""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(data)
+        if query.get("follow", ["false"])[0] != "true":
+            return
+        offset = path.stat().st_size
+        try:
+            while not self.stop_event.is_set() and path.exists():
+                with path.open("rb") as fh:
+                    fh.seek(offset)
+                    chunk = fh.read()
+                if chunk:
+                    offset += len(chunk)
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                time.sleep(0.2)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("kubelet api: " + fmt, *args)
+
+
+def serve_kubelet_api(agent: Agent, port: int, cert: str, key: str, ca: str) -> None:
+    """Serve ``_KubeletApi`` with TLS on 127.0.0.1:port; only CA-signed clients get in."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    ctx.load_verify_locations(ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    handler = type("KubeletApi", (_KubeletApi,), {"state_dir": agent.state_dir,
+                                                  "stop_event": agent.stop_event})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    server.daemon_threads = True
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    agent.kubelet_port = port
+    threading.Thread(target=server.serve_forever, name="kubelet-api", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kubeconfig", required=True)
@@ -1302,6 +1369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--apiserver-port", type=int, required=True)
     parser.add_argument("--ca-file", required=True)
     parser.add_argument("--run-id", default="local")
+    parser.add_argument("--kubelet-port", type=int, default=0, help="0: no kubelet API")
+    parser.add_argument("--serving-cert", help="TLS cert of the kubelet API")
+    parser.add_argument("--serving-key", help="TLS key of the kubelet API")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
@@ -1313,6 +1383,9 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True, exist_ok=True)
     agent = Agent(api, args.node_name, state, args.pod_ip_prefix, args.apiserver_port,
                   Path(args.ca_file), args.run_id)
+    if args.kubelet_port:
+        serve_kubelet_api(agent, args.kubelet_port, args.serving_cert, args.serving_key,
+                          args.ca_file)
     agent.register()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -42,6 +42,8 @@ class Pki:
     controller_manager: CertPair
     node: CertPair
     webhook: CertPair
+    kubelet: CertPair
+    kubelet_client: CertPair
     sa_private: Path
     sa_public: Path
 
@@ -164,6 +166,11 @@ def make_pki(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
     node = issue("node", _name("system:node:kvpool-e2e", "system:masters"), client=True)
     webhook = issue("webhook", _name("kvpool-webhook"),
                     server_names=["localhost"], server_ips=["127.0.0.1"])
+    # The node agent's kubelet API (container logs), and the apiserver's client cert for it.
+    kubelet = issue("kubelet", _name("kvpool-e2e-kubelet"),
+                    server_names=["localhost"], server_ips=["127.0.0.1"])
+    kubelet_client = issue("apiserver-kubelet-client",
+                           _name("kube-apiserver-kubelet-client", "system:masters"), client=True)
 
     sa_key = ec.generate_private_key(ec.SECP256R1())
     sa_private = directory / "sa.key"
@@ -175,4 +182,5 @@ def make_pki(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
         )
     )
     return Pki(ca=ca, apiserver=apiserver, admin=admin, controller_manager=cm, node=node,
-               webhook=webhook, sa_private=sa_private, sa_public=sa_public)
+               webhook=webhook, kubelet=kubelet, kubelet_client=kubelet_client,
+               sa_private=sa_private, sa_public=sa_public)

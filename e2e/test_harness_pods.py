@@ -429,3 +429,21 @@ def test_configmap_volume_follows_updates(cluster: Cluster, api: client.ApiClien
     core.patch_namespaced_config_map("live", namespace, {"data": {"value": "two"}})
     # The same mounted directory, new content: a process reading it sees the update.
     wait_for(lambda: seen.read_text() == "two", 30, "updated value seen in the pod")
+
+
+def test_kubectl_logs_reach_the_container_output(cluster: Cluster, api: client.ApiClient,
+                                                 namespace: str) -> None:
+    core: Any = client.CoreV1Api(api)
+    core.create_namespaced_pod(namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "talker"},
+        "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+            "name": "c", "image": "unused",
+            "command": ["sh", "-c", "echo line-one; echo line-two >&2; exec sleep 600"]}]},
+    })
+    wait_pod(api, namespace, "talker", is_ready, 60, "talker running")
+    # apiserver -> node agent's kubelet API (TLS both ways) -> the container's log file.
+    wait_for(lambda: "line-two" in cluster.kubectl("logs", "-n", namespace, "talker").stdout,
+             20, "kubectl logs shows stderr too")
+    out = cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1").stdout
+    assert out.strip() == "line-two"
+    assert "line-one" in core.read_namespaced_pod_log("talker", namespace, container="c")
