@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let the operator keep the MutatingWebhookConfiguration NAME up to date")
     ap.add_argument("--peering", default="kvpool-operator", help="kopf peering name (several replicas)")
     ap.add_argument("--standalone", action="store_true", help="no peering: this replica handles everything")
+    ap.add_argument("--priority", type=int, default=None,
+                    help="peering priority (default: random, so that of several replicas exactly one is active "
+                         "and the others stand by; kopf freezes replicas of equal priority)")
     ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL ('' off)")
     ap.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0 off)")
     return ap
@@ -125,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     standalone, peering_name = _peering(kube, args)
     metrics.serve(args.metrics_port)
-    kopf.run(registry=registry, standalone=standalone, peering_name=peering_name,
+    priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 1_000_000)
+    kopf.run(registry=registry, standalone=standalone, peering_name=peering_name, priority=priority,
              clusterwide=not args.watch_namespace, namespaces=args.watch_namespace,
              liveness_endpoint=args.liveness or None)
     rt.nodes.close()

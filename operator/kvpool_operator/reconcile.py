@@ -23,6 +23,9 @@ from .settings import Settings
 from .status import NodeStats, PoolObservation
 from .tenancy import Credentials, NodeTenant, node_tenants
 
+STORE_DEFAULT_TENANT = "default"
+"""The partition a store node keeps tokenless (open-tenancy) callers in."""
+
 
 @dataclass(frozen=True)
 class PoolObserved:
@@ -172,6 +175,11 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         "drain": state.to_status() if state is not None else None,
         **status.usage_status(usage),
     }
+    if pool.default_tenant:
+        # Tokenless callers are the store's "default" partition: show it under the pool's name for it.
+        for row in patch["tenants"]:
+            if row["tenantId"] == STORE_DEFAULT_TENANT:
+                row["tenantId"] = pool.default_tenant
     if finished is not None:
         patch["lastDrain"] = dict(finished)
     if decision is not None and decision.action in ("up", "down") and obs.sts_replicas is not None:

@@ -128,3 +128,12 @@ def test_autoscaler_steps_are_spaced_by_the_cooldown() -> None:
     assert plan.replicas == 4  # 4Gi used on 4Gi would want more, but the last step is too recent
     plan, _ = _run(body, pods=_pods(4), sts_replicas=4, stats=_stats(4, used=GI, epoch=1), now_ms=NOW + 61_000)
     assert plan.replicas == 5
+
+
+def test_default_tenant_usage_is_shown_under_its_name() -> None:
+    from kvpool_operator.status import TenantUsage
+
+    stats: dict[str, NodeStats | None] = {"p-store-0": NodeStats("p-store-0", capacity_bytes=GI, used_bytes=5,
+                                                                 tenants=(TenantUsage("default", 5),))}
+    plan, _ = _run(pool_body(tenancy={"defaultTenant": "public"}), pods=_pods(1), sts_replicas=1, stats=stats)
+    assert [t["tenantId"] for t in plan.status["tenants"]] == ["public"]
