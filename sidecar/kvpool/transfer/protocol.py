@@ -109,6 +109,8 @@ def _decode_name(name_len: int, raw_name: bytes) -> str:
 
 
 def encode_response(code: TransferCode, request_id: int, payload_len: int = 0, message: str = "") -> bytes:
+    if not message:  # the common case: no message to encode and append
+        return RESPONSE.pack(RESPONSE_MAGIC, VERSION, code, 0, request_id, payload_len)
     msg = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
     return RESPONSE.pack(RESPONSE_MAGIC, VERSION, int(code), len(msg), request_id, payload_len) + msg
 
