@@ -224,16 +224,14 @@ def module_stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
         pytest.fail("\n".join(problems))
 
 
-@pytest.fixture(scope="session")
-def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
-    """One node shared by every test that does not depend on node state (round trips, bad input)."""
-    s = Stores(tmp_path_factory.mktemp("shared"))
-    try:
-        yield s.start("64MiB")
-    finally:
-        problems = s.cleanup()
-    if problems:
-        pytest.fail("\n".join(problems))
+@pytest.fixture(scope="module")
+def shared_store(module_stores: Stores) -> StoreProcess:
+    """One node shared by the tests of a module that do not depend on node state.
+
+    Module scope, not session: nothing of this suite may outlive its modules (other suites check
+    that no kvpool process is left behind when they finish).
+    """
+    return module_stores.start("64MiB")
 
 
 @pytest.fixture
