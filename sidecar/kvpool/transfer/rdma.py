@@ -493,7 +493,8 @@ class RdmaPeer:
     def close(self) -> None:
         """Finish the queued batches (the queue pair still works), then close the queue pair."""
         self._queue.put(None)
-        self._thread.join(5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
         self.qp.close()
 
     def run(self, requests: list[TransferRequest]) -> list[TransferStatus]:

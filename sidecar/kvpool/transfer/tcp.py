@@ -164,8 +164,10 @@ class TcpPeer:
             self.cond.notify_all()
         for worker in self.workers:
             worker.interrupt()
+        current = threading.current_thread()
         for worker in self.workers:
-            worker.join(timeout)
+            if worker is not current:  # close() may run in a done-callback on a worker
+                worker.join(timeout)
         for s in self.drain_queued():
             s.fail(TransferCode.CONNECTION, "transfer engine closed")
 

@@ -702,3 +702,19 @@ def test_random_traffic_through_a_flaky_link_never_returns_wrong_bytes(
     assert p.cuts > 3, outcomes  # the link really was flaky
     assert outcomes["read_OK"] > 0 and outcomes["write_OK"] > 0
     assert set(outcomes) <= {"read_OK", "write_OK", "read_CONNECTION", "write_CONNECTION"}
+
+
+def test_close_from_a_done_callback(make_remote: MakeRemote) -> None:
+    remote = make_remote("tcp")
+    remote.segment("arena", 4096)
+    engine = TransferEngine()
+    closed = threading.Event()
+
+    def close_engine(_: object) -> None:
+        engine.close()  # runs on a worker thread of this very engine
+        closed.set()
+
+    handle = engine.submit(remote.address, [TransferRequest("read", memoryview(bytearray(16)), "arena", 0, 16)])
+    handle.add_done_callback(close_engine)
+    assert handle.wait(10)[0].ok
+    assert closed.wait(10)
