@@ -2,8 +2,13 @@
 
 Keys are grouped by owner with numpy (no Python loop over keys for routing); each owner gets one
 batched call and all owners are asked concurrently (gRPC futures for metadata, the transfer
-engine's threads for bytes).  A node that fails is marked down for a short backoff and its keys
+engine's threads for bytes).  A node that is unreachable is marked down for a short backoff and its keys
 become misses: the engine never sees a pool error, and never wrong bytes.
+
+Reads that miss at a key's owner look further, in one more batched round: at a draining member
+(always), and during a ring transition (``transition_seconds`` after a ring change) at the
+lower-ranked owners and the owners of earlier epochs, since objects are not moved on scale-up.
+A node that answers for a newer epoch makes the caller learn the ring and route once more.
 """
 
 from __future__ import annotations
