@@ -52,7 +52,7 @@ def test_writer_killed_before_commit_leaves_nothing(nodes: Any, h: Any, rng: ran
     used0, tenant0, counters0 = _usage(h, c)
     keys = h.rand_keys(rng, 2)
     size = 1 * MiB
-    timeout_ms = 800
+    timeout_ms = 3000  # long enough for the checks below on a loaded machine, short enough to wait for
     t0 = time.monotonic()
     procs = [_spawn_writer(node, h, mode, k, size, timeout_ms) for mode, k in zip(["full", "partial"], keys,
                                                                                   strict=True)]
@@ -93,13 +93,14 @@ def test_commit_after_reservation_expiry_is_refused(nodes: Any, h: Any, rng: ran
     used0, tenant0, _ = _usage(h, c)
     [key] = h.rand_keys(rng, 1)
     value = rng.randbytes(64 * KiB)
-    start = stub.PutStart(pb.PutStartRequest(keys=key, sizes=[len(value)], timeout_ms=200), timeout=10)
+    t0 = time.monotonic()
+    start = stub.PutStart(pb.PutStartRequest(keys=key, sizes=[len(value)], timeout_ms=1000), timeout=10)
     assert list(start.codes) == [pb.OK]
     with TransferEngine() as engine:
         [st] = engine.transfer(start.location.transfer_address, [TransferRequest(
             "write", memoryview(value), start.location.segment, start.offsets[0], len(value), start.tokens[0])])
         assert st.ok
-        time.sleep(0.35)
+        time.sleep(max(0.0, t0 + 1.1 - time.monotonic()))
         # A write after expiry is refused by the guard...
         [st] = engine.transfer(start.location.transfer_address, [TransferRequest(
             "write", memoryview(value), start.location.segment, start.offsets[0], len(value), start.tokens[0])])
@@ -159,14 +160,15 @@ def test_expired_lease_fails_closed(nodes: Any, h: Any, rng: random.Random) -> N
     [ka, kb] = h.rand_keys(rng, 2)
     va, vb = rng.randbytes(size), rng.randbytes(size)
     assert c.put([ka], [va]) == [pb.OK]
-    plan = c.get_plan([ka], lease_ms=150)
+    t0 = time.monotonic()
+    plan = c.get_plan([ka], lease_ms=1000)
     assert plan.codes == [pb.OK]
     # Within the lease the plan reads the object.
     code, got = _stale_fetch(node, plan, size, verify=True)
     assert code == pb.OK and got == va
     # Pinned: removing it is refused while the lease lives.
     assert c.remove([ka]) == [pb.IN_FLIGHT]
-    time.sleep(0.3)
+    time.sleep(max(0.0, t0 + 1.1 - time.monotonic()))
     # Lease gone, object still there: the stale plan is refused, not served.
     for verify in (True, False):
         code, _ = _stale_fetch(node, plan, size, verify)
