@@ -424,14 +424,20 @@ class Sidecar(spbg.SidecarServicer):
                 if batch and self.pending_bytes + nbytes + e.size > self.max_pending:
                     break
                 self._deferred.popleft()
-                self.deferred_bytes -= e.size
                 batch.append(e)
                 nbytes += e.size
+            # Moved from deferred to pending in one step: the backlog never reads 0 meanwhile.
+            self.deferred_bytes -= nbytes
+            self.pending_bytes += nbytes
         if not batch:
             return
         lease = self.local.lease([e for e in batch if e.dirty], 600_000)  # evicted ones went as copies
+        with self._lock:
+            self.pending_bytes -= nbytes - sum(e.size for e in lease.entries)
         if lease.entries:
-            self._enqueue(lease.entries, pin=lease)
+            entries = list(lease.entries)
+            self._pins[id(entries)] = lease.lease_id
+            self.pending.put((entries, None))
         else:
             self.local.release([lease.lease_id])
 
