@@ -284,3 +284,54 @@ def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespac
     reasons = {e["reason"] for e in kube.list("v1", "Event", namespace) if e["involvedObject"]["kind"] == "KVPool"}
     assert {"UtilizationTooHigh", "DrainStarted"} <= reasons
     kube.delete(API, "KVTier", f"small-{namespace}")
+
+
+def test_tiered_pool_with_claims_and_tier_change(operator: Operator, kube: Kube, namespace: str) -> None:
+    dram, ssd = f"d-{namespace}", f"s-{namespace}"
+    kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": dram},
+                "spec": {"medium": "dram", "capacity": {"bytes": "16Mi"}, "watermarks": {"high": 0.9, "low": 0.7}}})
+    kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": ssd},
+                "spec": {"medium": "ssd", "capacity": {"bytes": "32Mi"}}})
+    try:
+        create(kube, kvpool("t", storage={"replicas": 1, "tiers": [dram, ssd]}, tenancy={"defaultTenant": "x"}),
+               namespace)
+        st = wait_status(kube, namespace, "t", lambda s: s.get("readyReplicas") == 1, 120, "the tiered node ready")
+        assert st["capacityBytes"] >= 48 << 20  # DRAM and SSD of the node
+        sts = kube.get("apps/v1", "StatefulSet", "t-store", namespace)
+        assert sts is not None
+        claim = sts["spec"]["volumeClaimTemplates"][0]
+        assert claim["spec"]["resources"]["requests"]["storage"] == "34Mi"  # 32Mi + 5 %, whole MiB
+        pvcs = kube.request("GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims")["items"]
+        assert [p["metadata"]["name"] for p in pvcs] == ["ssd-t-store-0"] and pvcs[0]["status"]["phase"] == "Bound"
+        cfg = json.loads(kube.get("v1", "ConfigMap", "t-store-config", namespace)["data"]["node.json"])  # type: ignore[index]
+        assert cfg["ssdBytes"] == 32 << 20 and cfg["watermarks"] == {"high": 0.9, "low": 0.7}
+        tier_status = wait_for(lambda: ((kube.get(API, "KVTier", ssd) or {}).get("status") or {}).get("pools"), 30,
+                               "the tier's status")
+        assert tier_status == [f"{namespace}.t"]
+        before = sts["spec"]["template"]["metadata"]["annotations"]["kvpool.io/config-hash"]
+
+        # A KVTier change re-reconciles the pools using it: new config, new template, rolled out.
+        kube.merge_patch(API, "KVTier", dram, None, {"spec": {"capacity": {"bytes": "24Mi"}}})
+
+        def config() -> dict[str, Any]:
+            cm = kube.get("v1", "ConfigMap", "t-store-config", namespace) or {}
+            return dict(json.loads((cm.get("data") or {}).get("node.json", "{}")))
+
+        wait_for(lambda: config().get("dramBytes") == 24 << 20, 30, "the ConfigMap to follow the tier")
+
+        def new_template() -> bool:
+            got = kube.get("apps/v1", "StatefulSet", "t-store", namespace) or {}
+            return bool(got["spec"]["template"]["metadata"]["annotations"]["kvpool.io/config-hash"] != before)
+
+        wait_for(new_template, 30, "a new pod template (the node reads its tiers at start)")
+        wait_status(kube, namespace, "t", lambda s: s.get("capacityBytes", 0) >= 56 << 20, 120,
+                    "the restarted node reporting the larger tier")
+
+        # Claims cannot grow under a StatefulSet: the pool says so and keeps the node within its claim.
+        kube.merge_patch(API, "KVTier", ssd, None, {"spec": {"capacity": {"bytes": "64Mi"}}})
+        st = wait_status(kube, namespace, "t", lambda s: cond(s, "Degraded") == ("True", "VolumeClaimsImmutable"),
+                         30, "Degraded VolumeClaimsImmutable")
+        assert 32 << 20 <= config()["ssdBytes"] <= 34 << 20 and "recreate the pool" in st["message"]
+    finally:
+        kube.delete(API, "KVTier", dram)
+        kube.delete(API, "KVTier", ssd)

@@ -155,7 +155,8 @@ def volume_claim_templates(pool: PoolSpec, layout: NodeLayout) -> list[dict[str,
     if layout.ssd is None:
         return []
     tier = layout.ssd
-    size = tier.claim_bytes or int((tier.capacity_bytes or 0) * 1.05)
+    # Capacity + 5 % for filesystem overhead, rounded up to whole MiB (a readable quantity).
+    size = tier.claim_bytes or -(-int((tier.capacity_bytes or 0) * 1.05) // (1 << 20)) * (1 << 20)
     spec: dict[str, Any] = {"accessModes": list(tier.access_modes),
                             "resources": {"requests": {"storage": format_quantity(size)}}}
     if tier.storage_class:

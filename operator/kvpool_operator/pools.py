@@ -121,6 +121,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
             drains[node] = None
     return PoolObserved(
         body=body, tiers=tiers, pods=pods, sts_replicas=sts_replicas, sts_updating=updating,
+        sts_claims=None if sts is None else list((sts.get("spec") or {}).get("volumeClaimTemplates") or []),
         stats=dict(zip(usable, got, strict=True)), drain_statuses=drains, tenants=tenants_of(kube, pool.key),
         now_ms=now_ms, now_iso=now_iso), token, usable
 

@@ -22,6 +22,7 @@ from .model import NodeLayout, PoolSpec, SpecError, TenantSpec, TierSpec, parse_
 from .settings import Settings
 from .status import NodeStats, PoolObservation
 from .tenancy import Credentials, NodeTenant, node_tenants
+from .units import format_bytes, parse_bytes
 
 STORE_DEFAULT_TENANT = "default"
 """The partition a store node keeps tokenless (open-tenancy) callers in."""
@@ -35,6 +36,8 @@ class PoolObserved:
     sts_replicas: int | None = None
     """Replicas of the existing StatefulSet (None: not created yet)."""
     sts_updating: bool = False
+    sts_claims: Sequence[Mapping[str, Any]] | None = None
+    """volumeClaimTemplates of the existing StatefulSet (immutable there)."""
     stats: Mapping[str, NodeStats | None] = field(default_factory=dict)
     """Per usable pod: its Stats (None: it did not answer)."""
     drain_statuses: Mapping[str, NodeDrainStatus | None] = field(default_factory=dict)
@@ -95,6 +98,38 @@ def resolve_tiers(pool: PoolSpec, tiers: Mapping[str, TierSpec | SpecError]) -> 
     return out
 
 
+def _claim_bytes(claim: Mapping[str, Any]) -> int:
+    req = ((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}
+    try:
+        return parse_bytes(req.get("storage", 0))
+    except ValueError:
+        return 0
+
+
+def fit_claims(pool: PoolSpec, layout: NodeLayout, live: Sequence[Mapping[str, Any]] | None
+               ) -> tuple[NodeLayout, list[dict[str, Any]] | None, tuple[str, str] | None]:
+    """A StatefulSet's volume claims cannot change: keep the live ones, and fit the SSD tier into
+    them (never configure a node for more than its claim holds). Returns the layout to use, the
+    claims to apply (None: the builder's) and a (reason, message) when the spec could not be met."""
+    if live is None:
+        return layout, None, None
+    want = children.volume_claim_templates(pool, layout)
+    size = {str((c.get("metadata") or {}).get("name")): _claim_bytes(c) for c in live}
+    if {str(c["metadata"]["name"]): _claim_bytes(c) for c in want} == size:
+        return layout, [dict(c) for c in live], None
+    problem = ("VolumeClaimsImmutable", "the StatefulSet keeps its volume claims (immutable); recreate the pool to "
+                                        "change the SSD tier's claims")
+    if layout.ssd is None:
+        return layout, [dict(c) for c in live], problem if "ssd" not in size else None
+    if "ssd" not in size:
+        return replace(layout, ssd=None), [dict(c) for c in live], problem
+    cap = int(size["ssd"] / 1.05)
+    if (layout.ssd.capacity_bytes or 0) > cap:
+        layout = replace(layout, ssd=replace(layout.ssd, capacity_bytes=cap))
+        problem = (problem[0], f"{problem[1]}; the SSD tier is held at {format_bytes(cap)} per node")
+    return layout, [dict(c) for c in live], problem
+
+
 def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     body = obs.body
     st: Mapping[str, Any] = body.get("status") or {}
@@ -105,6 +140,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
                                 settings.store_memory_overhead_bytes)
     except SpecError as err:
         return _failed(body, err, obs, pool)
+    layout, live_claims, claim_problem = fit_claims(pool, layout, obs.sts_claims)
 
     previous = membership.ring_from_status(st)
     node_capacity = layout.capacity_bytes
@@ -164,7 +200,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     view = status.pool_conditions(PoolObservation(
         desired=desired, pods=len(obs.pods), ready_pods=sum(p.ready for p in obs.pods),
         active_members=len(ring.active), unreachable=unreachable, decision=decision, drain=state,
-        now_ms=obs.now_ms, updating=obs.sts_updating))
+        now_ms=obs.now_ms, updating=obs.sts_updating, problem=claim_problem))
     generation = int((body.get("metadata") or {}).get("generation", 0))
     conds, cond_events = status.merge_conditions(st.get("conditions"), view.conditions, obs.now_iso, generation)
     events += cond_events
@@ -185,9 +221,16 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     if decision is not None and decision.action in ("up", "down") and obs.sts_replicas is not None:
         patch["lastScaleUnixMs"] = obs.now_ms
     layout_policy = Policy(dict(pool.ttl_seconds), layout.dram.high_watermark, layout.dram.low_watermark)
+    manifests = children.children(pool, layout, settings, replicas)
+    if live_claims is not None:
+        sts_spec = manifests[-1]["spec"]
+        if live_claims:
+            sts_spec["volumeClaimTemplates"] = live_claims
+        else:
+            sts_spec.pop("volumeClaimTemplates", None)
     return PoolPlan(
         pool=pool, status=patch, events=tuple(events), layout=layout,
-        children=tuple(children.children(pool, layout, settings, replicas)), ring=ring, push_ring=push,
+        children=tuple(manifests), ring=ring, push_ring=push,
         drain_calls=tuple(by_id[c] for c in calls if c in by_id), drain_deadline_ms=deadline,
         policy=layout_policy, tenants=tuple(node_tenants(pool, obs.tenants)),
         configure=tuple(m for m in ring.members if obs.stats.get(m.id) is not None),

@@ -136,6 +136,8 @@ class PoolObservation:
     now_ms: int = 0
     updating: bool = False
     """The StatefulSet is rolling out a new template."""
+    problem: tuple[str, str] | None = None
+    """(reason, message) of a part of the spec that could not be applied (the rest was)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,8 @@ def pool_conditions(o: PoolObservation) -> PoolStatusView:
     if o.unreachable:
         c_deg = Condition("Degraded", True, "NodesUnreachable",
                           f"store nodes not answering admin calls: {', '.join(o.unreachable)}")
+    elif o.problem is not None:
+        c_deg = Condition("Degraded", True, o.problem[0], o.problem[1])
     else:
         c_deg = Condition("Degraded", False, "AsExpected", "all ready store nodes answer")
     if o.decision is not None and o.decision.action == "blocked":

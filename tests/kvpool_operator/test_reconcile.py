@@ -1,5 +1,6 @@
 """A KVPool reconcile end to end as a pure function: children, ring, scale-down, drain, status."""
 
+import json
 from typing import Any
 
 from kvpool_operator.drain import NodeDrainStatus
@@ -137,3 +138,28 @@ def test_default_tenant_usage_is_shown_under_its_name() -> None:
                                                                  tenants=(TenantUsage("default", 5),))}
     plan, _ = _run(pool_body(tenancy={"defaultTenant": "public"}), pods=_pods(1), sts_replicas=1, stats=stats)
     assert [t["tenantId"] for t in plan.status["tenants"]] == ["public"]
+
+
+def test_volume_claims_of_a_running_pool_are_kept() -> None:
+    tiers = {"d": parse_tier(tier_body("d", capacity={"bytes": "16Mi"})),
+             "s": parse_tier(tier_body("s", "ssd", capacity={"bytes": "32Mi"}))}
+    body = pool_body(storage={"tiers": ["d", "s"]})
+    first, _ = _run(body, tiers=tiers)
+    live = first.children[-1]["spec"]["volumeClaimTemplates"]
+    same, _ = _run(body, tiers=tiers, sts_replicas=1, sts_claims=live)
+    assert _conds(same)["Degraded"] == ("False", "AsExpected")
+    bigger = {**tiers, "s": parse_tier(tier_body("s", "ssd", capacity={"bytes": "64Mi"}))}
+    plan, _ = _run(body, tiers=bigger, sts_replicas=1, sts_claims=live)
+    assert plan.children[-1]["spec"]["volumeClaimTemplates"] == live  # immutable: never sent changed
+    cfg = json.loads(plan.children[1]["data"]["node.json"])
+    assert cfg["ssdBytes"] == int(_claim(live) / 1.05)  # the node is never told more than its claim holds
+    assert _conds(plan)["Degraded"] == ("True", "VolumeClaimsImmutable")
+    added, _ = _run(body, tiers=tiers, sts_replicas=1, sts_claims=[])
+    assert "ssdBytes" not in json.loads(added.children[1]["data"]["node.json"])
+    assert "volumeClaimTemplates" not in added.children[-1]["spec"]
+
+
+def _claim(claims: list[dict[str, Any]]) -> int:
+    from kvpool_operator.units import parse_bytes
+
+    return parse_bytes(claims[0]["spec"]["resources"]["requests"]["storage"])
