@@ -287,3 +287,10 @@ def test_state_objects_never_leave_dram(make_node, tmp_path: Path) -> None:  # t
     # Evicted states are gone (a miss), never served from a lower tier.
     for g in get(node, states, kind=pb.STATE):
         assert g is None or g == b"S" * (40 * KiB)
+
+
+def test_a_writer_cannot_hold_a_reservation_for_days(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    t0 = time.time()
+    _, _, toks, rid = node.put_start(T, [b"r" * 32], [10], "chatbot", pb.BLOCK, timeout_ms=2**32 - 1)
+    assert node.by_token[toks[0]].expires <= t0 + node.cfg.reservation_seconds_max + 1

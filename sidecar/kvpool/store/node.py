@@ -131,6 +131,8 @@ class NodeConfig:
     ttl_seconds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL))
     default_ttl: float = 7 * DAY
     reservation_seconds: float = 30.0
+    reservation_seconds_max: float = 300.0
+    """Upper bound of a writer's own ``timeout_ms``: a reservation cannot hold space for days."""
     commit_grace_seconds: float = 1.0
     """How long a commit waits for writes to its slots that are still in flight before it
     refuses them (a writer must wait for its transfers; this only absorbs the race between a
@@ -427,7 +429,8 @@ class StoreNode:
                 e = Entry(k, tenant, kind, traffic_class, size)
                 e.offset = off
                 e.token = self._new_token()
-                e.expires = now + (timeout_ms / 1000.0 if timeout_ms else self.cfg.reservation_seconds)
+                e.expires = now + (min(timeout_ms / 1000.0, self.cfg.reservation_seconds_max) if timeout_ms
+                                   else self.cfg.reservation_seconds)
                 part[index_key(k, kind)] = e
                 self.by_token[e.token] = e
                 t.used_bytes += size
