@@ -620,7 +620,8 @@ def format_report(out: dict[str, Any]) -> str:
         if c["pool_writes_shed"]:
             extra.append(f"{c['pool_writes_shed']} pool writes deferred (write-through backlog full)")
         if c["pool"] and c["turns_above_floor"]:
-            extra.append(f"{c['turns_above_floor']} of {c['turns']} turns above their floor")
+            extra.append(f"{c['turns_above_floor']} of {c['turns']} turns above their floor (a prefix another "
+                         f"instance was still writing to the pool)")
         if extra:
             lines.append(f"{'':<8} note: {', '.join(extra)}")
     n_full = sum(c["verified_blocks"] for c in out["cells"])
@@ -647,9 +648,11 @@ def interpret(out: dict[str, Any]) -> list[str]:
     if pooled:
         gap = max(pooled) - floor
         if gap <= 0.02:
-            lines.append(f"With the shared pool every cell recomputes {100 * min(pooled):.1f}–{100 * max(pooled):.1f}% "
-                         f"({100 * gap:+.1f} points from the floor at most), whatever the routing and the local "
-                         f"capacity: hitting the cache no longer depends on which instance serves.")
+            lo, hi = f"{100 * min(pooled):.1f}", f"{100 * max(pooled):.1f}"
+            span = f"{lo}%" if lo == hi else f"{lo}–{hi}%"
+            lines.append(f"With the shared pool every cell recomputes {span} ({100 * gap:+.2f} points from the floor "
+                         f"at most), whatever the routing and the local capacity: hitting the cache no longer "
+                         f"depends on which instance serves.")
         else:
             lines.append(f"With the shared pool the cells recompute {100 * min(pooled):.1f}–{100 * max(pooled):.1f}%, "
                          f"up to {100 * gap:.1f} points above the floor: see the notes above.")
