@@ -335,3 +335,45 @@ def test_tiered_pool_with_claims_and_tier_change(operator: Operator, kube: Kube,
     finally:
         kube.delete(API, "KVTier", dram)
         kube.delete(API, "KVTier", ssd)
+
+
+def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, kube: Kube, namespace: str) -> None:
+    from kvpool import errors
+    from kvpool.store_client import StoreClient
+
+    create(kube, kvpool("q", storage={"replicas": 1}), namespace)  # no default tenant: closed nodes
+    tn_name = f"q-{namespace}"
+    create(kube, {"apiVersion": API, "kind": "TenantNamespace", "metadata": {"name": tn_name},
+                  "spec": {"tenantId": tn_name, "namespaces": [namespace],
+                           "pools": [{"pool": f"{namespace}.q", "quotaBytes": "1Mi"}]}})
+    secret = wait_for(lambda: kube.get("v1", "Secret", f"kvpool-tenant-{tn_name}", namespace), 60, "the Secret")
+    token = json.loads(base64.b64decode(secret["data"]["credentials.json"]))["token"]
+    st = wait_status(kube, namespace, "q", lambda s: s.get("readyReplicas") == 1, 120, "the node ready")
+    address = st["ring"]["members"][0]["address"]
+    block = os.urandom(384 << 10)
+
+    def put(tok: str) -> list[int]:
+        with StoreClient(address, tok) as c:
+            return c.put([os.urandom(32) for _ in range(4)], [block] * 4)
+
+    # The node knows the token once the operator has pushed the tenants.
+    codes = wait_for(lambda: _try(put, token), 60, "the tenant's token accepted by the node")
+    assert codes.count(0) == 2 and codes.count(2) == 2, codes  # 2 × 384Ki fit in 1Mi, then QUOTA_EXCEEDED
+    with pytest.raises(errors.KvpoolError):
+        put("")  # closed pool: no token, no service
+    row = wait_for(lambda: next((p for p in ((kube.get(API, "TenantNamespace", tn_name) or {}).get("status") or {})
+                                 .get("pools", []) if p.get("refusals")), None), 60, "refusals in the tenant status")
+    assert row["usedBytes"] >= 2 * (384 << 10) and row["quotaBytes"] == 1 << 20 and row["refusals"] >= 2
+
+    # Deleting the TenantNamespace revokes the token at the node.
+    kube.delete(API, "TenantNamespace", tn_name)
+    wait_for(lambda: _try(put, token) is None, 60, "the token revoked")
+
+
+def _try(fn: Callable[[str], list[int]], token: str) -> list[int] | None:
+    from kvpool import errors
+
+    try:
+        return fn(token)
+    except errors.KvpoolError:
+        return None
