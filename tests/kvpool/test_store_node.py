@@ -294,3 +294,24 @@ def test_a_writer_cannot_hold_a_reservation_for_days(make_node) -> None:  # type
     t0 = time.time()
     _, _, toks, rid = node.put_start(T, [b"r" * 32], [10], "chatbot", pb.BLOCK, timeout_ms=2**32 - 1)
     assert node.by_token[toks[0]].expires <= t0 + node.cfg.reservation_seconds_max + 1
+
+
+def test_a_huge_batch_against_a_pinned_arena_is_refused_quickly(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    keys = [i.to_bytes(32, "little") for i in range(200)]
+    assert put(node, keys, [b"p" * 4096] * 200) == [pb.OK] * 200
+    _, _, lease = node.exists(T, keys, pin=True, lease_ms=60_000)
+    assert lease is not None
+    calls = 0
+    orig = node._evict_dram
+
+    def counting(*a: object, **kw: object) -> int:
+        nonlocal calls
+        calls += 1
+        return orig(*a, **kw)  # type: ignore[arg-type]
+
+    node._evict_dram = counting  # type: ignore[method-assign]
+    more = [(10**6 + i).to_bytes(32, "little") for i in range(20_000)]
+    codes, _, _, _ = node.put_start(T, more, [4096] * len(more), "chatbot", pb.BLOCK)
+    assert pb.NO_SPACE in codes and set(codes) <= {pb.OK, pb.NO_SPACE}
+    assert calls <= 3  # not one eviction pass per refused item

@@ -416,12 +416,16 @@ class StoreNode:
                                   self.cfg.high_watermark, self.cfg.low_watermark)
             if need:
                 self._evict_dram(need, now)
+            evictable = True
             for i, (k, size) in enumerate(zip(keys, sizes, strict=True)):
                 if codes[i] != pb.OK:
                     continue
                 try:
-                    off = self._alloc_dram(size, now)
+                    # Once eviction found nothing to free, the rest of the batch only tries the
+                    # free list: a huge batch against a pinned arena must not cost items x objects.
+                    off = self._alloc_dram(size, now) if evictable else self.dram.alloc.alloc(size)
                 except OutOfSpace:
+                    evictable = False
                     codes[i] = pb.NO_SPACE
                     self.counters["refused_space"] += 1
                     t.counters["refused_space"] += 1
