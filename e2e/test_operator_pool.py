@@ -36,15 +36,22 @@ class Operator:
         assert cluster.pki is not None
         self.port = free_port()
         self.log = workdir / "operator.log"
-        env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
-        self._out = self.log.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool", "--log-level", "INFO", "operator", "--standalone",
-             "--metrics-port", "0", "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
-             "--reconcile-interval", "2", "--tenant-interval", "3",
-             "--webhook-port", str(self.port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
-             "--webhook-cert", str(cluster.pki.webhook.cert), "--webhook-key", str(cluster.pki.webhook.key)],
-            env=env, stdout=self._out, stderr=subprocess.STDOUT)
+        self.env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
+        self._out = self.log.open("ab")
+        self.argv = [
+            sys.executable, "-m", "kvpool", "--log-level", "INFO", "operator", "--standalone",
+            "--metrics-port", "0", "--liveness", "", "--reconcile-interval", "2", "--tenant-interval", "3",
+            "--webhook-port", str(self.port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
+            "--webhook-cert", str(cluster.pki.webhook.cert), "--webhook-key", str(cluster.pki.webhook.key)]
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        """As a crash would: no chance to finish anything."""
+        self.proc.kill()
+        self.proc.wait()
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -53,6 +60,9 @@ class Operator:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def close(self) -> None:
+        self.stop()
         self._out.close()
 
     def tail(self, n: int = 80) -> str:
@@ -87,7 +97,7 @@ def operator(cluster: Cluster, kube: Kube, tmp_path_factory: pytest.TempPathFact
         yield op
     finally:
         kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}")
-        op.stop()
+        op.close()
         # Kept beside the other harness output for a post-mortem (the tmp dir may be gone).
         shutil.copyfile(op.log, Path(os.environ.get("KVPOOL_E2E_ARTIFACTS", "/tmp")) / "kvpool-e2e-operator.log")
 
@@ -377,3 +387,37 @@ def _try(fn: Callable[[str], list[int]], token: str) -> list[int] | None:
         return fn(token)
     except errors.KvpoolError:
         return None
+
+
+def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube: Kube, namespace: str) -> None:
+    from kvpool.store_client import StoreClient
+
+    create(kube, kvpool("r", storage={"replicas": 2}, scaleDown={"gracePeriodSeconds": 30},
+                        tenancy={"defaultTenant": "public"}), namespace)
+    st = wait_status(kube, namespace, "r", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+    leaving = next(m for m in st["ring"]["members"] if m["id"] == "r-store-1")
+    keys = [os.urandom(32) for _ in range(64)]
+    with StoreClient(leaving["address"]) as c:
+        assert set(c.put(keys, [os.urandom(64 << 10)] * len(keys))) == {0}
+    kube.merge_patch(API, "KVPool", "r", namespace, {"spec": {"storage": {"replicas": 1}}})
+    # Kill the operator the moment the drain is recorded: the rest must come from status.
+    wait_status(kube, namespace, "r", lambda s: bool(s.get("drain")), 30, "the drain recorded in status")
+    operator.kill()
+    try:
+        st = pool_status(kube, namespace, "r")
+        assert st["drain"]["leaving"] == ["r-store-1"] and cond(st, "Draining") == ("True", "ScaleDown")
+        assert kube.get("apps/v1", "StatefulSet", "r-store", namespace)["spec"]["replicas"] == 2  # type: ignore[index]
+    finally:
+        operator.start()
+    st = wait_status(kube, namespace, "r", lambda s: bool(s.get("lastDrain")) and not s.get("drain"), 90,
+                     "the drain finished by the restarted operator")
+    assert st["lastDrain"]["leaving"] == ["r-store-1"] and st["lastDrain"]["result"] == "Completed"
+    assert st["lastDrain"]["movedObjects"] + st["lastDrain"]["droppedObjects"] >= 1
+    assert [m["id"] for m in st["ring"]["members"]] == ["r-store-0"]
+    wait_for(lambda: kube.get("apps/v1", "StatefulSet", "r-store", namespace)["spec"]["replicas"] == 1,  # type: ignore[index]
+             30, "the StatefulSet lowered")
+    # What was moved is readable from the remaining node.
+    remaining = st["ring"]["members"][0]["address"]
+    with StoreClient(remaining) as c:
+        got = c.get(keys)
+    assert sum(v is not None for v in got) == st["lastDrain"]["movedObjects"]
