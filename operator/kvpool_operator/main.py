@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--webhook-key", default=None, help="PEM private key of the webhook server")
     ap.add_argument("--webhook-ca", default=None, help="CA bundle for a managed webhook configuration")
     ap.add_argument("--webhook-managed", default=None, metavar="NAME",
-                    help="let the operator keep the MutatingWebhookConfiguration NAME up to date")
+                    help="let the operator keep the MutatingWebhookConfiguration NAME up to date; NAME is a "
+                         "domain of at least two dots' worth, e.g. inject.kvpool.io (webhooks are named "
+                         "<handler>.<NAME>)")
     ap.add_argument("--peering", default="kvpool-operator", help="kopf peering name (several replicas)")
     ap.add_argument("--standalone", action="store_true", help="no peering: this replica handles everything")
     ap.add_argument("--priority", type=int, default=None,
@@ -97,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.webhook_port is not None and not (args.webhook_cert and args.webhook_key):
         raise SystemExit("kvpool operator: --webhook-port needs --webhook-cert and --webhook-key")
+    if args.webhook_managed and (args.webhook_managed.count(".") < 1 or args.webhook_port is None
+                                 or not args.webhook_ca):
+        raise SystemExit("kvpool operator: --webhook-managed needs a dotted name (e.g. inject.kvpool.io), "
+                         "--webhook-port and --webhook-ca")
     import kopf
 
     from .handlers import register_all

@@ -70,3 +70,12 @@ def test_cli_settings() -> None:
     assert (s.image, s.default_dram_bytes, s.command) == ("img:1", 2 << 30, ("python", "-m", "kvpool"))
     with pytest.raises(SystemExit, match="default-dram"):
         settings_from(build_parser().parse_args(["--default-dram", "lots"]))
+
+
+def test_cli_refuses_incomplete_webhook_flags() -> None:
+    from kvpool_operator.main import main
+
+    with pytest.raises(SystemExit, match="--webhook-cert"):
+        main(["--webhook-port", "9443"])
+    with pytest.raises(SystemExit, match="dotted name"):
+        main(["--webhook-port", "9443", "--webhook-cert", "c", "--webhook-key", "k", "--webhook-managed", "x"])
