@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -27,14 +26,10 @@ from typing import IO, Any
 from .proto import store_pb2 as pb
 from .store_client import StoreClient
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+# Children arm PR_SET_PDEATHSIG themselves (kvpool/__main__.py reads this variable) instead of
+# through preexec_fn: preexec_fn forces a full fork() that runs gRPC's fork handlers, which abort
+# the child when another thread of the parent has calls in flight (grpc/grpc#43055).
+DIE_WITH_PARENT_ENV = "KVPOOL_DIE_WITH_PARENT"
 
 
 @dataclass
@@ -58,8 +53,8 @@ def launch(name: str, argv: list[str], workdir: str, env: dict[str, str] | None 
     log_f: IO[str] = open(log_path, "w")  # noqa: SIM115 - handed to the child
     try:
         popen = subprocess.Popen([sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE, stderr=log_f,
-                                 text=True, cwd=workdir, env={**os.environ, **(env or {})},
-                                 preexec_fn=_die_with_parent)
+                                 text=True, cwd=workdir,
+                                 env={**os.environ, **(env or {}), DIE_WITH_PARENT_ENV: str(os.getpid())})
     finally:
         log_f.close()
     proc = Proc(name, popen, log_path=log_path)

@@ -58,7 +58,8 @@ class LocalTier:
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  reservation_seconds: float = 30.0) -> None:
         # ``capacity`` is a payload capacity: that much fits before eviction starts.
-        self.arena = DramTier(payload_arena_bytes(capacity, high_watermark), directory, label=label)
+        self.arena = DramTier(payload_arena_bytes(capacity, high_watermark), directory, label=label,
+                               keep_path=True)
         self.capacity = self.arena.capacity
         self.high, self.low = high_watermark, low_watermark
         self.reservation_seconds = reservation_seconds

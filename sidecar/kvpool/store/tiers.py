@@ -27,20 +27,30 @@ def checksum(view: memoryview | bytes) -> int:
 
 
 class DramTier:
-    """One preallocated shared-memory arena (a file in /dev/shm, so same-host peers can map it)."""
+    """One preallocated shared-memory arena (a file in ``shm_dir``).
+
+    With ``keep_path`` the file stays so same-host peers can map it by path (the sidecar's arena,
+    which its clients map); otherwise it is unlinked as soon as it is mapped, so a node killed by
+    SIGKILL leaves nothing behind in /dev/shm.  Kept files carry the creator's pid, and files of
+    dead creators in the same directory are swept at start.
+    """
 
     name = "dram"
 
     def __init__(self, capacity: int, shm_dir: str = "/dev/shm", label: str = "store",
-                 align: int = 4096) -> None:
+                 align: int = 4096, keep_path: bool = False) -> None:
         self.alloc = ExtentAllocator(capacity, align)
         self.capacity = self.alloc.capacity
-        fd, self.path = tempfile.mkstemp(prefix=f"kvpool-{label}-", suffix=".arena", dir=shm_dir)
+        sweep_dead_arenas(shm_dir)
+        fd, self.path = tempfile.mkstemp(prefix=f"kvpool-{label}-{os.getpid()}-", suffix=".arena", dir=shm_dir)
         try:
             os.ftruncate(fd, self.capacity)
             self._mmap = mmap.mmap(fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        if not keep_path:
+            os.unlink(self.path)
+            self.path = ""
         self.view = memoryview(self._mmap)
 
     def slice(self, offset: int, size: int) -> memoryview:
@@ -59,10 +69,33 @@ class DramTier:
             self._mmap.close()
         except (BufferError, ValueError):
             pass  # views still exported; the mapping goes with the process
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def sweep_dead_arenas(directory: str) -> int:
+    """Remove ``kvpool-<label>-<pid>-*.arena`` files whose creating process is gone."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not (name.startswith("kvpool-") and name.endswith(".arena")):
+            continue
+        parts = name.split("-")
+        pid = next((int(p) for p in reversed(parts[1:-1]) if p.isdigit()), 0)
+        if pid <= 0 or os.path.exists(f"/proc/{pid}"):
+            continue
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
             pass
+    return removed
 
 
 class SsdTier:
