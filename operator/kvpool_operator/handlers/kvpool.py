@@ -23,18 +23,18 @@ def register(registry: Any, rt: Runtime) -> None:
             # Conflicts and API hiccups are not failures: re-read and retry shortly.
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=2 if exc.conflict else 5) from exc
 
-    @kopf.on.resume(GROUP, VERSION, "kvpools", registry=registry)
-    @kopf.on.create(GROUP, VERSION, "kvpools", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "kvpools", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "kvpools", registry=registry, id="changed")
+    @kopf.on.create(GROUP, VERSION, "kvpools", registry=registry, id="changed")
+    @kopf.on.update(GROUP, VERSION, "kvpools", registry=registry, id="changed")
     def changed(namespace: str | None, name: str | None, **_: Any) -> None:
         run(namespace, name)
 
     @kopf.timer(GROUP, VERSION, "kvpools", interval=rt.settings.reconcile_interval_seconds, registry=registry,
-                initial_delay=rt.settings.reconcile_interval_seconds / 2)
+                id="tick", initial_delay=rt.settings.reconcile_interval_seconds / 2)
     def tick(namespace: str | None, name: str | None, **_: Any) -> None:
         run(namespace, name)
 
-    @kopf.on.delete(GROUP, VERSION, "kvpools", registry=registry, optional=True)
+    @kopf.on.delete(GROUP, VERSION, "kvpools", registry=registry, id="deleted", optional=True)
     def deleted(**_: Any) -> None:
         metrics.POOLS.dec()
         # Children go with the pool (ownerReferences); nothing to undo at the nodes.
@@ -45,13 +45,14 @@ def register(registry: Any, rt: Runtime) -> None:
         metrics.POOLS.inc()
 
     # A store pod becoming ready (or going away) changes the ring: do not wait for the timer.
-    @kopf.on.event("v1", "pods", labels={STORE_POOL_LABEL: kopf.PRESENT}, registry=registry)
+    @kopf.on.event("v1", "pods", labels={STORE_POOL_LABEL: kopf.PRESENT}, registry=registry, id="store_pod")
     def store_pod(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
         if type is not None:  # None: the initial listing, which the resume handlers cover
             run(namespace, labels.get(STORE_POOL_LABEL))
 
     # Drift repair: someone edited or deleted a child StatefulSet.
-    @kopf.on.event("apps", "v1", "statefulsets", labels={STORE_POOL_LABEL: kopf.PRESENT}, registry=registry)
+    @kopf.on.event("apps", "v1", "statefulsets", labels={STORE_POOL_LABEL: kopf.PRESENT}, registry=registry,
+                   id="store_set")
     def store_set(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
         if type in ("MODIFIED", "DELETED"):
             run(namespace, labels.get(STORE_POOL_LABEL))

@@ -27,10 +27,10 @@ def users(rt: Runtime, tier: str) -> list[tuple[str, str]]:
 
 
 def register(registry: Any, rt: Runtime) -> None:
-    @kopf.on.resume(GROUP, VERSION, "kvtiers", registry=registry)
-    @kopf.on.create(GROUP, VERSION, "kvtiers", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "kvtiers", registry=registry)
-    @kopf.on.delete(GROUP, VERSION, "kvtiers", registry=registry, optional=True)
+    @kopf.on.resume(GROUP, VERSION, "kvtiers", registry=registry, id="changed")
+    @kopf.on.create(GROUP, VERSION, "kvtiers", registry=registry, id="changed")
+    @kopf.on.update(GROUP, VERSION, "kvtiers", registry=registry, id="changed")
+    @kopf.on.delete(GROUP, VERSION, "kvtiers", registry=registry, id="changed", optional=True)
     def changed(name: str | None, body: Any, reason: Any = None, **_: Any) -> None:
         if not name:
             return

@@ -27,20 +27,20 @@ def register(registry: Any, rt: Runtime) -> None:
         except KubeError as exc:
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=2 if exc.conflict else 5) from exc
 
-    @kopf.on.resume(GROUP, VERSION, "tenantnamespaces", registry=registry)
-    @kopf.on.create(GROUP, VERSION, "tenantnamespaces", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "tenantnamespaces", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "tenantnamespaces", registry=registry, id="changed")
+    @kopf.on.create(GROUP, VERSION, "tenantnamespaces", registry=registry, id="changed")
+    @kopf.on.update(GROUP, VERSION, "tenantnamespaces", registry=registry, id="changed")
     def changed(name: str | None, body: Any, old: Any = None, **_: Any) -> None:
         run(name, body)
         if old:  # pools dropped from the list lose this tenant
             repool([r for r in tenants.pools_listed(old) if r not in tenants.pools_listed(body)])
 
-    @kopf.timer(GROUP, VERSION, "tenantnamespaces", interval=rt.settings.tenant_interval_seconds,
+    @kopf.timer(GROUP, VERSION, "tenantnamespaces", interval=rt.settings.tenant_interval_seconds, id="tick",
                 initial_delay=rt.settings.tenant_interval_seconds / 2, registry=registry)
     def tick(name: str | None, body: Any, **_: Any) -> None:
         run(name, body)
 
-    @kopf.on.delete(GROUP, VERSION, "tenantnamespaces", registry=registry)
+    @kopf.on.delete(GROUP, VERSION, "tenantnamespaces", registry=registry, id="deleted")
     def deleted(body: Any, **_: Any) -> None:
         # The object is still there with a deletionTimestamp: pool reconciles leave it out, so
         # SetTenants(replace) revokes its token. Its Secrets go with it (ownerReferences).

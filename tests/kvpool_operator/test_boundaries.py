@@ -1,0 +1,46 @@
+"""Boundaries of the operator (STYLE 3), checked on the source until an import-linter contract
+covers them: only ``kube`` imports the Kubernetes client, only ``nodes`` gRPC, only handlers and
+``main`` kopf, and of the data plane only the ring, the proto modules and the store client."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "operator" / "kvpool_operator"
+DATA_PLANE_ALLOWED = ("kvpool.ring", "kvpool.proto", "kvpool.store_client")
+
+
+def _imports() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        mods: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods.add(node.module)
+        out[str(path.relative_to(PKG))] = mods
+    return out
+
+
+def _users(prefix: str) -> set[str]:
+    return {f for f, mods in _imports().items() if any(m == prefix or m.startswith(prefix + ".") for m in mods)}
+
+
+def test_one_module_talks_to_kubernetes() -> None:
+    assert _users("kubernetes") == {"kube.py"}
+
+
+def test_one_module_talks_to_store_nodes() -> None:
+    assert _users("grpc") == {"nodes.py"}
+
+
+def test_kopf_only_in_handlers_and_main() -> None:
+    assert {f for f in _users("kopf") if not f.startswith("handlers/")} <= {"main.py"}
+
+
+def test_no_data_plane_internals() -> None:
+    for f, mods in _imports().items():
+        bad = {m for m in mods if (m == "kvpool" or m.startswith("kvpool.")) and not m.startswith(DATA_PLANE_ALLOWED)}
+        assert not bad, f"{f} imports {bad}"
