@@ -452,11 +452,13 @@ class StoreNode:
         if not t.quota_bytes:
             return
         want = t.used_bytes
+        evictable = t.evict_own_on_quota
         for i, size in enumerate(sizes):
             if codes[i] != pb.OK:
                 continue
-            if want + size > t.quota_bytes and t.evict_own_on_quota and size <= t.quota_bytes:
-                self._evict_tenant(t, want + size - t.quota_bytes, now)
+            if want + size > t.quota_bytes and evictable and size <= t.quota_bytes:
+                if not self._evict_tenant(t, want + size - t.quota_bytes, now):
+                    evictable = False  # nothing of its own left to evict: stop scanning for this batch
                 want = t.used_bytes + sum(s for j, s in enumerate(sizes[:i]) if codes[j] == pb.OK)
             if want + size > t.quota_bytes:
                 codes[i] = pb.QUOTA_EXCEEDED
@@ -801,8 +803,8 @@ class StoreNode:
     def _ttl_map_for(self, e: Entry) -> dict[str, float]:
         return {e.traffic_class: self._ttl_for(e)}
 
-    def _evict_tenant(self, t: Tenant, need: int, now: float) -> None:
-        """Quota with eviction: drop the tenant's own least recently used objects."""
+    def _evict_tenant(self, t: Tenant, need: int, now: float) -> int:
+        """Quota with eviction: drop the tenant's own least recently used objects; bytes freed."""
         own = [e for e in itertools.chain(self.lru_ssd.values(), self.lru_dram.values()) if e.tenant == t.tenant_id]
         own.sort(key=lambda e: e.last_access)
         plan = choose_victims(own, need, now, {}, 0.0, expire_all=False)
@@ -810,6 +812,7 @@ class StoreNode:
             self._discard(c)  # type: ignore[arg-type]
             self.counters["evicted_quota"] += 1
             t.counters["evicted_quota"] += 1
+        return plan.freed_bytes
 
     def _demote(self, e: Entry, now: float) -> bool:
         """Move a DRAM object to the SSD tier (or the shared filesystem); False if neither can."""
