@@ -287,7 +287,8 @@ def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespac
                      {"metadata": {"annotations": {"kvpool.io/force-scale-down": "true"}}})
     wait_for(lambda: kube.get("apps/v1", "StatefulSet", "s-store", namespace)["spec"]["replicas"] == 1,  # type: ignore[index]
              90, "the StatefulSet lowered after the drain")
-    st = pool_status(kube, namespace, "s")
+    # The StatefulSet is lowered first, then the status written: wait for both.
+    st = wait_status(kube, namespace, "s", lambda s: bool(s.get("lastDrain")), 30, "lastDrain in status")
     assert st["lastDrain"]["leaving"] == ["s-store-1"] and st["lastDrain"]["result"] in ("Completed",
                                                                                          "DeadlineExceeded")
     assert [m["id"] for m in st["ring"]["members"]] == ["s-store-0"]
