@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,6 +162,8 @@ class Pool:
         self.errors = 0
         self.refresh_needed = threading.Event()
         self._seen_epoch = 0
+        self.on_ring_change: Callable[[Ring], None] | None = None
+        """Called (outside the lock) after the ring moved to a newer epoch."""
         self._refresh_lock = threading.Lock()
         if self.seeds:
             self.refresh_ring()
@@ -204,6 +206,7 @@ class Pool:
         with self.lock:
             if ring.epoch < self.ring.epoch:
                 return
+            changed = ring.epoch > self.ring.epoch and bool(self.ring.members)
             if ring.epoch > self.ring.epoch and self.ring.members:
                 self.history = [self.ring, *self.history][:self.history_depth]
                 self._transition_until = time.monotonic() + self.transition_seconds
@@ -229,6 +232,8 @@ class Pool:
             self.ring = ring
             self._active_ids = [m.id for m in ring.active]
         self.refresh_needed.clear()
+        if changed and self.on_ring_change is not None:
+            self.on_ring_change(ring)
 
     def _note_epoch(self, epoch: int) -> None:
         if epoch > self.ring.epoch:

@@ -79,6 +79,7 @@ class Sidecar(spbg.SidecarServicer):
         self.local = LocalTier(cfg.local_bytes, arena_dir, label="sidecar")
         self.local.on_evict = self._on_evict
         self.pool = Pool(cfg.pool, cfg.token)
+        self.pool.on_ring_change = self._ring_changed
         self.match_leases: dict[int, _MatchLease] = {}
         self._ids = iter(range(1, 1 << 62))
         self._lock = threading.Lock()
@@ -414,6 +415,24 @@ class Sidecar(spbg.SidecarServicer):
         if self.pool.enabled:
             self._enqueue([e for e, _ in evicted], [b for _, b in evicted])
 
+    def _ring_changed(self, ring: Any) -> None:
+        """Write-through blocks whose pool write failed (their owner was unreachable) get another
+        chance under the new ring; write-back blocks and state objects wait for eviction/drain."""
+        if self.cfg.write_back:
+            return
+        self._defer([e for e in self.local.local_only() if e.kind == pb.BLOCK])
+
+    def _defer(self, blocks: list[LocalEntry]) -> None:
+        """Queue local-only write-through blocks for another pool write (once each)."""
+        if not blocks:
+            return
+        with self._lock:
+            queued = {id(e) for e in self._deferred}
+            todo = [e for e in blocks if id(e) not in queued]
+            self._deferred.extend(todo)
+            self.deferred_bytes += sum(e.size for e in todo)
+        self.counters["pool_writes_retried"] += len(todo)
+
     def _resume_deferred(self) -> None:
         """Queue deferred write-through blocks again while the backlog has room."""
         batch: list[LocalEntry] = []
@@ -475,6 +494,7 @@ class Sidecar(spbg.SidecarServicer):
         todo = [i for i, e in enumerate(entries) if not e.pooled]
         if not todo:
             return 0, 0
+        epoch = self.pool.ring.epoch
         ok = failed = 0
         groups: dict[tuple[int, str], list[int]] = {}
         for i in todo:
@@ -504,6 +524,10 @@ class Sidecar(spbg.SidecarServicer):
                         still_local.append(entries[i])
         if still_local:
             self.local.mark_dirty(still_local)
+            if self.pool.ring.epoch != epoch and not self.cfg.write_back:
+                # The ring changed while this batch was on its way (to an owner that is gone):
+                # the retry of :meth:`_ring_changed` may have missed it, so queue it again.
+                self._defer([e for e in still_local if e.kind == pb.BLOCK])
         self.counters["pool_writes"] += ok
         metrics.POOL_BYTES_OUT.labels(self.cfg.tenant_id).inc(sum(entries[i].size for i in todo if entries[i].pooled))
         return ok, failed
@@ -541,6 +565,7 @@ class Sidecar(spbg.SidecarServicer):
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.SidecarStats:
         counters = dict(self.counters)
         counters["pool_errors"] = self.pool.errors
+        counters["local_only_objects"] = len(self.local.local_only())
         return spb.SidecarStats(counters=counters, local_capacity_bytes=self.local.capacity,
                                 local_used_bytes=self.local.used, local_objects=len(self.local.lru),
                                 ring_epoch=self.pool.ring.epoch, pool_nodes_up=self.pool.nodes_up(),
