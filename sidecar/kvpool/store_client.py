@@ -19,7 +19,7 @@ from .keys import pack_keys
 from .proto import store_pb2 as pb
 from .proto import store_pb2_grpc as pbg
 from .store.tiers import checksum
-from .transfer import TransferEngine, TransferRequest
+from .transfer import TransferEngine, TransferRequest, TransferStatus
 
 Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
 
@@ -75,6 +75,7 @@ class StoreClient:
         self._own_engine = engine is None
         self.engine = engine or TransferEngine()
         self._lock = threading.Lock()
+        self._inflight: set[Any] = set()
         self.epoch_seen = 0
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -112,6 +113,21 @@ class StoreClient:
         ids = [i for i in lease_ids if i]
         if ids:
             self._rpc(self.stub.Release, pb.ReleaseRequest(lease_ids=ids))
+
+    def release_async(self, lease_ids: Sequence[int]) -> None:
+        """Drop leases without waiting for the answer (they expire by themselves if it is lost)."""
+        ids = [i for i in lease_ids if i]
+        if ids:
+            fut = self.stub.Release.future(pb.ReleaseRequest(lease_ids=ids), timeout=self.timeout,
+                                           metadata=self._metadata)
+            # A future that is garbage-collected cancels its call: hold it until it is done.
+            with self._lock:
+                self._inflight.add(fut)
+            fut.add_done_callback(self._forget_future)
+
+    def _forget_future(self, fut: Any) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
         return list(self._rpc(self.stub.Remove, pb.RemoveRequest(keys=pack_keys(keys), kind=kind)).codes)
@@ -182,15 +198,21 @@ class StoreClient:
             reqs.append(TransferRequest("read", buf[:plan.sizes[i]], plan.location.segment, plan.offsets[i],
                                         plan.sizes[i], plan.tokens[i]))
         if reqs:
-            statuses = self.engine.submit(plan.location.transfer_address, reqs).wait()
-            for i, st in zip(todo, statuses, strict=True):
+            bad = bytearray(len(reqs))
+
+            def verify(j: int, st: TransferStatus) -> None:
+                # Runs on a transport thread as each request lands, so hashing one object
+                # overlaps the network moving the next (the hash holds the GIL, recv does not).
+                if st.ok and checksum(reqs[j].local) != plan.checksums[todo[j]]:
+                    bad[j] = 1
+
+            statuses = self.engine.submit(plan.location.transfer_address, reqs,
+                                          verify if self.verify else None).wait()
+            for j, (i, st) in enumerate(zip(todo, statuses, strict=True)):
                 if not st.ok:
                     codes[i] = pb.LEASE_EXPIRED
-                elif self.verify:
-                    buf = buffers[i]
-                    assert buf is not None
-                    if checksum(buf[:plan.sizes[i]]) != plan.checksums[i]:
-                        codes[i] = pb.CHECKSUM
+                elif bad[j]:
+                    codes[i] = pb.CHECKSUM
         return codes
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], lease_ms: int = 0,
@@ -200,7 +222,7 @@ class StoreClient:
         try:
             return self.fetch_into(plan, [as_bytes_view(b) for b in buffers])
         finally:
-            self.release([plan.lease_id])
+            self.release_async([plan.lease_id])
 
     def get(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[bytearray | None]:
         """Convenience read into fresh buffers (tests, tools); None for misses."""

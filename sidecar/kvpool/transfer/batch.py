@@ -23,7 +23,8 @@ class BatchHandle:
     short — e.g. ``loop.call_soon_threadsafe``).
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, on_request_done: Callable[[int, TransferStatus], None] | None = None) -> None:
+        self._on_request_done = on_request_done
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._pending = [0] * count
@@ -47,6 +48,8 @@ class BatchHandle:
             self._sealed = True
             for index, pending in enumerate(self._pending):
                 if pending == 0 and self._final[index] is None:
+                    if self._on_request_done is not None:
+                        self._on_request_done(index, self._errors[index] or STATUS_OK)
                     self._finish(index)
             callbacks = self._take_callbacks_if_done()
         for cb in callbacks:
@@ -54,6 +57,28 @@ class BatchHandle:
 
     def _complete(self, index: int, status: TransferStatus) -> None:
         """One piece of request ``index`` finished with ``status``."""
+        hook = self._on_request_done
+        if hook is not None:
+            # The per-request hook must run before the batch can be seen as done (a waiter may
+            # read what the hook produced), so the last piece's hook runs before _finish.
+            with self._lock:
+                if not status.ok and self._errors[index] is None:
+                    self._errors[index] = status
+                self._pending[index] -= 1
+                last = self._pending[index] == 0 and self._sealed
+                final = (self._errors[index] or STATUS_OK) if last else None
+            if final is not None:
+                try:
+                    hook(index, final)
+                except Exception:  # a caller bug must not wedge the transport thread
+                    pass
+            with self._lock:
+                if last:
+                    self._finish(index)
+                callbacks = self._take_callbacks_if_done()
+            for cb in callbacks:
+                cb(self)
+            return
         with self._lock:
             if not status.ok and self._errors[index] is None:
                 self._errors[index] = status

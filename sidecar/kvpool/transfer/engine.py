@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.transfer import rdma
@@ -129,8 +129,13 @@ class TransferEngine:
 
     # -- batches ---------------------------------------------------------------------------
 
-    def submit(self, peer: str, requests: Sequence[TransferRequest]) -> BatchHandle:
+    def submit(self, peer: str, requests: Sequence[TransferRequest],
+               on_request_done: Callable[[int, TransferStatus], None] | None = None) -> BatchHandle:
         """Start moving ``requests`` to/from ``peer`` (``"host:port"``); returns at once.
+
+        ``on_request_done(index, status)`` runs on the transport thread as each request becomes
+        final (before the batch is): callers verify checksums there, overlapping the hash of one
+        request with the network moving the next.  Keep it short and never raise from it.
 
         Each request goes to the first of the peer's transports that handles its segment:
         shared memory, RDMA, then TCP. The asynchronous transports are started first, so the
@@ -140,7 +145,7 @@ class TransferEngine:
         """
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        handle = BatchHandle(len(requests))
+        handle = BatchHandle(len(requests), on_request_done)
         routes: list[Transport] = [t for t in (self._shm.get(peer), self._rdma.get(peer)) if t is not None]
         groups: dict[int, list[Item]] = {}
         tcp_items: list[Item] = []
