@@ -11,12 +11,18 @@ for one epoch, so an operator restarted in the middle re-reads ``status.drain`` 
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .membership import StorePod
 from .units import format_bytes
+
+
+def _iso(unix_ms: int) -> str:
+    return dt.datetime.fromtimestamp(unix_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
 
 COUNTERS = ("movedObjects", "movedBytes", "droppedObjects", "droppedBytes", "remainingObjects")
 
@@ -64,7 +70,8 @@ class DrainState:
     def to_status(self) -> dict[str, Any]:
         return {"phase": "Draining", "fromReplicas": self.from_replicas, "toReplicas": self.to_replicas,
                 "leaving": list(self.leaving), "startedUnixMs": self.started_unix_ms,
-                "deadlineUnixMs": self.deadline_unix_ms, "epoch": self.epoch, "reason": self.reason,
+                "deadlineUnixMs": self.deadline_unix_ms, "deadline": _iso(self.deadline_unix_ms),
+                "epoch": self.epoch, "reason": self.reason,
                 "nodes": {k: dict(v) for k, v in self.nodes.items()}, **self.totals()}
 
     @staticmethod

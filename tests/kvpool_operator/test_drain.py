@@ -18,6 +18,7 @@ def test_start_marks_highest_ordinals() -> None:
     assert st.calls == ("p-store-1", "p-store-2")
     assert st.replicas == 3 and st.member_limit == 3  # nothing shrinks until the objects moved
     assert st.state.deadline_unix_ms == NOW + 60_000
+    assert st.state.to_status()["deadline"] == "1970-01-01T00:17:40Z"
     assert st.events[0].reason == "DrainStarted"
 
 
