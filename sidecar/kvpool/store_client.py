@@ -8,6 +8,7 @@ recycled under a stale lease can never hand back another object's bytes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,9 +163,15 @@ class StoreClient:
                                 start.tokens[i]) for i in todo]
         handle = self.engine.submit(start.location.transfer_address, reqs)
         # Hash while the bytes fly: the checksum travels with the commit, not the payload.
+        # The hash holds the GIL: yield after each object so the sender threads, which need it
+        # only between syscalls, are not starved for a whole switch interval.
         sums = [0] * len(codes)
         for i in todo:
-            sums[i] = checksums[i] if checksums is not None else checksum(views[i])
+            if checksums is not None:
+                sums[i] = checksums[i]
+            else:
+                sums[i] = checksum(views[i])
+                time.sleep(0)
         statuses = handle.wait()
         revoke = bytearray(len(codes))
         for i, st in zip(todo, statuses, strict=True):
