@@ -115,7 +115,7 @@ def measure(ctx: Context) -> list[Row]:
             node = procs.start(
                 "kvpool-store",
                 [sys.executable, "-m", "kvpool", "store", "--listen", f"127.0.0.1:{port}",
-                 "--dram", str(dram)],
+                 "--transfer-port", "0", "--dram", str(dram)],
                 env=python_env(), ready_line="READY", timeout=120)
             # "READY <address> [more fields]": the address is the first word after READY.
             words = (node.ready_line or "").split()
