@@ -379,6 +379,11 @@ class PodWorker(threading.Thread):
             if c.proc is None and not c.done and time.monotonic() >= c.restart_at:
                 self._start(c)
             if c.kind == "sidecar":
+                if c.proc is not None and c.proc.poll() is not None:
+                    # Died before it counted as started: sidecars always restart.
+                    self._record_exit(c, c.proc.returncode)
+                    self._schedule_restart(c)
+                    return
                 if not (c.running() and c.startup_ok):
                     return
             else:
@@ -422,7 +427,7 @@ class PodWorker(threading.Thread):
     def _record_exit(self, c: Container, code: int) -> None:
         c.exit_code = code if code >= 0 else 128 - code  # signal N -> 128+N, like a runtime
         c.finished_at = now_rfc3339()
-        c.reason = "Completed" if code == 0 else ("Error" if code > 0 else "Error")
+        c.reason = "Completed" if code == 0 else "Error"
         c.ready = False
         log.info("pod %s/%s container %s exited %s", self.ns, self.pod_name, c.name, c.exit_code)
 

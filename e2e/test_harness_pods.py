@@ -447,3 +447,36 @@ def test_kubectl_logs_reach_the_container_output(cluster: Cluster, api: client.A
     out = cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1").stdout
     assert out.strip() == "line-two"
     assert "line-one" in core.read_namespaced_pod_log("talker", namespace, container="c")
+
+
+def test_sidecar_that_crashes_at_start_is_restarted_before_main(cluster: Cluster,
+                                                                 api: client.ApiClient,
+                                                                 namespace: str) -> None:
+    core: Any = client.CoreV1Api(api)
+    core.create_namespaced_pod(namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "flaky-sidecar"},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "volumes": [{"name": "w", "emptyDir": {}}],
+            "initContainers": [{
+                "name": "side", "image": "unused", "restartPolicy": "Always",
+                # Fails its first start, works on the second.
+                "command": ["sh", "-c", f"if [ ! -f {MOUNT}/once ]; then touch {MOUNT}/once;"
+                            f" exit 1; fi; touch {MOUNT}/side-up; exec sleep 600"],
+                "volumeMounts": [{"name": "w", "mountPath": MOUNT}],
+                "startupProbe": {"exec": {"command": ["test", "-f", f"{MOUNT}/side-up"]},
+                                 "periodSeconds": 1, "failureThreshold": 30},
+            }],
+            "containers": [{
+                "name": "main", "image": "unused",
+                # Exits 3 (and so never gets ready) if it was started before the sidecar was up.
+                "command": ["sh", "-c", f"test -f {MOUNT}/side-up || exit 3; exec sleep 600"],
+                "volumeMounts": [{"name": "w", "mountPath": MOUNT}],
+            }],
+        },
+    })
+    pod = wait_pod(api, namespace, "flaky-sidecar", is_ready, 60, "pod ready")
+    side = pod["status"]["initContainerStatuses"][0]
+    main = pod["status"]["containerStatuses"][0]
+    assert side["restartCount"] == 1 and side["lastState"]["terminated"]["exitCode"] == 1
+    assert main["restartCount"] == 0 and "running" in main["state"]
