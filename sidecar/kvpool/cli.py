@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_store)
 
     for name, mod in (("sidecar", "sidecar.server"), ("up", "local"), ("demo", "demo"),
+                      ("loadgen", "loadgen"),  # an engine stand-in for load and e2e tests
                       ("operator", None)):
         p = sub.add_parser(name, add_help=False)
         p.set_defaults(func=None, delegate=(name, mod))
