@@ -110,6 +110,8 @@ def test_invalid_pools_refused(cluster: Cluster, crds: None, namespace: str, doc
     (tier("bad-frac2", capacity={"memoryFraction": 1.5}), "capacity.memoryFraction must be in (0, 0.95]"),
     (tier("bad-vc", volumeClaim={"size": "1Gi"}), "volumeClaim is only valid for the ssd medium"),
     (tier("bad-fs", medium="sharedfs"), "a sharedfs tier needs spec.sharedfs.volume"),
+    (tier("bad-fs2", sharedfs={"volume": {"emptyDir": {}}}), "sharedfs is only valid for the sharedfs medium"),
+    (tier("bad-vcsize", medium="ssd", volumeClaim={"size": "0"}), "volumeClaim.size must be a positive quantity"),
     (tier("bad-medium", medium="tape"), "spec.medium"),
 ])
 def test_invalid_tiers_refused(cluster: Cluster, crds: None, doc: dict[str, Any], message: str) -> None:
