@@ -172,6 +172,12 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         if (decision.reason == "Autoscaling" and decision.action in ("up", "down") and obs.sts_replicas is not None
                 and obs.now_ms - last < settings.autoscale_cooldown_seconds * 1000):
             decision = scaling.ScaleDecision("none", current, current, current)  # let the last step settle
+        silent = sorted(k for k, v in obs.stats.items() if v is None)
+        if decision.action == "down" and silent and not pool.force_scale_down:
+            # Usage unknown means the limit cannot be checked: refuse rather than guess low.
+            decision = scaling.ScaleDecision(
+                "blocked", current, current, decision.wanted, "NodeStatsUnavailable",
+                f"scale-down from {current} to {decision.wanted} waits: no usage from {', '.join(silent)}")
         if decision.action == "down":
             step = drain.start(current, decision.target, obs.pods, obs.now_ms, pool.grace_period_seconds,
                                decision.reason)

@@ -163,3 +163,13 @@ def _claim(claims: list[dict[str, Any]]) -> int:
     from kvpool_operator.units import parse_bytes
 
     return parse_bytes(claims[0]["spec"]["resources"]["requests"]["storage"])
+
+
+def test_scale_down_waits_for_the_usage_of_every_node() -> None:
+    body = pool_body(storage={"replicas": 3})
+    _, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
+    body["spec"]["storage"]["replicas"] = 2
+    stats = _stats(3, epoch=1)
+    stats["p-store-1"] = None
+    plan, _ = _run(body, pods=_pods(3), sts_replicas=3, stats=stats)
+    assert plan.drain_calls == () and _conds(plan)["ScaleDownBlocked"] == ("True", "NodeStatsUnavailable")
