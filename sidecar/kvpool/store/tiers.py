@@ -45,7 +45,11 @@ class DramTier:
         fd, self.path = tempfile.mkstemp(prefix=f"kvpool-{label}-{os.getpid()}-", suffix=".arena", dir=shm_dir)
         try:
             os.ftruncate(fd, self.capacity)
-            self._mmap = mmap.mmap(fd, self.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: the kernel allocates and maps every page now, so the first transfers
+            # into the arena do not pay a page fault per 4 KiB (and a too-small /dev/shm or
+            # memory limit fails here, at start, not in the middle of serving).
+            self._mmap = mmap.mmap(fd, self.capacity, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         if not keep_path:
@@ -55,13 +59,6 @@ class DramTier:
 
     def slice(self, offset: int, size: int) -> memoryview:
         return self.view[offset:offset + size]
-
-    def prefault(self) -> None:
-        """Touch every page once so the first measured writes do not pay page faults."""
-        step = mmap.PAGESIZE
-        for off in range(0, self.capacity, 1 << 24):
-            end = min(self.capacity, off + (1 << 24))
-            self.view[off:end:step] = bytes(len(range(off, end, step)))
 
     def close(self) -> None:
         try:
