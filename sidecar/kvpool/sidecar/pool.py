@@ -158,7 +158,7 @@ class Pool:
         self.fallback_ranks = fallback_ranks
         self._transition_until = 0.0
         self._active_ids: list[str] = []
-        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pool")
+        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pool")
         self.errors = 0
         self.refresh_needed = threading.Event()
         self._seen_epoch = 0
@@ -304,8 +304,10 @@ class Pool:
                 continue
             req = pb.ExistsRequest(keys=key_array[idx].tobytes(), pin=pin, lease_ms=lease_ms if pin else 0,
                                    prefix_only=prefix_only, kind=kind, epoch=self.ring.epoch)
-            futs.append((nid, idx, node.client.stub.Exists.future(req, timeout=self.rpc_timeout,
-                                                                  metadata=node.client._metadata)))
+            # Blocking calls on the pool's threads, not stub.future(): gRPC starts a thread per
+            # future call (~0.5 ms each here), more than the Exists itself costs.
+            futs.append((nid, idx, self._executor.submit(node.client.stub.Exists, req, timeout=self.rpc_timeout,
+                                                         metadata=node.client._metadata)))
         out: list[tuple[str, npt.NDArray[np.intp], pb.ExistsReply | None]] = []
         for nid, idx, fut in futs:
             reply = None
@@ -422,8 +424,8 @@ class Pool:
             if node is None or len(idx) == 0:
                 continue
             req = pb.GetRequest(keys=key_array[idx].tobytes(), kind=kind, lease_ms=lease_ms, epoch=self.ring.epoch)
-            calls.append((node, idx, node.client.stub.Get.future(req, timeout=self.rpc_timeout,
-                                                                 metadata=node.client._metadata)))
+            calls.append((node, idx, self._executor.submit(node.client.stub.Get, req, timeout=self.rpc_timeout,
+                                                          metadata=node.client._metadata)))
         out = []
         for node, idx, fut in calls:
             try:
