@@ -38,10 +38,12 @@ SERVER_BUF = 64 * MiB
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    # MSG_WAITALL: the kernel fills the whole view in one call, without the GIL; the loop only
+    # covers the rare short return (a signal).
     got = 0
     n = len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             return False
         got += k
