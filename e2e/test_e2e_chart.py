@@ -58,8 +58,9 @@ class Release:
             assert proc.returncode == 0, f"helm {' '.join(args)}: {proc.stdout}\n{proc.stderr}"
         return proc
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = self.cluster.kubectl(*args, input=input, check=False)
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        proc = self.cluster.kubectl(*args, input=input, check=False, timeout=timeout)
         if check:
             assert proc.returncode == 0, f"kubectl {' '.join(args)}: {proc.stdout}\n{proc.stderr}"
         return proc
@@ -242,3 +243,157 @@ def test_3_engines_get_sidecars_and_share_the_pool(release: Release) -> None:
     st = rel.wait_pool("minimal", lambda s: s.get("hitRate", 0) > 0, 60, "a hit rate in the pool's status")
     assert st["usedBytes"] >= 64 * 4096
     rel.kubectl("delete", "deployment/engine", "-n", rel.apps)
+
+
+def kvtier(name: str, size: str) -> str:
+    return json.dumps({"apiVersion": API, "kind": "KVTier", "metadata": {"name": name},
+                       "spec": {"medium": "dram", "capacity": {"bytes": size}}})
+
+
+def kvpool_doc(name: str, **spec: Any) -> str:
+    return json.dumps({"apiVersion": API, "kind": "KVPool", "metadata": {"name": name}, "spec": spec})
+
+
+def pool_events(rel: Release, pool: str) -> dict[str, str]:
+    got = rel.get("events", "-n", rel.apps, "--field-selector",
+                  f"involvedObject.kind=KVPool,involvedObject.name={pool}")
+    return {e["reason"]: e["message"] for e in (got or {}).get("items", [])}
+
+
+def sts_replicas(rel: Release, name: str) -> int | None:
+    got = rel.get("statefulset", name, "-n", rel.apps)
+    return None if got is None else int(got["spec"]["replicas"])
+
+
+def test_5_too_full_scale_down_refused_until_forced(release: Release) -> None:
+    rel = release
+    tier = f"small-{rel.apps}"
+    rel.kubectl("apply", "-f", "-", input=kvtier(tier, "16Mi"))
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=kvpool_doc(
+        "full", storage={"replicas": 2, "tiers": [tier]}, scaleDown={"gracePeriodSeconds": 10},
+        sidecar={"localBytes": "32Mi"}, tenancy={"defaultTenant": "public"}))
+    rel.wait_pool("full", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+    wait_injection_ready(rel, "full")
+    # 56 blocks of 256Ki = 14Mi over two 16Mi nodes; on the one node left that would be 87 % > 80 %.
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "filler", "full", ["--prompts", "56", "--prompt-blocks", "1", "--value-bytes", str(256 << 10), "--flush",
+                           "--hold"])))
+    pod = wait_for(lambda: deployment_pods(rel, "filler"), 30, "the filler pod")[0]["metadata"]["name"]
+    rep = wait_report(rel, pod)
+    assert rep["put_ok"] == 56 and rep["flushed"], rep
+    rel.wait_pool("full", lambda s: s.get("usedBytes", 0) >= 14 << 20, 60, "14Mi used in status")
+
+    rel.kubectl("patch", "kvpools.kvpool.io", "full", "-n", rel.apps, "--type=merge",
+                "-p", '{"spec":{"storage":{"replicas":1}}}')
+    st = rel.wait_pool("full", lambda s: cond(s, "ScaleDownBlocked") == ("True", "UtilizationTooHigh"), 60,
+                       "ScaleDownBlocked")
+    assert "kvpool.io/force-scale-down" in st["message"]
+    time.sleep(3)
+    assert sts_replicas(rel, "full-store") == 2
+    assert "UtilizationTooHigh" in pool_events(rel, "full")
+
+    rel.kubectl("annotate", "kvpools.kvpool.io", "full", "-n", rel.apps, "kvpool.io/force-scale-down=true")
+    wait_for(lambda: sts_replicas(rel, "full-store") == 1, 120, "the StatefulSet lowered after the drain",
+             interval=0.5)
+    st = rel.wait_pool("full", lambda s: bool(s.get("lastDrain")) and cond(s, "ScaleDownBlocked") != (
+        "True", "UtilizationTooHigh"), 60, "the drain recorded, no longer blocked")
+    assert st["lastDrain"]["leaving"] == ["full-store-1"]
+    assert [m["id"] for m in st["ring"]["members"]] == ["full-store-0"]
+    rel.kubectl("delete", "deployment/filler", "-n", rel.apps)
+
+
+def test_4_scale_down_under_load_keeps_what_was_moved(release: Release) -> None:
+    rel = release
+    tier = f"mid-{rel.apps}"
+    rel.kubectl("apply", "-f", "-", input=kvtier(tier, "64Mi"))
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=kvpool_doc(
+        "drained", storage={"replicas": 3, "tiers": [tier]}, scaleDown={"gracePeriodSeconds": 30},
+        sidecar={"localBytes": "2Mi"}, tenancy={"defaultTenant": "public"}))
+    rel.wait_pool("drained", lambda s: s.get("readyReplicas") == 3, 120, "three ready store nodes")
+    wait_injection_ready(rel, "drained")
+    # 256 blocks of 16Ki (4Mi) written once; a reader then keeps cycling through them with a
+    # local tier of 2Mi, so that its gets keep going to the pool while it scales down.
+    blocks = ["--prompts", "64", "--prompt-blocks", "4", "--value-bytes", str(16 << 10)]
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "writer", "drained", [*blocks, "--flush", "--hold"])))
+    writer = wait_for(lambda: deployment_pods(rel, "writer"), 30, "the writer pod")[0]["metadata"]["name"]
+    rep = wait_report(rel, writer)
+    assert rep["put_ok"] == 256 and rep["flushed"], rep
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "reader", "drained", [*blocks, "--read-only", "--duration", "600", "--interval", "0.02"])))
+    wait_for(lambda: [p for p in deployment_pods(rel, "reader") if p["status"].get("phase") == "Running"], 60,
+             "the reader running")
+    rel.wait_pool("drained", lambda s: s.get("hitRate", 0) > 0, 60, "hits in the pool's status")
+
+    rel.kubectl("patch", "kvpools.kvpool.io", "drained", "-n", rel.apps, "--type=merge",
+                "-p", '{"spec":{"storage":{"replicas":2}}}')
+    st = rel.wait_pool("drained", lambda s: cond(s, "Draining") == ("True", "ScaleDown") or bool(s.get("lastDrain")),
+                       60, "the Draining condition")
+    seen_draining = cond(st, "Draining") == ("True", "ScaleDown")
+    if seen_draining:
+        assert st["drain"]["leaving"] == ["drained-store-2"] and st["phase"] == "Draining"
+    st = rel.wait_pool("drained", lambda s: bool(s.get("lastDrain")) and not s.get("drain"), 120,
+                       "the drain finished")
+    wait_for(lambda: sts_replicas(rel, "drained-store") == 2, 60, "the StatefulSet lowered", interval=0.5)
+    last = st["lastDrain"]
+    assert last["result"] == "Completed" and last["leaving"] == ["drained-store-2"], last
+    assert last["movedObjects"] > 0 and last["movedBytes"] >= last["movedObjects"] * (16 << 10), last
+    assert sorted(m["id"] for m in st["ring"]["members"]) == ["drained-store-0", "drained-store-1"]
+    events = pool_events(rel, "drained")
+    assert "DrainStarted" in events and "DrainCompleted" in events, events
+    assert f"moved {last['movedObjects']} objects" in events["DrainCompleted"]
+
+    # A fresh engine reads every block back from the two nodes left (none was dropped).
+    rel.kubectl("delete", "deployment/reader", "deployment/writer", "-n", rel.apps)
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "checker", "drained", [*blocks, "--read-only", "--hold"])))
+    checker = wait_for(lambda: deployment_pods(rel, "checker"), 30, "the checker pod")[0]["metadata"]["name"]
+    rep = wait_report(rel, checker)
+    assert last["droppedObjects"] == 0, last
+    assert rep["hit_blocks"] == 256 and rep["verified"] == 256 and rep["mismatches"] == 0, rep
+    numbers = {k: last[k] for k in ("movedObjects", "movedBytes", "droppedObjects", "droppedBytes",
+                                    "durationSeconds")}
+    numbers["drainingConditionSeen"] = seen_draining
+    out = Path(os.environ.get("KVPOOL_E2E_ARTIFACTS", "/tmp")) / "kvpool-e2e-scale-down.json"
+    out.write_text(json.dumps(numbers, indent=2) + "\n")
+    print(f"scale-down 3 -> 2 under load: {numbers}")
+    rel.kubectl("delete", "deployment/checker", "-n", rel.apps)
+
+
+def test_9_deleting_the_pool_and_uninstalling_leave_only_the_crds(release: Release) -> None:
+    rel = release
+    children = [("statefulset", "minimal-store"), ("service", "minimal-store"), ("configmap", "minimal-store-config"),
+                ("poddisruptionbudget", "minimal-store"), ("serviceaccount", "minimal-store"),
+                ("secret", "minimal-store-admin")]
+    for kind, name in children:
+        assert rel.get(kind, name, "-n", rel.apps) is not None, (kind, name)
+    rel.kubectl("delete", "kvpools.kvpool.io", "minimal", "-n", rel.apps, "--timeout=60s")
+
+    def all_gone() -> bool:
+        left = [(k, n) for k, n in children if rel.get(k, n, "-n", rel.apps) is not None]
+        pods = rel.get("pods", "-n", rel.apps, "-l", "kvpool.io/store-of=minimal")["items"]
+        return not left and not pods
+
+    wait_for(all_gone, 90, "the pool's children and store pods gone", interval=0.5)
+
+    # Uninstall (pools and tiers first: their finalizers need the operator).
+    rel.kubectl("delete", "kvpools.kvpool.io", "--all", "-n", rel.apps, "--timeout=90s", timeout=120)
+    rel.kubectl("delete", "kvtiers.kvpool.io", f"small-{rel.apps}", f"mid-{rel.apps}", "--ignore-not-found",
+                "--timeout=60s")
+    rel.helm("uninstall", rel.name, "--wait", "--timeout", "90s")
+    rel.installed = False
+    full = rel.name
+    for kind, name in [("clusterrole", full), ("clusterrolebinding", full),
+                       ("mutatingwebhookconfiguration", f"kvpool-webhook-{rel.namespace}")]:
+        assert rel.get(kind, name) is None, (kind, name)
+    wait_for(lambda: not rel.get("pods", "-n", rel.namespace)["items"], 60, "the operator pod gone", interval=0.5)
+    for kind in ("deployments", "services", "serviceaccounts", "roles", "rolebindings", "configmaps"):
+        items = [i["metadata"]["name"] for i in rel.get(kind, "-n", rel.namespace)["items"]]
+        # What the API server itself keeps in every namespace.
+        items = [n for n in items if n not in ("default", "kube-root-ca.crt")]
+        assert not items, (kind, items)
+    secrets = [i["metadata"]["name"] for i in rel.get("secrets", "-n", rel.namespace)["items"]]
+    assert secrets == ["kvpool-webhook-tls"]  # the test's own, not the chart's
+    assert not rel.helm("list", "-q").stdout.strip()
+    for crd in ("kvpools.kvpool.io", "kvtiers.kvpool.io", "tenantnamespaces.kvpool.io"):
+        assert rel.get("crd", crd) is not None, f"{crd} removed (Helm keeps CRDs)"
