@@ -125,7 +125,9 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield rel
     finally:
         # Pools first, while the operator still runs (their children go with them), then the release.
-        cluster.kubectl("delete", "kvpools,tenantnamespaces", "--all", "-n", rel.apps, "--wait=true",
+        cluster.kubectl("delete", "tenantnamespaces.kvpool.io", "-l", f"kvpool-e2e/release={tag}", "--wait=true",
+                        "--timeout=60s", check=False, timeout=90)
+        cluster.kubectl("delete", "kvpools.kvpool.io", "--all", "-n", rel.apps, "--wait=true",
                         "--timeout=90s", check=False, timeout=120)
         if rel.installed:
             rel.helm("uninstall", rel.name, "--wait", "--timeout", "60s", check=False)
@@ -358,6 +360,74 @@ def test_4_scale_down_under_load_keeps_what_was_moved(release: Release) -> None:
     out.write_text(json.dumps(numbers, indent=2) + "\n")
     print(f"scale-down 3 -> 2 under load: {numbers}")
     rel.kubectl("delete", "deployment/checker", "-n", rel.apps)
+
+
+def tenant_status(rel: Release, name: str) -> dict[str, Any]:
+    return dict((rel.get("tenantnamespaces.kvpool.io", name) or {}).get("status") or {})
+
+
+def test_6_two_tenants_same_prompts_no_cross_hits_quota_refused(release: Release) -> None:
+    rel = release
+    tag = rel.apps.split("-", 1)[1]
+    teams = {"a": (f"team-a-{tag}", "8Mi"), "b": (f"team-b-{tag}", "1Mi")}
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=kvpool_doc(
+        "shared", storage={"replicas": 2}, sidecar={"localBytes": "16Mi"}))  # no default tenant: closed
+    for ns, quota in teams.values():
+        create_namespace(rel.cluster, ns)
+        rel.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": API, "kind": "TenantNamespace",
+            "metadata": {"name": ns, "labels": {"kvpool-e2e/release": tag}},
+            "spec": {"tenantId": ns, "namespaces": [ns],
+                     "pools": [{"pool": f"{rel.apps}.shared", "quotaBytes": quota}]}}))
+    try:
+        rel.wait_pool("shared", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+        for ns, _ in teams.values():
+            wait_for(lambda: cond(tenant_status(rel, ns), "Ready") == ("True", "SecretsReady"), 60,  # noqa: B023
+                     f"tenant {ns} Ready", interval=0.5)
+        # The same prompts in both namespaces: 256 blocks of 16Ki = 4Mi, within a's quota, not b's.
+        args = ["--prompts", "64", "--prompt-blocks", "4", "--value-bytes", str(16 << 10), "--flush", "--hold"]
+        reports = {}
+        for team, (ns, _) in teams.items():
+            rel.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(engine_deployment(
+                "engine", f"{rel.apps}.shared", args)))
+            pods = wait_for(lambda: rel.get("pods", "-n", ns, "-l", "app=engine")["items"], 30,  # noqa: B023
+                            f"the engine of {ns}")
+            pod = pods[0]
+            assert pod["metadata"]["annotations"]["kvpool.io/injected"] == f"{rel.apps}.shared"
+            side = pod["spec"]["initContainers"][0]
+            assert side["args"][side["args"].index("--tenant") + 1] == ns
+            reports[team] = wait_for(lambda: _report_in(rel, ns, pod["metadata"]["name"]), 120,  # noqa: B023
+                                     f"the loadgen summary in {ns}", interval=0.5)
+            assert reports[team]["tenant"] == ns
+        # b ran after a had stored the same prompts, and found none of them.
+        assert reports["a"]["put_ok"] == 256 and reports["a"]["hit_blocks"] == 0, reports["a"]
+        assert reports["b"]["hit_blocks"] == 0 and reports["b"]["verified"] == 0, reports["b"]
+
+        def row(ns: str) -> dict[str, Any]:
+            return next(iter(tenant_status(rel, ns).get("pools") or []), {})
+
+        b = wait_for(lambda: row(teams["b"][0]) if row(teams["b"][0]).get("refusals") else None, 60,
+                     "refusals in tenant b's status", interval=0.5)
+        # Refused, not silently dropped: b stored less than it wrote. (Each store node enforces the
+        # whole quota on its own share today, so b may hold up to quota x nodes: reported.)
+        assert b["quotaBytes"] == 1 << 20 and b["usedBytes"] < 4 << 20, b
+        a = wait_for(lambda: row(teams["a"][0]) if row(teams["a"][0]).get("usedBytes", 0) >= 4 << 20 else None, 60,
+                     "tenant a's usage in its status", interval=0.5)
+        assert not a.get("refusals"), a
+    finally:
+        for ns, _ in teams.values():
+            rel.kubectl("delete", "deployment/engine", "-n", ns, "--ignore-not-found", check=False)
+        rel.kubectl("delete", "tenantnamespaces.kvpool.io", "-l", f"kvpool-e2e/release={tag}", "--timeout=60s",
+                    check=False, timeout=90)
+        for ns, _ in teams.values():
+            rel.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        rel.kubectl("delete", "kvpools.kvpool.io", "shared", "-n", rel.apps, "--timeout=60s", check=False, timeout=90)
+
+
+def _report_in(rel: Release, ns: str, pod: str) -> dict[str, Any] | None:
+    out = rel.kubectl("logs", "-n", ns, pod, "-c", "engine", check=False).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith(LOADGEN_PREFIX)]
+    return json.loads(lines[-1][len(LOADGEN_PREFIX):]) if lines else None
 
 
 def test_9_deleting_the_pool_and_uninstalling_leave_only_the_crds(release: Release) -> None:
