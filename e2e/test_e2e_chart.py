@@ -430,6 +430,91 @@ def _report_in(rel: Release, ns: str, pod: str) -> dict[str, Any] | None:
     return json.loads(lines[-1][len(LOADGEN_PREFIX):]) if lines else None
 
 
+def operator_pod(rel: Release) -> dict[str, Any] | None:
+    pods = rel.get("pods", "-n", rel.namespace, "-l", "app.kubernetes.io/name=kvpool")["items"]
+    ready = [p for p in pods if not p["metadata"].get("deletionTimestamp")
+             and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
+    return ready[0] if ready else None
+
+
+def test_8_deleted_engine_pod_drains_its_local_state_to_the_pool(release: Release) -> None:
+    rel = release
+    wait_injection_ready(rel, "minimal")
+    # State objects stay in the sidecar's local tier (host memory) until eviction or drain.
+    args = ["--prompts", "16", "--prompt-blocks", "2", "--states", "--hold"]
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment("stateful", "minimal", args)))
+    pod = wait_for(lambda: deployment_pods(rel, "stateful"), 30, "the stateful engine pod")[0]
+    name = pod["metadata"]["name"]
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    rep = wait_report(rel, name)
+    assert rep["state_puts"] == 16 and rep["state_hits"] == 0, rep
+
+    def reader(app: str) -> dict[str, Any]:
+        rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+            app, "minimal", ["--prompts", "16", "--prompt-blocks", "2", "--states", "--read-only", "--hold"])))
+        p = wait_for(lambda: deployment_pods(rel, app), 30, f"the {app} pod")[0]["metadata"]["name"]
+        got = wait_report(rel, p)
+        rel.kubectl("delete", f"deployment/{app}", "-n", rel.apps)
+        return got
+
+    before = reader("before")
+    assert before["state_hits"] == 0, before  # only the stateful pod's sidecar has them
+
+    start = time.monotonic()
+    rel.kubectl("delete", "deployment/stateful", "-n", rel.apps)
+    wait_for(lambda: rel.get("pod", name, "-n", rel.apps) is None, grace + 30, "the engine pod gone", interval=0.5)
+    took = time.monotonic() - start
+    after = reader("after")
+    assert after["state_hits"] == 16 and after["mismatches"] == 0, after
+    assert took < grace + 10, f"the pod took {took:.1f}s to go, grace {grace}s"
+
+
+def test_7_operator_pod_killed_mid_drain_the_new_one_resumes(release: Release) -> None:
+    rel = release
+    tier = f"mid-{rel.apps}"
+    rel.kubectl("apply", "-f", "-", input=kvtier(tier, "64Mi"))
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=kvpool_doc(
+        "resume", storage={"replicas": 2, "tiers": [tier]}, scaleDown={"gracePeriodSeconds": 30},
+        sidecar={"localBytes": "8Mi"}, tenancy={"defaultTenant": "public"}))
+    rel.wait_pool("resume", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+    wait_injection_ready(rel, "resume")
+    blocks = ["--prompts", "128", "--prompt-blocks", "4", "--value-bytes", str(32 << 10)]
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "writer", "resume", [*blocks, "--flush", "--hold"])))
+    writer = wait_for(lambda: deployment_pods(rel, "writer"), 30, "the writer pod")[0]["metadata"]["name"]
+    assert wait_report(rel, writer)["put_ok"] == 512
+    rel.kubectl("delete", "deployment/writer", "-n", rel.apps)
+    old = operator_pod(rel)
+    assert old is not None
+
+    rel.kubectl("patch", "kvpools.kvpool.io", "resume", "-n", rel.apps, "--type=merge",
+                "-p", '{"spec":{"storage":{"replicas":1}}}')
+    rel.wait_pool("resume", lambda s: bool(s.get("drain")), 60, "the drain recorded in status")
+    # As a crash would: the pod object goes at once, its process is killed.
+    rel.kubectl("delete", "pod", old["metadata"]["name"], "-n", rel.namespace, "--grace-period=0", "--force")
+    st = rel.pool_status("resume")
+    assert st.get("drain") and st["drain"]["leaving"] == ["resume-store-1"], st
+    assert cond(st, "Draining") == ("True", "ScaleDown")
+    assert sts_replicas(rel, "resume-store") == 2
+
+    new = wait_for(lambda: (p := operator_pod(rel)) and p["metadata"]["uid"] != old["metadata"]["uid"] and p, 120,
+                   "a new operator pod ready", interval=0.5)
+    st = rel.wait_pool("resume", lambda s: bool(s.get("lastDrain")) and not s.get("drain"), 120,
+                       "the drain finished by the new operator")
+    last = st["lastDrain"]
+    assert last["leaving"] == ["resume-store-1"] and last["result"] == "Completed", last
+    assert last["movedObjects"] > 0 and last["droppedObjects"] == 0, last
+    wait_for(lambda: sts_replicas(rel, "resume-store") == 1, 60, "the StatefulSet lowered", interval=0.5)
+    assert [m["id"] for m in st["ring"]["members"]] == ["resume-store-0"]
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "checker", "resume", [*blocks, "--read-only", "--hold"])))
+    checker = wait_for(lambda: deployment_pods(rel, "checker"), 30, "the checker pod")[0]["metadata"]["name"]
+    rep = wait_report(rel, checker)
+    assert rep["hit_blocks"] == 512 and rep["mismatches"] == 0, rep
+    rel.kubectl("delete", "deployment/checker", "-n", rel.apps)
+    print(f"operator {old['metadata']['name']} killed mid-drain, {new['metadata']['name']} finished it: {last}")
+
+
 def test_9_deleting_the_pool_and_uninstalling_leave_only_the_crds(release: Release) -> None:
     rel = release
     children = [("statefulset", "minimal-store"), ("service", "minimal-store"), ("configmap", "minimal-store-config"),

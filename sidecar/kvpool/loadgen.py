@@ -5,19 +5,23 @@ seed (``numpy.random.default_rng([seed, i])``), so that two loadgens with the sa
 model ask for the same blocks. Per prompt, as an engine would: compute the prefix-chained keys
 (:class:`kvpool.KeySpace`), ``match`` them, ``get`` the matched prefix and verify it byte-exact
 against the value derived from each key, then ``put`` the blocks it did not match (unless
-``--read-only``). ``--rounds`` repeats the replay, ``--duration`` keeps it going for so many
+``--read-only``). With ``--states`` each prompt also has a state object at its end (what a
+hybrid-attention engine keeps; it stays local to the sidecar until eviction or drain): looked up,
+read and verified, and put when absent. ``--rounds`` repeats the replay, ``--duration`` keeps it going for so many
 seconds (load for scale-down tests). At the end it can ``flush`` the sidecar's pending writes
 to the pool, prints one summary line ``KVPOOL_LOADGEN {json}`` (also written to ``--report``),
 and with ``--hold`` stays up until SIGTERM (so that a Deployment's pod stays Running).
 
     kvpool loadgen [--address unix:///run/kvpool/kvpool.sock] [--model M] [--seed S]
                    [--prompts N] [--prompt-blocks B] [--block-tokens T] [--value-bytes V]
-                   [--rounds R | --duration SEC] [--read-only] [--flush] [--report PATH] [--hold]
+                   [--rounds R | --duration SEC] [--read-only] [--states [--state-bytes N]]
+                   [--flush] [--report PATH] [--hold]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -43,6 +47,11 @@ def value_for(key: bytes, size: int) -> bytes:
     return (key * (size // len(key) + 1))[:size]
 
 
+def state_value_for(key: bytes, size: int) -> bytes:
+    """The state object stored at the block ``key``: distinct from the block's own value."""
+    return value_for(hashlib.sha256(b"kvpool.loadgen.state" + key).digest(), size)
+
+
 @dataclass
 class Report:
     prompts: int = 0
@@ -52,6 +61,8 @@ class Report:
     put_ok: int = 0
     verified: int = 0
     mismatches: int = 0
+    state_hits: int = 0
+    state_puts: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     rounds: int = 0
@@ -87,11 +98,31 @@ def connect(address: str, block_tokens: int, timeout: float) -> Any:
             time.sleep(0.5)
 
 
+def run_state(client: Any, keys: Sequence[bytes], state_bytes: int, read_only: bool, rep: Report,
+              refused: Counter[str]) -> None:
+    key, position = keys[-1], len(keys) * client.block_tokens
+    got = client.get_state(key, position) if client.has_states([key])[0] else None
+    if got is not None:
+        rep.state_hits += 1
+        if bytes(got) != state_value_for(key, state_bytes):
+            rep.mismatches += 1
+        del got
+        return
+    if not read_only:
+        code = client.put_state(key, position, state_value_for(key, state_bytes))
+        if code == 0:
+            rep.state_puts += 1
+        else:
+            refused[f"state:{errors.code_name(code)}"] += 1
+
+
 def run_prompt(client: Any, keys: Sequence[bytes], value_bytes: int, read_only: bool, rep: Report,
-               refused: Counter[str], errs: Counter[str]) -> None:
+               refused: Counter[str], errs: Counter[str], state_bytes: int = 0) -> None:
     rep.prompts += 1
     rep.blocks += len(keys)
     try:
+        if state_bytes and keys:
+            run_state(client, keys, state_bytes, read_only, rep, refused)
         matched = client.match(keys)
         if matched:
             try:
@@ -133,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", type=float, default=0.0, help="repeat rounds for this many seconds")
     ap.add_argument("--interval", type=float, default=0.0, help="pause between prompts (seconds)")
     ap.add_argument("--read-only", action="store_true", help="match and get only, never put")
+    ap.add_argument("--states", action="store_true", help="a state object at the end of each prompt too")
+    ap.add_argument("--state-bytes", type=int, default=8192)
     ap.add_argument("--flush", action="store_true", help="flush the sidecar's pending writes at the end")
     ap.add_argument("--report", default=None, help="also write the summary JSON here")
     ap.add_argument("--hold", action="store_true", help="stay up after the run until SIGTERM")
@@ -160,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for ks in keys:
                 if stop.is_set():
                     break
-                run_prompt(client, ks, args.value_bytes, args.read_only, rep, refused, errs)
+                run_prompt(client, ks, args.value_bytes, args.read_only, rep, refused, errs,
+                           args.state_bytes if args.states else 0)
                 if args.interval:
                     stop.wait(args.interval)
             rep.rounds += 1
