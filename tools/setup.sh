@@ -18,7 +18,10 @@ if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
 fi
 
 stamp="$KVPOOL_CACHE/pip-$(sha256sum pyproject.toml | cut -c1-16)"
-if [ ! -e "$stamp" ] || ! "$PY" -c "import kvpool, grpc, numpy, xxhash, os, sys; sys.exit(not os.path.realpath(kvpool.__file__).startswith(os.path.realpath('sidecar') + os.sep))" >/dev/null 2>&1; then
+# The test and demo commands put this checkout's sidecar/ and operator/ first on PYTHONPATH, so an
+# editable install of another clone (CI clones beside a working tree) is harmless and is not
+# re-pointed here: re-pointing it would switch every other checkout's runs to this one's code.
+if [ ! -e "$stamp" ] || ! "$PY" -c "import kvpool, grpc, numpy, xxhash" >/dev/null 2>&1; then
   echo "setup: pip install -e .[dev]"
   "$PY" -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "as the 'root' user" || true
   touch "$stamp"

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
+# This checkout's code, whichever clone the editable install points at (setup.sh).
+export PYTHONPATH="$PWD/sidecar:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 echo "== checks: generated code, lint, import contracts"
 "$PY" tools/genproto.py --check
