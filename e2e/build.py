@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime as _dt
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 K8S_VERSION = os.environ.get("KVPOOL_K8S_VERSION", "v1.37.2")
@@ -283,7 +286,25 @@ def ensure_binaries(log: bool = False) -> Binaries:
     while compiling, and its long single-threaded link steps leave room for etcd and helm.
     """
     steps = {"kubernetes": build_kubernetes, "etcd": build_etcd, "helm": build_helm}
+    with build_lock():
+        return _ensure(steps, log)
 
+
+@contextlib.contextmanager
+def build_lock() -> Iterator[None]:
+    """One build at a time per cache: two test runs (CI beside a working tree) starting cold would
+    each wipe the other's half-built output directory; the second waits, then finds it built."""
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "build.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _ensure(steps: dict[str, Callable[[], Path]], log: bool) -> Binaries:
     def timed(name: str) -> Path:
         start = time.monotonic()
         out = steps[name]()
@@ -313,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     if args.only:
         step = {"kubernetes": build_kubernetes, "etcd": build_etcd, "helm": build_helm}
-        print(step[args.only]())
+        with build_lock():
+            print(step[args.only]())
     else:
         bins = ensure_binaries(log=True)
         for field in dataclasses.fields(bins):
