@@ -55,6 +55,8 @@ class SidecarConfig:
     write_back: bool = False
     """Blocks reach the pool on local eviction instead of right after the put."""
     drain_seconds: float = 20.0
+    ring_poll_seconds: float = 5.0
+    """Ask the nodes for the ring at least this often (one GetRing per node, concurrently)."""
     lease_ms: int = 10000
     """Lease of a match or read when the client asks for none."""
     max_lease_ms: int = 60000
@@ -114,18 +116,23 @@ class Sidecar(spbg.SidecarServicer):
         return kind
 
     def _refresh_loop(self) -> None:
+        last = time.monotonic()
         while not self._stop.is_set():
             if self.pool.refresh_needed.wait(1.0) and not self._stop.is_set():
                 try:
                     self.pool.refresh_ring()
                 except Exception:
                     log.exception("ring refresh failed")
-            elif self.pool.enabled and self.pool.nodes_up() < len(self.pool.nodes):
-                # A node came back, or the ring changed under us: re-learn it now and then.
+                last = time.monotonic()
+            elif self.pool.enabled and (self.pool.nodes_up() < len(self.pool.nodes)
+                                        or time.monotonic() - last >= self.cfg.ring_poll_seconds):
+                # A node came back, or the ring changed where no reply of ours could tell (only
+                # the dead node's keys were asked for, say): re-learn it now and then.
                 try:
                     self.pool.refresh_ring()
                 except Exception:
                     pass
+                last = time.monotonic()
 
     # -- match --------------------------------------------------------------------------------
 
