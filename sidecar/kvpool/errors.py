@@ -1,8 +1,9 @@
 """One exception tree for the data plane, mapped to result codes and gRPC status in one place.
 
 Batch calls return per-item :class:`~kvpool.proto.store_pb2.Code` values; whole-call failures
-raise a :class:`KvpoolError` subclass.  ``error_for_code`` and ``GRPC_STATUS`` are the only
-translations between the three forms.
+raise a :class:`KvpoolError` subclass.  ``error_for_code``, ``GRPC_STATUS`` and ``SESSION_STATUS``
+(the one-byte call status of the binary data session, :mod:`kvpool.store.data_protocol`) are the
+only translations between the forms.
 """
 
 from __future__ import annotations
@@ -102,6 +103,30 @@ _FROM_GRPC: dict[grpc.StatusCode, type[KvpoolError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpace,
     grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
 }
+
+
+SESSION_OK = 0
+"""Call status of a data-session frame that succeeded (its per-item codes say the rest)."""
+SESSION_STATUS: dict[type[KvpoolError], int] = {
+    KvpoolError: 1, InvalidArgument: 2, Unauthenticated: 3, PermissionDenied: 4, Draining: 5,
+    Unavailable: 6, TooLarge: 7,
+}
+_FROM_SESSION: dict[int, type[KvpoolError]] = {v: k for k, v in SESSION_STATUS.items()}
+
+
+def session_status_for(exc: KvpoolError) -> int:
+    """The data-session call status of a whole-call failure (the nearest listed ancestor)."""
+    for cls in type(exc).__mro__:
+        if cls in SESSION_STATUS:
+            return SESSION_STATUS[cls]  # type: ignore[index]
+    return SESSION_STATUS[KvpoolError]
+
+
+def from_session_status(status: int, message: str = "") -> KvpoolError:
+    """The exception a data-session call status stands for (client side); unknown values are
+    the base class, never success."""
+    cls = _FROM_SESSION.get(status, KvpoolError)
+    return cls(message or f"data session call failed ({cls.__name__})")
 
 
 def code_name(code: int) -> str:

@@ -1,8 +1,13 @@
-"""Client of one store node: gRPC for metadata, the transfer engine for bytes.
+"""Client of one store node: the data session for get/put/exists, gRPC for the rest.
 
 Used by the sidecar (one per store node), by the drain (node → node) and by benchmarks.  Every
 call carries the tenant's token; every read is verified against the blob's checksum, so a slot
 recycled under a stale lease can never hand back another object's bytes.
+
+Reads, writes and existence checks go over the node's data session (:mod:`kvpool.data_client`,
+one round trip each on the transfer port) when the node serves one — found out once, with a
+``HELLO`` on its transfer address — and over the gRPC calls plus the transfer engine otherwise
+(older nodes, ``data_session=False``).  Both paths give the same per-item codes.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from . import errors
-from .keys import pack_keys
+from .data_client import DataSession, Dest, ExistsReply, ReadResult
+from .keys import pack_keys, unpack_keys
 from .proto import store_pb2 as pb
 from .proto import store_pb2_grpc as pbg
 from .store.tiers import checksum
@@ -66,10 +73,19 @@ class StoreClient:
     """Thread-safe client of one store node."""
 
     def __init__(self, address: str, token: str = "", engine: TransferEngine | None = None,
-                 timeout: float = 10.0, verify: bool = True) -> None:
+                 timeout: float = 10.0, verify: bool = True, data_session: bool | None = None,
+                 data_connections: int = 2) -> None:
+        """``data_session``: None = use it when the node serves it, False = gRPC only, True =
+        require it (raise :class:`~kvpool.errors.Unavailable` when the node has none)."""
         self.address = address
         self.timeout = timeout
         self.verify = verify
+        self._token = token
+        self._want_session = data_session
+        self._data_connections = data_connections
+        self._session: DataSession | None = None
+        self._session_known = data_session is False
+        self._session_lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = pbg.StoreStub(self._channel)
@@ -91,7 +107,42 @@ class StoreClient:
             self.epoch_seen = epoch
         return reply
 
+    def session(self) -> DataSession | None:
+        """The node's data session, or None when the calls must go over gRPC (asked once)."""
+        if self._session_known:
+            return self._session
+        with self._session_lock:
+            if not self._session_known:
+                self._session = self._open_session()
+                self._session_known = True
+        return self._session
+
+    def _open_session(self) -> DataSession | None:
+        try:
+            address = self.health(min(self.timeout, 5.0)).transfer_address
+            ds = DataSession(address, self._token, self.timeout, self._data_connections)
+        except (errors.KvpoolError, ValueError):
+            if self._want_session:
+                raise
+            return None
+        try:
+            self._seen(ds.hello())
+        except errors.Unavailable:
+            ds.close()
+            if self._want_session:
+                raise
+            return None  # an older node: it closed the connection at the unknown magic
+        return ds
+
+    def _seen(self, epoch: int) -> None:
+        if epoch > self.epoch_seen:
+            self.epoch_seen = epoch
+
     def close(self) -> None:
+        with self._session_lock:
+            self._session_known = True
+            if self._session is not None:
+                self._session.close()
         self._channel.close()
         if self._own_engine:
             self.engine.close()
@@ -106,9 +157,25 @@ class StoreClient:
 
     def exists(self, keys: Sequence[bytes], pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
                kind: int = pb.BLOCK, epoch: int = 0) -> ExistsResult:
+        if self.session() is not None:
+            r = self.exists_array(pack_keys(keys), pin, lease_ms, prefix_only, kind, epoch)
+            return ExistsResult(r.prefix, r.present.tolist(), r.lease_id, r.epoch)
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
             keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
         return ExistsResult(reply.prefix, list(map(bool, reply.present)), reply.lease_id, reply.epoch)
+
+    def exists_array(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
+                     kind: int = pb.BLOCK, epoch: int = 0) -> ExistsReply:
+        """:meth:`exists` of packed keys, presence as a numpy array (the sidecar's match path)."""
+        ds = self.session()
+        if ds is not None:
+            r = ds.exists(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch)
+            self._seen(r.epoch)
+            return r
+        reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
+            keys=keys, pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
+        return ExistsReply(reply.prefix, np.frombuffer(reply.present, np.uint8).astype(bool), reply.lease_id,
+                           reply.epoch)
 
     def release(self, lease_ids: Sequence[int]) -> None:
         ids = [i for i in lease_ids if i]
@@ -152,6 +219,11 @@ class StoreClient:
         if len(keys) != len(values):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         views = [as_bytes_view(v) for v in values]
+        ds = self.session()
+        if ds is not None:
+            codes, seen = ds.put(pack_keys(keys), views, checksums, traffic_class, kind, timeout_ms, epoch)
+            self._seen(seen)
+            return codes
         start = self._rpc(self.stub.PutStart, pb.PutStartRequest(
             keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=kind,
             epoch=epoch, timeout_ms=timeout_ms))
@@ -225,14 +297,46 @@ class StoreClient:
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], lease_ms: int = 0,
                  kind: int = pb.BLOCK) -> list[int]:
         """Read objects into caller-owned buffers; per-item codes (NOT_FOUND, CHECKSUM, ...)."""
+        views = [as_bytes_view(b) for b in buffers]
+        if self.session() is not None:
+            return self.read(keys, lambda i, size: views[i], kind).codes
         plan = self.get_plan(keys, lease_ms, kind=kind)
         try:
-            return self.fetch_into(plan, [as_bytes_view(b) for b in buffers])
+            return self.fetch_into(plan, views)
         finally:
             self.release_async([plan.lease_id])
 
+    def read(self, keys: Sequence[bytes] | bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0,
+             lease_ms: int = 0) -> ReadResult:
+        """Read objects into the memory ``dest(i, size)`` hands out once each size is known (None:
+        skip it, the item's code is then INVALID); per-item codes, sizes and checksums.
+        ``lease_id``: a match lease of this node the read supersedes (dropped by it)."""
+        blob = keys if isinstance(keys, bytes) else pack_keys(keys)
+        ds = self.session()
+        if ds is not None:
+            r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen)
+            self._seen(r.epoch)
+            return r
+        plan = self.get_plan(unpack_keys(blob), lease_ms, lease_id, kind)
+        try:
+            bufs = [dest(i, plan.sizes[i]) if c == pb.OK else None for i, c in enumerate(plan.codes)]
+            codes = self.fetch_into(plan, [b if b is None or len(b) >= plan.sizes[i] else None
+                                           for i, b in enumerate(bufs)])
+        finally:
+            self.release_async([plan.lease_id])
+        codes = [pb.INVALID if c == pb.OK and bufs[i] is None else c for i, c in enumerate(codes)]
+        return ReadResult(codes, plan.sizes, plan.checksums, plan.epoch)
+
     def get(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[bytearray | None]:
         """Convenience read into fresh buffers (tests, tools); None for misses."""
+        if self.session() is not None:
+            fresh: dict[int, bytearray] = {}
+
+            def dest(i: int, size: int) -> memoryview:
+                fresh[i] = bytearray(size)
+                return memoryview(fresh[i])
+            codes = self.read(keys, dest, kind).codes
+            return [fresh[i] if c == pb.OK else None for i, c in enumerate(codes)]
         plan = self.get_plan(keys, kind=kind)
         bufs: list[bytearray | None] = [bytearray(s) if c == pb.OK else None
                                         for c, s in zip(plan.codes, plan.sizes, strict=True)]

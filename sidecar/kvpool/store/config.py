@@ -66,6 +66,10 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
     if not isinstance(res, int | float) or res <= 0:
         raise ConfigError(f"reservationSeconds must be a positive number, got {res!r}")
     cfg.reservation_seconds = float(res)
+    session = doc.get("dataSession", True)
+    if not isinstance(session, bool):
+        raise ConfigError(f"dataSession must be true or false, got {session!r}")
+    cfg.data_session = session
     if "shmDir" in doc:
         cfg.shm_dir = str(doc["shmDir"])
     return cfg

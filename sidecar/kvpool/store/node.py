@@ -148,6 +148,9 @@ class NodeConfig:
     previous occupant's bytes — possibly another tenant's — under a checksum it guessed."""
     open_tenancy: bool = True
     """Calls without a token act as the default tenant (dev/local pools)."""
+    data_session: bool = True
+    """Serve the one-round-trip binary data session (get, put, exists) on the transfer port
+    beside the gRPC API; off, clients use the gRPC calls (the compatibility path)."""
 
 
 class StoreNode:
@@ -637,40 +640,76 @@ class StoreNode:
         check_kind(kind)
         now = time.time()
         with self.lock:
-            self._sweep(now)
-            part = self.index.get(tenant, {})
-            codes = [pb.OK] * len(keys)
-            found: list[Entry | None] = [None] * len(keys)
+            codes, found = self._pin_found(tenant, keys, kind, lease_id, now)
             lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), [], tenant)
-            for i, k in enumerate(keys):
-                e = self._lookup(part, tenant, k, kind)
+            for e in found:
                 if e is None:
-                    codes[i] = pb.NOT_FOUND
                     continue
-                e.pins += 1
-                if e.tier != "dram":
-                    code = self._promote(e, now)
-                    if code != pb.OK:
-                        e.pins -= 1
-                        codes[i] = code
-                        continue
                 lease.entries.append(e)
-                e.last_access = now
-                self.lru_dram.move_to_end(id(e))
-                found[i] = e
                 t = self._new_token()
                 self.read_tokens[t] = (e, lease)
                 lease.read_tokens.append(t)
-            self.counters["get_blocks"] += len(keys)
-            self.counters["get_hits"] += len(lease.entries)
-            if lease_id:
-                old = self.leases.get(lease_id)
-                if old is not None and old.tenant == tenant:
-                    self._drop_lease(old)
             if not lease.entries:
                 return codes, found, None
             self._register_lease(lease)
             return codes, found, lease
+
+    def _pin_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
+                   now: float) -> tuple[list[int], list[Entry | None]]:
+        """Look up, promote to DRAM and pin (``pins`` + 1) each object of a read; drop the
+        caller's ``drop_lease_id`` (a match lease the read supersedes).  Caller holds the lock."""
+        self._sweep(now)
+        part = self.index.get(tenant, {})
+        codes = [pb.OK] * len(keys)
+        found: list[Entry | None] = [None] * len(keys)
+        hits = 0
+        for i, k in enumerate(keys):
+            e = self._lookup(part, tenant, k, kind)
+            if e is None:
+                codes[i] = pb.NOT_FOUND
+                continue
+            e.pins += 1  # at once: promoting a later object must not evict this one
+            if e.tier != "dram":
+                code = self._promote(e, now)
+                if code != pb.OK:
+                    e.pins -= 1
+                    codes[i] = code
+                    continue
+            e.last_access = now
+            self.lru_dram.move_to_end(id(e))
+            found[i] = e
+            hits += 1
+        self.counters["get_blocks"] += len(keys)
+        self.counters["get_hits"] += hits
+        if drop_lease_id:
+            old = self.leases.get(drop_lease_id)
+            if old is not None and old.tenant == tenant:
+                self._drop_lease(old)
+        return codes, found
+
+    def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
+                 drop_lease_id: int = 0) -> tuple[list[int], list[Entry | None]]:
+        """:meth:`get` for a transfer that happens right now on the caller's own connection (the
+        data session): no lease and no tokens; each found object stays pinned and in flight,
+        so neither eviction nor a removal can recycle its extent, until :meth:`read_unpin`."""
+        check_kind(kind)
+        with self.lock:
+            codes, found = self._pin_found(tenant, keys, kind, drop_lease_id, time.time())
+            for e in found:
+                if e is not None:
+                    e.inflight += 1
+        return codes, found
+
+    def read_unpin(self, found: Sequence[Entry | None]) -> None:
+        with self.lock:
+            for e in found:
+                if e is None:
+                    continue
+                e.pins -= 1
+                e.inflight -= 1
+                if e.inflight == 0 and e.state == -1 and e.offset >= 0:
+                    self.dram.alloc.free(e.offset)  # removed while it was being sent
+                    e.offset = -1
 
     def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
                  lease_id: int = 0) -> tuple[list[int], list[int], list[int], list[int], list[int], Lease | None]:

@@ -3,7 +3,8 @@
 Authentication happens here (the tenant comes from the token in the call's metadata, never from
 the message); errors are mapped to gRPC status in exactly one place (``kvpool.errors``).  The
 DRAM arena is served to peers by a :class:`~kvpool.transfer.TransferServer` with the node as
-its guard.  The drain runs in a background thread and reports through ``GetDrainStatus``.
+its guard; the same port serves the one-round-trip data session (:mod:`.data_session`).
+The drain runs in a background thread and reports through ``GetDrainStatus``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..proto import store_pb2 as pb
 from ..proto import store_pb2_grpc as pbg
 from ..ring import Member, Ring
 from ..transfer import Segment, SegmentRegistry, TransferServer
+from .data_session import DataSessionHandler
 from .node import NodeConfig, StoreNode, Tenant
 
 log = logging.getLogger("kvpool.store")
@@ -255,7 +257,8 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     registry = SegmentRegistry()
     registry.register(Segment(SEGMENT_NAME, node.dram.view), guard=_Guard(node))
     tport = transfer_port if transfer_port is not None else (int(port_s) + 1 if int(port_s) else 0)
-    transfer = TransferServer(registry, host=host, port=tport)
+    sessions = {DataSessionHandler.magic: DataSessionHandler(node)} if cfg.data_session else None
+    transfer = TransferServer(registry, host=host, port=tport, sessions=sessions)
     transfer.start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
                          options=[("grpc.max_receive_message_length", 64 << 20),

@@ -5,6 +5,10 @@ One thread per connection; each handles a pipelined stream of requests in order.
 A bad magic/version closes only that connection; every other problem is a per-request status,
 and a write whose request is refused still has its payload consumed so the stream stays in sync
 (unless its length exceeds ``max_request_bytes``, which is treated as a broken stream).
+
+A connection whose first four bytes are the magic of a registered *session* (``sessions=``) is
+handed to that session's handler for its whole life instead, as a :class:`~kvpool.transfer.stream.Stream`
+(the store's one-round-trip data calls use this; see :mod:`kvpool.store.data_protocol`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvpool.transfer import _sockio
@@ -28,6 +33,11 @@ from kvpool.transfer.protocol import (
 )
 from kvpool.transfer.segment import Guard, Op, SegmentRegistry
 from kvpool.transfer.status import TransferCode
+from kvpool.transfer.stream import Stream
+
+SessionHandler = Callable[[Stream, threading.Event], None]
+"""Serves one session connection until it ends (returns, or raises ``ProtocolError`` /
+``OSError``); the event is set when the server stops (handlers check it between frames)."""
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +64,7 @@ class TransferServer:
         io_timeout: float = 30.0,
         max_connections: int = 1024,
         max_request_bytes: int = 1 << 30,
+        sessions: Mapping[bytes, SessionHandler] | None = None,
     ) -> None:
         self.registry = registry
         self._host = host
@@ -61,6 +72,9 @@ class TransferServer:
         self._io_timeout = io_timeout
         self._max_connections = max_connections
         self._max_request_bytes = max_request_bytes
+        self._sessions = dict(sessions or {})
+        if any(len(m) != 4 for m in self._sessions):
+            raise ValueError("session magics are 4 bytes")
         self._listener: socket.socket | None = None
         self._address: str | None = None
         self._accept_thread: threading.Thread | None = None
@@ -195,7 +209,12 @@ class TransferServer:
         try:
             _sockio.tune(sock)
             _sockio.set_stall_timeout(sock, self._io_timeout)
-            self._serve_stream(sock, counts)
+            handler = self._session_for(sock) if self._sessions else None
+            if handler is not None:
+                counts["sessions"] += 1
+                handler(Stream(sock), self._stopping)
+            else:
+                self._serve_stream(sock, counts)
         except (ConnectionError, TimeoutError, OSError) as exc:
             if not self._stopping.is_set():
                 log.debug("transfer connection closed: %s", exc)
@@ -211,6 +230,19 @@ class TransferServer:
             self._count(counts)
             _shutdown(sock)
             sock.close()
+
+    def _session_for(self, sock: socket.socket) -> SessionHandler | None:
+        """Peek at the first bytes of a connection: a registered session's magic, or the
+        transfer protocol (``None``; it validates its own magic)."""
+        while not self._stopping.is_set():
+            try:
+                head = sock.recv(4, socket.MSG_PEEK | socket.MSG_WAITALL)
+            except _sockio.STALL_ERRORS:
+                continue  # idle before the first request is fine
+            if len(head) < 4:
+                return None  # EOF (or a short stream): the transfer loop ends it
+            return self._sessions.get(head)
+        return None
 
     def _serve_stream(self, sock: socket.socket, counts: collections.Counter[str]) -> None:
         header = bytearray(REQUEST_SIZE)

@@ -18,10 +18,12 @@ import time
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from kvpool import errors
 from kvpool.proto import store_pb2 as pb
+from kvpool.store import data_protocol as dp
 from kvpool.store.tiers import checksum
 from kvpool.transfer import TransferEngine, TransferRequest
 from kvpool.transfer.protocol import OP_READ, OP_WRITE, encode_request
@@ -46,12 +48,12 @@ def expected(token: str, key: bytes, kind: int, n: int) -> bytes:
 
 
 class Fuzzer:
-    def __init__(self, node: Any, rng: random.Random, keys: list[bytes]) -> None:
+    def __init__(self, node: Any, rng: random.Random, keys: list[bytes], data_session: bool) -> None:
         self.node = node
         self.rng = rng
         self.keys = keys
-        self.clients = {t: node.client(t) for t in TOKENS}
-        self.raw_clients = {t: node.client(t, verify=False) for t in TOKENS}
+        self.clients = {t: node.client(t, data_session=data_session) for t in TOKENS}
+        self.raw_clients = {t: node.client(t, verify=False, data_session=data_session) for t in TOKENS}
         self.stub = node.stub()
         self.engine = TransferEngine(stall_timeout=5.0)
         self.stale: list[tuple[str, Any, list[bytes], int]] = []
@@ -225,9 +227,41 @@ class Fuzzer:
         except OSError:
             pass  # the node may cut us off; that is its right
 
+    def op_garbage_session(self) -> None:
+        """Data-session frames: random bytes after the magic, or a valid header with lying
+        counts and lengths, or a PUT whose payload stops short."""
+        host, _, port = self.node.transfer_address.rpartition(":")
+        token = self.rng.choice(TOKENS + ["bogus"]).encode()
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                r = self.rng.random()
+                keys = b"".join(self.rng.sample(self.keys, 3))
+                if r < 0.3:
+                    sock.sendall(dp.REQUEST_MAGIC + self.rng.randbytes(self.rng.randint(1, 400)))
+                elif r < 0.6:
+                    hdr = dp.REQUEST.pack(dp.REQUEST_MAGIC, dp.VERSION, self.rng.randint(0, 6), self.rng.randint(0, 3),
+                                          self.rng.getrandbits(8), self.rng.getrandbits(32),
+                                          self.rng.choice([0, 3, 2**16, 2**32 - 1]), self.rng.getrandbits(32),
+                                          self.rng.choice([0, len(token), 5000]), self.rng.choice([0, 7]),
+                                          self.rng.getrandbits(64), self.rng.getrandbits(64))
+                    sock.sendall(hdr + token + keys)
+                else:
+                    sizes = np.array([self.rng.choice([0, 1, 4096, 2**41]) for _ in range(3)], np.uint64)
+                    frame = dp.encode_request(dp.OP_PUT, 1, token, keys, kind=self.rng.randint(0, 2),
+                                              sizes=sizes, checksums=np.zeros(3, np.uint64))
+                    sock.sendall(b"".join(frame))
+                    sock.sendall(self.rng.randbytes(self.rng.randint(0, 6000)))  # short or long
+                sock.shutdown(socket.SHUT_WR)
+                sock.settimeout(5)
+                while sock.recv(65536):
+                    pass
+        except OSError:
+            pass  # the node may cut us off; that is its right
+
     def run(self, n: int) -> None:
         ops = [(self.op_put, 5), (self.op_raw_put, 4), (self.op_get, 4), (self.op_get_plan_stale, 2),
-               (self.op_exists, 3), (self.op_remove, 2), (self.op_garbage_grpc, 2), (self.op_garbage_transfer, 1)]
+               (self.op_exists, 3), (self.op_remove, 2), (self.op_garbage_grpc, 2), (self.op_garbage_transfer, 1),
+               (self.op_garbage_session, 1)]
         choices = [f for f, w in ops for _ in range(w)]
         for _ in range(n):
             op = self.rng.choice(choices)
@@ -250,12 +284,14 @@ def nodes(module_stores: Any) -> Any:
         "all-tiers": {"dram": "4MiB", "tenants": TENANTS, "ssd": "6MiB", "sharedfs": module_stores.tmp / "fs"}})
 
 
+@pytest.mark.parametrize("path", ["session", "grpc"])
 @pytest.mark.parametrize("tiers", ["dram", "all-tiers"])
-def test_random_request_sequences(nodes: Any, h: Any, request: pytest.FixtureRequest, tiers: str) -> None:
+def test_random_request_sequences(nodes: Any, h: Any, request: pytest.FixtureRequest, tiers: str, path: str) -> None:
+    """Both client paths: the data session and the gRPC calls + transfer engine (compat)."""
     node = nodes[tiers]
     seed = f"{request.node.nodeid}"
     keys = h.rand_keys(random.Random(seed), 24)
-    fuzzers = [Fuzzer(node, random.Random(f"{seed}/{i}"), keys) for i in range(2)]
+    fuzzers = [Fuzzer(node, random.Random(f"{seed}/{i}"), keys, path == "session") for i in range(2)]
     threads = [threading.Thread(target=f.run, args=(OPS_PER_THREAD,)) for f in fuzzers]
     for t in threads:
         t.start()

@@ -1,0 +1,318 @@
+"""Client of one store node's data session (:mod:`kvpool.store.data_protocol`).
+
+One round trip per get and exists (two short frames around the payload per put), over a small
+pool of persistent connections to the node's transfer port.  A batch of several objects is cut
+into ``connections`` parts sent concurrently, one per connection, so the bytes of one batch move
+over several streams (the GIL is released in every ``recvmsg_into``/``sendmsg``; checksums of one
+part are computed while another part is on the wire).
+
+Thread-safe: each call takes connections from the pool and gives them back when the stream is in
+sync again; a connection that failed is closed, never reused.  Whole-call failures raise the
+``kvpool.errors`` tree (:class:`~kvpool.errors.Unavailable` when the node cannot be reached);
+per-item results are ``store_pb2.Code`` values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from . import errors
+from .keys import KEY_BYTES
+from .proto import store_pb2 as pb
+from .store import data_protocol as dp
+from .store.tiers import checksum
+from .transfer.stream import Stream, connect
+from .transfer.tcp import parse_address
+
+Dest = Callable[[int, int], memoryview | None]
+"""Where object ``i`` of ``size`` bytes lands (caller memory), or None to skip it."""
+
+
+class ReadResult(NamedTuple):
+    codes: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    epoch: int
+
+
+class ExistsReply(NamedTuple):
+    prefix: int
+    present: npt.NDArray[np.bool_]
+    lease_id: int
+    epoch: int
+
+
+def split_parts(n: int, parts: int) -> list[range]:
+    """Contiguous, nearly equal index ranges (at most ``parts``, none empty; none for n = 0)."""
+    if n <= 0:
+        return []
+    parts = max(1, min(parts, n))
+    step, extra = divmod(n, parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + step + (1 if p < extra else 0)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+class DataSession:
+    """Connections to one node's data session; see the module docstring."""
+
+    def __init__(self, address: str, token: str = "", timeout: float = 10.0, connections: int = 2,
+                 max_idle: int = 8) -> None:
+        self.address = address
+        self._addr = parse_address(address)
+        self._token = token.encode("utf-8")
+        self.timeout = timeout
+        self.connections = max(1, connections)
+        self._max_idle = max_idle
+        self._idle: list[Stream] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=self.connections - 1,
+                                        thread_name_prefix="kvpool-data") if self.connections > 1 else None
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _take(self) -> tuple[Stream, bool]:
+        with self._lock:
+            if self._closed:
+                raise errors.Unavailable("data session closed")
+            if self._idle:
+                return self._idle.pop(), True
+        try:
+            return connect(self._addr, self.timeout), False
+        except OSError as exc:
+            raise errors.Unavailable(f"data session to {self.address}: {exc}") from None
+
+    def _give(self, stream: Stream) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(stream)
+                return
+        stream.close()
+
+    def _call(self, fn: Callable[[Stream, int], Any]) -> Any:
+        """Run one exchange on a pooled connection; once more on a fresh one if a reused
+        connection turned out dead before the node answered (it may have closed it idle)."""
+        for attempt in (0, 1):
+            stream, reused = self._take()
+            mark = stream.received
+            try:
+                result = fn(stream, next(self._ids) & 0xFFFFFFFF)
+            except errors.KvpoolError:
+                self._give(stream)  # an error status: the stream is in sync
+                raise
+            except (OSError, dp.ProtocolError) as exc:
+                stream.close()
+                if attempt == 0 and reused and stream.received == mark and isinstance(exc, OSError):
+                    continue
+                raise errors.Unavailable(f"data session to {self.address}: {type(exc).__name__}: {exc}") from None
+            except BaseException:
+                stream.close()
+                raise
+            self._give(stream)
+            return result
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _parallel(self, parts: list[range], fn: Callable[[range], None]) -> None:
+        """``fn`` over the parts: the first on this thread, the others on the pool's; the first
+        failure is raised once every part has stopped (none still writes a caller's buffer)."""
+        if len(parts) <= 1 or self._pool is None:
+            for p in parts:
+                fn(p)
+            return
+        futs = [self._pool.submit(fn, p) for p in parts[1:]]
+        failures: list[BaseException] = []
+        try:
+            fn(parts[0])
+        except BaseException as exc:
+            failures.append(exc)
+        for f in futs:
+            try:
+                f.result()
+            except BaseException as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    # -- frames ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _response(stream: Stream, request_id: int, op: int) -> tuple[dp.Response, bytearray]:
+        head = bytearray(dp.RESPONSE_SIZE)
+        stream.recv_exact(head)
+        resp = dp.decode_response(head)
+        if resp.request_id != request_id or resp.op != op:
+            raise dp.ProtocolError(f"response {resp.op}/{resp.request_id}, expected {op}/{request_id}")
+        msg = bytearray(resp.msg_len)
+        if msg:
+            stream.recv_exact(msg)
+        if resp.status != errors.SESSION_OK:
+            raise errors.from_session_status(resp.status, msg.decode("utf-8", "replace"))
+        body = bytearray(resp.body_bytes())
+        if body:
+            stream.recv_exact(body)
+        return resp, body
+
+    def hello(self) -> int:
+        """Check that the node serves the data session (its ring epoch); raises
+        :class:`~kvpool.errors.Unavailable` when it does not (an older node closes the connection)."""
+        def run(stream: Stream, rid: int) -> int:
+            stream.send(dp.encode_request(dp.OP_HELLO, rid, dp.HELLO_PADDING, b""))
+            return self._response(stream, rid, dp.OP_HELLO)[0].epoch
+        return int(self._call(run))
+
+    def exists(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,
+               lease_ms: int = 0, epoch: int = 0) -> ExistsReply:
+        flags = (dp.FLAG_PREFIX_ONLY if prefix_only else 0) | (dp.FLAG_PIN if pin else 0)
+        n = len(keys) // KEY_BYTES
+
+        def run(stream: Stream, rid: int) -> ExistsReply:
+            stream.send(dp.encode_request(dp.OP_EXISTS, rid, self._token, keys, kind=kind, flags=flags,
+                                          lease_ms=lease_ms, epoch=epoch))
+            resp, body = self._response(stream, rid, dp.OP_EXISTS)
+            if resp.items != n:
+                raise dp.ProtocolError(f"EXISTS answered {resp.items} keys of {n}")
+            return ExistsReply(resp.prefix, dp.decode_bitmap(body, n), resp.lease_id, resp.epoch)
+        return self._call(run)  # type: ignore[no-any-return]
+
+    def read(self, keys: bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True,
+             epoch: int = 0) -> ReadResult:
+        """Read objects into the memory ``dest`` names for each (verified against their checksums:
+        a mismatch is the item's CHECKSUM code, a too-small or missing buffer INVALID)."""
+        n = len(keys) // KEY_BYTES
+        codes: list[int] = [pb.NOT_FOUND] * n
+        sizes = [0] * n
+        sums = [0] * n
+        epochs = [0]
+
+        def part(r: range) -> None:
+            blob = keys[r.start * KEY_BYTES:r.stop * KEY_BYTES]
+            # Only the first part drops the match lease: the others would find it gone anyway.
+            drop = lease_id if r.start == 0 else 0
+
+            def run(stream: Stream, rid: int) -> None:
+                stream.send(dp.encode_request(dp.OP_GET, rid, self._token, blob, kind=kind, lease_id=drop,
+                                              epoch=epoch))
+                resp, body = self._response(stream, rid, dp.OP_GET)
+                if resp.items != len(r):
+                    raise dp.ProtocolError(f"GET answered {resp.items} keys of {len(r)}")
+                table = dp.decode_get_table(resp, body)
+                self._land(stream, r, table, dest, codes, sizes, sums, verify)
+                epochs.append(resp.epoch)
+            self._call(run)
+
+        self._parallel(split_parts(n, self.connections), part)
+        return ReadResult(codes, sizes, sums, max(epochs))
+
+    @staticmethod
+    def _land(stream: Stream, r: range, table: dp.GetTable, dest: Dest, codes: list[int], sizes: list[int],
+              sums: list[int], verify: bool) -> None:
+        """Receive a GET payload into the callers' buffers (one scatter receive when every
+        object has a buffer), then verify it."""
+        part_codes = table.codes.tolist()
+        part_sizes = table.sizes.tolist()
+        part_sums = table.checksums.tolist()
+        targets: list[tuple[int, memoryview | None]] = []
+        for j, i in enumerate(r):
+            codes[i], sizes[i], sums[i] = part_codes[j], part_sizes[j], part_sums[j]
+            if part_codes[j] != pb.OK:
+                continue
+            buf = dest(i, part_sizes[j])
+            if buf is not None and buf.nbytes < part_sizes[j]:
+                buf = None
+            targets.append((i, buf[:part_sizes[j]] if buf is not None else None))
+        if all(buf is not None for _, buf in targets):
+            stream.recv_buffers([buf for _, buf in targets])  # type: ignore[misc]
+        else:
+            for i, buf in targets:
+                if buf is None:
+                    stream.discard(sizes[i])
+                else:
+                    stream.recv_exact(buf)
+        for i, buf in targets:
+            if buf is None:
+                codes[i] = pb.INVALID
+            elif verify and checksum(buf) != sums[i]:
+                codes[i] = pb.CHECKSUM
+
+    def put(self, keys: bytes, views: Sequence[memoryview], checksums: Sequence[int] | None = None,
+            traffic_class: str = "chatbot", kind: int = pb.BLOCK, timeout_ms: int = 0,
+            epoch: int = 0) -> tuple[list[int], int]:
+        """Store objects; per-item codes and the node's epoch.  Objects the node refuses up front
+        (already stored, over quota, no space) are never sent."""
+        n = len(keys) // KEY_BYTES
+        if n != len(views):
+            raise errors.InvalidArgument(f"{n} keys but {len(views)} values")
+        codes: list[int] = [pb.INVALID] * n
+        epochs = [0]
+        tclass = traffic_class.encode("utf-8")
+        # Parts reserve in batch order (part k asks once part k-1 has its answer) and then move
+        # their bytes concurrently: quota and space go to the earliest items, as in one call.
+        # A key repeated in the batch must meet itself in one reservation: no split then.
+        parts = split_parts(n, self.connections if len(set(_chunks(keys))) == n else 1)
+        turns = [threading.Event() for _ in parts]
+        turn_of = {r.start: k for k, r in enumerate(parts)}
+
+        def part(r: range) -> None:
+            k = turn_of[r.start]
+            try:
+                # Hash before waiting for the turn: it overlaps the earlier parts' round trips.
+                sums = np.fromiter((checksums[i] if checksums is not None else checksum(views[i]) for i in r),
+                                   np.uint64, len(r))
+                frame = dp.encode_request(
+                    dp.OP_PUT, 0, self._token, keys[r.start * KEY_BYTES:r.stop * KEY_BYTES], kind=kind,
+                    lease_ms=timeout_ms, epoch=epoch, traffic_class=tclass,
+                    sizes=np.fromiter((views[i].nbytes for i in r), np.uint64, len(r)), checksums=sums)
+                if k:
+                    turns[k - 1].wait()
+                self._call(lambda stream, rid: run(stream, rid, r, frame, turns[k]))
+            finally:
+                turns[k].set()
+
+        def run(stream: Stream, rid: int, r: range, frame: list[bytes], reserved: threading.Event) -> None:
+            stream.send([dp.with_request_id(frame[0], rid), *frame[1:]])
+            resp, body = self._response(stream, rid, dp.OP_PUT_READY)
+            reserved.set()
+            ready = dp.decode_codes(resp, body) if len(body) == len(r) else None
+            if ready is None:
+                raise dp.ProtocolError(f"PUT_READY answered {resp.items} keys of {len(r)}")
+            epochs.append(resp.epoch)
+            for j, i in enumerate(r):
+                codes[i] = ready[j]
+            todo = [j for j, c in enumerate(ready) if c == pb.OK]
+            if not todo:
+                return
+            stream.send([views[r[j]] for j in todo])
+            resp, body = self._response(stream, rid, dp.OP_PUT_DONE)
+            final = dp.decode_codes(resp, body)
+            if len(final) != len(r):
+                raise dp.ProtocolError(f"PUT_DONE answered {len(final)} keys of {len(r)}")
+            for j in todo:
+                codes[r[j]] = final[j]
+
+        self._parallel(parts, part)
+        return codes, max(epochs)
+
+
+def _chunks(keys: bytes) -> list[bytes]:
+    return [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]

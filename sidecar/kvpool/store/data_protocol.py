@@ -1,0 +1,284 @@
+"""The store's data session: one-round-trip binary frames for get, put and exists.
+
+A data session is a TCP connection to a store node's transfer port whose first bytes are the
+request magic below (the transfer server hands such connections to the node's session handler,
+:mod:`kvpool.store.data_session`).  It carries the hot calls that the gRPC API needs two or
+three unary calls for (Get → transfer read → Release; PutStart → transfer write → PutCommit);
+the gRPC API stays for everything else and as the fallback.  Nothing here does I/O, so every
+frame is unit-tested without sockets.  All integers are little-endian.
+
+Request header (40 bytes), then ``token_len`` bytes of tenant token (UTF-8), ``class_len`` bytes
+of traffic class (PUT only), ``count`` × 32 key bytes, and for PUT ``count`` × u64 sizes and
+``count`` × u64 checksums::
+
+    magic "KVDQ" | version u8 | op u8 | kind u8 | flags u8 | request_id u32 | count u32 |
+    lease_ms u32 (GET/EXISTS lease, PUT reservation timeout) | token_len u16 | class_len u16 |
+    lease_id u64 (GET: a match lease to drop) | epoch u64
+
+Response header (48 bytes), then ``msg_len`` bytes of UTF-8 message, then the body::
+
+    magic "KVDS" | version u8 | op u8 | status u8 | flags u8 | request_id u32 | count u32 |
+    msg_len u32 | prefix u32 | lease_id u64 | epoch u64 | payload_len u64
+
+``status`` is the whole call (``kvpool.errors.SESSION_STATUS``; 0 = OK, then the body follows);
+per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the status is OK:
+
+* HELLO: none (the session is supported).  A HELLO request carries ``HELLO_PADDING`` zero bytes
+  as its token, so that it is as long as a transfer-protocol header: a node without the session
+  reads one whole header, finds a bad magic and closes the connection instead of waiting.
+* GET: codes u8 × n, sizes u64 × n, checksums u64 × n, then ``payload_len`` bytes: the objects
+  whose code is OK, in order, back to back.
+* EXISTS: ``prefix`` in the header, presence bitmap ``ceil(n / 8)`` bytes (bit i of byte i // 8,
+  least significant first), ``lease_id`` when the prefix was pinned.
+* PUT is two frames: PUT_READY with codes u8 × n (OK: send this object's bytes; anything else,
+  e.g. ALREADY_EXISTS or QUOTA_EXCEEDED: do not), then the client sends the OK objects' bytes
+  back to back, then PUT_DONE with the final codes u8 × n.  A duplicate costs no bytes.  A
+  PUT_READY without any OK code (or with an error status) is final: no payload, no PUT_DONE.
+
+A frame that does not parse (magic, version, op, limits) means the stream can no longer be
+trusted: the receiver raises :class:`ProtocolError` and closes that connection only.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from ..keys import KEY_BYTES
+from ..transfer import protocol as _transfer
+from ..transfer.protocol import ProtocolError
+
+__all__ = ["ProtocolError"]
+
+VERSION = 1
+REQUEST_MAGIC = b"KVDQ"
+RESPONSE_MAGIC = b"KVDS"
+
+OP_HELLO = 1
+OP_GET = 2
+OP_PUT = 3
+OP_EXISTS = 4
+REQUEST_OPS = (OP_HELLO, OP_GET, OP_PUT, OP_EXISTS)
+OP_PUT_READY = 3
+OP_PUT_DONE = 5
+RESPONSE_OPS = (OP_HELLO, OP_GET, OP_PUT_READY, OP_EXISTS, OP_PUT_DONE)
+
+FLAG_PREFIX_ONLY = 1
+FLAG_PIN = 2
+
+REQUEST = struct.Struct("<4sBBBBIIIHHQQ")
+RESPONSE = struct.Struct("<4sBBBBIIIIQQQ")
+REQUEST_SIZE = REQUEST.size
+RESPONSE_SIZE = RESPONSE.size
+
+MAX_KEYS = 1 << 16
+"""Keys per frame: a matcher's 8192 with room to spare; more is a broken or hostile peer."""
+MAX_TOKEN_BYTES = 4096
+MAX_CLASS_BYTES = 255
+MAX_MESSAGE_BYTES = 1024
+MAX_OBJECT_BYTES = 1 << 40
+
+_U64 = np.dtype("<u8")
+
+HELLO_PADDING = bytes(max(0, _transfer.REQUEST_SIZE - REQUEST_SIZE))
+
+
+class Request(NamedTuple):
+    op: int
+    kind: int
+    flags: int
+    request_id: int
+    items: int
+    lease_ms: int
+    token_len: int
+    class_len: int
+    lease_id: int
+    epoch: int
+
+    def body_bytes(self) -> int:
+        """Bytes that follow the header (token, class, keys, and sizes + checksums for PUT)."""
+        per_key = KEY_BYTES + (16 if self.op == OP_PUT else 0)
+        return self.token_len + self.class_len + self.items * per_key
+
+
+class Response(NamedTuple):
+    op: int
+    status: int
+    flags: int
+    request_id: int
+    items: int
+    msg_len: int
+    prefix: int
+    lease_id: int
+    epoch: int
+    payload_len: int
+
+    def body_bytes(self) -> int:
+        """Bytes of the fixed-size body after the message (not the GET payload)."""
+        if self.status:
+            return 0
+        if self.op == OP_GET:
+            return self.items * 17
+        if self.op in (OP_PUT_READY, OP_PUT_DONE):
+            return self.items
+        if self.op == OP_EXISTS:
+            return (self.items + 7) // 8
+        return 0
+
+
+# -- requests ------------------------------------------------------------------------------
+
+def encode_request(op: int, request_id: int, token: bytes, keys: bytes, *, kind: int = 0, flags: int = 0,
+                   lease_ms: int = 0, lease_id: int = 0, epoch: int = 0, traffic_class: bytes = b"",
+                   sizes: npt.NDArray[np.uint64] | None = None,
+                   checksums: npt.NDArray[np.uint64] | None = None) -> list[bytes]:
+    """The buffers of one request frame (header first); ``keys`` is the packed 32-byte keys."""
+    if len(keys) % KEY_BYTES:
+        raise ValueError(f"key blob of {len(keys)} bytes is not a multiple of {KEY_BYTES}")
+    count = len(keys) // KEY_BYTES
+    if count > MAX_KEYS:
+        raise ValueError(f"{count} keys in one frame (at most {MAX_KEYS})")
+    if len(token) > MAX_TOKEN_BYTES or len(traffic_class) > MAX_CLASS_BYTES:
+        raise ValueError("token or traffic class too long")
+    header = REQUEST.pack(REQUEST_MAGIC, VERSION, op, kind, flags, request_id, count, lease_ms, len(token),
+                          len(traffic_class), lease_id, epoch)
+    out = [header, token, traffic_class, keys]
+    if op == OP_PUT:
+        if sizes is None or checksums is None or len(sizes) != count or len(checksums) != count:
+            raise ValueError("a PUT needs one size and one checksum per key")
+        out += [np.ascontiguousarray(sizes, _U64).tobytes(), np.ascontiguousarray(checksums, _U64).tobytes()]
+    return [b for b in out if b]
+
+
+def with_request_id(header: bytes, request_id: int) -> bytes:
+    """The same request header under another request id (a frame built before its connection)."""
+    return header[:8] + struct.pack("<I", request_id) + header[12:]
+
+
+def decode_request(data: bytes | bytearray | memoryview) -> Request:
+    """Unpack and validate a request header (:class:`ProtocolError` if it is not one)."""
+    if len(data) != REQUEST_SIZE:
+        raise ProtocolError(f"data request header must be {REQUEST_SIZE} bytes, got {len(data)}")
+    magic, version, op, kind, flags, rid, count, lease_ms, tlen, clen, lease_id, epoch = REQUEST.unpack(data)
+    if magic != REQUEST_MAGIC:
+        raise ProtocolError(f"bad data request magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported data protocol version {version}")
+    if op not in REQUEST_OPS:
+        raise ProtocolError(f"unknown data op {op}")
+    if count > MAX_KEYS:
+        raise ProtocolError(f"{count} keys in one frame (at most {MAX_KEYS})")
+    if tlen > MAX_TOKEN_BYTES or clen > MAX_CLASS_BYTES:
+        raise ProtocolError("token or traffic class length over the limit")
+    if op == OP_HELLO and (count or clen):
+        raise ProtocolError("HELLO carries no keys")
+    return Request(op, kind, flags, rid, count, lease_ms, tlen, clen, lease_id, epoch)
+
+
+class RequestBody(NamedTuple):
+    token: str
+    traffic_class: str
+    keys: bytes
+    sizes: npt.NDArray[np.uint64] | None
+    checksums: npt.NDArray[np.uint64] | None
+
+
+def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> RequestBody:
+    """Split the bytes after a request header (exactly ``req.body_bytes()`` of them)."""
+    if len(body) != req.body_bytes():
+        raise ProtocolError(f"request body of {len(body)} bytes, expected {req.body_bytes()}")
+    mv = memoryview(body)
+    at = req.token_len + req.class_len
+    try:
+        token = bytes(mv[:req.token_len]).decode("utf-8")
+        tclass = bytes(mv[req.token_len:at]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("token or traffic class is not UTF-8") from exc
+    end = at + req.items * KEY_BYTES
+    keys = bytes(mv[at:end])
+    sizes = sums = None
+    if req.op == OP_PUT:
+        sizes = np.frombuffer(mv, _U64, req.items, end)
+        sums = np.frombuffer(mv, _U64, req.items, end + 8 * req.items)
+        if req.items and int(sizes.max()) > MAX_OBJECT_BYTES:
+            raise ProtocolError("object size over the protocol limit")
+    return RequestBody(token, tclass, keys, sizes, sums)
+
+
+# -- responses -----------------------------------------------------------------------------
+
+def encode_response(op: int, request_id: int, count: int = 0, *, status: int = 0, message: str = "",
+                    prefix: int = 0, lease_id: int = 0, epoch: int = 0, payload_len: int = 0) -> bytes:
+    """A response header (and its message); the body is sent after it."""
+    msg = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
+    return RESPONSE.pack(RESPONSE_MAGIC, VERSION, op, status, 0, request_id, count, len(msg), prefix, lease_id,
+                         epoch, payload_len) + msg
+
+
+def decode_response(data: bytes | bytearray | memoryview) -> Response:
+    """Unpack and validate a response header (:class:`ProtocolError` if it is not one)."""
+    if len(data) != RESPONSE_SIZE:
+        raise ProtocolError(f"data response header must be {RESPONSE_SIZE} bytes, got {len(data)}")
+    magic, version, op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload = RESPONSE.unpack(data)
+    if magic != RESPONSE_MAGIC:
+        raise ProtocolError(f"bad data response magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported data protocol version {version}")
+    if op not in RESPONSE_OPS:
+        raise ProtocolError(f"unknown data response op {op}")
+    if count > MAX_KEYS or msg_len > MAX_MESSAGE_BYTES or prefix > count:
+        raise ProtocolError("data response header over its limits")
+    if payload and (op != OP_GET or status):
+        raise ProtocolError("payload on a response that carries none")
+    return Response(op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload)
+
+
+def encode_get_table(codes: npt.NDArray[np.uint8], sizes: npt.NDArray[np.uint64],
+                     checksums: npt.NDArray[np.uint64]) -> bytes:
+    return (np.ascontiguousarray(codes, np.uint8).tobytes() + np.ascontiguousarray(sizes, _U64).tobytes()
+            + np.ascontiguousarray(checksums, _U64).tobytes())
+
+
+class GetTable(NamedTuple):
+    codes: npt.NDArray[np.uint8]
+    sizes: npt.NDArray[np.uint64]
+    checksums: npt.NDArray[np.uint64]
+
+
+def decode_get_table(resp: Response, body: bytes | bytearray | memoryview) -> GetTable:
+    """Per-item codes, sizes and checksums of a GET reply; the payload length must be the sum of
+    the OK items' sizes (anything else is a broken stream)."""
+    n = resp.items
+    if len(body) != 17 * n:
+        raise ProtocolError(f"GET table of {len(body)} bytes for {n} items")
+    codes = np.frombuffer(body, np.uint8, n, 0)
+    sizes = np.frombuffer(body, _U64, n, n)
+    sums = np.frombuffer(body, _U64, n, 9 * n)
+    ok = codes == 0
+    if n and int(sizes.max()) > MAX_OBJECT_BYTES:
+        raise ProtocolError("object size over the protocol limit")
+    if int(sizes[ok].sum()) != resp.payload_len or (sizes[~ok] != 0).any():
+        raise ProtocolError("GET payload length does not match its table")
+    return GetTable(codes, sizes, sums)
+
+
+def encode_bitmap(present: bytes | bytearray | npt.NDArray[np.uint8]) -> bytes:
+    """One bit per key (least significant first) from one byte per key."""
+    arr = np.frombuffer(present, np.uint8) if not isinstance(present, np.ndarray) else present
+    return np.packbits(arr != 0, bitorder="little").tobytes()
+
+
+def decode_bitmap(body: bytes | bytearray | memoryview, count: int) -> npt.NDArray[np.bool_]:
+    if len(body) != (count + 7) // 8:
+        raise ProtocolError(f"bitmap of {len(body)} bytes for {count} keys")
+    bits = np.unpackbits(np.frombuffer(body, np.uint8), count=count, bitorder="little")
+    return bits.astype(bool)
+
+
+def decode_codes(resp: Response, body: bytes | bytearray | memoryview) -> list[int]:
+    if len(body) != resp.items:
+        raise ProtocolError(f"{len(body)} codes for {resp.items} items")
+    return list(bytes(body))

@@ -1,0 +1,145 @@
+"""Server side of the data session (:mod:`kvpool.store.data_protocol`): frames in, node calls,
+frames and arena bytes out.
+
+One handler call per connection, run on the transfer server's connection thread.  The tenant
+comes from the token in each frame, checked exactly as the gRPC service checks its bearer token
+(:meth:`StoreNode.authenticate`); a refused token gets an error status and no bytes.  Payload
+moves with ``sendmsg`` from arena views (GET) and ``recvmsg_into`` into reserved arena extents
+(PUT), never through Python per byte.  A PUT whose payload does not arrive whole is revoked, so a
+writer killed mid-put leaves nothing visible; a frame that does not parse closes this connection
+only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from .. import errors
+from ..keys import unpack_keys
+from ..proto import store_pb2 as pb
+from ..transfer.stream import STALL_ERRORS, Stream
+from . import data_protocol as dp
+from .node import Entry, StoreNode
+
+log = logging.getLogger("kvpool.store.session")
+
+
+class DataSessionHandler:
+    """Serves data-session connections for one node (a ``TransferServer`` session handler)."""
+
+    magic = dp.REQUEST_MAGIC
+
+    def __init__(self, node: StoreNode) -> None:
+        self.node = node
+
+    def __call__(self, stream: Stream, stopping: threading.Event) -> None:
+        header = bytearray(dp.REQUEST_SIZE)
+        view = memoryview(header)
+        while not stopping.is_set():
+            try:
+                got = stream.recv_some(view)
+            except STALL_ERRORS:
+                continue  # idle between frames
+            if got == 0:
+                return
+            if got < dp.REQUEST_SIZE:
+                stream.recv_exact(view[got:])
+            req = dp.decode_request(header)
+            body = bytearray(req.body_bytes())
+            if body:
+                stream.recv_exact(body)
+            parsed = dp.decode_request_body(req, body)
+            self._serve(stream, req, parsed)
+
+    # -- one frame ---------------------------------------------------------------------------
+
+    def _serve(self, stream: Stream, req: dp.Request, body: dp.RequestBody) -> None:
+        reply_op = dp.OP_PUT_READY if req.op == dp.OP_PUT else req.op
+        if req.op == dp.OP_HELLO:
+            stream.send([dp.encode_response(dp.OP_HELLO, req.request_id, epoch=self.node.ring.epoch)])
+            return
+        try:
+            tenant = self.node.authenticate(body.token)
+            if tenant is None:
+                raise errors.Unauthenticated("unknown or missing tenant token")
+            keys = unpack_keys(body.keys)
+            if req.op == dp.OP_GET:
+                self._get(stream, req, tenant, keys)
+            elif req.op == dp.OP_EXISTS:
+                self._exists(stream, req, tenant, keys)
+            else:
+                self._put(stream, req, tenant, keys, body)
+        except (errors.KvpoolError, ValueError) as exc:
+            if not isinstance(exc, errors.KvpoolError):
+                exc = errors.InvalidArgument(str(exc))
+            stream.send([dp.encode_response(reply_op, req.request_id, req.items,
+                                            status=errors.session_status_for(exc), message=str(exc),
+                                            epoch=self.node.ring.epoch)])
+
+    def _exists(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes]) -> None:
+        prefix, present, lease = self.node.exists(tenant, keys, req.kind, bool(req.flags & dp.FLAG_PREFIX_ONLY),
+                                                  bool(req.flags & dp.FLAG_PIN), req.lease_ms)
+        stream.send([dp.encode_response(dp.OP_EXISTS, req.request_id, req.items, prefix=prefix,
+                                        lease_id=lease.lease_id if lease else 0, epoch=self.node.ring.epoch),
+                     dp.encode_bitmap(present)])
+
+    def _get(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes]) -> None:
+        codes, found = self.node.read_pin(tenant, keys, req.kind, req.lease_id)
+        try:
+            n = len(keys)
+            sizes = np.zeros(n, np.uint64)
+            sums = np.zeros(n, np.uint64)
+            views: list[memoryview] = []
+            arena = self.node.dram
+            for i, e in enumerate(found):
+                if e is not None:
+                    sizes[i], sums[i] = e.size, e.checksum
+                    views.append(arena.slice(e.offset, e.size))
+            head = dp.encode_response(dp.OP_GET, req.request_id, n, epoch=self.node.ring.epoch,
+                                      payload_len=int(sizes.sum()))
+            stream.send([head, dp.encode_get_table(np.array(codes, np.uint8), sizes, sums), *views])
+        finally:
+            self.node.read_unpin(found)
+
+    def _put(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes], body: dp.RequestBody) -> None:
+        assert body.sizes is not None and body.checksums is not None
+        node = self.node
+        sizes = body.sizes.tolist()
+        codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
+                                                     req.kind, req.lease_ms)
+        todo = [i for i, c in enumerate(codes) if c == pb.OK]
+        held: list[Entry] = []
+        targets: list[memoryview | None] = []
+        done = False
+        try:
+            stream.send([dp.encode_response(dp.OP_PUT_READY, req.request_id, len(keys), epoch=node.ring.epoch),
+                         bytes(codes)])
+            if not todo:
+                return
+            # The guard of each slot, as for a transfer-engine write: an expired reservation is
+            # refused, and eviction or a revoke leaves an extent being written alone.
+            for i in todo:
+                e = node.acquire("write", offsets[i], sizes[i], tokens[i])
+                if e is not None:
+                    held.append(e)
+                targets.append(node.dram.slice(offsets[i], sizes[i]) if e is not None else None)
+            if len(held) == len(todo):
+                stream.recv_buffers(targets)  # type: ignore[arg-type]
+            else:  # a reservation gone meanwhile (expired): its bytes still arrive, dropped
+                for i, target in zip(todo, targets, strict=True):
+                    if target is None:
+                        stream.discard(sizes[i])
+                    else:
+                        stream.recv_exact(target)
+            done = True
+        finally:
+            for e in held:
+                node.release_guard(e)
+            if not done and rid:
+                node.put_revoke(tenant, rid)  # a short or broken stream: nothing becomes visible
+        final = node.put_commit(tenant, rid, body.checksums.tolist())
+        stream.send([dp.encode_response(dp.OP_PUT_DONE, req.request_id, len(keys), epoch=node.ring.epoch),
+                     bytes(final)])

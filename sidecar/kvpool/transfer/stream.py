@@ -1,0 +1,98 @@
+"""A blocking byte stream over one TCP connection, for sessions that carry their own frames.
+
+The transfer server hands a connection whose first bytes name a registered session (see
+``TransferServer(sessions=...)``) to that session's handler as a :class:`Stream`; clients open
+one with :func:`connect`.  Only this package touches the socket: handlers and clients see
+``recv_exact`` / ``recv_buffers`` (scatter into caller memory) / ``send`` (gather from caller
+memory), each a few syscalls per frame whatever the number of objects, with the GIL released
+inside every call.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from kvpool.transfer import _sockio
+
+#: Buffers per ``recvmsg_into``/``sendmsg`` call (Linux IOV_MAX is 1024).
+MAX_IOV = _sockio.MAX_IOV
+
+STALL_ERRORS = _sockio.STALL_ERRORS
+
+
+class Stream:
+    """One connection; not thread-safe (one caller at a time, e.g. from a pool of streams)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.closed = False
+        self.received = 0
+        """Bytes received so far (a caller can tell whether a peer answered at all)."""
+
+    def recv_exact(self, view: memoryview | bytearray) -> None:
+        """Fill ``view`` or raise ``ConnectionError`` (EOF) / ``TimeoutError`` (stall)."""
+        _sockio.recv_exact(self._sock, memoryview(view))
+        self.received += len(view)
+
+    def recv_some(self, view: memoryview | bytearray) -> int:
+        """One ``recv_into`` (0 at a clean EOF)."""
+        n = self._sock.recv_into(view)
+        self.received += n
+        return n
+
+    def recv_buffers(self, views: Sequence[memoryview]) -> None:
+        """Fill every view in order, scattering with ``recvmsg_into`` (one call per ``MAX_IOV``
+        buffers when the kernel has the bytes)."""
+        pending = [v for v in views if v.nbytes]
+        i = 0
+        while i < len(pending):
+            batch = pending[i:i + MAX_IOV]
+            want = sum(v.nbytes for v in batch)
+            got = self._sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+            self.received += got
+            if got == 0:
+                raise ConnectionError("peer closed the connection inside a payload")
+            if got == want:
+                i += len(batch)
+                continue
+            # Partial: skip the filled views, trim the one cut in the middle, go on.
+            for j, v in enumerate(batch):
+                if got >= v.nbytes:
+                    got -= v.nbytes
+                    continue
+                pending[i + j] = v[got:]
+                i += j
+                break
+
+    def discard(self, length: int) -> None:
+        """Consume ``length`` bytes nobody wants (keeps the stream in sync)."""
+        scratch = memoryview(bytearray(min(length, 256 << 10) or 1))
+        _sockio.discard(self._sock, length, scratch)
+        self.received += length
+
+    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        """Send every buffer in order (gathered into as few ``sendmsg`` calls as possible)."""
+        _sockio.send_buffers(self._sock, [b for b in buffers if len(b)])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def connect(address: tuple[str, int], timeout: float) -> Stream:
+    """A tuned connection (no Nagle, kernel stall timeouts of ``timeout`` seconds)."""
+    sock = socket.create_connection(address, timeout=timeout)
+    try:
+        _sockio.tune(sock)
+        _sockio.set_stall_timeout(sock, timeout)
+    except OSError:
+        sock.close()
+        raise
+    return Stream(sock)
