@@ -478,7 +478,10 @@ def test_7_operator_pod_killed_mid_drain_the_new_one_resumes(release: Release) -
     tier = f"mid-{rel.apps}"
     rel.kubectl("apply", "-f", "-", input=kvtier(tier, "64Mi"))
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=kvpool_doc(
-        "resume", storage={"replicas": 2, "tiers": [tier]}, scaleDown={"gracePeriodSeconds": 30},
+        # 4 MiB/s: the ~8 MiB on the leaving node take 2 s to push, a window the kill cannot miss
+        # (unbounded, the push finished between two polls of the status now and then).
+        "resume", storage={"replicas": 2, "tiers": [tier]}, scaleDown={"gracePeriodSeconds": 30,
+                                                                       "drainBandwidth": "4Mi"},
         sidecar={"localBytes": "8Mi"}, tenancy={"defaultTenant": "public"}))
     rel.wait_pool("resume", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
     wait_injection_ready(rel, "resume")
@@ -500,8 +503,12 @@ def test_7_operator_pod_killed_mid_drain_the_new_one_resumes(release: Release) -
 
     with rel.cluster.api_client() as api:
         custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
-        wait_for(lambda: (custom.get_namespaced_custom_object("kvpool.io", "v1alpha1", rel.apps, "kvpools", "resume")
-                          .get("status") or {}).get("drain"), 60, "the drain recorded in status", interval=0.05)
+        try:
+            wait_for(lambda: (custom.get_namespaced_custom_object("kvpool.io", "v1alpha1", rel.apps, "kvpools",
+                                                                  "resume").get("status") or {}).get("drain"),
+                     60, "the drain recorded in status", interval=0.05)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; status: {json.dumps(rel.pool_status('resume'))}") from None
         core.delete_namespaced_pod(old["metadata"]["name"], rel.namespace, grace_period_seconds=0)
     st = rel.pool_status("resume")
     assert st.get("drain") and st["drain"]["leaving"] == ["resume-store-1"], st

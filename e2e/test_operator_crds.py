@@ -90,6 +90,8 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     (pool("bad-local2", sidecar={"localBytes": -5}), "sidecar.localBytes must be a positive quantity"),
     (pool("bad-target", autoscaling={"targetUtilization": 1.5}), "targetUtilization must be in (0, 1)"),
     (pool("bad-limit", scaleDown={"utilizationLimit": 0}), "utilizationLimit must be in (0, 1]"),
+    (pool("bad-drain-rate", scaleDown={"drainBandwidth": "fast"}), "drainBandwidth must be a quantity"),
+    (pool("bad-drain-rate2", scaleDown={"drainBandwidth": -1}), "drainBandwidth must be a quantity"),
     (pool("bad-ttl", ttl={"agent": "forever"}), "spec.ttl.agent"),
     (pool("bad-hash", hash="md5"), "spec.hash"),
 ])

@@ -197,6 +197,8 @@ class PoolSpec:
     autoscaling: Autoscaling = Autoscaling()
     grace_period_seconds: int = 60
     utilization_limit: float = 0.8
+    drain_bytes_per_second: int = 0
+    """Bound on each leaving node's push rate during a scale-down drain (0: unbounded)."""
     default_tenant: str | None = None
     force_scale_down: bool = False
 
@@ -263,6 +265,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         grace_period_seconds=_int(_get(sd, "gracePeriodSeconds", default=60), "spec.scaleDown.gracePeriodSeconds",
                                   0, 86400),
         utilization_limit=limit,
+        drain_bytes_per_second=(_bytes(_get(sd, "drainBandwidth"), "spec.scaleDown.drainBandwidth", positive=False)
+                                if _get(sd, "drainBandwidth") is not None else 0),
         default_tenant=_get(spec, "tenancy", "defaultTenant") or None,
         force_scale_down=_truthy(_get(meta, "annotations", FORCE_SCALE_DOWN_ANNOTATION, default="")),
     )

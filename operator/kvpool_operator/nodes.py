@@ -92,9 +92,10 @@ class Nodes:
                             ttl_seconds={k: int(v) for k, v in t.ttl_seconds.items()},
                             evict_own_on_quota=t.evict_own_on_quota) for t in tenants]), token)
 
-    def drain(self, address: str, token: str, ring: Ring, deadline_unix_ms: int) -> NodeDrainStatus:
-        r = self._call(address, "Drain", pb.DrainRequest(ring=ring_to_pb(ring), deadline_unix_ms=deadline_unix_ms),
-                       token)
+    def drain(self, address: str, token: str, ring: Ring, deadline_unix_ms: int,
+              max_bytes_per_second: int = 0) -> NodeDrainStatus:
+        r = self._call(address, "Drain", pb.DrainRequest(ring=ring_to_pb(ring), deadline_unix_ms=deadline_unix_ms,
+                                                         max_bytes_per_second=max_bytes_per_second), token)
         return drain_status_from_pb(r)
 
     def drain_status(self, address: str, token: str) -> NodeDrainStatus:

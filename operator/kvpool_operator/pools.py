@@ -140,8 +140,10 @@ def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> Non
     if ring is not None:
         for m in plan.push_ring:
             guarded("SetRing", lambda m=m: nodes.set_ring(m.address, token, ring))  # type: ignore[misc]
+        rate = plan.pool.drain_bytes_per_second if plan.pool else 0
         for m in plan.drain_calls:
-            guarded("Drain", lambda m=m: nodes.drain(m.address, token, ring, plan.drain_deadline_ms))  # type: ignore[misc]
+            guarded("Drain", lambda m=m: nodes.drain(m.address, token, ring, plan.drain_deadline_ms,  # type: ignore[misc]
+                                                     rate))
         if plan.policy is not None:
             policy = plan.policy
             _parallel(list(plan.configure), lambda m: guarded(

@@ -354,9 +354,10 @@ class StoreClient:
     def get_ring(self) -> pb.Ring:
         return self._rpc(self.stub.GetRing, pb.Empty())
 
-    def drain(self, ring: pb.Ring, deadline_unix_ms: int) -> pb.DrainStatus:
+    def drain(self, ring: pb.Ring, deadline_unix_ms: int, max_bytes_per_second: int = 0) -> pb.DrainStatus:
         """Start (or resume, for the same epoch) pushing this node's objects to ``ring``'s owners."""
-        return self._rpc(self.stub.Drain, pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms))
+        return self._rpc(self.stub.Drain, pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms,
+                                                          max_bytes_per_second=max_bytes_per_second))
 
     def drain_status(self) -> pb.DrainStatus:
         return self._rpc(self.stub.GetDrainStatus, pb.Empty())

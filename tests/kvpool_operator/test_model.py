@@ -19,7 +19,8 @@ def test_pool_defaults() -> None:
     p = parse_pool(pool_body())
     assert (p.block_tokens, p.hash, p.replicas, p.replication, p.port) == (128, "sha256", 1, 1, 7400)
     assert p.ttl_seconds == {"agent": 3 * 86400, "chatbot": 7 * 86400}
-    assert p.grace_period_seconds == 60 and p.utilization_limit == 0.8
+    assert p.grace_period_seconds == 60 and p.utilization_limit == 0.8 and p.drain_bytes_per_second == 0
+    assert parse_pool(pool_body(scaleDown={"drainBandwidth": "64Mi"})).drain_bytes_per_second == 64 << 20
     assert p.local_bytes == 256 << 20 and p.default_tenant is None and not p.force_scale_down
     assert p.key == "ns.p"
 

@@ -278,12 +278,14 @@ class Ring(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RingMember, _Mapping]]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("ring", "deadline_unix_ms")
+    __slots__ = ("ring", "deadline_unix_ms", "max_bytes_per_second")
     RING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     ring: Ring
     deadline_unix_ms: int
-    def __init__(self, ring: _Optional[_Union[Ring, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    max_bytes_per_second: int
+    def __init__(self, ring: _Optional[_Union[Ring, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., max_bytes_per_second: _Optional[int] = ...) -> None: ...
 
 class DrainStatus(_message.Message):
     __slots__ = ("state", "moved_objects", "moved_bytes", "dropped_objects", "dropped_bytes", "remaining_objects", "deadline_unix_ms", "epoch")

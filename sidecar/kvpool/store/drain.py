@@ -1,7 +1,9 @@
 """Drain: a leaving node pushes its objects, hottest first, to their owners in the new ring.
 
 Runs in a background thread of the draining node until every object moved or the deadline
-passed; what could not move by then is counted as dropped.  Writes use the owning tenant's token,
+passed; what could not move by then is counted as dropped.  With a bandwidth bound the pusher
+sleeps whenever it is ahead of ``max_bytes_per_second`` (so a drain under load does not take the
+network and the cores from serving); the deadline still wins.  Writes use the owning tenant's token,
 so the objects land in the same tenant partition at the new owner.
 """
 
@@ -19,9 +21,17 @@ from .node import DEFAULT_TENANT, Entry, StoreNode
 log = logging.getLogger("kvpool.store.drain")
 
 
-def run_drain(node: StoreNode, ring: Ring, progress: object) -> None:
+def pace_delay(sent_bytes: int, elapsed_s: float, max_bytes_per_second: int) -> float:
+    """Seconds to wait so that ``sent_bytes`` in ``elapsed_s`` stays within the bound (pure)."""
+    if max_bytes_per_second <= 0:
+        return 0.0
+    return max(0.0, sent_bytes / max_bytes_per_second - elapsed_s)
+
+
+def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_second: int = 0) -> None:
     p = progress  # DrainProgress; typed loosely to avoid an import cycle with the service
     deadline = p.deadline_unix_ms / 1000.0
+    started = time.monotonic()
     active = ring.active
     engine = TransferEngine()
     clients: dict[tuple[str, str], StoreClient] = {}
@@ -32,6 +42,10 @@ def run_drain(node: StoreNode, ring: Ring, progress: object) -> None:
             raise RuntimeError("no active member to drain to")
         owners = ring.owners_of([e.key for e in objects]) if objects else []
         for e, owner_idx in zip(objects, owners, strict=True):
+            wait = pace_delay(p.moved_bytes + p.dropped_bytes,  # type: ignore[attr-defined]
+                              time.monotonic() - started, max_bytes_per_second)
+            if wait > 0:
+                time.sleep(min(wait, max(0.0, deadline - time.time())))
             if time.time() >= deadline:
                 break
             target = active[int(owner_idx)]

@@ -226,8 +226,9 @@ class StoreService(pbg.StoreServicer):
             return self.drain.to_pb()
         self.drain = DrainProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
         from .drain import run_drain  # the pusher needs the store client (a module cycle otherwise)
-        self._drain_thread = threading.Thread(target=run_drain, args=(self.node, ring, self.drain),
-                                              name="drain", daemon=True)
+        self._drain_thread = threading.Thread(
+            target=run_drain, args=(self.node, ring, self.drain, request.max_bytes_per_second), name="drain",
+            daemon=True)
         self._drain_thread.start()
         return self.drain.to_pb()
 

@@ -27,7 +27,7 @@ def _ring(epoch: int, a: Any, b: Any, a_state: str = "active") -> pb.Ring:
 def nodes(module_stores: Any) -> Any:
     spec = {"dram": "16MiB", "tenants": TENANTS, "admin_token": ADMIN}
     return module_stores.start_many({"store-a": spec, "store-b": spec, "store-d": spec,
-                                     "store-e": spec, "store-f": spec})
+                                     "store-e": spec, "store-f": spec, "store-g": spec, "store-h": spec})
 
 
 def test_drain_moves_every_object_to_the_new_owner(nodes: Any, h: Any, rng: random.Random) -> None:
@@ -87,3 +87,23 @@ def test_drain_never_moves_a_revoked_tenant_into_the_open_partition(nodes: Any, 
     assert done.moved_objects == 0 and done.dropped_objects == 5
     assert f.client().exists(keys, prefix_only=False).present == [False] * 5
     assert f.client("tok-alpha").exists(keys, prefix_only=False).present == [False] * 5
+
+
+def test_drain_bandwidth_bound_paces_the_push(nodes: Any, h: Any, rng: random.Random) -> None:
+    a, b = nodes["store-g"], nodes["store-h"]
+    for n in (a, b):
+        n.client(ADMIN).set_ring(_ring(20, a, b))
+    keys = h.rand_keys(rng, 24)
+    vals = h.rand_values(rng, [64 * KiB] * len(keys))  # 1.5 MiB
+    assert a.client().put(keys, vals) == [pb.OK] * len(keys)
+    rate = 1 << 20  # 1 MiB/s: the push cannot finish in under ~1.4 s (the first object goes at once)
+    start = time.monotonic()
+    a.client(ADMIN).drain(_ring(21, a, b, "draining"), int(time.time() * 1000) + 30000, max_bytes_per_second=rate)
+    mid = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).moved_objects > 0 and s, 30, what="first push")
+    assert mid.state == "running"  # a bound leaves the drain observable while it runs
+    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
+    elapsed = time.monotonic() - start
+    assert done.moved_objects == len(keys) and done.dropped_objects == 0
+    # A lower bound only (pacing cannot make it faster, a slow machine only slower).
+    assert elapsed >= (sum(map(len, vals)) - 64 * KiB) / rate * 0.95, elapsed
+    assert [bytes(g) if g is not None else None for g in b.client().get(keys)] == vals
