@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--ssd-path", default=None)
     st.add_argument("--ssd", type=parse_bytes, default=None, help="SSD tier capacity")
     st.add_argument("--sharedfs", default=None, help="directory of a shared-filesystem tier")
+    st.add_argument("--master-key-file", default=None,
+                    help="file holding the master key of encryption at rest (a mounted Secret, >= 32 bytes): "
+                         "objects on the SSD and shared-filesystem tiers are encrypted per tenant")
     st.add_argument("--node-id", default=None)
     st.add_argument("--config", default=None, help="JSON node configuration (the operator's ConfigMap)")
     st.add_argument("--tenants", default=None, help="JSON file of tenants (id, token, salt, quota, ttl)")

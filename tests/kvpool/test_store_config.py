@@ -59,3 +59,18 @@ def test_tenants_file(tmp_path: Path) -> None:
     p.write_text(json.dumps([{"tenantId": "a"}]))
     with pytest.raises(ConfigError):
         load_tenants(str(p))
+
+
+def test_master_key_file(tmp_path: Path) -> None:
+    key = tmp_path / "master"
+    key.write_text("k" * 44 + "\n")
+    cfg = load_node_config(_args(tmp_path, master_key_file=str(key)))
+    assert cfg.master_key == b"k" * 44
+    assert "kkkk" not in repr(cfg)  # the key never shows up in a log line of the config
+    assert load_node_config(_args(tmp_path, {"masterKeyFile": str(key)})).master_key == b"k" * 44
+    assert load_node_config(_args(tmp_path)).master_key == b""
+    key.write_text("short")
+    with pytest.raises(ConfigError, match="master-key-file.*at least 32 bytes"):
+        load_node_config(_args(tmp_path, master_key_file=str(key)))
+    with pytest.raises(ConfigError, match="master-key-file.*cannot read"):
+        load_node_config(_args(tmp_path, master_key_file=str(tmp_path / "missing")))

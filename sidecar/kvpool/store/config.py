@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any
 
+from .atrest import MasterKeyError, load_master_key
 from .node import NodeConfig, Tenant
 
 
@@ -45,6 +46,12 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
     cfg.sharedfs_path = args.sharedfs or doc.get("sharedfsPath", "")
     if cfg.ssd_bytes and not cfg.ssd_path:
         raise ConfigError("--ssd needs --ssd-path")
+    key_file = getattr(args, "master_key_file", None) or doc.get("masterKeyFile", "")
+    if key_file:
+        try:
+            cfg.master_key = load_master_key(str(key_file))
+        except MasterKeyError as exc:
+            raise ConfigError(f"--master-key-file: {exc}") from None
     if cfg.dram_bytes <= 0:
         raise ConfigError("--dram (or dramBytes) must be a positive byte size")
     wm = doc.get("watermarks", {})

@@ -27,6 +27,7 @@ from ..errors import InvalidArgument
 from ..proto import store_pb2 as pb
 from ..ring import Ring
 from .allocator import OutOfSpace
+from .atrest import AtRest, sealed_size
 from .eviction import choose_victims, is_expired, watermark_need
 from .tiers import DramTier, SharedFsTier, SsdTier, checksum
 
@@ -61,7 +62,7 @@ class Entry:
     """One object in the index.  Per object, never per byte."""
 
     __slots__ = ("key", "tenant", "kind", "traffic_class", "size", "checksum", "tier", "offset",
-                 "token", "last_access", "state", "pins", "inflight", "expires", "on_fs")
+                 "token", "last_access", "state", "pins", "inflight", "expires", "on_fs", "gen")
 
     def __init__(self, key: bytes, tenant: str, kind: int, traffic_class: str, size: int) -> None:
         self.key = key
@@ -79,6 +80,7 @@ class Entry:
         self.inflight = 0
         self.expires = 0.0  # reservation expiry (RESERVED only)
         self.on_fs = False  # a copy exists on the shared-filesystem tier (removed with the object)
+        self.gen = 0  # generation its SSD copy was sealed under (encryption at rest)
 
 
 @dataclass
@@ -151,6 +153,9 @@ class NodeConfig:
     data_session: bool = True
     """Serve the one-round-trip binary data session (get, put, exists) on the transfer port
     beside the gRPC API; off, clients use the gRPC calls (the compatibility path)."""
+    master_key: bytes = field(default=b"", repr=False)
+    """Master key of encryption at rest (from ``--master-key-file``): objects on the SSD and
+    shared-filesystem tiers are sealed per tenant (``kvpool.store.atrest``).  Empty: in the clear."""
 
 
 class StoreNode:
@@ -161,6 +166,7 @@ class StoreNode:
         self.dram = DramTier(payload_arena_bytes(cfg.dram_bytes, cfg.high_watermark), cfg.shm_dir, label=cfg.node_id)
         self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id) if cfg.ssd_path and cfg.ssd_bytes else None
         self.sharedfs = SharedFsTier(cfg.sharedfs_path) if cfg.sharedfs_path else None
+        self.at_rest = AtRest(cfg.master_key) if cfg.master_key else None
         self.lock = threading.RLock()
         self._released = threading.Condition(self.lock)  # signalled when a reserved slot's write ends
         self.index: dict[str, dict[bytes, Entry]] = {}
@@ -318,10 +324,14 @@ class StoreNode:
         hdr = self.sharedfs.stat(self._fs_salt(tenant), key)
         if hdr is None or hdr.kind != pb.BLOCK:
             return None
+        if hdr.sealed != (self.at_rest is not None):
+            # A file in the clear is not trusted by an encrypting node (anyone with write access
+            # to the mount could have planted it); a sealed one cannot be opened without a key.
+            return None
         if not 0 < hdr.size <= min(self.cfg.max_object_bytes, self.dram.capacity):
             return None  # a damaged header must not make the node evict DRAM for a phantom
         e = Entry(key, tenant, hdr.kind, "", hdr.size)
-        e.state, e.tier, e.checksum, e.on_fs = COMMITTED, "sharedfs", hdr.checksum, True
+        e.state, e.tier, e.checksum, e.on_fs = COMMITTED, "sharedfs", hdr.checksum, True  # sealed: 0, set on open
         self._tenant(tenant).objects += 1
         self.index.setdefault(tenant, {})[key] = e
         self.blocks.setdefault(tenant, {})[key] = e
@@ -855,14 +865,14 @@ class StoreNode:
 
     def _demote(self, e: Entry, now: float) -> bool:
         """Move a DRAM object to the SSD tier (or the shared filesystem); False if neither can."""
-        src = self.dram.slice(e.offset, e.size)
-        if self.ssd is not None and self.ssd.alloc.rounded(e.size) <= self.ssd.capacity:
+        src = self._at_rest_blob(e, self.dram.slice(e.offset, e.size))
+        if self.ssd is not None and self.ssd.alloc.rounded(len(src)) <= self.ssd.capacity:
             try:
-                off = self.ssd.alloc.alloc(e.size)
+                off = self.ssd.alloc.alloc(len(src))
             except OutOfSpace:
-                self._evict_ssd(self.ssd.alloc.rounded(e.size) + int(self.ssd.capacity * 0.05))
+                self._evict_ssd(self.ssd.alloc.rounded(len(src)) + int(self.ssd.capacity * 0.05))
                 try:
-                    off = self.ssd.alloc.alloc(e.size)
+                    off = self.ssd.alloc.alloc(len(src))
                 except OutOfSpace:
                     return self._demote_sharedfs(e, src)
             try:
@@ -877,13 +887,14 @@ class StoreNode:
         return self._demote_sharedfs(e, src)
 
     def _demote_sharedfs(self, e: Entry, src: memoryview) -> bool:
+        """``src``: the object's bytes as :meth:`_at_rest_blob` made them (sealed or not)."""
         if self.sharedfs is None:
             return False
         salt = self._fs_salt(e.tenant)
         # An object promoted from the shared tier still has its (immutable) file there.
         if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
             try:
-                self.sharedfs.write(salt, e.key, e.kind, src, e.checksum)
+                self._write_sharedfs(salt, e, src)
             except OSError as exc:
                 log.warning("shared-fs write failed, dropping instead of demoting: %s", exc)
                 return False
@@ -918,10 +929,10 @@ class StoreNode:
         assert self.ssd is not None and self.sharedfs is not None
         salt = self._fs_salt(e.tenant)
         if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
-            buf = bytearray(e.size)
+            buf = bytearray(self._stored_size(e))  # a sealed copy moves as it is, same generation
             try:
                 self.ssd.read_into(e.offset, memoryview(buf))
-                self.sharedfs.write(salt, e.key, e.kind, memoryview(buf), e.checksum)
+                self._write_sharedfs(salt, e, memoryview(buf))
             except OSError as exc:
                 log.warning("SSD to shared-fs demotion failed: %s", exc)
                 return False
@@ -943,14 +954,12 @@ class StoreNode:
         except OutOfSpace:
             return pb.NO_SPACE
         dst = self.dram.slice(off, e.size)
-        code = pb.NOT_FOUND
+        code: int = pb.NOT_FOUND
         try:
             if e.tier == "ssd" and self.ssd is not None and e.offset >= 0:
-                self.ssd.read_into(e.offset, dst)
-                code = pb.OK
+                code = self._read_ssd(e, dst)
             elif e.tier == "sharedfs" and self.sharedfs is not None:
-                if self.sharedfs.read_into(self._fs_salt(e.tenant), e.key, dst) is not None:
-                    code = pb.OK
+                code = self._read_sharedfs(e, dst)
         except OSError as exc:
             log.warning("promotion read failed: %s", exc)
         if code == pb.OK and checksum(dst) != e.checksum:
@@ -971,6 +980,62 @@ class StoreNode:
         self.lru_dram[id(e)] = e
         self.counters["promoted"] += 1
         return pb.OK
+
+    # ------------------------------------------------------------------ encryption at rest
+
+    def _at_rest_blob(self, e: Entry, src: memoryview) -> memoryview:
+        """What a tier below DRAM stores: the bytes, or them sealed under a new generation."""
+        if self.at_rest is None:
+            return src
+        e.gen = secrets.randbits(63)
+        self.counters["sealed"] += 1
+        return memoryview(self.at_rest.seal(e.tenant, e.key, e.kind, e.gen, src))
+
+    def _stored_size(self, e: Entry) -> int:
+        return sealed_size(e.size) if self.at_rest is not None else e.size
+
+    def _write_sharedfs(self, salt: bytes, e: Entry, src: memoryview) -> None:
+        assert self.sharedfs is not None
+        if self.at_rest is None:
+            self.sharedfs.write(salt, e.key, e.kind, src, e.checksum)
+        else:
+            self.sharedfs.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=e.gen)
+
+    def _read_ssd(self, e: Entry, dst: memoryview) -> int:
+        assert self.ssd is not None
+        if self.at_rest is None:
+            self.ssd.read_into(e.offset, dst)
+            return pb.OK
+        blob = bytearray(sealed_size(e.size))
+        self.ssd.read_into(e.offset, memoryview(blob))
+        if self.at_rest.open_into(e.tenant, e.key, e.kind, e.gen, blob, dst):
+            return pb.OK
+        return self._at_rest_failure(e)
+
+    def _read_sharedfs(self, e: Entry, dst: memoryview) -> int:
+        assert self.sharedfs is not None
+        salt = self._fs_salt(e.tenant)
+        if self.at_rest is None:
+            hdr = self.sharedfs.read_into(salt, e.key, dst)
+            return pb.OK if hdr is not None and not hdr.sealed else pb.NOT_FOUND
+        blob = bytearray(sealed_size(e.size))
+        hdr = self.sharedfs.read_into(salt, e.key, memoryview(blob))
+        if hdr is None:
+            # Gone (another node removed it) is a plain miss; present but unreadable is damage.
+            return self._at_rest_failure(e) if self.sharedfs.stat(salt, e.key) is not None else pb.NOT_FOUND
+        if not (hdr.sealed and hdr.size == e.size and hdr.kind == e.kind
+                and self.at_rest.open_into(e.tenant, e.key, e.kind, hdr.generation, blob, dst)):
+            return self._at_rest_failure(e)
+        if not e.checksum:
+            e.checksum = checksum(dst)  # adopted: a sealed file carries no checksum; the tag vouched
+        return pb.OK
+
+    def _at_rest_failure(self, e: Entry) -> int:
+        """A copy below DRAM that does not authenticate (tampered, truncated, sealed for another
+        tenant or under another master key): counted, never served; the caller drops it."""
+        self.counters["at_rest_auth_failures"] += 1
+        self._tenant(e.tenant).counters["at_rest_auth_failures"] += 1
+        return pb.CHECKSUM
 
     def expire_sweep(self) -> int:
         """Drop every expired object (timer-driven, so expired objects do not wait for pressure)."""
