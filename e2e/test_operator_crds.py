@@ -94,6 +94,7 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     (pool("bad-drain-rate2", scaleDown={"drainBandwidth": -1}), "drainBandwidth must be a quantity"),
     (pool("bad-ttl", ttl={"agent": "forever"}), "spec.ttl.agent"),
     (pool("bad-hash", hash="md5"), "spec.hash"),
+    (pool("bad-enc", storage={"encryption": {"secretName": "k"}}), "encryption.secretName needs encryption.enabled"),
 ])
 def test_invalid_pools_refused(cluster: Cluster, crds: None, namespace: str, doc: dict[str, Any],
                                message: str) -> None:
@@ -115,6 +116,7 @@ def test_invalid_pools_refused(cluster: Cluster, crds: None, namespace: str, doc
     (tier("bad-fs2", sharedfs={"volume": {"emptyDir": {}}}), "sharedfs is only valid for the sharedfs medium"),
     (tier("bad-vcsize", medium="ssd", volumeClaim={"size": "0"}), "volumeClaim.size must be a positive quantity"),
     (tier("bad-medium", medium="tape"), "spec.medium"),
+    (tier("bad-enc", encryptAtRest=True), "encryptAtRest is only valid for the ssd and sharedfs media"),
 ])
 def test_invalid_tiers_refused(cluster: Cluster, crds: None, doc: dict[str, Any], message: str) -> None:
     r = apply(cluster, doc)

@@ -348,6 +348,39 @@ def test_tiered_pool_with_claims_and_tier_change(operator: Operator, kube: Kube,
         kube.delete(API, "KVTier", ssd)
 
 
+def test_encrypted_tier_gets_a_master_key_and_seals_what_it_demotes(operator: Operator, kube: Kube,
+                                                                    namespace: str) -> None:
+    from kvpool.store_client import StoreClient
+
+    dram, ssd = f"ed-{namespace}", f"es-{namespace}"
+    kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": dram},
+                "spec": {"medium": "dram", "capacity": {"bytes": "4Mi"}}})
+    kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": ssd},
+                "spec": {"medium": "ssd", "capacity": {"bytes": "32Mi"}, "encryptAtRest": True}})
+    try:
+        create(kube, kvpool("e", storage={"replicas": 1, "tiers": [dram, ssd]}, tenancy={"defaultTenant": "x"}),
+               namespace)
+        secret = wait_for(lambda: kube.get("v1", "Secret", "e-store-master-key", namespace), 60, "the master key")
+        assert len(base64.b64decode(secret["data"]["key"])) >= 32
+        assert secret["metadata"]["ownerReferences"][0]["name"] == "e"
+        cm = wait_for(lambda: kube.get("v1", "ConfigMap", "e-store-config", namespace), 60, "the ConfigMap")
+        assert json.loads(cm["data"]["node.json"])["masterKeyFile"] == "/etc/kvpool/master-key/key"
+        # The node started (it refuses to without a readable key) and seals what it demotes.
+        st = wait_status(kube, namespace, "e", lambda s: s.get("readyReplicas") == 1, 120, "the encrypted node ready")
+        keys = [os.urandom(32) for _ in range(24)]
+        vals = [os.urandom(512 << 10) for _ in range(24)]
+        with StoreClient(st["ring"]["members"][0]["address"]) as c:
+            for i in range(0, 24, 4):
+                assert c.put(keys[i:i + 4], vals[i:i + 4]) == [0] * 4
+            assert c.stats().counters["sealed"] > 10
+            got = [bytes(g) if g is not None else None for i in range(0, 24, 2) for g in c.get(keys[i:i + 2])]
+            assert got == vals
+            assert c.stats().counters.get("at_rest_auth_failures", 0) == 0
+    finally:
+        kube.delete(API, "KVTier", dram)
+        kube.delete(API, "KVTier", ssd)
+
+
 def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, kube: Kube, namespace: str) -> None:
     from kvpool import errors
     from kvpool.store_client import StoreClient

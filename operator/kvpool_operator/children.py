@@ -22,6 +22,8 @@ ADMIN_KEY = "token"
 SSD_DIR = "/var/lib/kvpool/ssd"
 SHAREDFS_DIR = "/mnt/kvpool-sharedfs"
 STORE_SHM_DIR = "/run/kvpool-store"
+MASTER_KEY_DIR = "/etc/kvpool/master-key"
+MASTER_KEY_KEY = "key"
 CONFIG_HASH_ANNOTATION = "kvpool.io/config-hash"
 
 Manifest = dict[str, Any]
@@ -37,6 +39,11 @@ def config_name(pool: PoolSpec) -> str:
 
 def admin_secret_name(pool: PoolSpec) -> str:
     return f"{pool.name}-store-admin"
+
+
+def master_key_secret_name(pool: PoolSpec) -> str:
+    """The Secret holding the master key of encryption at rest (the user's, or one the operator mints)."""
+    return pool.encryption_secret or f"{pool.name}-store-master-key"
 
 
 def selector_labels(pool: PoolSpec) -> dict[str, str]:
@@ -84,6 +91,9 @@ def node_config(pool: PoolSpec, layout: NodeLayout) -> dict[str, Any]:
         cfg["ssdBytes"] = layout.ssd.capacity_bytes or 0
     if layout.sharedfs is not None:
         cfg["sharedfsPath"] = f"{SHAREDFS_DIR}/{layout.sharedfs.sharedfs_subpath}".rstrip("/")
+    if layout.encrypt_at_rest:
+        # The path, never the key: the key stays in its Secret, mounted into the store pods only.
+        cfg["masterKeyFile"] = f"{MASTER_KEY_DIR}/{MASTER_KEY_KEY}"
     return cfg
 
 
@@ -103,6 +113,13 @@ def admin_secret(pool: PoolSpec, token: str) -> Manifest:
     """The admin token of the pool's nodes; created once (never re-applied: that would rotate it)."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _meta(pool, admin_secret_name(pool)),
             "stringData": {ADMIN_KEY: token}}
+
+
+def master_key_secret(pool: PoolSpec, key: str) -> Manifest:
+    """The pool's master key of encryption at rest; created once and never re-applied (another key
+    would make every sealed object of the shared filesystem unreadable)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(pool, master_key_secret_name(pool)), "stringData": {MASTER_KEY_KEY: key}}
 
 
 # --------------------------------------------------------------------------------- workloads
@@ -128,6 +145,8 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         mounts.append({"name": "ssd", "mountPath": SSD_DIR})
     if layout.sharedfs is not None:
         mounts.append({"name": "sharedfs", "mountPath": SHAREDFS_DIR})
+    if layout.encrypt_at_rest:
+        mounts.append({"name": "master-key", "mountPath": MASTER_KEY_DIR, "readOnly": True})
     probe = {"tcpSocket": {"port": "control"}}
     return {
         "name": "store",
@@ -176,6 +195,10 @@ def stateful_set(pool: PoolSpec, layout: NodeLayout, settings: Settings, replica
     ]
     if layout.sharedfs is not None and layout.sharedfs.sharedfs_volume is not None:
         volumes.append({**dict(layout.sharedfs.sharedfs_volume), "name": "sharedfs"})
+    if layout.encrypt_at_rest:
+        volumes.append({"name": "master-key", "secret": {
+            "secretName": master_key_secret_name(pool), "defaultMode": 0o400,
+            "items": [{"key": MASTER_KEY_KEY, "path": MASTER_KEY_KEY}]}})
     pod_spec: dict[str, Any] = {
         "serviceAccountName": store_name(pool),
         "automountServiceAccountToken": False,

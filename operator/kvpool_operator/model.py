@@ -119,6 +119,8 @@ class TierSpec:
     claim_bytes: int | None = None
     sharedfs_volume: Mapping[str, Any] | None = None
     sharedfs_subpath: str = "kvpool"
+    encrypt_at_rest: bool = False
+    """Pools using this (ssd or sharedfs) tier encrypt what their nodes write below DRAM."""
 
 
 def parse_tier(body: Mapping[str, Any]) -> TierSpec:
@@ -143,6 +145,12 @@ def parse_tier(body: Mapping[str, Any]) -> TierSpec:
     shared = _get(spec, "sharedfs")
     if medium == "sharedfs" and not _get(shared, "volume"):
         raise SpecError("InvalidTier", f"KVTier {name}: a sharedfs tier needs spec.sharedfs.volume")
+    encrypt = _get(spec, "encryptAtRest", default=False)
+    if not isinstance(encrypt, bool):
+        raise SpecError("InvalidTier", f"KVTier {name}: encryptAtRest must be true or false, got {encrypt!r}")
+    if encrypt and medium == "dram":
+        raise SpecError("InvalidTier", f"KVTier {name}: encryptAtRest is for ssd and sharedfs tiers (DRAM is never "
+                                       "written to disk)")
     return TierSpec(
         name=name, medium=medium, capacity_bytes=cap_bytes, memory_fraction=frac,
         high_watermark=high, low_watermark=low,
@@ -152,6 +160,7 @@ def parse_tier(body: Mapping[str, Any]) -> TierSpec:
         claim_bytes=_bytes(vc["size"], f"KVTier {name} volumeClaim.size") if _get(vc, "size") is not None else None,
         sharedfs_volume=_get(shared, "volume"),
         sharedfs_subpath=str(_get(shared, "subPath", default="kvpool")),
+        encrypt_at_rest=encrypt,
     )
 
 
@@ -201,6 +210,10 @@ class PoolSpec:
     """Bound on each leaving node's push rate during a scale-down drain (0: unbounded)."""
     default_tenant: str | None = None
     force_scale_down: bool = False
+    encryption: bool = False
+    """spec.storage.encryption.enabled: encrypt the tiers below DRAM whatever the tiers say."""
+    encryption_secret: str | None = None
+    """spec.storage.encryption.secretName: the user's master-key Secret (else the operator mints one)."""
 
     @property
     def key(self) -> str:
@@ -243,6 +256,10 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     ttl = dict(DEFAULT_TTL)
     ttl.update(_get(spec, "ttl", default={}) or {})
     tiers = _get(st, "tiers", default=[]) or []
+    enc = _get(st, "encryption", default={})
+    enc_on = _get(enc, "enabled", default=False)
+    if not isinstance(enc_on, bool):
+        raise SpecError("InvalidSpec", f"spec.storage.encryption.enabled must be true or false, got {enc_on!r}")
     if len(set(tiers)) != len(tiers):
         raise SpecError("InvalidSpec", "spec.storage.tiers lists a tier twice")
     return PoolSpec(
@@ -269,7 +286,14 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                 if _get(sd, "drainBandwidth") is not None else 0),
         default_tenant=_get(spec, "tenancy", "defaultTenant") or None,
         force_scale_down=_truthy(_get(meta, "annotations", FORCE_SCALE_DOWN_ANNOTATION, default="")),
+        encryption=enc_on, encryption_secret=_get(enc, "secretName") or None,
     )
+
+
+def wants_encryption(pool: PoolSpec, tiers: Mapping[str, TierSpec]) -> bool:
+    """Encryption at rest is on when the pool asks for it or one of its tiers below DRAM does."""
+    return pool.encryption or any(tiers[t].encrypt_at_rest for t in pool.tiers
+                                  if t in tiers and tiers[t].medium != "dram")
 
 
 @dataclass(frozen=True)
@@ -282,6 +306,8 @@ class NodeLayout:
     sharedfs: TierSpec | None = None
     memory_limit_bytes: int | None = None
     """The store container's memory limit (from the pool's resources or sized from the DRAM tier)."""
+    encrypt_at_rest: bool = False
+    """The nodes get the pool's master key and encrypt what they write to the SSD/shared fs."""
 
     @property
     def capacity_bytes(self) -> int:
@@ -328,7 +354,7 @@ def resolve_layout(pool: PoolSpec, tiers: Mapping[str, TierSpec], default_dram_b
     if limit is None:
         limit = dram_bytes + memory_overhead
     return NodeLayout(dram=dram, dram_bytes=dram_bytes, ssd=by.get("ssd"), sharedfs=by.get("sharedfs"),
-                      memory_limit_bytes=limit)
+                      memory_limit_bytes=limit, encrypt_at_rest=wants_encryption(pool, tiers))
 
 
 # -------------------------------------------------------------------------------------- tenants

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,18 @@ from . import children, metrics
 from .drain import DrainState, NodeDrainStatus
 from .kube import Kube
 from .membership import StorePod, observe_pods
-from .model import API_VERSION, SpecError, TenantSpec, TierSpec, parse_pool, parse_tenant, parse_tier, secret_name
+from .model import (
+    API_VERSION,
+    PoolSpec,
+    SpecError,
+    TenantSpec,
+    TierSpec,
+    parse_pool,
+    parse_tenant,
+    parse_tier,
+    secret_name,
+    wants_encryption,
+)
 from .nodes import NodeUnreachable
 from .reconcile import PoolObserved, PoolPlan, plan_pool
 from .runtime import Runtime
@@ -48,6 +60,16 @@ def admin_token(kube: Kube, pool_body: Mapping[str, Any]) -> str:
     if not raw:
         raise RuntimeError(f"Secret {pool.namespace}/{name} has no {children.ADMIN_KEY}")
     return base64.b64decode(raw).decode()
+
+
+def ensure_master_key(kube: Kube, pool: PoolSpec, tiers: Mapping[str, TierSpec | SpecError]) -> None:
+    """Mint the pool's master-key Secret on first need (never re-minted: sealed files need it).
+    A Secret the user named is the user's: it is mounted, never created."""
+    if pool.encryption_secret or not wants_encryption(pool, {k: t for k, t in tiers.items()
+                                                            if isinstance(t, TierSpec)}):
+        return
+    if kube.get("v1", "Secret", children.master_key_secret_name(pool), pool.namespace) is None:
+        kube.create(children.master_key_secret(pool, secrets.token_urlsafe(32)))
 
 
 def _parallel(items: list[T], fn: Callable[[T], Any]) -> list[Any]:
@@ -94,6 +116,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
             except SpecError as err:
                 tiers[name] = err
     token = admin_token(kube, body)
+    ensure_master_key(kube, pool, tiers)
     pods = observe_pods(kube.list("v1", "Pod", pool.namespace, children.selector_string(pool)))
     usable = {p.name: p for p in pods if p.usable}
     sts = kube.get("apps/v1", "StatefulSet", children.store_name(pool), pool.namespace)

@@ -94,3 +94,39 @@ def test_service_pdb_sa() -> None:
     assert children.service_account(pool)["automountServiceAccountToken"] is False
     assert children.service_address(pool) == "p-store.ns.svc:7400"
     assert children.admin_secret(pool, "tok")["stringData"] == {"token": "tok"}
+
+
+def test_encryption_at_rest_mounts_the_master_key_secret() -> None:
+    tiers = {"d": parse_tier(tier_body("d", capacity={"bytes": "2Gi"})),
+             "s": parse_tier(tier_body("s", "ssd", capacity={"bytes": "10Gi"})),
+             "se": parse_tier(tier_body("se", "ssd", capacity={"bytes": "10Gi"}, encryptAtRest=True))}
+
+    def build(**storage: Any) -> tuple[PoolSpec, NodeLayout, dict[str, Any]]:
+        pool = parse_pool(pool_body(storage=storage))
+        layout = resolve_layout(pool, tiers, S.default_dram_bytes, S.store_memory_overhead_bytes)
+        return pool, layout, children.stateful_set(pool, layout, S, 1)["spec"]["template"]["spec"]
+
+    # Off: no key anywhere.
+    pool, layout, pod = build(tiers=["d", "s"])
+    assert not layout.encrypt_at_rest and "masterKeyFile" not in children.node_config(pool, layout)
+    assert "master-key" not in {v["name"] for v in pod["volumes"]}
+    # The tier asks for it, or the pool does: the node reads the key from the mounted Secret.
+    for pool, layout, pod in (build(tiers=["d", "se"]), build(tiers=["d", "s"], encryption={"enabled": True})):
+        assert layout.encrypt_at_rest
+        cfg = children.node_config(pool, layout)
+        assert cfg["masterKeyFile"] == f"{children.MASTER_KEY_DIR}/{children.MASTER_KEY_KEY}"
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["master-key"]["secret"] == {"secretName": "p-store-master-key", "defaultMode": 0o400,
+                                                "items": [{"key": "key", "path": "key"}]}
+        [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "master-key"]
+        assert mount == {"name": "master-key", "mountPath": children.MASTER_KEY_DIR, "readOnly": True}
+        # Switching it on restarts the nodes (they read the key only at start).
+        assert children.restart_hash(cfg) != children.restart_hash(children.node_config(*build(tiers=["d", "s"])[:2]))
+    # The key never goes into the ConfigMap or the pod spec, only its path.
+    secret = children.master_key_secret(pool, "k" * 43)
+    assert secret["stringData"] == {"key": "k" * 43} and secret["metadata"]["name"] == "p-store-master-key"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert "k" * 43 not in json.dumps(children.children(pool, layout, S, 1))
+    # A Secret the user named is mounted instead.
+    pool, layout, pod = build(tiers=["d"], encryption={"enabled": True, "secretName": "my-key"})
+    assert {v["name"]: v for v in pod["volumes"]}["master-key"]["secret"]["secretName"] == "my-key"

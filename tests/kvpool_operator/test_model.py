@@ -63,6 +63,20 @@ def test_tier_parse_and_invalid() -> None:
         parse_tier(tier_body("s", "ssd", capacity={"memoryFraction": 0.5}))
     with pytest.raises(SpecError, match="sharedfs.volume"):
         parse_tier(tier_body("f", "sharedfs"))
+    with pytest.raises(SpecError, match="encryptAtRest is for ssd and sharedfs"):
+        parse_tier(tier_body("d", encryptAtRest=True))
+    with pytest.raises(SpecError, match="encryptAtRest must be true or false"):
+        parse_tier(tier_body("s", "ssd", encryptAtRest="yes"))
+    assert parse_tier(tier_body("s", "ssd", encryptAtRest=True)).encrypt_at_rest
+    assert not parse_tier(tier_body("s", "ssd")).encrypt_at_rest
+
+
+def test_pool_encryption() -> None:
+    assert not parse_pool(pool_body()).encryption
+    pool = parse_pool(pool_body(storage={"encryption": {"enabled": True, "secretName": "k"}}))
+    assert (pool.encryption, pool.encryption_secret) == (True, "k")
+    with pytest.raises(SpecError, match="encryption.enabled"):
+        parse_pool(pool_body(storage={"encryption": {"enabled": "on"}}))
 
 
 def test_layout_builtin_and_tiers() -> None:
