@@ -989,7 +989,9 @@ class StoreNode:
             return src
         e.gen = secrets.randbits(63)
         self.counters["sealed"] += 1
-        return memoryview(self.at_rest.seal(e.tenant, e.key, e.kind, e.gen, src))
+        # Into the scratch buffer: every caller holds the lock, and the blob is written before
+        # anything else seals or opens (SSD-to-shared-fs moves use their own buffer).
+        return self.at_rest.seal(e.tenant, e.key, e.kind, e.gen, src, self.at_rest.scratch(sealed_size(e.size)))
 
     def _stored_size(self, e: Entry) -> int:
         return sealed_size(e.size) if self.at_rest is not None else e.size
@@ -1006,8 +1008,8 @@ class StoreNode:
         if self.at_rest is None:
             self.ssd.read_into(e.offset, dst)
             return pb.OK
-        blob = bytearray(sealed_size(e.size))
-        self.ssd.read_into(e.offset, memoryview(blob))
+        blob = self.at_rest.scratch(sealed_size(e.size))
+        self.ssd.read_into(e.offset, blob)
         if self.at_rest.open_into(e.tenant, e.key, e.kind, e.gen, blob, dst):
             return pb.OK
         return self._at_rest_failure(e)
@@ -1018,8 +1020,8 @@ class StoreNode:
         if self.at_rest is None:
             hdr = self.sharedfs.read_into(salt, e.key, dst)
             return pb.OK if hdr is not None and not hdr.sealed else pb.NOT_FOUND
-        blob = bytearray(sealed_size(e.size))
-        hdr = self.sharedfs.read_into(salt, e.key, memoryview(blob))
+        blob = self.at_rest.scratch(sealed_size(e.size))
+        hdr = self.sharedfs.read_into(salt, e.key, blob)
         if hdr is None:
             # Gone (another node removed it) is a plain miss; present but unreadable is damage.
             return self._at_rest_failure(e) if self.sharedfs.stat(salt, e.key) is not None else pb.NOT_FOUND
