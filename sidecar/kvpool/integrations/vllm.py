@@ -1,0 +1,541 @@
+"""vLLM v1 KV connector: prefix blocks of vLLM's paged KV cache stored in and loaded from kvpool.
+
+Loaded by vLLM, never by ``import kvpool``::
+
+    --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+                           "kv_connector_module_path": "kvpool.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"address": "unix:///run/kvpool/kvpool.sock"}}'
+
+One kvpool object per full block of prompt tokens and per (TP, PP) rank: every layer's slice of
+that block, framed by :mod:`kvpool.integrations.common` (layout fingerprint + checksum).  Keys are
+kvpool's own SHA-256 chain over the token ids in a key space built from vLLM's configuration
+(model, revision, KV dtype, block size, rank/size, per-request LoRA, cache salt and multimodal
+hashes), so they never depend on vLLM's per-process block-hash seed.
+
+Scheduler side: ``get_num_new_matched_tokens`` matches the prompt's keys (pinned for a lease) and
+returns the block-aligned hit beyond vLLM's own prefix cache, leaving at least the last prompt
+token to compute; the blocks to load and the new full blocks to save go to the workers in the
+step's metadata.  Worker side: ``start_load_kv`` fetches the blocks (zero-copy views into the
+sidecar's arena) and checks them, ``wait_for_layer_load`` copies one layer into the paged cache;
+``wait_for_save`` hands the step's saves to a background thread that gathers the blocks from the
+paged cache and puts them, which is why ``request_finished`` delays freeing a request with saves
+until ``get_finished`` reports them done.  A block that vanished or fails its checks between
+match and load is reported by ``get_block_ids_with_load_errors`` and vLLM recomputes it.
+The KV layout (which dimension indexes blocks, per-block shape, dtype) is read from the registered
+caches and ``kv_cache_config``, never assumed: vLLM's CPU and CUDA layouts differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .. import errors
+from ..keys import KeySpace
+from ..proto import store_pb2 as pb
+from .common import HEADER_BYTES, IntegrationConfigError, check_keys, check_object, fingerprint, sidecar_address
+from .common import write_header as _write_header
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+SETTINGS = {
+    "address": "the sidecar's unix:// address (default $KVPOOL_ADDRESS, then unix:///run/kvpool/kvpool.sock)",
+    "traffic_class": "the traffic class of saved blocks (TTL class of the pool; default chatbot)",
+    "lease_ms": "how long a match pins the matched blocks for the load that follows (default 10000)",
+    "save": "store new prompt blocks (default true)",
+    "load": "load matched blocks (default true)",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    address: str
+    """The sidecar's address."""
+    traffic_class: str = "chatbot"
+    """Traffic class of saved blocks."""
+    lease_ms: int = 10000
+    """Pin of a match, covering the step between the scheduler's match and the worker's load."""
+    save: bool = True
+    """Store new full prompt blocks."""
+    load: bool = True
+    """Load matched blocks."""
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> Settings:
+        check_keys(extra, SETTINGS, "kv_connector_extra_config")
+        lease = extra.get("lease_ms", 10000)
+        if not isinstance(lease, int) or isinstance(lease, bool) or lease <= 0:
+            raise IntegrationConfigError(
+                f"kv_connector_extra_config.lease_ms must be a positive integer, got {lease!r}")
+        for k in ("save", "load"):
+            if not isinstance(extra.get(k, True), bool):
+                raise IntegrationConfigError(f"kv_connector_extra_config.{k} must be true or false, got {extra[k]!r}")
+        return cls(sidecar_address(extra), str(extra.get("traffic_class", "chatbot")), lease,
+                   extra.get("save", True), extra.get("load", True))
+
+
+# -- what the scheduler sends the workers --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockRange:
+    """Blocks ``first .. first+len(block_ids)`` of a request's prompt and where they live in the paged cache."""
+
+    req_id: str
+    tokens: tuple[int, ...]
+    """The prompt prefix up to the end of the range (keys are computed from it)."""
+    space: tuple[tuple[str, str], ...]
+    """Per-request key-space fields (LoRA, cache salt, multimodal hashes)."""
+    first: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockRange] = field(default_factory=list)
+    saves: list[BlockRange] = field(default_factory=list)
+    preempted: tuple[str, ...] = ()
+
+
+@dataclass
+class _Req:
+    """Scheduler-side bookkeeping of one request."""
+
+    tokens: tuple[int, ...]
+    space: tuple[tuple[str, str], ...]
+    block_ids: list[int] = field(default_factory=list)
+    in_pool: int = 0  # leading blocks the pool already has (matched): never saved again
+    saved: int = 0  # leading blocks saved or known present
+    local_blocks: int = 0  # blocks vLLM's own prefix cache had at match time
+    load: tuple[int, int] | None = None  # (first, count) matched in the pool, to load
+    pending_load: BlockRange | None = None
+    leases: list[int] = field(default_factory=list)
+    has_saves: bool = False
+
+
+def _request_space(request: Any) -> tuple[tuple[str, str], ...]:
+    fields: list[tuple[str, str]] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        fields.append(("lora", f"{lora.lora_name}:{getattr(lora, 'lora_path', '')}"))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        fields.append(("cache_salt", str(salt)))
+    mm = [str(getattr(f, "identifier", f)) for f in (getattr(request, "mm_features", None) or [])]
+    if mm:
+        fields.append(("mm", ",".join(mm)))
+    return tuple(fields)
+
+
+# -- worker-side layout ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    tensor: torch.Tensor
+    block_dim: int
+    block_shape: tuple[int, ...]
+    nbytes: int  # bytes of one block of this layer
+    offset: int  # within the payload
+
+
+def _block_dim(name: str, shape: Sequence[int], num_blocks: int) -> int:
+    dims = [d for d, s in enumerate(shape) if s == num_blocks]
+    if len(dims) > 1 and shape[0] == 2:
+        dims = [d for d in dims if d != 0]  # a leading 2 is K/V, not blocks
+    if not dims:
+        raise IntegrationConfigError(f"KV cache of layer {name} has shape {tuple(shape)}: no dimension of "
+                                     f"kv_cache_config.num_blocks={num_blocks}")
+    return dims[0]
+
+
+def layout_of(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[_Layer], int, int]:
+    """The per-block layout of registered caches: layers, payload bytes per block, fingerprint."""
+    layers: list[_Layer] = []
+    off = 0
+    for name, t in kv_caches.items():
+        d = _block_dim(name, t.shape, num_blocks)
+        shape = tuple(s for i, s in enumerate(t.shape) if i != d)
+        nbytes = t.element_size()
+        for s in shape:
+            nbytes *= s
+        layers.append(_Layer(name, t, d, shape, nbytes, off))
+        off += nbytes
+    fp = fingerprint([(ly.name, ly.block_shape, str(ly.tensor.dtype)) for ly in layers])
+    return layers, off, fp
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """A vLLM KV connector backed by the kvpool sidecar (both roles: scheduler and worker)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = Settings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        self.block_size = int(vllm_config.cache_config.block_size)
+        from .. import connect
+        self.client = connect(self.settings.address, block_tokens=self.block_size)
+        par = vllm_config.parallel_config
+        self.tp_size = int(par.tensor_parallel_size)
+        self.pp_size = int(par.pipeline_parallel_size)
+        self._base = self._base_space(vllm_config, kv_cache_config)
+        self._spaces: dict[tuple[tuple[str, str], ...], list[KeySpace]] = {}
+        # scheduler side
+        self._reqs: dict[str, _Req] = {}
+        # worker side
+        self._layers: list[_Layer] = []
+        self._payload = 0
+        self._layout = 0
+        self._loading: list[tuple[BlockRange, Any, int]] = []  # (range, views, count)
+        self._layers_loaded: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._step_saves: list[BlockRange] = []
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+        self._save_lock = threading.Lock()
+        self._pending: dict[str, list[Future[None]]] = {}
+        self._had_saves: set[str] = set()
+        self._finished_waiting: set[str] = set()
+        self.stats = {"loaded_blocks": 0, "load_errors": 0, "saved_blocks": 0, "save_refused": 0}
+
+    # -- key spaces ----------------------------------------------------------------------------
+
+    def _base_space(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> dict[str, Any]:
+        mc = vllm_config.model_config
+        spec_desc = ""
+        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            groups = kv_cache_config.kv_cache_groups
+            if len(groups) != 1:
+                raise IntegrationConfigError(f"KVPoolConnector stores one full-attention KV cache group; this model "
+                                             f"has {len(groups)} (hybrid models are not supported yet)")
+            s = groups[0].kv_cache_spec
+            spec_desc = (f"{type(s).__name__}/heads={getattr(s, 'num_kv_heads', '?')}/"
+                         f"head={getattr(s, 'head_size', '?')}/{getattr(s, 'dtype', '?')}")
+        return {"model": str(mc.model), "revision": str(getattr(mc, "revision", None) or ""),
+                "kv_dtype": f"{vllm_config.cache_config.cache_dtype}/{mc.dtype}", "spec": spec_desc}
+
+    def _rank(self) -> tuple[int, int]:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+            return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+        except (AssertionError, AttributeError, RuntimeError):  # parallel state not initialised: one rank
+            return 0, 0
+
+    def _key_spaces(self, space: tuple[tuple[str, str], ...]) -> list[KeySpace]:
+        """One key space per (tp, pp) rank, for the request's extra fields."""
+        got = self._spaces.get(space)
+        if got is None:
+            b = self._base
+            extra = dict(space)
+            lora = extra.pop("lora", "")
+            extra.update({"engine": "vllm", "spec": b["spec"]})
+            got = [KeySpace(b["model"], b["revision"], lora, b["kv_dtype"],
+                            f"tp{tp}/{self.tp_size},pp{pp}/{self.pp_size}", extra, self.block_size)
+                   for pp in range(self.pp_size) for tp in range(self.tp_size)]
+            if len(self._spaces) > 4096:
+                self._spaces.clear()
+            self._spaces[space] = got
+        return got
+
+    def _my_space(self, space: tuple[tuple[str, str], ...]) -> KeySpace:
+        tp, pp = self._rank()
+        return self._key_spaces(space)[pp * self.tp_size + tp]
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens = tuple(request.prompt_token_ids or ())
+        st = self._reqs.get(request.request_id)
+        if st is None or st.tokens != tokens:
+            st = self._reqs[request.request_id] = _Req(tokens, _request_space(request))
+        st.local_blocks = num_computed_tokens // self.block_size
+        st.load = None
+        if not self.settings.load:
+            return 0, False
+        limit = (len(tokens) - 1) // self.block_size  # the last prompt token is always computed
+        if limit <= st.local_blocks:
+            return 0, False
+        matched = limit
+        self._release(st)  # called again for the same request: the new match replaces the old pins
+        try:
+            # Every rank's blocks must be there (each worker loads its own shard).
+            for ks in self._key_spaces(st.space):
+                keys = ks.block_keys(tokens[:limit * self.block_size])
+                n, lease = self.client.match_lease(keys, self.settings.lease_ms)
+                if lease:
+                    st.leases.append(lease)
+                matched = min(matched, n)
+                if matched <= st.local_blocks:
+                    break
+        except errors.KvpoolError as exc:  # the pool being away is a miss, never a failed request
+            log.warning("kvpool match failed (%s): treating as a miss", exc)
+            matched = 0
+        st.in_pool = st.saved = max(st.saved, matched)
+        if matched <= st.local_blocks:
+            self._release(st)
+            return 0, False
+        st.load = (st.local_blocks, matched - st.local_blocks)
+        return (matched - st.local_blocks) * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0 or st.load is None:
+            return
+        first, n = st.load
+        if num_external_tokens != n * self.block_size:
+            raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens for request "
+                               f"{request.request_id}, kvpool matched {n * self.block_size}")
+        ids = list(blocks.get_block_ids()[0])
+        st.block_ids = ids
+        st.pending_load = BlockRange(request.request_id, st.tokens[:(first + n) * self.block_size], st.space, first,
+                                     tuple(ids[first:first + n]))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
+        meta = KVPoolConnectorMetadata(preempted=tuple(sorted(scheduler_output.preempted_req_ids or ())))
+        for rid in meta.preempted:
+            st = self._reqs.get(rid)
+            if st is not None:  # its blocks are freed: it starts over (and matches again) when resumed
+                self._release(st)
+                st.block_ids, st.load, st.pending_load = [], None, None
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                st = self._reqs[new.req_id] = _Req(tuple(new.prompt_token_ids or ()), ())
+            st.block_ids = list(new.block_ids[0])
+            self._plan_step(meta, new.req_id, st, new.num_computed_tokens + sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan_step(meta, rid, st, cached.num_computed_tokens[i] + sched.get(rid, 0))
+        return meta
+
+    def _plan_step(self, meta: KVPoolConnectorMetadata, rid: str, st: _Req, computed_after: int) -> None:
+        if st.pending_load is not None:
+            meta.loads.append(st.pending_load)
+            st.pending_load = None
+            self._release(st)  # the worker reads in this step; the pin has done its job
+        if not self.settings.save:
+            return
+        full = min(computed_after, len(st.tokens)) // self.block_size
+        full = min(full, len(st.block_ids))
+        if full > st.saved:
+            b = self.block_size
+            meta.saves.append(BlockRange(rid, st.tokens[:full * b], st.space, st.saved,
+                                         tuple(st.block_ids[st.saved:full])))
+            st.saved = full
+            st.has_saves = True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        self._release(st)
+        # Saves run in the workers' background thread, reading these blocks: keep them until
+        # get_finished reports the request.
+        return st.has_saves, None
+
+    def _release(self, st: _Req) -> None:
+        for lease in st.leases:
+            self._release_lease(lease)
+        st.leases = []
+
+    def _release_lease(self, lease: int) -> None:
+        try:
+            self.client.release(lease)
+        except errors.KvpoolError:
+            pass  # it expires anyway
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        self._layers, self._payload, self._layout = layout_of(kv_caches, num_blocks)
+        self._by_name = {ly.name: ly for ly in self._layers}
+
+    def _require_caches(self) -> None:
+        if not self._layers:
+            raise RuntimeError("KVPoolConnector: register_kv_caches was not called before a load or save")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolConnectorMetadata)
+        self._finish_loads()
+        if not meta.loads:
+            return
+        self._require_caches()
+        for rng in meta.loads:
+            self._fetch(rng)
+
+    def _fetch(self, rng: BlockRange) -> None:
+        keys = self._my_space(rng.space).block_keys(rng.tokens)[rng.first:]
+        n = len(rng.block_ids)
+        got: Any = None
+        try:
+            got = self.client.get(keys)
+        except errors.NotFound:
+            # Evicted between match and load: take the prefix still there, report the rest.
+            try:
+                have = self.client.match(keys)
+                got = self.client.get(keys[:have]) if have else None
+            except errors.KvpoolError:
+                got = None
+        except errors.KvpoolError as exc:
+            log.warning("kvpool load of %d blocks failed: %s", n, exc)
+        views = list(got) if got is not None else []
+        good = 0
+        for v in views:
+            why = check_object(v, self._layout)
+            if why is not None:
+                log.warning("kvpool block %d of request %s not loaded: %s", rng.first + good, rng.req_id, why)
+                break
+            if len(v) != HEADER_BYTES + self._payload:
+                break
+            good += 1
+        if good < n:
+            self._load_errors.update(rng.block_ids[good:])
+            self.stats["load_errors"] += n - good
+        if good:
+            self._loading.append((rng, got, good))
+        elif got is not None:
+            got.release()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loading or layer_name in self._layers_loaded:
+            return
+        ly = self._by_name.get(layer_name)
+        if ly is None:
+            return
+        self._copy_in(ly)
+        self._layers_loaded.add(layer_name)
+        if len(self._layers_loaded) == len(self._layers):
+            self._finish_loads()
+
+    def _copy_in(self, ly: _Layer) -> None:
+        start = HEADER_BYTES + ly.offset
+        with warnings.catch_warnings():
+            # The views are read-only (the sidecar's arena): torch warns that writing through
+            # them is undefined; we only read.
+            warnings.simplefilter("ignore", UserWarning)
+            for rng, views, good in self._loading:
+                for i in range(good):
+                    src = torch.frombuffer(views[i], dtype=torch.uint8, count=ly.nbytes, offset=start)
+                    dst = ly.tensor.select(ly.block_dim, rng.block_ids[i])
+                    dst.copy_(src.view(ly.tensor.dtype).view(ly.block_shape))
+
+    def _finish_loads(self) -> None:
+        """Copy the layers nobody waited for, then release the views' lease."""
+        if self._loading:
+            for ly in self._layers:
+                if ly.name not in self._layers_loaded:
+                    self._copy_in(ly)
+            for _, views, good in self._loading:
+                self.stats["loaded_blocks"] += good
+                views.release()
+        self._loading = []
+        self._layers_loaded = set()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # The whole block (every layer) is one object: the layer's slices are gathered when the
+        # step's saves are submitted in wait_for_save, after every layer has been written.
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolConnectorMetadata)
+        self._finish_loads()
+        if not meta.saves:
+            return
+        self._require_caches()
+        for rng in meta.saves:
+            fut = self._saver.submit(self._save, rng)
+            with self._save_lock:
+                self._pending.setdefault(rng.req_id, []).append(fut)
+                self._had_saves.add(rng.req_id)
+
+    def _save(self, rng: BlockRange) -> None:
+        n = len(rng.block_ids)
+        keys = self._my_space(rng.space).block_keys(rng.tokens)[rng.first:rng.first + n]
+        idx = torch.tensor(rng.block_ids, dtype=torch.long)
+        buf = torch.empty((n, HEADER_BYTES + self._payload), dtype=torch.uint8)
+        for ly in self._layers:
+            g = ly.tensor.index_select(ly.block_dim, idx.to(ly.tensor.device)).movedim(ly.block_dim, 0)
+            g = g.contiguous().cpu().reshape(n, -1).view(torch.uint8)
+            buf[:, HEADER_BYTES + ly.offset:HEADER_BYTES + ly.offset + ly.nbytes] = g
+        arr = buf.numpy()
+        rows = [memoryview(arr[i]) for i in range(n)]
+        for r in rows:
+            _write_header(r, self._layout)
+        try:
+            codes = self.client.put(keys, rows, traffic_class=self.settings.traffic_class)
+        except errors.KvpoolError as exc:
+            log.warning("kvpool save of %d blocks failed: %s", n, exc)
+            self.stats["save_refused"] += n
+            return
+        ok = sum(c in (pb.OK, pb.ALREADY_EXISTS) for c in codes)
+        self.stats["saved_blocks"] += ok
+        self.stats["save_refused"] += n - ok
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are reused after this call: its saves must be done.
+        if isinstance(kv_connector_metadata, KVPoolConnectorMetadata):
+            for rid in kv_connector_metadata.preempted:
+                self._wait_saves(rid)
+
+    def _wait_saves(self, rid: str) -> None:
+        with self._save_lock:
+            futs = list(self._pending.get(rid, ()))
+        for f in futs:
+            f.result()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._save_lock:
+            self._finished_waiting |= {r for r in finished_req_ids if r in self._had_saves}
+            for rid, futs in list(self._pending.items()):
+                futs[:] = [f for f in futs if not f.done()]
+                if not futs:
+                    del self._pending[rid]
+            done = {r for r in self._finished_waiting if r not in self._pending}
+            self._finished_waiting -= done
+            self._had_saves -= done
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def wait_for_all_saves(self) -> None:
+        """Block until every submitted save is stored (tests, shutdown)."""
+        with self._save_lock:
+            futs = [f for fs in self._pending.values() for f in fs]
+        for f in futs:
+            f.result()
+
+    def shutdown(self) -> None:
+        self._saver.shutdown(wait=True)
+        self.client.close()

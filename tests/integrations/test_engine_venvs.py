@@ -1,0 +1,48 @@
+"""Runs each engine's integration tests in that engine's venv (tools/engines.sh) and fails when they fail.
+
+The engines cannot share one environment (their pins conflict, and none belongs in the main one),
+so the main suite reaches them through a subprocess: the venv's pytest on tests/integrations/
+test_<engine>.py.  ``bash tools/test.sh`` builds the venvs first (cached under $KVPOOL_CACHE); a
+bare pytest run without them skips here, saying how to build them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINES = ["vllm", "lmcache", "sglang"]
+
+
+def _venv_python(engine: str) -> str | None:
+    r = subprocess.run(["bash", str(REPO / "tools" / "engines.sh"), "--python", engine], capture_output=True,
+                       text=True, check=False)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine_suite_passes_in_its_venv(engine: str) -> None:
+    if not (REPO / "tools" / "engines" / f"{engine}.txt").exists():
+        pytest.skip(f"no tools/engines/{engine}.txt: the {engine} integration is not built yet")
+    py = _venv_python(engine)
+    if py is None:
+        if os.environ.get("KVPOOL_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"venv-{engine} is not built although KVPOOL_REQUIRE_ENGINES=1 (tools/engines.sh {engine})")
+        pytest.skip(f"venv-{engine} is not built: run `bash tools/engines.sh {engine}` (tools/test.sh does)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    env["HF_HUB_OFFLINE"] = "1"
+    # The venv's editable install points at this checkout (engines.sh re-points it); PYTHONPATH
+    # makes sure even if another checkout re-pointed it since.
+    env["PYTHONPATH"] = str(REPO / "sidecar")
+    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/integrations/test_{engine}.py"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=880, check=False)
+    sys.stdout.write(r.stdout[-6000:])
+    assert r.returncode == 0, f"{engine} suite failed in its venv (exit {r.returncode}):\n{r.stdout[-8000:]}\n" \
+                              f"{r.stderr[-3000:]}"
+    assert " passed" in r.stdout.splitlines()[-1], r.stdout[-2000:]

@@ -1,0 +1,297 @@
+"""KVPoolConnector under vLLM's real v1 Scheduler and KVConnectorFactory, data through a LocalCluster.
+
+Runs in the vllm venv (tools/engines.sh; tests/integrations/test_engine_venvs.py runs it from the
+main suite).  The model's forward is a stand-in that writes a deterministic K/V per (layer, token,
+position) into the paged cache at the slots vLLM's scheduler gave each token; everything else
+(scheduling, block allocation, prefix cache, the connector's load/save calls and vLLM's recovery
+from failed loads) is vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvpool import LocalCluster
+from kvpool.integrations.common import IntegrationConfigError
+from kvpool.integrations.vllm import KVPoolConnector
+
+BS = 16  # vLLM block size = kvpool block tokens
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+HEADS, HEAD = 2, 16
+NUM_BLOCKS = 96
+CPU_LAYOUT = "cpu"  # vLLM's CPU backend: [num_blocks, kv_heads, block_size, 2 * head_size]
+KV_FIRST = "kv-first"  # the CUDA flash-attention style: [2, num_blocks, block_size, kv_heads, head_size]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": HEADS, "num_hidden_layers": len(LAYERS),
+        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
+        "head_dim": HEAD}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(stores=2, sidecars=3, block_tokens=BS) as lc:
+        yield lc
+
+
+def vllm_config(model_dir: Path, address: str, **extra: Any) -> VllmConfig:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=1024)
+    return VllmConfig(
+        model_config=mc, cache_config=CacheConfig(block_size=BS),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=1024,
+                                         is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_connector="KVPoolConnector",
+                                            kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
+                                            kv_load_failure_policy="recompute",
+                                            kv_connector_extra_config={"address": address, **extra}),
+        device_config=DeviceConfig("cpu"))
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+    page = spec.page_size_bytes
+    return KVCacheConfig(num_blocks=NUM_BLOCKS,
+                         kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS, layers=[n],
+                                                         layer_stride=page * NUM_BLOCKS, block_stride=page)
+                                           for n in LAYERS],
+                         kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+
+
+class Engine:
+    """vLLM's scheduler and a worker-role connector over one paged KV cache."""
+
+    def __init__(self, model_dir: Path, address: str, layout: str = CPU_LAYOUT) -> None:
+        self.config = vllm_config(model_dir, address)
+        kcc = kv_cache_config()
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets after profiling
+        self.scheduler = Scheduler(self.config, kcc, StructuredOutputManager(self.config), block_size=BS)
+        worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kcc)
+        assert isinstance(worker, KVPoolConnector)
+        self.worker = worker
+        self.layout = layout
+        shape = ((NUM_BLOCKS, HEADS, BS, 2 * HEAD) if layout == CPU_LAYOUT else (2, NUM_BLOCKS, BS, HEADS, HEAD))
+        self.caches = {n: torch.zeros(shape, dtype=torch.float16) for n in LAYERS}
+        worker.register_kv_caches(self.caches)
+        self.block_ids: dict[str, list[int]] = {}
+        self.load_errors: set[int] = set()
+
+    def block(self, layer: str, block_id: int) -> torch.Tensor:
+        t = self.caches[layer]
+        return (t[block_id] if self.layout == CPU_LAYOUT else t[:, block_id]).clone()
+
+    def write_kv(self, req: Request, start: int, n: int) -> None:
+        """The model's stand-in: K/V of token p is a function of (layer, token, position)."""
+        ids = self.block_ids[req.request_id]
+        toks = torch.tensor(req.all_token_ids[start:start + n], dtype=torch.float32)
+        pos = torch.arange(start, start + n, dtype=torch.float32)
+        for li, name in enumerate(LAYERS):
+            base = (toks * 0.37 + pos * 0.011 + li)[:, None, None]
+            kv = (base + torch.arange(HEADS)[None, :, None] * 0.1 + torch.arange(2 * HEAD)[None, None, :] * 0.001)
+            for j, p in enumerate(range(start, start + n)):
+                b, o = ids[p // BS], p % BS
+                if self.layout == CPU_LAYOUT:
+                    self.caches[name][b, :, o, :] = kv[j].half()
+                else:
+                    self.caches[name][0, b, o] = kv[j, :, :HEAD].half()
+                    self.caches[name][1, b, o] = kv[j, :, HEAD:].half()
+
+    def step(self, finished_sending: set[str] | None = None) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        for new in so.scheduled_new_reqs:
+            self.block_ids[new.req_id] = list(new.block_ids[0])
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            if c.new_block_ids[i] is not None:
+                self.block_ids[rid].extend(c.new_block_ids[i][0])
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.handle_preemptions(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        reqs = {r.request_id: r for r in self.scheduler.requests.values()}
+        for name in LAYERS:
+            w.wait_for_layer_load(name)
+        for rid, n in so.num_scheduled_tokens.items():
+            r = reqs[rid]
+            self.write_kv(r, r.num_computed_tokens - n, n)  # schedule() already advanced it
+        for name in LAYERS:
+            w.save_kv_layer(name, self.caches[name], None)
+        w.wait_for_save()
+        w.wait_for_all_saves()
+        sending, _ = w.get_finished(so.finished_req_ids)
+        errors = w.get_block_ids_with_load_errors()
+        self.load_errors |= errors
+        w.clear_connector_metadata()
+        out = ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens),
+                                sampled_token_ids=[[7] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else []
+                                                   for r in so.num_scheduled_tokens],
+                                kv_connector_output=KVConnectorOutput(finished_sending=(sending or set())
+                                                                      | (finished_sending or set()),
+                                                                      invalid_block_ids=errors))
+        self.scheduler.update_from_output(so, out)
+        return so
+
+    def add(self, rid: str, prompt: list[int]) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=1), None)
+        self.scheduler.add_request(req)
+        return req
+
+    def run_to_end(self, max_steps: int = 10) -> list[SchedulerOutput]:
+        outs = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                break
+            outs.append(self.step())
+        assert not self.scheduler.has_requests(), "requests still unfinished"
+        return outs
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        conn = self.scheduler.connector
+        if conn is not None:
+            conn.shutdown()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 999, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("layout", [CPU_LAYOUT, KV_FIRST])
+def test_engine_b_loads_what_engine_a_saved_and_computes_only_the_tail(model_dir: Path, cluster: LocalCluster,
+                                                                        layout: str) -> None:
+    shared = prompt(1 if layout == CPU_LAYOUT else 2, 7 * BS + 5)  # 7 full blocks and a partial one
+    a = Engine(model_dir, cluster.sidecars[0], layout)
+    try:
+        ra = a.add("a-1", shared)
+        first = a.step()
+        assert first.num_scheduled_tokens["a-1"] == len(shared)  # nothing in the pool yet: a full prefill
+        assert ra.is_finished()
+        # Its saves were handed to the worker's background thread: vLLM keeps the blocks until the
+        # worker's get_finished reports the request (the next step), then frees them.
+        assert "a-1" in a.scheduler.requests
+        a.run_to_end()
+        assert "a-1" not in a.scheduler.requests
+        assert a.worker.stats["saved_blocks"] == 7
+        a_blocks = {(name, i): a.block(name, a.block_ids["a-1"][i]) for name in LAYERS for i in range(7)}
+        assert ra.is_finished()
+    finally:
+        a.close()
+
+    b = Engine(model_dir, cluster.sidecars[1], layout)  # another sidecar: the blocks come from the store nodes
+    try:
+        tail = prompt(3, 2 * BS + 3)
+        rb = b.add("b-1", shared[:6 * BS + 9] + tail)  # shares 6 full blocks, then diverges mid-block
+        so = b.step()
+        # vLLM's scheduler took the external hit: it scheduled only the tail.
+        assert so.num_scheduled_tokens["b-1"] == len(rb.prompt_token_ids) - 6 * BS
+        assert b.worker.stats["loaded_blocks"] == 6 and not b.load_errors
+        for i in range(6):
+            for name in LAYERS:
+                assert torch.equal(b.block(name, b.block_ids["b-1"][i]), a_blocks[(name, i)]), (name, i)
+        b.run_to_end()
+        # B saved its own new full blocks (6 shared + 3 new of its 8 full ones, minus the loaded 6).
+        assert b.worker.stats["saved_blocks"] == (len(rb.prompt_token_ids) // BS) - 6
+    finally:
+        b.close()
+
+
+def test_a_miss_prefills_everything(model_dir: Path, cluster: LocalCluster) -> None:
+    e = Engine(model_dir, cluster.sidecars[1])
+    try:
+        p = prompt(11, 4 * BS + 1)
+        e.add("m-1", p)
+        so = e.step()
+        assert so.num_scheduled_tokens["m-1"] == len(p)
+        assert e.worker.stats["loaded_blocks"] == 0
+        conn = e.scheduler.connector
+        assert isinstance(conn, KVPoolConnector)
+        # A prompt of exactly one block: the last token is always computed, so nothing can be a hit.
+        one_block = Request("m-2", p[:BS], SamplingParams(max_tokens=1), None)
+        assert conn.get_num_new_matched_tokens(one_block, 0) == (0, False)
+    finally:
+        e.close()
+
+
+def test_corrupted_blocks_are_detected_and_vllm_recomputes_them(model_dir: Path, cluster: LocalCluster) -> None:
+    p = prompt(21, 5 * BS + 2)
+    a = Engine(model_dir, cluster.sidecars[2])
+    try:
+        a.add("c-1", p)
+        a.run_to_end()
+        assert a.worker.stats["saved_blocks"] == 5
+        # Flip one byte of block 3's payload where it rests: the sidecar's shared-memory arena.
+        keys = a.worker._my_space(()).block_keys(p[:5 * BS])
+        client = a.worker.client
+        with client.get(keys[3:4]) as views:
+            import numpy as np
+            addr = np.frombuffer(views[0], dtype=np.uint8).ctypes.data
+            base = np.frombuffer(client._arena, dtype=np.uint8).ctypes.data
+            off = addr - base + len(views[0]) - 1
+        client._arena[off] ^= 0xFF
+    finally:
+        a.close()
+
+    d = Engine(model_dir, cluster.sidecars[2])  # same sidecar: it serves the damaged local copy
+    try:
+        rd = d.add("d-1", p)
+        so = d.step()
+        assert so.num_scheduled_tokens["d-1"] == len(p) - 5 * BS  # the match (metadata) promised 5 blocks
+        bad = set(d.block_ids["d-1"][3:5])
+        assert d.load_errors == bad  # block 3 fails its checksum; block 4 depends on it
+        for i in (3, 4):  # nothing of the damaged object reached the paged cache
+            assert not d.block(LAYERS[0], d.block_ids["d-1"][i]).any()
+        # vLLM's own recovery: it rolls the request back to the valid prefix and recomputes from there.
+        assert rd.num_computed_tokens == 3 * BS
+        d.run_to_end()
+        for i in (3, 4):
+            assert d.block(LAYERS[0], d.block_ids["d-1"][i]).any()
+    finally:
+        d.close()
+
+
+def test_bad_configuration_is_refused_with_its_name(model_dir: Path, cluster: LocalCluster) -> None:
+    with pytest.raises(IntegrationConfigError, match="unknown kvpool setting.*adress"):
+        KVPoolConnector(vllm_config(model_dir, cluster.sidecars[0], adress="x"), KVConnectorRole.SCHEDULER,
+                        kv_cache_config())
+    with pytest.raises(IntegrationConfigError, match="unix://"):
+        KVPoolConnector(vllm_config(model_dir, "tcp://127.0.0.1:1"), KVConnectorRole.SCHEDULER, kv_cache_config())
+    with pytest.raises(IntegrationConfigError, match="lease_ms"):
+        KVPoolConnector(vllm_config(model_dir, cluster.sidecars[0], lease_ms=0), KVConnectorRole.SCHEDULER,
+                        kv_cache_config())
+
+
+def test_keys_come_from_the_configuration_not_the_process(model_dir: Path, cluster: LocalCluster) -> None:
+    c1 = KVPoolConnector(vllm_config(model_dir, cluster.sidecars[0]), KVConnectorRole.SCHEDULER, kv_cache_config())
+    c2 = KVPoolConnector(vllm_config(model_dir, cluster.sidecars[1]), KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        p = prompt(5, 3 * BS)
+        assert c1._my_space(()).block_keys(p) == c2._my_space(()).block_keys(p)
+        assert c1._my_space((("lora", "a:"),)).block_keys(p) != c1._my_space(()).block_keys(p)
+        assert c1._my_space((("cache_salt", "s"),)).block_keys(p) != c1._my_space(()).block_keys(p)
+    finally:
+        c1.shutdown()
+        c2.shutdown()
