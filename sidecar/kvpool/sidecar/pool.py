@@ -1,8 +1,9 @@
 """The sidecar's view of the pool: the ring, one client per store node, batched fan-out.
 
 Keys are grouped by owner with numpy (no Python loop over keys for routing); each owner gets one
-batched call and all owners are asked concurrently (gRPC futures for metadata, the transfer
-engine's threads for bytes).  A node that is unreachable is marked down for a short backoff and its keys
+batched call and all owners are asked concurrently, on the pool's threads: over each node's data
+session (one round trip per read, put or exists; :mod:`kvpool.data_client`), or gRPC and the
+transfer engine for a node without one.  A node that is unreachable is marked down for a short backoff and its keys
 become misses: the engine never sees a pool error, and never wrong bytes.
 
 Reads that miss at a key's owner look further, in one more batched round: at a draining member
@@ -17,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +27,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import errors
+from ..data_client import Dest, ExistsReply, ReadResult
 from ..keys import KEY_BYTES
 from ..proto import store_pb2 as pb
 from ..ring import Member, Ring, owners
 from ..store.service import ring_from_pb
-from ..store_client import GetPlan, StoreClient
+from ..store_client import StoreClient
 from ..transfer import TransferEngine
 
 log = logging.getLogger("kvpool.sidecar.pool")
@@ -294,28 +296,27 @@ class Pool:
 
     def exists_many(self, key_array: npt.NDArray[Any], calls: Sequence[tuple[str, npt.NDArray[np.intp], bool]],
                     prefix_only: bool, lease_ms: int, kind: int = pb.BLOCK
-                    ) -> list[tuple[str, npt.NDArray[np.intp], pb.ExistsReply | None]]:
-        """One batched Exists per (node, indices, pin), all concurrently; None where it failed."""
-        futs = []
+                    ) -> list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]]:
+        """One batched exists per (node, indices, pin), all concurrently (the data session where
+        the node serves it, else gRPC); None where it failed."""
+        futs: list[tuple[str, npt.NDArray[np.intp], Future[ExistsReply] | None]] = []
         for nid, idx, pin in calls:
             node = self._up(nid)
             if node is None:
                 futs.append((nid, idx, None))
                 continue
-            req = pb.ExistsRequest(keys=key_array[idx].tobytes(), pin=pin, lease_ms=lease_ms if pin else 0,
-                                   prefix_only=prefix_only, kind=kind, epoch=self.ring.epoch)
-            # Blocking calls on the pool's threads, not stub.future(): gRPC starts a thread per
-            # future call (~0.5 ms each here), more than the Exists itself costs.
-            futs.append((nid, idx, self._executor.submit(node.client.stub.Exists, req, timeout=self.rpc_timeout,
-                                                         metadata=node.client._metadata)))
-        out: list[tuple[str, npt.NDArray[np.intp], pb.ExistsReply | None]] = []
+            # On the pool's threads, not stub.future(): gRPC starts a thread per future call
+            # (~0.5 ms each here), more than the exists itself costs.
+            futs.append((nid, idx, self._executor.submit(node.client.exists_array, key_array[idx].tobytes(), pin,
+                                                         lease_ms if pin else 0, prefix_only, kind, self.ring.epoch)))
+        out: list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]] = []
         for nid, idx, fut in futs:
             reply = None
             if fut is not None:
                 try:
                     reply = fut.result()
                     self._note_epoch(reply.epoch)
-                except grpc.RpcError as exc:
+                except (grpc.RpcError, errors.KvpoolError, OSError) as exc:
                     self._failed(self.nodes[nid], exc)
                     reply = None
             out.append((nid, idx, reply))
@@ -366,7 +367,7 @@ class Pool:
                         continue
                     if reply.lease_id:
                         leases.append((nid, reply.lease_id))
-                    got = np.frombuffer(reply.present, dtype=np.uint8).astype(bool)
+                    got = reply.present
                     present[idx[:len(got)][got[:len(idx)]]] = True
                 misses = np.flatnonzero(~present)
                 prefix += int(misses[0]) if len(misses) else len(tail)
@@ -389,7 +390,7 @@ class Pool:
             calls = [c for c in calls if len(c[1])]
             for _, idx, reply in self.exists_many(key_array, calls, False, 0, kind):
                 if reply is not None:
-                    got = np.frombuffer(reply.present, dtype=np.uint8).astype(bool)
+                    got = reply.present
                     present[idx[:len(got)][got[:len(idx)]]] = True
             if fbs is None:
                 fbs = self.fallbacks(key_array) if not present.all() else []
@@ -397,6 +398,7 @@ class Pool:
         return present
 
     def release(self, leases: Sequence[tuple[str, int]]) -> None:
+        """Drop match leases, without waiting (best effort: leases expire by themselves)."""
         by_node: dict[str, list[int]] = {}
         for nid, lid in leases:
             if lid:
@@ -406,48 +408,34 @@ class Pool:
             if node is None:
                 continue
             try:
-                node.client.stub.Release.future(pb.ReleaseRequest(lease_ids=lids), timeout=self.rpc_timeout,
-                                                metadata=node.client._metadata)
-            except Exception:  # best effort: leases expire by themselves
+                # On the pool's threads: a gRPC future would start a thread per call.
+                self._executor.submit(self._release_quietly, node, lids)
+            except RuntimeError:  # shut down
                 pass
 
-    # -- get ----------------------------------------------------------------------------------
-
-    def get_plans(self, key_array: npt.NDArray[Any], kind: int, lease_ms: int, routes: Routes | None = None
-                  ) -> list[tuple[NodeHandle, npt.NDArray[np.intp], GetPlan]]:
-        """Ask each node of ``routes`` (default: the owners) concurrently where its keys are."""
-        if routes is None:
-            routes = self.route(key_array)
-        calls = []
-        for nid, idx in routes.items():
-            node = self._up(nid)
-            if node is None or len(idx) == 0:
-                continue
-            req = pb.GetRequest(keys=key_array[idx].tobytes(), kind=kind, lease_ms=lease_ms, epoch=self.ring.epoch)
-            calls.append((node, idx, self._executor.submit(node.client.stub.Get, req, timeout=self.rpc_timeout,
-                                                          metadata=node.client._metadata)))
-        out = []
-        for node, idx, fut in calls:
-            try:
-                r = fut.result()
-            except grpc.RpcError as exc:
-                self._failed(node, exc)
-                continue
-            self._note_epoch(r.epoch)
-            out.append((node, idx, GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums),
-                                           list(r.tokens), r.lease_id, r.location, r.epoch)))
-        return out
-
-    def fetch(self, node: NodeHandle, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[int]:
-        """Move a plan's bytes into ``buffers``; a failed node turns its keys into misses."""
+    @staticmethod
+    def _release_quietly(node: NodeHandle, lids: list[int]) -> None:
         try:
-            return node.client.fetch_into(plan, buffers)
-        except (errors.KvpoolError, OSError, RuntimeError) as exc:
+            node.client.release(lids)
+        except Exception:  # noqa: BLE001 - best effort: leases expire by themselves
+            pass
+
+    def read(self, nid: str, key_array: npt.NDArray[Any], dest: Dest, kind: int, lease_ms: int = 0,
+             drop_lease: int = 0) -> ReadResult | None:
+        """Read ``key_array`` from node ``nid`` into the memory ``dest`` hands out as each size
+        becomes known (one round trip on the data session); None when the node is down or failed
+        (its keys are misses: the engine never sees a pool error).  ``drop_lease``: a match lease
+        at that node the read supersedes (dropped in the same round trip)."""
+        node = self._up(nid)
+        if node is None or len(key_array) == 0:
+            return None
+        try:
+            r = node.client.read(key_array.tobytes(), dest, kind, drop_lease, lease_ms)
+        except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
-            return [pb.NOT_FOUND] * len(plan.codes)
-        finally:
-            if plan.lease_id:
-                self.release([(node.member.id, plan.lease_id)])
+            return None
+        self._note_epoch(r.epoch)
+        return r
 
     # -- put ----------------------------------------------------------------------------------
 

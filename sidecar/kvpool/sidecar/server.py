@@ -178,16 +178,26 @@ class Sidecar(spbg.SidecarServicer):
         return spb.MatchReply(present=present.astype(np.uint8).tobytes(), prefix=int(present.sum()))
 
     def _take_match_lease(self, lease_id: int) -> None:
+        ml, expired = self._pop_match_leases(lease_id)
+        for m in ([ml] if ml else []) + expired:
+            self._release_match(m)
+
+    def _pop_match_leases(self, lease_id: int) -> tuple[_MatchLease | None, list[_MatchLease]]:
+        """The match lease ``lease_id`` (None if it is gone) and every expired one, forgotten."""
         with self._lock:
-            ml = self.match_leases.pop(lease_id, None)
+            ml = self.match_leases.pop(lease_id, None) if lease_id else None
             now = time.time()
             stale = [k for k, v in self.match_leases.items() if v.expires < now]
             expired = [self.match_leases.pop(k) for k in stale]
-        for m in ([ml] if ml else []) + expired:
-            if m.local_lease:
-                self.local.release([m.local_lease])
-            if m.pool_leases:
-                self.pool.release(m.pool_leases)
+        return ml, expired
+
+    def _release_match(self, m: _MatchLease, dropped: dict[str, int] | None = None) -> None:
+        """Release what ``m`` pins, except the pool leases a read already dropped."""
+        if m.local_lease:
+            self.local.release([m.local_lease])
+        left = [(nid, lid) for nid, lid in m.pool_leases if (dropped or {}).get(nid) != lid]
+        if left:
+            self.pool.release(left)
 
     def Release(self, request: spb.LeaseRequest, context: grpc.ServicerContext) -> pb.Empty:
         for lid in request.lease_ids:
@@ -210,14 +220,21 @@ class Sidecar(spbg.SidecarServicer):
         local_hits = sum(local_found)
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
+        ml, expired = self._pop_match_leases(request.lease_id)
+        # The match's pool lease at a node is dropped by the read of that node, in the same
+        # round trip (the read pins what it sends): node id -> lease id, taken by the reads.
+        drop = dict(reversed(ml.pool_leases)) if ml else {}
+        offered = dict(drop)
         try:
             if missing and self.pool.enabled:
-                pool_hits = self._fetch_missing(keys, arr, missing, found, kind, lease_ms, lease)
+                pool_hits = self._fetch_missing(keys, arr, missing, found, kind, lease_ms, lease, drop)
         except BaseException:
             self.local.release([lease.lease_id])
             raise
-        if request.lease_id:
-            self._take_match_lease(request.lease_id)
+        finally:
+            taken = {nid: lid for nid, lid in offered.items() if nid not in drop}
+            for m in ([ml] if ml else []) + expired:
+                self._release_match(m, taken)
         if not lease.entries:
             self.local.release([lease.lease_id])
         n = len(keys)
@@ -238,7 +255,8 @@ class Sidecar(spbg.SidecarServicer):
                              local_hits=local_hits, pool_hits=pool_hits)
 
     def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int],
-                       found: list[LocalEntry | None], kind: int, lease_ms: int, lease: LocalLease) -> int:
+                       found: list[LocalEntry | None], kind: int, lease_ms: int, lease: LocalLease,
+                       drop: dict[str, int]) -> int:
         """Fetch misses from their owners straight into fresh arena extents (promotion); what
         the owners miss is looked for at the fallbacks (draining node, earlier ring epochs)."""
         # A key asked twice in one batch is fetched once.
@@ -253,20 +271,18 @@ class Sidecar(spbg.SidecarServicer):
                 dups.append((i, j))
         sub = arr[todo]
         contended: list[int] = []
-        total = self._fetch_round(keys, todo, found, kind, lease_ms, lease, self.pool.get_plans(sub, kind, lease_ms),
-                                  contended)
+        total = self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, self.pool.route(sub), contended,
+                                  drop)
         still = np.array([found[i] is None for i in todo], dtype=bool)
         if still.any() and self.pool.catch_up():
             # A node told us of a newer ring: route what is missing again under it first.
             routes = {nid: idx[still[idx]] for nid, idx in self.pool.route(sub).items()}
-            total += self._fetch_round(keys, todo, found, kind, lease_ms, lease,
-                                       self.pool.get_plans(sub, kind, lease_ms, routes), contended)
+            total += self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, routes, contended, drop)
             still = np.array([found[i] is None for i in todo], dtype=bool)
         if still.any():
             for routes in self.pool.fallbacks(sub):
                 routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
-                plans = self.pool.get_plans(sub, kind, lease_ms, routes)
-                total += self._fetch_round(keys, todo, found, kind, lease_ms, lease, plans, contended)
+                total += self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, routes, contended, drop)
                 still = np.array([found[i] is None for i in todo], dtype=bool)
                 if not still.any():
                     break
@@ -300,48 +316,47 @@ class Sidecar(spbg.SidecarServicer):
             wait = min(wait * 2, 0.02)
         return got
 
-    def _fetch_round(self, keys: list[bytes], todo: list[int], found: list[LocalEntry | None], kind: int,
-                     lease_ms: int, lease: LocalLease, plans: list[tuple[Any, np.ndarray, Any]],
-                     contended: list[int]) -> int:
-        jobs = []
-        for node, idx, plan in plans:
-            bufs: list[memoryview | None] = []
-            ents: list[LocalEntry | None] = []
-            for j, code in enumerate(plan.codes):
-                e = None
-                if code == pb.OK:
-                    i = todo[int(idx[j])]
-                    why, e = self.local.reserve_one(keys[i], plan.sizes[j], kind)
-                    if why in (pb.IN_FLIGHT, pb.ALREADY_EXISTS):
-                        contended.append(i)  # another call is landing the same object right now
-                ents.append(e)
-                bufs.append(self.local.view(e) if e is not None else None)
-            jobs.append((node, idx, plan, bufs, ents))
+    def _fetch_round(self, keys: list[bytes], todo: list[int], sub: np.ndarray, found: list[LocalEntry | None],
+                     kind: int, lease_ms: int, lease: LocalLease, routes: dict[str, np.ndarray],
+                     contended: list[int], drop: dict[str, int]) -> int:
+        """One read per node of ``routes``, all concurrently; each object lands straight in an
+        arena extent reserved the moment the node has said its size (no second round trip).
+        A node's read also drops the match lease ``drop`` holds for it (taken from ``drop``)."""
+        def run(job: tuple[str, np.ndarray]) -> int:
+            nid, idx = job
+            ents: dict[int, LocalEntry] = {}
 
-        def run(job: Any) -> int:
-            node, idx, plan, bufs, ents = job
+            def dest(j: int, size: int) -> memoryview | None:
+                i = todo[int(idx[j])]
+                why, e = self.local.reserve_one(keys[i], size, kind)
+                if why in (pb.IN_FLIGHT, pb.ALREADY_EXISTS):
+                    contended.append(i)  # another call is landing the same object right now
+                if e is None:
+                    return None
+                ents[j] = e
+                return self.local.view(e)
             try:
-                codes = self.pool.fetch(node, plan, bufs)
+                res = self.pool.read(nid, sub[idx], dest, kind, lease_ms, drop.pop(nid, 0))
             except BaseException:
-                for e in ents:
-                    if e is not None:
-                        self.local.abandon(e)
+                for e in ents.values():
+                    self.local.abandon(e)
                 raise
             got = 0
-            for j, e in enumerate(ents):
-                if e is None:
-                    continue
-                if codes[j] == pb.OK:
-                    self.local.insert_fetched(e, plan.checksums[j], lease)
+            for j, e in ents.items():
+                code = res.codes[j] if res is not None else pb.NOT_FOUND
+                if code == pb.OK:
+                    assert res is not None
+                    self.local.insert_fetched(e, res.checksums[j], lease)
                     found[todo[int(idx[j])]] = e
                     got += 1
                 else:
-                    if codes[j] == pb.CHECKSUM:
+                    if code == pb.CHECKSUM:
                         self.counters["pool_checksum_failures"] += 1
                     self.counters["pool_fetch_failures"] += 1
                     self.local.abandon(e)
             return got
 
+        jobs = [(nid, idx) for nid, idx in routes.items() if len(idx)]
         if not jobs:
             return 0
         if len(jobs) == 1:

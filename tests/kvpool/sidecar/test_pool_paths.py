@@ -1,0 +1,76 @@
+"""The sidecar's pool traffic over both store paths: the data session (default) and gRPC plus the
+transfer engine (store nodes started with ``dataSession: false``).  Same bytes, same answers,
+and a read that follows a match drops the match's pins at the store nodes in its own round trip."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.proto import store_pb2 as pb
+from kvpool.ring import owners
+from kvpool.store_client import StoreClient
+
+KiB, MiB = 1 << 10, 1 << 20
+CLUSTER = {"stores": 2, "sidecars": 2, "store_bytes": 64 * MiB, "local_bytes": 32 * MiB,
+           "store_config": {"dataSession": False}}
+
+
+@pytest.fixture(params=["session", "grpc"])
+def cluster(request: pytest.FixtureRequest) -> Any:
+    name = "shared" if request.param == "session" else "module_cluster"
+    return request.getfixturevalue(name)
+
+
+def _settled(h: Any, client: Any) -> None:
+    h.wait_for(lambda: client.stats().pending_pool_bytes == 0, what="write-through backlog to drain")
+
+
+def _by_node(lc: Any, keys: list[bytes]) -> dict[str, list[bytes]]:
+    out: dict[str, list[bytes]] = {}
+    for k, i in zip(keys, owners(b"".join(keys), lc.store_ids)[:, 0].tolist(), strict=True):
+        out.setdefault(lc.stores[i], []).append(k)
+    return out
+
+
+def test_the_store_path_is_the_one_the_nodes_offer(cluster: Any, request: pytest.FixtureRequest) -> None:
+    with StoreClient(cluster.stores[0]) as c:
+        assert (c.session() is not None) == ("session" in request.node.callspec.id)
+
+
+def test_remote_reads_and_matches(cluster: Any, h: Any, rng: random.Random) -> None:
+    with cluster.connect(0) as a, cluster.connect(1) as b:
+        sizes = [1, 4095, 64 * KiB, MiB, 3 * MiB + 5, 17] * 3
+        keys = h.keys(rng, len(sizes))
+        values = h.values(rng, sizes)
+        assert a.put(keys, values) == [pb.OK] * len(keys)
+        _settled(h, a)
+        before = h.counters(b)
+        assert b.match(keys + h.keys(rng, 1)) == len(keys)
+        bufs = [np.zeros(s, np.uint8) for s in sizes]
+        assert b.get_into(keys, bufs) == sizes
+        assert [x.tobytes() for x in bufs] == values
+        assert h.counters(b)["read_hits_pool"] - before.get("read_hits_pool", 0) == len(keys)
+        # A miss in the middle: the prefix stops there, the rest of the batch is still read.
+        gap = keys[:4] + h.keys(rng, 1) + keys[4:8]
+        assert b.match(gap) == 4
+
+
+def test_a_read_after_a_match_drops_its_pins_at_the_nodes(cluster: Any, h: Any, rng: random.Random) -> None:
+    with cluster.connect(0) as a, cluster.connect(1) as b:
+        keys = h.keys(rng, 12)
+        assert a.put(keys, h.values(rng, [8 * KiB] * 12)) == [pb.OK] * 12
+        _settled(h, a)
+        groups = _by_node(cluster, keys)
+        assert b.match(keys) == 12  # pinned at each store node by the match's pool leases
+        with StoreClient(next(iter(groups))) as node:
+            assert pb.IN_FLIGHT in node.remove(groups[next(iter(groups))])
+        # That remove refused every pinned key and changed nothing; the read consumes the match.
+        with b.get(keys) as got:
+            assert len(got) == 12
+        for address, ks in groups.items():
+            with StoreClient(address) as node:
+                assert node.remove(ks) == [pb.OK] * len(ks)
