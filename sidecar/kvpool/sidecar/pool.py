@@ -79,6 +79,13 @@ def group_by_owner(own: npt.NDArray[Any], ids: Sequence[str]) -> Routes:
     out: Routes = {}
     if len(own) == 0 or not ids:
         return out
+    if len(ids) <= 16:
+        # A few members: one comparison pass each is ~5x cheaper than sorting 8192 owners.
+        for j, nid in enumerate(ids):
+            idx = np.flatnonzero(own == j)
+            if len(idx):
+                out[nid] = idx
+        return out
     order = np.argsort(own, kind="stable")
     bounds = np.searchsorted(own[order], np.arange(len(ids) + 1))
     for j, nid in enumerate(ids):

@@ -43,6 +43,17 @@ def test_group_by_owner_partitions_in_order() -> None:
     assert group_by_owner(np.array([], dtype=np.intp), ["a"]) == {}
 
 
+@pytest.mark.parametrize("members", [1, 4, 16, 17, 40])
+def test_group_by_owner_is_the_same_partition_for_any_ring_size(members: int) -> None:
+    """A few members take one comparison pass each, many take a sort: the same answer."""
+    ids = [f"n{i}" for i in range(members)]
+    own = np.random.default_rng(members).integers(0, members, 5000)
+    g = group_by_owner(own, ids)
+    assert sorted(g) == sorted({ids[j] for j in own.tolist()})
+    for nid, idx in g.items():
+        assert idx.tolist() == [i for i, j in enumerate(own.tolist()) if ids[j] == nid]
+
+
 def test_no_fallback_in_a_steady_ring(rng: random.Random) -> None:
     assert fallback_routes(_keys(rng, 100), _ring(1, "a", "b", "c")) == []
     assert fallback_routes(b"", _ring(1, "a")) == []
