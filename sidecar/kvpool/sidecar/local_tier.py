@@ -16,6 +16,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..proto import store_pb2 as pb
 from ..store.allocator import OutOfSpace
@@ -74,6 +75,9 @@ class LocalTier:
         self._ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.on_evict: Callable[[list[tuple[LocalEntry, bytes]]], None] | None = None
+        self.events: Any = None
+        """A :class:`kvpool.events.EventPublisher` told of every block stored and removed here
+        (under this lock: its hooks only append to a list)."""
 
     @property
     def used(self) -> int:
@@ -251,6 +255,8 @@ class LocalTier:
         self.lru[id(e)] = e
         if e.kind == pb.BLOCK:
             self.blocks[e.key] = e
+            if self.events is not None:
+                self.events.stored(e.key)
         self.counters["stored"] += 1
 
     def insert_fetched(self, e: LocalEntry, csum: int, lease: LocalLease | None = None) -> None:
@@ -316,6 +322,8 @@ class LocalTier:
             return codes
 
     def _forget(self, e: LocalEntry) -> None:
+        if self.events is not None and e.state == COMMITTED and e.kind == pb.BLOCK:
+            self.events.removed(e.key)
         if self.index.get((e.kind, e.key)) is e:
             del self.index[(e.kind, e.key)]
         if self.blocks.get(e.key) is e:
@@ -375,6 +383,11 @@ class LocalTier:
             out = [e for e in self.lru.values() if e.dirty and e.state == COMMITTED]
         out.sort(key=lambda e: e.last_access, reverse=True)
         return out
+
+    def events_snapshot(self) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+        """Every block held now and the events not yet published, taken together (exact)."""
+        with self.lock:
+            return list(self.blocks), self.events.take_pending() if self.events is not None else []
 
     def close(self) -> None:
         self.arena.close()

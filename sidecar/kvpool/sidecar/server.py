@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import __version__
 from ..cli import parse_bytes
+from ..events import MEDIUM_LOCAL, EventPublisher, EventsConfig, add_event_args, events_config
 from ..keys import KEY_BYTES
 from ..proto import sidecar_pb2 as spb
 from ..proto import sidecar_pb2_grpc as spbg
@@ -65,6 +66,8 @@ class SidecarConfig:
     """Write-through backlog above which new pool writes are shed (0: a quarter of the local tier)."""
     metrics_port: int = 0
     arena_dir: str = ""
+    events: EventsConfig | None = None
+    """Publish the local tier's stored/removed events for KV-aware routers (``kvpool.events``)."""
 
 
 @dataclass
@@ -80,6 +83,8 @@ class Sidecar(spbg.SidecarServicer):
         arena_dir = cfg.arena_dir or os.path.dirname(os.path.abspath(cfg.socket))
         self.local = LocalTier(cfg.local_bytes, arena_dir, label="sidecar")
         self.local.on_evict = self._on_evict
+        self.events = EventPublisher(cfg.events, MEDIUM_LOCAL, self.local.events_snapshot) if cfg.events else None
+        self.local.events = self.events
         self.pool = Pool(cfg.pool, cfg.token)
         self.pool.on_ring_change = self._ring_changed
         self.match_leases: dict[int, _MatchLease] = {}
@@ -594,6 +599,8 @@ class Sidecar(spbg.SidecarServicer):
                                 pending_pool_bytes=max(self.pending_bytes + self.deferred_bytes, 0))
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self._stop.set()
         self.pending.put(None)
         self._pusher.join(timeout=5)
@@ -624,6 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-seconds", type=float, default=20.0)
     ap.add_argument("--metrics-port", type=int, default=0)
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
+    add_event_args(ap)
     return ap
 
 
@@ -637,7 +645,8 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         token = args.token
     return SidecarConfig(socket=args.socket, pool=[a.strip() for a in args.pool.split(",") if a.strip()],
                          local_bytes=args.local, tenant_id=tenant, token=token, write_back=args.write_back,
-                         drain_seconds=args.drain_seconds, metrics_port=args.metrics_port)
+                         drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
+                         events=events_config(args))
 
 
 def serve(cfg: SidecarConfig) -> int:
@@ -657,7 +666,9 @@ def serve(cfg: SidecarConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"READY unix://{cfg.socket} arena={sidecar.local.arena.path} tenant={cfg.tenant_id} "
-          f"pool={len(sidecar.pool.nodes)}", flush=True)
+          f"pool={len(sidecar.pool.nodes)}"
+          + (f" events={sidecar.events.endpoint} replay={sidecar.events.replay_endpoint}" if sidecar.events else ""),
+          flush=True)
     stop.wait()
     server.stop(grace=0.5).wait()  # stop accepting; in-flight calls finish
     t0 = time.time()
