@@ -1,0 +1,228 @@
+"""LMCache remote connector: LMCache's chunks stored in kvpool, plugged in as a remote storage plugin.
+
+Loaded by LMCache, never by ``import kvpool``.  LMCache configuration (YAML or ``LMCACHE_*``)::
+
+    remote_storage_plugins: ["kvpool"]
+    extra_config:
+      remote_storage_plugin.kvpool.module_path: kvpool.integrations.lmcache
+      remote_storage_plugin.kvpool.class_name: KVPoolRemoteConnector
+      remote_storage_plugin.kvpool.address: unix:///run/kvpool/kvpool.sock   # default $KVPOOL_ADDRESS
+
+LMCache's adapter calls ``cls(loop=, local_cpu_backend=, config=)`` without metadata; it is taken
+from ``local_cpu_backend.metadata``.  A chunk's :class:`CacheEngineKey` string (model, world size,
+worker, chunk hash, dtype, tags) becomes a 32-byte kvpool key: SHA-256 of it inside a key space
+of the plugin's name and the chunk layout.  Stored objects are framed by
+:mod:`kvpool.integrations.common` (layout fingerprint + checksum) around LMCache's own
+``RemoteMetadata`` and the chunk bytes, so a partial chunk comes back with its shape and a damaged
+or foreign object is a miss, never wrong KV.  Every gRPC call runs on the connector's own threads:
+nothing blocks LMCache's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from .. import errors
+from ..keys import KeySpace
+from ..proto import store_pb2 as pb
+from .common import HEADER_BYTES, IntegrationConfigError, check_keys, check_object, fingerprint, sidecar_address
+from .common import write_header as _write_header
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SETTINGS = ("module_path", "class_name", "address", "traffic_class")
+
+
+class KVPoolRemoteConnector(RemoteConnector):
+    """LMCache's remote tier on the kvpool sidecar."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
+                 config: LMCacheEngineConfig | None, plugin_name: str = "kvpool") -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.plugin_name = plugin_name
+        prefix = f"remote_storage_plugin.{plugin_name}."
+        extra = dict((config.extra_config if config is not None else None) or {})
+        mine = {k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)}
+        check_keys(mine, SETTINGS, f"LMCache extra_config {prefix}*")
+        self.address = sidecar_address(mine)
+        self.traffic_class = str(mine.get("traffic_class", "chatbot"))
+        md = local_cpu_backend.metadata
+        self.layout = fingerprint([[tuple(s) for s in self.meta_shapes], [str(d) for d in self.meta_dtypes],
+                                   str(self.meta_fmt), int(md.chunk_size)])
+        self.space = KeySpace(str(md.model_name), kv_dtype=str(md.kv_dtype), layout=f"{self.layout:016x}",
+                              extra={"engine": "lmcache"}, block_tokens=int(md.chunk_size))
+        from .. import connect
+        self.client = connect(self.address, block_tokens=int(md.chunk_size))
+        self._threads = ThreadPoolExecutor(4, thread_name_prefix="kvpool-lmcache")
+        self.stats = {"hits": 0, "misses": 0, "rejected": 0, "stored": 0, "refused": 0}
+
+    # -- keys and framing ----------------------------------------------------------------------
+
+    def pool_key(self, key: CacheEngineKey) -> bytes:
+        return hashlib.sha256(self.space.seed + key.to_string().encode()).digest()
+
+    def _pack(self, obj: MemoryObj) -> bytearray:
+        data = memoryview(obj.byte_array).cast("B")
+        md = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format())
+        head = md.serialize()
+        buf = bytearray(HEADER_BYTES + len(head) + len(data))
+        buf[HEADER_BYTES:HEADER_BYTES + len(head)] = head
+        buf[HEADER_BYTES + len(head):] = data
+        _write_header(memoryview(buf), self.layout)
+        return buf
+
+    def _unpack(self, view: memoryview) -> MemoryObj | None:
+        why = check_object(view, self.layout)
+        if why is not None:
+            log.warning("kvpool object not loaded: %s", why)
+            self.stats["rejected"] += 1
+            return None
+        n = self.remote_metadata_bytes
+        md = RemoteMetadata.deserialize(bytes(view[HEADER_BYTES:HEADER_BYTES + n]))
+        data = view[HEADER_BYTES + n:]
+        if md.length != len(data):
+            log.warning("kvpool object not loaded: metadata says %d bytes, %d stored", md.length, len(data))
+            self.stats["rejected"] += 1
+            return None
+        obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
+        if obj is None:
+            return None  # LMCache's CPU buffer is full: a miss (LMCache retries later)
+        dst = memoryview(obj.byte_array).cast("B")
+        if len(dst) < len(data):
+            obj.ref_count_down()
+            self.stats["rejected"] += 1
+            return None
+        dst[:len(data)] = data
+        return obj
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    # -- existence ----------------------------------------------------------------------------
+
+    def _prefix(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
+        pk = [self.pool_key(k) for k in keys]
+        try:
+            if pin:  # the pin is consumed by the get of the same keys that follows
+                return self.client.match(pk)
+            n, lease = self.client.match_lease(pk, 1)
+            if lease:
+                self.client.release(lease)
+            return n
+        except errors.KvpoolError as exc:
+            log.warning("kvpool lookup failed (%s): a miss", exc)
+            return 0
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self._run(self._prefix, [key], False) == 1
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self._prefix([key], False) == 1
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return self._prefix(keys, False)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        return await self._run(self._prefix, keys, pin)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        pk = [self.pool_key(k) for k in keys]
+        out: list[MemoryObj | None] = [None] * len(keys)
+        try:
+            have = self.client.match(pk)  # one round trip tells the present prefix; pinned for the get
+            if have:
+                with self.client.get(pk[:have]) as views:
+                    for i, v in enumerate(views):
+                        out[i] = self._unpack(v)
+        except errors.KvpoolError as exc:
+            log.warning("kvpool get of %d chunks failed: %s", len(keys), exc)
+        hits = sum(o is not None for o in out)
+        self.stats["hits"] += hits
+        self.stats["misses"] += len(keys) - hits
+        return out
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self._run(self._get_many, [key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return await self._run(self._get_many, keys)
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        got = await self._run(self._get_many, keys)
+        out: list[MemoryObj] = []
+        for i, o in enumerate(got):
+            if o is None:  # only the leading run of hits counts; release the rest
+                for later in got[i + 1:]:
+                    if later is not None:
+                        later.ref_count_down()
+                break
+            out.append(o)
+        return out
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        if len(keys) != len(objs):
+            raise IntegrationConfigError(f"{len(keys)} keys but {len(objs)} memory objects")
+        try:
+            codes = self.client.put([self.pool_key(k) for k in keys], [self._pack(o) for o in objs],
+                                    traffic_class=self.traffic_class)
+        except errors.KvpoolError as exc:
+            log.warning("kvpool put of %d chunks failed: %s", len(keys), exc)
+            self.stats["refused"] += len(keys)
+            return
+        ok = sum(c in (pb.OK, pb.ALREADY_EXISTS) for c in codes)
+        self.stats["stored"] += ok
+        self.stats["refused"] += len(codes) - ok
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self._run(self._put_many, [key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        await self._run(self._put_many, keys, memory_objs)
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        try:
+            return self.client.remove([self.pool_key(key)])[0] == pb.OK
+        except errors.KvpoolError:
+            return False
+
+    # -- misc ---------------------------------------------------------------------------------
+
+    async def list(self) -> list[str]:
+        """Always empty: the pool names objects by hashed keys and enumerates none (by design, per tenant)."""
+        return []
+
+    async def close(self) -> None:
+        self._threads.shutdown(wait=True)
+        self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<KVPoolRemoteConnector {self.address}>"
