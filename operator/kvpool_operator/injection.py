@@ -17,6 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .children import service_address
+from .engines import (
+    CLIENT_VOLUME,
+    ENGINE_NOTE_ANNOTATION,
+    EngineAnnotationError,
+    EnginePlan,
+    apply_to_container,
+    copy_container,
+    plan_engine,
+)
 from .membership import ring_from_status, seed_addresses
 from .model import (
     INJECTED_ANNOTATION,
@@ -73,7 +82,7 @@ class Injection:
     injected: bool
     reason: str
     """CamelCase: Injected, AlreadyInjected, OptedOut, InvalidPoolLabel, NoSuchPool, NamespaceNotAllowed,
-    NoTenant, TenantConflict, TenantNotAdmitted."""
+    NoTenant, TenantConflict, TenantNotAdmitted, InvalidEngineAnnotation."""
     message: str
     patch: dict[str, Any]
     """A merge patch of the pod (lists given whole)."""
@@ -135,7 +144,11 @@ def plan_injection(pod: Mapping[str, Any], namespace: str, pools: Mapping[tuple[
     elif pool.default_tenant is None:
         return _skip("NoTenant", f"namespace {namespace} is bound to no TenantNamespace and KVPool {pool.key} admits "
                                  "no default tenant (spec.tenancy.defaultTenant)", annotations)
-    return _inject(pod, pool, tenant, inits, containers, settings)
+    try:
+        engine = plan_engine(annotations, containers, settings.client_address)
+    except EngineAnnotationError as exc:
+        return _skip("InvalidEngineAnnotation", str(exc), annotations)
+    return _inject(pod, pool, tenant, inits, containers, settings, engine)
 
 
 def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Settings) -> dict[str, Any]:
@@ -169,7 +182,7 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
 
 
 def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, inits: list[dict[str, Any]],
-            containers: list[dict[str, Any]], settings: Settings) -> Injection:
+            containers: list[dict[str, Any]], settings: Settings, engine: EnginePlan | None = None) -> Injection:
     spec = pod.get("spec") or {}
     volumes: list[dict[str, Any]] = list(spec.get("volumes") or [])
     names = {v.get("name") for v in volumes}
@@ -178,6 +191,11 @@ def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, i
             "medium": "Memory", "sizeLimit": format_quantity(pool.local_bytes + settings.shm_slack_bytes)}})
     if tenant is not None and TENANT_VOLUME not in names:
         volumes.append({"name": TENANT_VOLUME, "secret": {"secretName": tenant.secret_name, "defaultMode": 0o440}})
+    engine_inits: list[dict[str, Any]] = []
+    if engine is not None and engine.copy_client:
+        if CLIENT_VOLUME not in names:
+            volumes.append({"name": CLIENT_VOLUME, "emptyDir": {}})
+        engine_inits.append(copy_container(pool.image or settings.image, settings.image_pull_policy))
 
     new_containers = []
     for c in containers:
@@ -192,11 +210,11 @@ def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, i
             if not _has_env(c, name):
                 env.append({"name": name, "value": value})
         c["env"] = env
-        new_containers.append(c)
+        new_containers.append(apply_to_container(engine, c) if engine is not None else c)
 
     spec_patch: dict[str, Any] = {
         # First, so that the user's own init containers can already use the pool.
-        "initContainers": [sidecar_container(pool, tenant, settings), *inits],
+        "initContainers": [sidecar_container(pool, tenant, settings), *engine_inits, *inits],
         "containers": new_containers,
         "volumes": volumes,
     }
@@ -205,6 +223,8 @@ def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, i
     if (grace if grace is not None else DEFAULT_GRACE) < need:
         spec_patch["terminationGracePeriodSeconds"] = need
     annotations: dict[str, Any] = {INJECTED_ANNOTATION: pool.key}
+    if engine is not None:
+        annotations[ENGINE_NOTE_ANNOTATION] = engine.note()
     if SKIP_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {}):
         annotations[SKIP_ANNOTATION] = None  # copied from a template that was skipped before
     who = f"tenant {tenant.tenant_id}" if tenant else f"default tenant {pool.default_tenant}"
