@@ -276,13 +276,10 @@ class DataSession:
         def part(r: range) -> None:
             k = turn_of[r.start]
             try:
-                # Hash before waiting for the turn: it overlaps the earlier parts' round trips.
-                sums = np.fromiter((checksums[i] if checksums is not None else checksum(views[i]) for i in r),
-                                   np.uint64, len(r))
                 frame = dp.encode_request(
                     dp.OP_PUT, 0, self._token, keys[r.start * KEY_BYTES:r.stop * KEY_BYTES], kind=kind,
                     lease_ms=timeout_ms, epoch=epoch, traffic_class=tclass,
-                    sizes=np.fromiter((views[i].nbytes for i in r), np.uint64, len(r)), checksums=sums)
+                    sizes=np.fromiter((views[i].nbytes for i in r), np.uint64, len(r)))
                 if k:
                     turns[k - 1].wait()
                 self._call(lambda stream, rid: run(stream, rid, r, frame, turns[k]))
@@ -291,6 +288,8 @@ class DataSession:
 
         def run(stream: Stream, rid: int, r: range, frame: list[bytes], reserved: threading.Event) -> None:
             stream.send([dp.with_request_id(frame[0], rid), *frame[1:]])
+            # Hash while PUT_READY is on its way: the checksums trail the payload.
+            sums = [checksums[i] if checksums is not None else checksum(views[i]) for i in r]
             resp, body = self._response(stream, rid, dp.OP_PUT_READY)
             reserved.set()
             ready = dp.decode_codes(resp, body) if len(body) == len(r) else None
@@ -302,7 +301,7 @@ class DataSession:
             todo = [j for j, c in enumerate(ready) if c == pb.OK]
             if not todo:
                 return
-            stream.send([views[r[j]] for j in todo])
+            stream.send([*(views[r[j]] for j in todo), dp.encode_checksums(sums)])
             resp, body = self._response(stream, rid, dp.OP_PUT_DONE)
             final = dp.decode_codes(resp, body)
             if len(final) != len(r):

@@ -28,15 +28,17 @@ def _decode_whole(frame: list[bytes]) -> tuple[dp.Request, dp.RequestBody]:
 def test_request_round_trips() -> None:
     keys = _keys(3)
     sizes = np.array([1, 2 << 20, 77], np.uint64)
-    sums = np.array([2**64 - 1, 0, 12345], np.uint64)
     frame = dp.encode_request(dp.OP_PUT, 9, b"tok", keys, kind=pb.STATE, flags=0, lease_ms=1500, lease_id=2**63,
-                              epoch=4, traffic_class=b"agent", sizes=sizes, checksums=sums)
+                              epoch=4, traffic_class=b"agent", sizes=sizes)
     req, body = _decode_whole(frame)
     assert (req.op, req.request_id, req.kind, req.items, req.lease_ms, req.lease_id, req.epoch) == (
         dp.OP_PUT, 9, pb.STATE, 3, 1500, 2**63, 4)
     assert (body.token, body.traffic_class, body.keys) == ("tok", "agent", keys)
-    assert body.sizes is not None and body.checksums is not None
-    assert body.sizes.tolist() == sizes.tolist() and body.checksums.tolist() == sums.tolist()
+    assert body.sizes is not None and body.sizes.tolist() == sizes.tolist()
+    sums = [2**64 - 1, 0, 12345]
+    assert dp.decode_checksums(dp.encode_checksums(sums), 3) == sums  # the PUT trailer
+    with pytest.raises(dp.ProtocolError):
+        dp.decode_checksums(dp.encode_checksums(sums), 2)
     req, body = _decode_whole(dp.encode_request(dp.OP_EXISTS, 1, b"", _keys(8192),
                                                 flags=dp.FLAG_PIN | dp.FLAG_PREFIX_ONLY))
     assert req.items == 8192 and req.flags == 3 and body.sizes is None and len(body.keys) == 8192 * 32
@@ -79,14 +81,14 @@ def test_malformed_request_bodies_are_protocol_errors() -> None:
         dp.decode_request_body(req, bytes(33))  # one byte short
     put = dp.decode_request(_header(op=dp.OP_PUT))
     with pytest.raises(dp.ProtocolError):
-        dp.decode_request_body(put, bytes(32) + struct.pack("<QQ", dp.MAX_OBJECT_BYTES + 1, 0))
+        dp.decode_request_body(put, bytes(32) + struct.pack("<Q", dp.MAX_OBJECT_BYTES + 1))
 
 
 def test_encoder_refuses_what_the_decoder_would() -> None:
     with pytest.raises(ValueError):
         dp.encode_request(dp.OP_GET, 1, b"", b"x" * 33)
     with pytest.raises(ValueError):
-        dp.encode_request(dp.OP_PUT, 1, b"", _keys(2), sizes=np.zeros(1, np.uint64), checksums=np.zeros(2, np.uint64))
+        dp.encode_request(dp.OP_PUT, 1, b"", _keys(2), sizes=np.zeros(1, np.uint64))
     with pytest.raises(ValueError):
         dp.encode_request(dp.OP_GET, 1, b"t" * (dp.MAX_TOKEN_BYTES + 1), b"")
 

@@ -8,8 +8,7 @@ the gRPC API stays for everything else and as the fallback.  Nothing here does I
 frame is unit-tested without sockets.  All integers are little-endian.
 
 Request header (40 bytes), then ``token_len`` bytes of tenant token (UTF-8), ``class_len`` bytes
-of traffic class (PUT only), ``count`` × 32 key bytes, and for PUT ``count`` × u64 sizes and
-``count`` × u64 checksums::
+of traffic class (PUT only), ``count`` × 32 key bytes, and for PUT ``count`` × u64 sizes::
 
     magic "KVDQ" | version u8 | op u8 | kind u8 | flags u8 | request_id u32 | count u32 |
     lease_ms u32 (GET/EXISTS lease, PUT reservation timeout) | token_len u16 | class_len u16 |
@@ -32,8 +31,10 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   least significant first), ``lease_id`` when the prefix was pinned.
 * PUT is two frames: PUT_READY with codes u8 × n (OK: send this object's bytes; anything else,
   e.g. ALREADY_EXISTS or QUOTA_EXCEEDED: do not), then the client sends the OK objects' bytes
-  back to back, then PUT_DONE with the final codes u8 × n.  A duplicate costs no bytes.  A
-  PUT_READY without any OK code (or with an error status) is final: no payload, no PUT_DONE.
+  back to back and after them the checksums of all n objects (u64 × n), then PUT_DONE with the
+  final codes u8 × n.  A duplicate costs no bytes.  A PUT_READY without any OK code (or with an
+  error status) is final: no payload, no checksums, no PUT_DONE.  The checksums trail the
+  payload so that the writer hashes while PUT_READY is on its way, not before asking.
 
 A frame that does not parse (magic, version, op, limits) means the stream can no longer be
 trusted: the receiver raises :class:`ProtocolError` and closes that connection only.
@@ -99,8 +100,8 @@ class Request(NamedTuple):
     epoch: int
 
     def body_bytes(self) -> int:
-        """Bytes that follow the header (token, class, keys, and sizes + checksums for PUT)."""
-        per_key = KEY_BYTES + (16 if self.op == OP_PUT else 0)
+        """Bytes that follow the header (token, class, keys, and sizes for PUT)."""
+        per_key = KEY_BYTES + (8 if self.op == OP_PUT else 0)
         return self.token_len + self.class_len + self.items * per_key
 
 
@@ -133,8 +134,7 @@ class Response(NamedTuple):
 
 def encode_request(op: int, request_id: int, token: bytes, keys: bytes, *, kind: int = 0, flags: int = 0,
                    lease_ms: int = 0, lease_id: int = 0, epoch: int = 0, traffic_class: bytes = b"",
-                   sizes: npt.NDArray[np.uint64] | None = None,
-                   checksums: npt.NDArray[np.uint64] | None = None) -> list[bytes]:
+                   sizes: npt.NDArray[np.uint64] | None = None) -> list[bytes]:
     """The buffers of one request frame (header first); ``keys`` is the packed 32-byte keys."""
     if len(keys) % KEY_BYTES:
         raise ValueError(f"key blob of {len(keys)} bytes is not a multiple of {KEY_BYTES}")
@@ -147,9 +147,9 @@ def encode_request(op: int, request_id: int, token: bytes, keys: bytes, *, kind:
                           len(traffic_class), lease_id, epoch)
     out = [header, token, traffic_class, keys]
     if op == OP_PUT:
-        if sizes is None or checksums is None or len(sizes) != count or len(checksums) != count:
-            raise ValueError("a PUT needs one size and one checksum per key")
-        out += [np.ascontiguousarray(sizes, _U64).tobytes(), np.ascontiguousarray(checksums, _U64).tobytes()]
+        if sizes is None or len(sizes) != count:
+            raise ValueError("a PUT needs one size per key")
+        out.append(np.ascontiguousarray(sizes, _U64).tobytes())
     return [b for b in out if b]
 
 
@@ -183,7 +183,6 @@ class RequestBody(NamedTuple):
     traffic_class: str
     keys: bytes
     sizes: npt.NDArray[np.uint64] | None
-    checksums: npt.NDArray[np.uint64] | None
 
 
 def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> RequestBody:
@@ -199,13 +198,23 @@ def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> R
         raise ProtocolError("token or traffic class is not UTF-8") from exc
     end = at + req.items * KEY_BYTES
     keys = bytes(mv[at:end])
-    sizes = sums = None
+    sizes = None
     if req.op == OP_PUT:
         sizes = np.frombuffer(mv, _U64, req.items, end)
-        sums = np.frombuffer(mv, _U64, req.items, end + 8 * req.items)
         if req.items and int(sizes.max()) > MAX_OBJECT_BYTES:
             raise ProtocolError("object size over the protocol limit")
-    return RequestBody(token, tclass, keys, sizes, sums)
+    return RequestBody(token, tclass, keys, sizes)
+
+
+def encode_checksums(checksums: npt.NDArray[np.uint64] | list[int]) -> bytes:
+    """The PUT trailer: one u64 checksum per item of the request, after the payload."""
+    return np.asarray(checksums, _U64).tobytes()
+
+
+def decode_checksums(body: bytes | bytearray | memoryview, count: int) -> list[int]:
+    if len(body) != 8 * count:
+        raise ProtocolError(f"{len(body)} bytes of checksums for {count} items")
+    return np.frombuffer(body, _U64, count).tolist()
 
 
 # -- responses -----------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class DataSessionHandler:
             self.node.read_unpin(found)
 
     def _put(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes], body: dp.RequestBody) -> None:
-        assert body.sizes is not None and body.checksums is not None
+        assert body.sizes is not None
         node = self.node
         sizes = body.sizes.tolist()
         codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
@@ -134,12 +134,15 @@ class DataSessionHandler:
                         stream.discard(sizes[i])
                     else:
                         stream.recv_exact(target)
+            trailer = bytearray(8 * len(keys))
+            stream.recv_exact(trailer)
+            checksums = dp.decode_checksums(trailer, len(keys))
             done = True
         finally:
             for e in held:
                 node.release_guard(e)
             if not done and rid:
                 node.put_revoke(tenant, rid)  # a short or broken stream: nothing becomes visible
-        final = node.put_commit(tenant, rid, body.checksums.tolist())
+        final = node.put_commit(tenant, rid, checksums)
         stream.send([dp.encode_response(dp.OP_PUT_DONE, req.request_id, len(keys), epoch=node.ring.epoch),
                      bytes(final)])

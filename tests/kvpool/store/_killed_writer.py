@@ -55,8 +55,7 @@ def session_writer(stub: pbg.StoreStub, key: bytes, size: int, timeout_ms: int) 
     host, _, port = stub.Health(pb.Empty(), timeout=10).transfer_address.rpartition(":")
     sock = socket.create_connection((host, int(port)))
     sizes = np.array([size], np.uint64)
-    sock.sendall(b"".join(dp.encode_request(dp.OP_PUT, 1, b"", key, lease_ms=timeout_ms, sizes=sizes,
-                                            checksums=np.zeros(1, np.uint64))))
+    sock.sendall(b"".join(dp.encode_request(dp.OP_PUT, 1, b"", key, lease_ms=timeout_ms, sizes=sizes)))
     head = sock.recv(dp.RESPONSE_SIZE + 1, socket.MSG_WAITALL)
     resp = dp.decode_response(head[:dp.RESPONSE_SIZE])
     assert resp.op == dp.OP_PUT_READY and resp.status == 0 and head[dp.RESPONSE_SIZE:] == bytes([pb.OK]), head

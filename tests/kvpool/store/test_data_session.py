@@ -145,7 +145,7 @@ def test_wrong_token_is_a_status_and_keeps_the_connection(nodes: Any, h: Any, rn
             resp, msg, body = raw.response()
             assert resp.status == errors.SESSION_STATUS[errors.Unauthenticated] and "token" in msg
             assert (resp.payload_len, body) == (0, b"")
-        raw.request(dp.OP_PUT, b"", key, sizes=np.array([6], np.uint64), checksums=np.zeros(1, np.uint64))
+        raw.request(dp.OP_PUT, b"", key, sizes=np.array([6], np.uint64))
         resp, _, body = raw.response()
         assert resp.op == dp.OP_PUT_READY and resp.status == errors.SESSION_STATUS[errors.Unauthenticated]
         assert raw.hello_ok()  # the same connection still serves
@@ -163,18 +163,17 @@ def test_duplicate_put_is_answered_before_any_byte(nodes: Any, h: Any, rng: rand
     assert c.put(keys[:1], [b"first"]) == [pb.OK]
     raw = Raw(node)
     try:
-        raw.request(dp.OP_PUT, b"", keys[0], sizes=np.array([MiB], np.uint64), checksums=np.zeros(1, np.uint64))
+        raw.request(dp.OP_PUT, b"", keys[0], sizes=np.array([MiB], np.uint64))
         resp, _, body = raw.response()
         assert resp.op == dp.OP_PUT_READY and list(body) == [pb.ALREADY_EXISTS]
         # No payload follows and no PUT_DONE comes: the next frame is served at once.
         assert raw.hello_ok()
         # A mixed batch: only the new item's bytes are sent, then PUT_DONE.
         value = rng.randbytes(10 * KiB)
-        raw.request(dp.OP_PUT, b"", keys[0] + keys[1], sizes=np.array([MiB, len(value)], np.uint64),
-                    checksums=np.array([0, checksum(value)], np.uint64))
+        raw.request(dp.OP_PUT, b"", keys[0] + keys[1], sizes=np.array([MiB, len(value)], np.uint64))
         resp, _, body = raw.response()
         assert list(body) == [pb.ALREADY_EXISTS, pb.OK]
-        raw.send(value)
+        raw.send(value + dp.encode_checksums([0, checksum(value)]))  # the payload, then every checksum
         resp, _, body = raw.response()
         assert resp.op == dp.OP_PUT_DONE and list(body) == [pb.INVALID, pb.OK]
     finally:
@@ -217,8 +216,7 @@ MALFORMED = {
     "token not utf-8": dp.REQUEST.pack(dp.REQUEST_MAGIC, dp.VERSION, dp.OP_GET, 0, 0, 1, 1, 0, 2, 0, 0, 0)
     + b"\xff\xfe" + bytes(32),
     "object over the limit": b"".join(dp.encode_request(dp.OP_PUT, 1, b"", bytes(32),
-                                                        sizes=np.array([1 << 50], np.uint64),
-                                                        checksums=np.zeros(1, np.uint64))),
+                                                        sizes=np.array([1 << 50], np.uint64))),
     "garbage after a frame": b"".join(dp.encode_request(dp.OP_HELLO, 1, b"", b"")) + dp.REQUEST_MAGIC + b"junk" * 20,
 }
 
@@ -251,8 +249,7 @@ def test_truncated_frames_never_wedge_the_node(nodes: Any, h: Any, rng: random.R
     node = nodes["open"]
     keys = b"".join(h.rand_keys(rng, 2))
     frames = [b"".join(dp.encode_request(dp.OP_GET, 1, b"", keys)),
-              b"".join(dp.encode_request(dp.OP_PUT, 1, b"", keys, sizes=np.array([5, 5], np.uint64),
-                                         checksums=np.zeros(2, np.uint64)))]
+              b"".join(dp.encode_request(dp.OP_PUT, 1, b"", keys, sizes=np.array([5, 5], np.uint64)))]
     for frame in frames:
         for cut in sorted({1, 3, 4, 5, dp.REQUEST_SIZE - 1, dp.REQUEST_SIZE, dp.REQUEST_SIZE + 7, len(frame) - 1}):
             raw = Raw(node)
@@ -273,10 +270,9 @@ def test_checksums_are_verified_on_read(nodes: Any, h: Any, rng: random.Random) 
     value = rng.randbytes(5000)
     raw = Raw(node)
     try:
-        raw.request(dp.OP_PUT, b"", key, sizes=np.array([len(value)], np.uint64),
-                    checksums=np.array([checksum(value) ^ 1], np.uint64))
+        raw.request(dp.OP_PUT, b"", key, sizes=np.array([len(value)], np.uint64))
         assert list(raw.response()[2]) == [pb.OK]
-        raw.send(value)
+        raw.send(value + dp.encode_checksums([checksum(value) ^ 1]))
         assert list(raw.response()[2]) == [pb.OK]
     finally:
         raw.close()

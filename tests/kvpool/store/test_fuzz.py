@@ -248,7 +248,7 @@ class Fuzzer:
                 else:
                     sizes = np.array([self.rng.choice([0, 1, 4096, 2**41]) for _ in range(3)], np.uint64)
                     frame = dp.encode_request(dp.OP_PUT, 1, token, keys, kind=self.rng.randint(0, 2),
-                                              sizes=sizes, checksums=np.zeros(3, np.uint64))
+                                              sizes=sizes)
                     sock.sendall(b"".join(frame))
                     sock.sendall(self.rng.randbytes(self.rng.randint(0, 6000)))  # short or long
                 sock.shutdown(socket.SHUT_WR)
