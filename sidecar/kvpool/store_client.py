@@ -12,9 +12,10 @@ one round trip each on the transfer port) when the node serves one — found out
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,19 @@ class StoreClient:
             return None  # an older node: it closed the connection at the unknown magic
         return ds
 
+    @contextlib.contextmanager
+    def _session_call(self, ds: DataSession) -> Iterator[None]:
+        """An unreachable session is forgotten, so the next call asks the node again where (and
+        whether) it serves one: a node restarted on another transfer port, or without it."""
+        try:
+            yield
+        except errors.Unavailable:
+            with self._session_lock:
+                if self._session is ds:
+                    self._session, self._session_known = None, self._want_session is False
+            ds.close()
+            raise
+
     def _seen(self, epoch: int) -> None:
         if epoch > self.epoch_seen:
             self.epoch_seen = epoch
@@ -169,7 +183,8 @@ class StoreClient:
         """:meth:`exists` of packed keys, presence as a numpy array (the sidecar's match path)."""
         ds = self.session()
         if ds is not None:
-            r = ds.exists(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch)
+            with self._session_call(ds):
+                r = ds.exists(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch)
             self._seen(r.epoch)
             return r
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
@@ -221,7 +236,8 @@ class StoreClient:
         views = [as_bytes_view(v) for v in values]
         ds = self.session()
         if ds is not None:
-            codes, seen = ds.put(pack_keys(keys), views, checksums, traffic_class, kind, timeout_ms, epoch)
+            with self._session_call(ds):
+                codes, seen = ds.put(pack_keys(keys), views, checksums, traffic_class, kind, timeout_ms, epoch)
             self._seen(seen)
             return codes
         start = self._rpc(self.stub.PutStart, pb.PutStartRequest(
@@ -314,7 +330,8 @@ class StoreClient:
         blob = keys if isinstance(keys, bytes) else pack_keys(keys)
         ds = self.session()
         if ds is not None:
-            r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen)
+            with self._session_call(ds):
+                r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen)
             self._seen(r.epoch)
             return r
         plan = self.get_plan(unpack_keys(blob), lease_ms, lease_id, kind)

@@ -346,3 +346,30 @@ def test_a_broken_idle_connection_is_replaced_once(nodes: Any, h: Any, rng: rand
     assert c.exists([key]).present == [True]
     assert [bytes(g) for g in c.get([key]) if g] == [b"v"]
     c.remove([key])
+
+
+def test_a_node_back_on_another_transfer_port_is_found_again(stores: Any, h: Any, rng: random.Random) -> None:
+    """Same control address, new transfer port (a restart): one call fails as unreachable,
+    then the client asks the node again where its data session is, and goes on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listen = ["--listen", f"127.0.0.1:{port}", "--transfer-port", "0"]
+    first = stores.start("8MiB", extra=listen)
+    c = StoreClient(first.address)
+    try:
+        [key] = h.rand_keys(rng, 1)
+        assert c.put([key], [b"one"]) == [pb.OK]
+        old = c.session()
+        assert old is not None and old.address == first.transfer_address
+        first.kill()
+        second = stores.start("8MiB", extra=listen)
+        assert second.address == first.address and second.transfer_address != first.transfer_address
+        with pytest.raises(errors.Unavailable):
+            c.get([key])
+        assert c.put([key], [b"two"]) == [pb.OK]  # a fresh node: the old object died with the first
+        ds = c.session()
+        assert ds is not None and ds.address == second.transfer_address
+        assert [bytes(g) for g in c.get([key]) if g] == [b"two"]
+    finally:
+        c.close()
