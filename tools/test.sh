@@ -11,7 +11,7 @@ echo "== checks: generated code, lint, import contracts"
 "$PY" -m ruff check -q sidecar operator tests tools e2e bench
 lint-imports --no-cache >/dev/null || lint-imports --no-cache
 if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
-  # The engine venvs (vLLM, LMCache, SGLang) for tests/integrations: about 4 minutes and 8 GB the
+  # The engine venvs (vLLM, LMCache, SGLang) for tests/integrations: about 6 minutes and 7.6 GB the
   # first time on a machine, seconds once cached under $KVPOOL_CACHE. KVPOOL_SKIP_ENGINES=1 skips
   # them (their tests then skip, saying so).
   echo "== engine venvs"
