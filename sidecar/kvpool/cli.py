@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, mod in (("sidecar", "sidecar.server"), ("up", "local"), ("demo", "demo"),
                       ("loadgen", "loadgen"),  # an engine stand-in for load and e2e tests
+                      ("router-api", "router_api"),  # the pool's match API for KV-aware routers
                       ("operator", None)):
         p = sub.add_parser(name, add_help=False)
         p.set_defaults(func=None, delegate=(name, mod))
