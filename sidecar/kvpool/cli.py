@@ -8,6 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .events import add_event_args
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--closed", action="store_true", help="refuse calls without a tenant token")
     st.add_argument("--admin-token", default=None)
     st.add_argument("--admin-token-file", default=None)
+    add_event_args(st)
+    st.add_argument("--events-tenant", default="default", help="the tenant whose block events are published")
     st.set_defaults(func=_store)
 
     for name, mod in (("sidecar", "sidecar.server"), ("up", "local"), ("demo", "demo"),

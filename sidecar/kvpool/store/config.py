@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any
 
+from ..events import events_config
 from .atrest import MasterKeyError, load_master_key
 from .node import NodeConfig, Tenant
 
@@ -46,6 +47,8 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
     cfg.sharedfs_path = args.sharedfs or doc.get("sharedfsPath", "")
     if cfg.ssd_bytes and not cfg.ssd_path:
         raise ConfigError("--ssd needs --ssd-path")
+    cfg.events = events_config(args)
+    cfg.events_tenant = getattr(args, "events_tenant", None) or cfg.events_tenant
     key_file = getattr(args, "master_key_file", None) or doc.get("masterKeyFile", "")
     if key_file:
         try:

@@ -22,6 +22,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import InvalidArgument
 from ..proto import store_pb2 as pb
@@ -153,6 +154,11 @@ class NodeConfig:
     data_session: bool = True
     """Serve the one-round-trip binary data session (get, put, exists) on the transfer port
     beside the gRPC API; off, clients use the gRPC calls (the compatibility path)."""
+    events: Any = None
+    """A ``kvpool.events.EventsConfig``: publish the stored/removed blocks of ``events_tenant``."""
+    events_tenant: str = DEFAULT_TENANT
+    """The one tenant whose events a node publishes (ZMQ PUB authenticates nobody: give a
+    tenant's router its own endpoint, reachable by it only)."""
     master_key: bytes = field(default=b"", repr=False)
     """Master key of encryption at rest (from ``--master-key-file``): objects on the SSD and
     shared-filesystem tiers are sealed per tenant (``kvpool.store.atrest``).  Empty: in the clear."""
@@ -167,6 +173,7 @@ class StoreNode:
         self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id) if cfg.ssd_path and cfg.ssd_bytes else None
         self.sharedfs = SharedFsTier(cfg.sharedfs_path) if cfg.sharedfs_path else None
         self.at_rest = AtRest(cfg.master_key) if cfg.master_key else None
+        self.events: Any = None  # a kvpool.events.EventPublisher, set by the service when configured
         self.lock = threading.RLock()
         self._released = threading.Condition(self.lock)  # signalled when a reserved slot's write ends
         self.index: dict[str, dict[bytes, Entry]] = {}
@@ -586,6 +593,8 @@ class StoreNode:
             e.state = COMMITTED
             if e.kind == pb.BLOCK:
                 self.blocks.setdefault(e.tenant, {})[e.key] = e
+                if self.events is not None and e.tenant == self.cfg.events_tenant:
+                    self.events.stored(e.key)
             e.last_access = now
             self.lru_dram[id(e)] = e
             t = self._tenant(e.tenant)
@@ -608,6 +617,8 @@ class StoreNode:
     def _discard(self, e: Entry) -> None:
         """Forget an object everywhere and free its space (caller holds the lock)."""
         was_committed = e.state == COMMITTED
+        if was_committed and self.events is not None and e.kind == pb.BLOCK and e.tenant == self.cfg.events_tenant:
+            self.events.removed(e.key)
         part = self.index.get(e.tenant)
         ik = index_key(e.key, e.kind)
         if part is not None and part.get(ik) is e:
@@ -1110,7 +1121,15 @@ class StoreNode:
                 "counters": dict(self.counters),
             }
 
+    def events_snapshot(self) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+        """The events tenant's committed blocks and the events not yet published, taken together."""
+        with self.lock:
+            keys = list(self.blocks.get(self.cfg.events_tenant, {}))
+            return keys, self.events.take_pending() if self.events is not None else []
+
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.dram.close()
         if self.ssd is not None:
             self.ssd.close()

@@ -255,6 +255,9 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     host, _, port_s = listen.rpartition(":")
     host = host or "127.0.0.1"
     node = StoreNode(cfg)
+    if cfg.events is not None:
+        from ..events import MEDIUM_POOL, EventPublisher
+        node.events = EventPublisher(cfg.events, MEDIUM_POOL, node.events_snapshot)
     registry = SegmentRegistry()
     registry.register(Segment(SEGMENT_NAME, node.dram.view), guard=_Guard(node))
     tport = transfer_port if transfer_port is not None else (int(port_s) + 1 if int(port_s) else 0)

@@ -1,6 +1,7 @@
 """KV events for routers: a router process (vLLM's event types, no kvpool code) keeps one index
 per sidecar that agrees with what each sidecar's local tier holds, through puts, evictions,
-removals and a sidecar killed and restarted on the same endpoints."""
+removals and a sidecar killed and restarted on the same endpoints; and one for a store node's
+tenant, through commits, evictions and removals, blind to the other tenants."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pytest
 pytest.importorskip("zmq", reason="the events extra (pyzmq, msgspec) is not installed")
 pytest.importorskip("msgspec", reason="the events extra (pyzmq, msgspec) is not installed")
 
-from kvpool.local import LocalCluster, stop_procs  # noqa: E402
+from kvpool.local import LocalCluster, spawn, stop_procs  # noqa: E402
+from kvpool.store_client import StoreClient  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -142,3 +144,43 @@ def test_router_index_follows_puts_evictions_and_a_restart(router: Router, h: An
         h.wait_for(consistent, 30, what="the router's index after the restart")
         assert len(router.index()["a"]) == 5
         assert len(router.index()["b"]) == 4  # the other instance was never disturbed
+
+
+def test_store_node_events_of_one_tenant(router: Router, h: Any, tmp_path: Path) -> None:
+    rng = random.Random(11)
+    pub, rep = _port(), _port()
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps([{"tenantId": "t1", "token": "tok-1"}, {"tenantId": "t2", "token": "tok-2"}]))
+    proc = spawn("store-ev", ["store", "--listen", "127.0.0.1:0", "--transfer-port", "0", "--dram", str(2 * MiB),
+                              "--node-id", "store-ev", "--tenants", str(tenants), "--closed",
+                              "--events-endpoint", f"tcp://127.0.0.1:{pub}",
+                              "--events-replay-endpoint", f"tcp://127.0.0.1:{rep}", "--events-tenant", "t1"],
+                 str(tmp_path))
+    try:
+        addr = proc.ready_line.split()[1]
+        with StoreClient(addr, "tok-1") as c1, StoreClient(addr, "tok-2") as c2:
+            keys: list[bytes] = []
+
+            def put(c: StoreClient, n: int) -> list[bytes]:
+                ks = [rng.randbytes(32) for _ in range(n)]
+                for i in range(0, n, 4):
+                    assert c.put(ks[i:i + 4], [rng.randbytes(100 * KiB) for _ in ks[i:i + 4]]) == [0] * len(ks[i:i + 4])
+                return ks
+
+            def consistent() -> bool:
+                present = c1.exists(keys, prefix_only=False).present if keys else []
+                return router.index().get("t1") == {k.hex() for k, p in zip(keys, present, strict=True) if p}
+
+            keys += put(c1, 6)
+            assert router.call({"op": "add", "name": "t1", "pub": f"tcp://127.0.0.1:{pub}",
+                                "replay": f"tcp://127.0.0.1:{rep}"}) == {"ok": True}
+            h.wait_for(consistent, 30, what="the store's events after the snapshot")
+            assert len(router.index()["t1"]) == 6
+            theirs = put(c2, 4)  # another tenant's blocks are never published (they evict ours)
+            keys += put(c1, 20)  # 2 MiB of DRAM and no tier below: the oldest are dropped
+            assert c1.remove(keys[-2:]) == [0, 0]
+            h.wait_for(consistent, 30, what="the store's events after evictions and removals")
+            assert c1.stats().counters["evicted"] > 5
+            assert not router.index()["t1"] & {k.hex() for k in theirs}
+    finally:
+        stop_procs([proc])
