@@ -2,10 +2,10 @@
 # Build the engine virtual environments the integration tests run in (issue 7):
 #   ${KVPOOL_CACHE:-~/.cache/kvpool}/venv-torch     torch + torchvision (tools/engines/torch.txt), shared
 #   ${KVPOOL_CACHE:-~/.cache/kvpool}/venv-<engine>  the engine and its pinned dependencies, all --no-deps
-#                                                   (tools/engines/<engine>.txt), kvpool installed editable
+#                                                   (tools/engines/<engine>.txt); kvpool comes from PYTHONPATH
 # Each engine venv sees venv-torch through a .pth file: one copy of the 4 GB torch for all engines.
 # Idempotent: a venv is rebuilt only when the hash of its requirement files changed (or its build
-# never finished); re-pointing the editable kvpool install at this checkout is quick.
+# never finished). kvpool is not installed in them: callers put their checkout on PYTHONPATH.
 #
 #   tools/engines.sh [vllm|lmcache|sglang ...]   build (default: every engine with a file)
 #   tools/engines.sh --python ENGINE             print the venv's python (exit 1 if not built)
@@ -72,16 +72,12 @@ build_engine() {
     # Every line is pinned and installed without its dependencies: the engines' own metadata asks for
     # CUDA kernels, their exact torch and dozens of packages the code paths under test never import.
     pip_in "$v" --no-deps -r "$REQ/$e.txt"
-    pip_in "$v" --no-deps -e "$REPO"
-    "$v/bin/python" -c "import kvpool.integrations.$e, torch" \
+    # No install of kvpool itself: this cache is shared by every checkout on the machine, so the tests
+    # put their own checkout first on PYTHONPATH (tests/integrations/test_engine_venvs.py), as here.
+    PYTHONPATH="$REPO/sidecar" "$v/bin/python" -c "import kvpool.integrations.$e, torch" \
       || { echo "engines: venv-$e does not import kvpool.integrations.$e" >&2; return 1; }
     echo "$want" > "$v/.kvpool-stamp"
     echo "engines: venv-$e built in $((SECONDS - t0)) s, $(du -sh "$v" | cut -f1) (plus venv-torch)"
-  fi
-  # The cache is shared by every checkout on the machine: point the editable install at this one.
-  if ! "$v/bin/python" -c "import kvpool, os, sys; sys.exit(not os.path.realpath(kvpool.__file__).startswith(
-       os.path.realpath('$REPO/sidecar') + os.sep))" 2>/dev/null; then
-    pip_in "$v" --no-deps -e "$REPO"
   fi
 }
 

@@ -14,8 +14,9 @@ if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
   # The engine venvs (vLLM, LMCache, SGLang) for tests/integrations: about 6 minutes and 7.6 GB the
   # first time on a machine, seconds once cached under $KVPOOL_CACHE. KVPOOL_SKIP_ENGINES=1 skips
   # them (their tests then skip, saying so).
+  # A failed build must not stop the suite: the engine tests then fail, saying which venv is missing.
   echo "== engine venvs"
-  bash tools/engines.sh
+  bash tools/engines.sh || echo "engine venvs: build failed (above); their tests will fail, the rest runs"
   export KVPOOL_REQUIRE_ENGINES=1
 fi
 echo "== pytest"

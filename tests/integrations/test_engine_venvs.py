@@ -37,8 +37,7 @@ def test_engine_suite_passes_in_its_venv(engine: str) -> None:
         pytest.skip(f"venv-{engine} is not built: run `bash tools/engines.sh {engine}` (tools/test.sh does)")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
     env["HF_HUB_OFFLINE"] = "1"
-    # The venv's editable install points at this checkout (engines.sh re-points it); PYTHONPATH
-    # makes sure even if another checkout re-pointed it since.
+    # The venvs hold no kvpool of their own (they are shared by every checkout): this checkout's.
     env["PYTHONPATH"] = str(REPO / "sidecar")
     r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/integrations/test_{engine}.py"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=880, check=False)

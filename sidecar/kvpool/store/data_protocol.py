@@ -43,7 +43,8 @@ trusted: the receiver raises :class:`ProtocolError` and closes that connection o
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from collections.abc import Container
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -158,17 +159,25 @@ def with_request_id(header: bytes, request_id: int) -> bytes:
     return header[:8] + struct.pack("<I", request_id) + header[12:]
 
 
+def _unpack_header(layout: struct.Struct, data: bytes | bytearray | memoryview, magic: bytes,
+                   ops: Container[int], what: str) -> tuple[Any, ...]:
+    """Unpack a header whose first fields are magic, version and op, checking those three."""
+    if len(data) != layout.size:
+        raise ProtocolError(f"data {what} header must be {layout.size} bytes, got {len(data)}")
+    fields = layout.unpack(data)
+    if fields[0] != magic:
+        raise ProtocolError(f"bad data {what} magic {bytes(fields[0])!r}")
+    if fields[1] != VERSION:
+        raise ProtocolError(f"unsupported data protocol version {fields[1]}")
+    if fields[2] not in ops:
+        raise ProtocolError(f"unknown data {'op' if what == 'request' else what + ' op'} {fields[2]}")
+    return fields
+
+
 def decode_request(data: bytes | bytearray | memoryview) -> Request:
     """Unpack and validate a request header (:class:`ProtocolError` if it is not one)."""
-    if len(data) != REQUEST_SIZE:
-        raise ProtocolError(f"data request header must be {REQUEST_SIZE} bytes, got {len(data)}")
-    magic, version, op, kind, flags, rid, count, lease_ms, tlen, clen, lease_id, epoch = REQUEST.unpack(data)
-    if magic != REQUEST_MAGIC:
-        raise ProtocolError(f"bad data request magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unsupported data protocol version {version}")
-    if op not in REQUEST_OPS:
-        raise ProtocolError(f"unknown data op {op}")
+    _, _, op, kind, flags, rid, count, lease_ms, tlen, clen, lease_id, epoch = _unpack_header(
+        REQUEST, data, REQUEST_MAGIC, REQUEST_OPS, "request")
     if count > MAX_KEYS:
         raise ProtocolError(f"{count} keys in one frame (at most {MAX_KEYS})")
     if tlen > MAX_TOKEN_BYTES or clen > MAX_CLASS_BYTES:
@@ -229,15 +238,8 @@ def encode_response(op: int, request_id: int, count: int = 0, *, status: int = 0
 
 def decode_response(data: bytes | bytearray | memoryview) -> Response:
     """Unpack and validate a response header (:class:`ProtocolError` if it is not one)."""
-    if len(data) != RESPONSE_SIZE:
-        raise ProtocolError(f"data response header must be {RESPONSE_SIZE} bytes, got {len(data)}")
-    magic, version, op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload = RESPONSE.unpack(data)
-    if magic != RESPONSE_MAGIC:
-        raise ProtocolError(f"bad data response magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unsupported data protocol version {version}")
-    if op not in RESPONSE_OPS:
-        raise ProtocolError(f"unknown data response op {op}")
+    _, _, op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload = _unpack_header(
+        RESPONSE, data, RESPONSE_MAGIC, RESPONSE_OPS, "response")
     if count > MAX_KEYS or msg_len > MAX_MESSAGE_BYTES or prefix > count:
         raise ProtocolError("data response header over its limits")
     if payload and (op != OP_GET or status):
