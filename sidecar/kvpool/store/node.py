@@ -712,12 +712,17 @@ class StoreNode:
                  drop_lease_id: int = 0) -> tuple[list[int], list[Entry | None]]:
         """:meth:`get` for a transfer that happens right now on the caller's own connection (the
         data session): no lease and no tokens; each found object stays pinned and in flight,
-        so neither eviction nor a removal can recycle its extent, until :meth:`read_unpin`."""
+        so neither eviction nor a removal can recycle its extent, until :meth:`read_unpin`.
+
+        The lookup pin becomes an in-flight mark at once: a removal that lands while the reply
+        is still being sent succeeds (the extent is freed after the send, as an unlinked open
+        file), rather than the caller who just got its bytes seeing IN_FLIGHT for its own read."""
         check_kind(kind)
         with self.lock:
             codes, found = self._pin_found(tenant, keys, kind, drop_lease_id, time.time())
             for e in found:
                 if e is not None:
+                    e.pins -= 1
                     e.inflight += 1
         return codes, found
 
@@ -726,7 +731,6 @@ class StoreNode:
             for e in found:
                 if e is None:
                     continue
-                e.pins -= 1
                 e.inflight -= 1
                 if e.inflight == 0 and e.state == -1 and e.offset >= 0:
                     self.dram.alloc.free(e.offset)  # removed while it was being sent

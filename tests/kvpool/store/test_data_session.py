@@ -300,6 +300,34 @@ def test_a_read_drops_the_match_lease_it_supersedes(nodes: Any, h: Any, rng: ran
     assert c.remove(keys) == [pb.OK] * 3  # the lease went with the read
 
 
+def test_a_removal_during_the_send_succeeds_and_the_reply_stays_whole(nodes: Any, h: Any,
+                                                                      rng: random.Random) -> None:
+    """A read's own pin is only an in-flight mark: removing the object while its bytes are on
+    the wire is OK (the reader asked for a copy, not a lease), the bytes sent are still the
+    object's, and the space is counted free again."""
+    node = nodes["open"]
+    c = node.client()
+    [key] = h.rand_keys(rng, 1)
+    value = rng.randbytes(16 * MiB)
+    used0 = h.stats_tier(c.stats(), "dram").used_bytes
+    assert c.put([key], [value]) == [pb.OK]
+    raw = Raw(node)
+    try:
+        raw.request(dp.OP_GET, b"", key)
+        # The first bytes of the reply mean the node has pinned the object and is sending; 16 MiB
+        # cannot fit in the socket buffers, so the send is still running.
+        head = raw.recv(dp.RESPONSE_SIZE)
+        assert c.remove([key]) == [pb.OK]
+        assert c.get([key]) == [None]
+        resp = dp.decode_response(head)
+        table = dp.decode_get_table(resp, raw.recv(resp.body_bytes()))
+        assert list(table.codes) == [pb.OK] and list(table.sizes) == [len(value)]
+        assert raw.recv(resp.payload_len) == value
+    finally:
+        raw.close()
+    assert h.stats_tier(c.stats(), "dram").used_bytes == used0
+
+
 def test_buffers_that_are_too_small_or_refused(nodes: Any, h: Any, rng: random.Random) -> None:
     c = nodes["open"].client()
     keys = h.rand_keys(rng, 3)
