@@ -381,6 +381,32 @@ def test_encrypted_tier_gets_a_master_key_and_seals_what_it_demotes(operator: Op
         kube.delete(API, "KVTier", ssd)
 
 
+def test_a_missing_master_key_secret_is_a_condition_then_the_pool_starts(operator: Operator, kube: Kube,
+                                                                         namespace: str) -> None:
+    """A Secret the user names but has not created: the pool says so (Degraded, a Warning Event)
+    and starts no store pod that could only fail; once the Secret exists, the pool comes up."""
+    create(kube, kvpool("m", storage={"replicas": 1, "encryption": {"enabled": True, "secretName": "m-key"}},
+                        tenancy={"defaultTenant": "x"}), namespace)
+    st = wait_status(kube, namespace, "m", lambda s: cond(s, "Degraded") == ("True", "MasterKeySecretMissing"),
+                     60, "Degraded MasterKeySecretMissing")
+    assert f"{namespace}/m-key" in st["message"] and st["phase"] == "Degraded"
+    assert kube.get("apps/v1", "StatefulSet", "m-store", namespace) is None
+    assert kube.get("v1", "Secret", "m-key", namespace) is None  # the user's to create: never minted
+    # Too short a key is refused the same way, with its own reason.
+    kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "m-key", "namespace": namespace},
+                "stringData": {"key": "short"}})
+    st = wait_status(kube, namespace, "m", lambda s: cond(s, "Degraded") == ("True", "MasterKeyInvalid"),
+                     60, "Degraded MasterKeyInvalid")
+    assert "at least 32 bytes" in st["message"]
+    assert kube.get("apps/v1", "StatefulSet", "m-store", namespace) is None
+    kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "m-key", "namespace": namespace},
+                "stringData": {"key": base64.b64encode(os.urandom(32)).decode()}})
+    st = wait_status(kube, namespace, "m", lambda s: s.get("readyReplicas") == 1
+                     and cond(s, "Degraded") == ("False", "AsExpected"), 120, "the encrypted node ready")
+    events = kube.list("v1", "Event", namespace)
+    assert any(e.get("reason") == "MasterKeySecretMissing" and e.get("type") == "Warning" for e in events)
+
+
 def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, kube: Kube, namespace: str) -> None:
     from kvpool import errors
     from kvpool.store_client import StoreClient

@@ -24,6 +24,8 @@ SHAREDFS_DIR = "/mnt/kvpool-sharedfs"
 STORE_SHM_DIR = "/run/kvpool-store"
 MASTER_KEY_DIR = "/etc/kvpool/master-key"
 MASTER_KEY_KEY = "key"
+PREVIOUS_KEYS_KEY = "previous"
+"""Optional entry of the master-key Secret: earlier keys, one per line, still opened (rotation)."""
 CONFIG_HASH_ANNOTATION = "kvpool.io/config-hash"
 
 Manifest = dict[str, Any]
@@ -94,6 +96,7 @@ def node_config(pool: PoolSpec, layout: NodeLayout) -> dict[str, Any]:
     if layout.encrypt_at_rest:
         # The path, never the key: the key stays in its Secret, mounted into the store pods only.
         cfg["masterKeyFile"] = f"{MASTER_KEY_DIR}/{MASTER_KEY_KEY}"
+        cfg["previousMasterKeysFile"] = f"{MASTER_KEY_DIR}/{PREVIOUS_KEYS_KEY}"
     return cfg
 
 
@@ -196,9 +199,10 @@ def stateful_set(pool: PoolSpec, layout: NodeLayout, settings: Settings, replica
     if layout.sharedfs is not None and layout.sharedfs.sharedfs_volume is not None:
         volumes.append({**dict(layout.sharedfs.sharedfs_volume), "name": "sharedfs"})
     if layout.encrypt_at_rest:
+        # The whole Secret (no items): ``previous`` may come and go with a rotation, and the
+        # kubelet updates the files in place, so the nodes pick a rotation up without a restart.
         volumes.append({"name": "master-key", "secret": {
-            "secretName": master_key_secret_name(pool), "defaultMode": 0o400,
-            "items": [{"key": MASTER_KEY_KEY, "path": MASTER_KEY_KEY}]}})
+            "secretName": master_key_secret_name(pool), "defaultMode": 0o400}})
     pod_spec: dict[str, Any] = {
         "serviceAccountName": store_name(pool),
         "automountServiceAccountToken": False,

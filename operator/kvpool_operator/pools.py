@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from . import children, metrics
 from .drain import DrainState, NodeDrainStatus
+from .encryption import master_key_problem
 from .kube import Kube
 from .membership import StorePod, observe_pods
 from .model import (
@@ -62,14 +63,18 @@ def admin_token(kube: Kube, pool_body: Mapping[str, Any]) -> str:
     return base64.b64decode(raw).decode()
 
 
-def ensure_master_key(kube: Kube, pool: PoolSpec, tiers: Mapping[str, TierSpec | SpecError]) -> None:
+def ensure_master_key(kube: Kube, pool: PoolSpec, tiers: Mapping[str, TierSpec | SpecError]) -> tuple[str, str] | None:
     """Mint the pool's master-key Secret on first need (never re-minted: sealed files need it).
-    A Secret the user named is the user's: it is mounted, never created."""
-    if pool.encryption_secret or not wants_encryption(pool, {k: t for k, t in tiers.items()
-                                                            if isinstance(t, TierSpec)}):
-        return
-    if kube.get("v1", "Secret", children.master_key_secret_name(pool), pool.namespace) is None:
+    A Secret the user named is the user's: it is mounted, never created.  Returns why the Secret
+    cannot be used (None: it can, or encryption at rest is off)."""
+    if not wants_encryption(pool, {k: t for k, t in tiers.items() if isinstance(t, TierSpec)}):
+        return None
+    name = children.master_key_secret_name(pool)
+    secret = kube.get("v1", "Secret", name, pool.namespace)
+    if secret is None and not pool.encryption_secret:
         kube.create(children.master_key_secret(pool, secrets.token_urlsafe(32)))
+        secret = kube.get("v1", "Secret", name, pool.namespace)
+    return master_key_problem(secret, name, pool.namespace)
 
 
 def _parallel(items: list[T], fn: Callable[[T], Any]) -> list[Any]:
@@ -116,7 +121,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
             except SpecError as err:
                 tiers[name] = err
     token = admin_token(kube, body)
-    ensure_master_key(kube, pool, tiers)
+    key_problem = ensure_master_key(kube, pool, tiers)
     pods = observe_pods(kube.list("v1", "Pod", pool.namespace, children.selector_string(pool)))
     usable = {p.name: p for p in pods if p.usable}
     sts = kube.get("apps/v1", "StatefulSet", children.store_name(pool), pool.namespace)
@@ -146,7 +151,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
         body=body, tiers=tiers, pods=pods, sts_replicas=sts_replicas, sts_updating=updating,
         sts_claims=None if sts is None else list((sts.get("spec") or {}).get("volumeClaimTemplates") or []),
         stats=dict(zip(usable, got, strict=True)), drain_statuses=drains, tenants=tenants_of(kube, pool.key),
-        now_ms=now_ms, now_iso=now_iso), token, usable
+        now_ms=now_ms, now_iso=now_iso, master_key_problem=key_problem), token, usable
 
 
 def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> None:

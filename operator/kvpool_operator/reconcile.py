@@ -44,6 +44,8 @@ class PoolObserved:
     tenants: Sequence[tuple[TenantSpec, Credentials]] = ()
     now_ms: int = 0
     now_iso: str = ""
+    master_key_problem: tuple[str, str] | None = None
+    """Why the pool's master-key Secret cannot be used (encryption at rest on), else None."""
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     view = status.pool_conditions(PoolObservation(
         desired=desired, pods=len(obs.pods), ready_pods=sum(p.ready for p in obs.pods),
         active_members=len(ring.active), unreachable=unreachable, decision=decision, drain=state,
-        now_ms=obs.now_ms, updating=obs.sts_updating, problem=claim_problem))
+        now_ms=obs.now_ms, updating=obs.sts_updating, problem=obs.master_key_problem or claim_problem))
     generation = int((body.get("metadata") or {}).get("generation", 0))
     conds, cond_events = status.merge_conditions(st.get("conditions"), view.conditions, obs.now_iso, generation)
     events += cond_events
@@ -234,6 +236,10 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
             sts_spec["volumeClaimTemplates"] = live_claims
         else:
             sts_spec.pop("volumeClaimTemplates", None)
+    if obs.master_key_problem is not None and obs.sts_replicas is None:
+        # Pods that cannot mount (or would refuse) the key only crash-loop: create the store
+        # nodes once the Secret is usable.  Running nodes keep their keys and go on serving.
+        manifests = [m for m in manifests if m["kind"] != "StatefulSet"]
     return PoolPlan(
         pool=pool, status=patch, events=tuple(events), layout=layout,
         children=tuple(manifests), ring=ring, push_ring=push,

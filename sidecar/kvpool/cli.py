@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--master-key-file", default=None,
                     help="file holding the master key of encryption at rest (a mounted Secret, >= 32 bytes): "
                          "objects on the SSD and shared-filesystem tiers are encrypted per tenant")
+    st.add_argument("--previous-master-keys-file", default=None,
+                    help="file of earlier master keys, one per line, still opened but never used to seal "
+                         "(key rotation; a missing file holds none); both files are re-read when they change")
     st.add_argument("--node-id", default=None)
     st.add_argument("--config", default=None, help="JSON node configuration (the operator's ConfigMap)")
     st.add_argument("--tenants", default=None, help="JSON file of tenants (id, token, salt, quota, ttl)")

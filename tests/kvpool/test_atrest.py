@@ -11,12 +11,15 @@ import pytest
 from kvpool.store.atrest import (
     HKDF_INFO,
     HKDF_SALT,
+    KEY_ID,
     NONCE,
     OVERHEAD,
     AtRest,
     MasterKeyError,
     derive_tenant_key,
+    key_id,
     parse_master_key,
+    parse_previous_keys,
     sealed_size,
 )
 
@@ -91,7 +94,7 @@ def test_nonces_are_fresh() -> None:
     a = AtRest(MASTER)
     blobs = {bytes(a.seal("t", KEY, 0, 1, b"same bytes")) for _ in range(64)}
     assert len(blobs) == 64
-    assert len({b[:NONCE] for b in blobs}) == 64
+    assert len({b[KEY_ID:KEY_ID + NONCE] for b in blobs}) == 64
 
 
 def _blob() -> tuple[AtRest, bytes, bytes]:
@@ -119,8 +122,9 @@ def test_foreign_blobs_fail(change: dict[str, object]) -> None:
 
 def test_every_tampered_byte_fails() -> None:
     a, data, blob = _blob()
-    # Every region: nonce, ciphertext (start, middle, end), tag.
-    for pos in [0, NONCE - 1, NONCE, NONCE + 500, len(blob) - 17, len(blob) - 16, len(blob) - 1]:
+    # Every region: key id, nonce, ciphertext (start, middle, end), tag.
+    body = KEY_ID + NONCE
+    for pos in [0, KEY_ID - 1, KEY_ID, body - 1, body, body + 500, len(blob) - 17, len(blob) - 16, len(blob) - 1]:
         bad = bytearray(blob)
         bad[pos] ^= 0x01
         assert not a.open_into("tenant-a", KEY, 0, 42, bytes(bad), memoryview(bytearray(len(data)))), pos
@@ -128,10 +132,72 @@ def test_every_tampered_byte_fails() -> None:
 
 def test_truncated_or_extended_blobs_fail() -> None:
     a, data, blob = _blob()
-    for cut in (0, 1, NONCE, NONCE + 16, len(blob) - 1):
+    for cut in (0, 1, KEY_ID, KEY_ID + NONCE, KEY_ID + NONCE + 16, len(blob) - 1):
         assert not a.open_into("tenant-a", KEY, 0, 42, blob[:cut], memoryview(bytearray(len(data))))
         # ...also when the reader believes the object is as short as what is left (size is bound too).
         n = max(0, cut - OVERHEAD)
         assert not a.open_into("tenant-a", KEY, 0, 42, blob[:cut], memoryview(bytearray(n)))
     assert not a.open_into("tenant-a", KEY, 0, 42, blob + b"\0", memoryview(bytearray(len(data))))
     assert not a.open_into("tenant-a", KEY, 0, 42, blob, memoryview(bytearray(len(data) + 1)))
+
+
+# ------------------------------------------------------------------------------- rotation
+
+NEW = bytes(range(100, 132))
+OLDER = bytes(range(200, 232))
+
+
+def test_key_id_is_hmac_of_a_label_and_says_nothing_of_the_key() -> None:
+    assert key_id(MASTER) == hmac.new(MASTER, b"kvpool at-rest key id", hashlib.sha256).digest()[:4]
+    assert key_id(MASTER) != key_id(NEW) and len(key_id(MASTER)) == KEY_ID
+
+
+def test_a_rotated_node_opens_old_blobs_and_seals_under_the_new_key() -> None:
+    old = AtRest(MASTER)
+    data = random.Random(2).randbytes(3000)
+    sealed_old = bytes(old.seal("t", KEY, 0, 5, data))
+    assert old.sealed_with_current(sealed_old)
+    rotated = AtRest(NEW, previous=[MASTER])
+    out = bytearray(len(data))
+    assert rotated.open_into("t", KEY, 0, 5, sealed_old, memoryview(out)) and out == data
+    assert not rotated.sealed_with_current(sealed_old)
+    sealed_new = bytes(rotated.seal("t", KEY, 0, 6, data))
+    assert sealed_new[:KEY_ID] == key_id(NEW) and rotated.sealed_with_current(sealed_new)
+    # A node that has not rotated yet cannot open what a rotated one sealed: the id is unknown.
+    assert not old.open_into("t", KEY, 0, 6, sealed_new, memoryview(bytearray(len(data))))
+    assert rotated.key_ids == [key_id(NEW), key_id(MASTER)]
+
+
+def test_dropping_a_previous_key_makes_its_blobs_misses() -> None:
+    data = b"x" * 500
+    sealed_old = bytes(AtRest(MASTER).seal("t", KEY, 0, 1, data))
+    a = AtRest(NEW, previous=[OLDER, MASTER])
+    assert a.open_into("t", KEY, 0, 1, sealed_old, memoryview(bytearray(500)))
+    a.set_keys(NEW, [OLDER])
+    out = bytearray(500)
+    assert not a.open_into("t", KEY, 0, 1, sealed_old, memoryview(out)) and bytes(out) == bytes(500)
+
+
+def test_a_forged_key_id_does_not_open() -> None:
+    a = AtRest(NEW, previous=[MASTER])
+    blob = bytearray(a.seal("t", KEY, 0, 1, b"y" * 100))
+    blob[:KEY_ID] = key_id(MASTER)  # claims the other held key: the tag is bound to the real one
+    assert not a.open_into("t", KEY, 0, 1, bytes(blob), memoryview(bytearray(100)))
+
+
+@pytest.mark.parametrize("raw, want", [
+    (b"", []),
+    (b"\n\n", []),
+    (b"a" * 32 + b"\n", [b"a" * 32]),
+    (b"a" * 32 + b"\r\n\n" + b"b" * 40, [b"a" * 32, b"b" * 40]),
+])
+def test_previous_keys_file(raw: bytes, want: list[bytes]) -> None:
+    assert parse_previous_keys(raw) == want
+
+
+@pytest.mark.parametrize("raw", [b"short\n", b"a" * 32 + b"\n" + b"b" * 31, bytes(range(256))])
+def test_bad_previous_keys_are_refused(raw: bytes) -> None:
+    with pytest.raises(MasterKeyError):
+        parse_previous_keys(raw)
+    with pytest.raises(MasterKeyError):
+        AtRest(NEW, previous=[b"short"])

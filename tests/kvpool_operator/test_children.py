@@ -116,8 +116,9 @@ def test_encryption_at_rest_mounts_the_master_key_secret() -> None:
         cfg = children.node_config(pool, layout)
         assert cfg["masterKeyFile"] == f"{children.MASTER_KEY_DIR}/{children.MASTER_KEY_KEY}"
         vols = {v["name"]: v for v in pod["volumes"]}
-        assert vols["master-key"]["secret"] == {"secretName": "p-store-master-key", "defaultMode": 0o400,
-                                                "items": [{"key": "key", "path": "key"}]}
+        assert cfg["previousMasterKeysFile"] == f"{children.MASTER_KEY_DIR}/{children.PREVIOUS_KEYS_KEY}"
+        # The whole Secret: its optional "previous" entry (a rotation) appears without a restart.
+        assert vols["master-key"]["secret"] == {"secretName": "p-store-master-key", "defaultMode": 0o400}
         [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "master-key"]
         assert mount == {"name": "master-key", "mountPath": children.MASTER_KEY_DIR, "readOnly": True}
         # Switching it on restarts the nodes (they read the key only at start).

@@ -173,3 +173,21 @@ def test_scale_down_waits_for_the_usage_of_every_node() -> None:
     stats["p-store-1"] = None
     plan, _ = _run(body, pods=_pods(3), sts_replicas=3, stats=stats)
     assert plan.drain_calls == () and _conds(plan)["ScaleDownBlocked"] == ("True", "NodeStatsUnavailable")
+
+
+def test_an_unusable_master_key_degrades_and_holds_back_new_store_nodes() -> None:
+    body = pool_body(storage={"replicas": 2, "encryption": {"enabled": True, "secretName": "mine"}})
+    problem = ("MasterKeySecretMissing", "Secret ns/mine (the master key of encryption at rest) does not exist")
+    plan, _ = _run(body, master_key_problem=problem)
+    assert _conds(plan)["Degraded"] == ("True", "MasterKeySecretMissing")
+    assert "ns/mine" in plan.status["message"]
+    kinds = {c["kind"] for c in plan.children}
+    assert "StatefulSet" not in kinds and "ConfigMap" in kinds
+    assert any(e.reason == "MasterKeySecretMissing" and e.type == "Warning" for e in plan.events)
+    # Running nodes are left alone (they hold their keys); the condition says what is wrong.
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2), master_key_problem=problem)
+    assert "StatefulSet" in {c["kind"] for c in plan.children}
+    assert _conds(plan)["Degraded"] == ("True", "MasterKeySecretMissing")
+    # Fixed: the condition clears.
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2))
+    assert _conds(plan)["Degraded"] == ("False", "AsExpected")

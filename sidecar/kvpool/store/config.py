@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from ..events import events_config
-from .atrest import MasterKeyError, load_master_key
+from .atrest import MasterKeyError, load_master_key, load_previous_keys
 from .node import NodeConfig, Tenant
 
 
@@ -50,11 +50,23 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
     cfg.events = events_config(args)
     cfg.events_tenant = getattr(args, "events_tenant", None) or cfg.events_tenant
     key_file = getattr(args, "master_key_file", None) or doc.get("masterKeyFile", "")
+    prev_file = getattr(args, "previous_master_keys_file", None) or doc.get("previousMasterKeysFile", "")
+    if prev_file and not key_file:
+        raise ConfigError("--previous-master-keys-file needs --master-key-file")
     if key_file:
         try:
             cfg.master_key = load_master_key(str(key_file))
         except MasterKeyError as exc:
             raise ConfigError(f"--master-key-file: {exc}") from None
+        try:
+            cfg.previous_master_keys = load_previous_keys(str(prev_file)) if prev_file else []
+        except MasterKeyError as exc:
+            raise ConfigError(f"--previous-master-keys-file: {exc}") from None
+        cfg.master_key_file, cfg.previous_master_keys_file = str(key_file), str(prev_file or "")
+        reload = doc.get("masterKeyReloadSeconds", cfg.master_key_reload_seconds)
+        if not isinstance(reload, int | float) or reload < 0:
+            raise ConfigError(f"masterKeyReloadSeconds must be a non-negative number, got {reload!r}")
+        cfg.master_key_reload_seconds = float(reload)
     if cfg.dram_bytes <= 0:
         raise ConfigError("--dram (or dramBytes) must be a positive byte size")
     wm = doc.get("watermarks", {})

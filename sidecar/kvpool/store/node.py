@@ -162,6 +162,13 @@ class NodeConfig:
     master_key: bytes = field(default=b"", repr=False)
     """Master key of encryption at rest (from ``--master-key-file``): objects on the SSD and
     shared-filesystem tiers are sealed per tenant (``kvpool.store.atrest``).  Empty: in the clear."""
+    previous_master_keys: list[bytes] = field(default_factory=list, repr=False)
+    """Earlier master keys, still opened (never used to seal): what they sealed stays readable."""
+    master_key_file: str = ""
+    previous_master_keys_file: str = ""
+    """Where the keys came from: re-read when they change (a rotated Secret), see ``keywatch``."""
+    master_key_reload_seconds: float = 10.0
+    """How often the key files are checked for a change (0: never)."""
 
 
 class StoreNode:
@@ -172,7 +179,7 @@ class StoreNode:
         self.dram = DramTier(payload_arena_bytes(cfg.dram_bytes, cfg.high_watermark), cfg.shm_dir, label=cfg.node_id)
         self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id) if cfg.ssd_path and cfg.ssd_bytes else None
         self.sharedfs = SharedFsTier(cfg.sharedfs_path) if cfg.sharedfs_path else None
-        self.at_rest = AtRest(cfg.master_key) if cfg.master_key else None
+        self.at_rest = AtRest(cfg.master_key, cfg.previous_master_keys) if cfg.master_key else None
         self.events: Any = None  # a kvpool.events.EventPublisher, set by the service when configured
         self.lock = threading.RLock()
         self._released = threading.Condition(self.lock)  # signalled when a reserved slot's write ends
@@ -1026,6 +1033,7 @@ class StoreNode:
         blob = self.at_rest.scratch(sealed_size(e.size))
         self.ssd.read_into(e.offset, blob)
         if self.at_rest.open_into(e.tenant, e.key, e.kind, e.gen, blob, dst):
+            self._opened(blob)
             return pb.OK
         return self._at_rest_failure(e)
 
@@ -1043,9 +1051,24 @@ class StoreNode:
         if not (hdr.sealed and hdr.size == e.size and hdr.kind == e.kind
                 and self.at_rest.open_into(e.tenant, e.key, e.kind, hdr.generation, blob, dst)):
             return self._at_rest_failure(e)
+        self._opened(blob)
         if not e.checksum:
             e.checksum = checksum(dst)  # adopted: a sealed file carries no checksum; the tag vouched
         return pb.OK
+
+    def set_master_keys(self, current: bytes, previous: Sequence[bytes]) -> None:
+        """A rotation: seal under ``current`` from now on, open what any of the keys sealed."""
+        if self.at_rest is None:
+            raise ValueError("this node does not encrypt at rest: it has no master key to rotate")
+        with self.lock:  # no seal or open is half-way through a key swap
+            self.at_rest.set_keys(current, previous)
+            self.counters["master_key_reloads"] += 1
+
+    def _opened(self, blob: memoryview) -> None:
+        assert self.at_rest is not None
+        if not self.at_rest.sealed_with_current(blob):
+            # Still sealed under a previous key: when this stays at 0, the old key can go.
+            self.counters["at_rest_previous_key_opens"] += 1
 
     def _at_rest_failure(self, e: Entry) -> int:
         """A copy below DRAM that does not authenticate (tampered, truncated, sealed for another

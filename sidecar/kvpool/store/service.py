@@ -301,6 +301,11 @@ def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin
         return 2
     if tenants:
         running.node.set_tenants(tenants)
+    watcher = None
+    if cfg.master_key_file:
+        from .keywatch import MasterKeyWatcher
+        watcher = MasterKeyWatcher(running.node, cfg.master_key_file, cfg.previous_master_keys_file,
+                                   cfg.master_key_reload_seconds).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -310,6 +315,8 @@ def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin
             running.node.expire_sweep()
         except Exception:  # never let housekeeping kill the node
             log.exception("expire sweep failed")
+    if watcher is not None:
+        watcher.stop()
     running.stop()
     time.sleep(0)
     return 0
