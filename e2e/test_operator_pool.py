@@ -407,6 +407,81 @@ def test_a_missing_master_key_secret_is_a_condition_then_the_pool_starts(operato
     assert any(e.get("reason") == "MasterKeySecretMissing" and e.get("type") == "Warning" for e in events)
 
 
+def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube: Kube, namespace: str) -> None:
+    """spec.router: the operator runs the router API (its pods never taken for store nodes) and
+    the nodes publish one tenant's KV events; a vLLM-typed event consumer and the HTTP match
+    agree with what the node holds; switching the router off removes it."""
+    import urllib.request
+
+    from kvpool.store_client import StoreClient
+
+    create(kube, kvpool("r", storage={"replicas": 1}, tenancy={"defaultTenant": "x"},
+                        router={"enabled": True, "events": {"enabled": True, "tenant": "x"}}), namespace)
+    st = wait_status(kube, namespace, "r", lambda s: s.get("readyReplicas") == 1 and bool(s.get("router")),
+                     120, "the node ready and the router in status")
+    assert st["router"]["grpc"] == f"r-router.{namespace}.svc:7450" and st["router"]["events"]["port"] == 7402
+    assert st["replicas"] == 1  # the router pod is not counted as a store pod
+    selector = "app.kubernetes.io/component=router,app.kubernetes.io/instance=r"
+
+    def router_ip() -> str | None:
+        pods = [p for p in kube.list("v1", "Pod", namespace, selector)
+                if any(c.get("type") == "Ready" and c.get("status") == "True"
+                       for c in (p.get("status") or {}).get("conditions") or [])]
+        return pods[0]["status"]["podIP"] if pods else None
+
+    rip = wait_for(router_ip, 120, "the router pod ready")
+    address = st["ring"]["members"][0]["address"]
+    host = address.rpartition(":")[0]
+    keys = [os.urandom(32) for _ in range(6)]
+    with StoreClient(address) as c:
+        assert c.put(keys[:4], [os.urandom(4096) for _ in range(4)]) == [0] * 4
+
+    def match() -> Any:
+        req = urllib.request.Request(f"http://{rip}:7451/v1/pool/match", method="POST",
+                                     data=json.dumps({"keys": [k.hex() for k in keys]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            return None  # the router's view of the ring is still starting
+    got = wait_for(lambda: (m := match()) is not None and m.get("hit_blocks") == 4 and m, 60, "the router's match")
+    assert got["blocks"] == 6
+
+    consumer = Path(__file__).resolve().parents[1] / "tests" / "kvpool" / "sidecar" / "_kv_router.py"
+    proc = subprocess.Popen([sys.executable, str(consumer)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+
+        def call(req: dict[str, Any]) -> Any:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(req) + "\n")
+            proc.stdin.flush()
+            return json.loads(proc.stdout.readline())
+        assert json.loads(proc.stdout.readline()) == {"ready": True}
+        assert call({"op": "add", "name": "node", "pub": f"tcp://{host}:7402", "replay": f"tcp://{host}:7403"})
+        with StoreClient(address) as c:
+            assert c.put(keys[4:], [os.urandom(4096) for _ in range(2)]) == [0] * 2
+            assert c.remove(keys[:1]) == [0]
+        want = sorted(k.hex() for k in keys[1:])
+        wait_for(lambda: call({"op": "dump"})["index"]["node"] == want, 30, "the consumer's index")
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+
+    kube.merge_patch(API, "KVPool", "r", namespace, {"spec": {"router": {"enabled": False}}})
+    wait_for(lambda: kube.get("apps/v1", "Deployment", "r-router", namespace) is None, 60, "the router removed")
+    assert kube.get("v1", "Service", "r-router", namespace) is None
+    st = wait_status(kube, namespace, "r", lambda s: (s.get("router") or {}).get("enabled") is False, 60,
+                     "the router out of status")
+    assert "grpc" not in st["router"]
+    assert st["router"]["events"]["port"] == 7402
+
+
 def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, kube: Kube, namespace: str) -> None:
     from kvpool import errors
     from kvpool.store_client import StoreClient

@@ -27,6 +27,8 @@ MASTER_KEY_KEY = "key"
 PREVIOUS_KEYS_KEY = "previous"
 """Optional entry of the master-key Secret: earlier keys, one per line, still opened (rotation)."""
 CONFIG_HASH_ANNOTATION = "kvpool.io/config-hash"
+ROUTER_GRPC_PORT = 7450
+ROUTER_HTTP_PORT = 7451
 
 Manifest = dict[str, Any]
 
@@ -140,6 +142,26 @@ def store_resources(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
     return {"limits": limits, "requests": requests}
 
 
+def events_args(pool: PoolSpec) -> list[str]:
+    """The store's KV-events options: one tenant's stored/removed blocks on a ZMQ PUB socket and a
+    replay socket (ZMQ authenticates nobody, so only the tenant named in the spec is published)."""
+    if pool.events_tenant is None:
+        return []
+    return ["--events-endpoint", f"tcp://$(POD_IP):{pool.events_port}",
+            "--events-replay-endpoint", f"tcp://$(POD_IP):{pool.events_replay_port}",
+            "--events-tenant", pool.events_tenant, "--events-block-size", str(pool.block_tokens)]
+
+
+def event_ports(pool: PoolSpec, container: bool) -> list[dict[str, Any]]:
+    if pool.events_tenant is None:
+        return []
+    if container:
+        return [{"name": "events", "containerPort": pool.events_port, "protocol": "TCP"},
+                {"name": "events-replay", "containerPort": pool.events_replay_port, "protocol": "TCP"}]
+    return [{"name": "events", "port": pool.events_port, "targetPort": "events"},
+            {"name": "events-replay", "port": pool.events_replay_port, "targetPort": "events-replay"}]
+
+
 def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> dict[str, Any]:
     mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
               {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True},
@@ -159,13 +181,14 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         # The pod IP, not 0.0.0.0: the harness runs pods as processes sharing one host.
         "args": ["--listen", f"$(POD_IP):{pool.port}", "--transfer-port", str(pool.transfer_port),
                  "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--node-id", "$(POD_NAME)",
-                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}"],
+                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool)],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                 {"name": "KVPOOL_NODE_ID", "value": "$(POD_NAME)"}],
         "ports": [{"name": "control", "containerPort": pool.port, "protocol": "TCP"},
-                  {"name": "transfer", "containerPort": pool.transfer_port, "protocol": "TCP"}],
+                  {"name": "transfer", "containerPort": pool.transfer_port, "protocol": "TCP"},
+                  *event_ports(pool, container=True)],
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**probe, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
         "resources": store_resources(pool, layout, settings),
@@ -241,7 +264,59 @@ def headless_service(pool: PoolSpec) -> Manifest:
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(pool, store_name(pool)),
             "spec": {"clusterIP": "None", "selector": selector_labels(pool), "publishNotReadyAddresses": False,
                      "ports": [{"name": "control", "port": pool.port, "targetPort": "control"},
-                               {"name": "transfer", "port": pool.transfer_port, "targetPort": "transfer"}]}}
+                               {"name": "transfer", "port": pool.transfer_port, "targetPort": "transfer"},
+                               *event_ports(pool, container=False)]}}
+
+
+# ------------------------------------------------------------------------------------ router
+
+
+def router_name(pool: PoolSpec) -> str:
+    return f"{pool.name}-router"
+
+
+def router_labels(pool: PoolSpec) -> dict[str, str]:
+    """Never the store pods' pool label: a router pod must not be taken for a store node."""
+    return {"app.kubernetes.io/name": "kvpool", "app.kubernetes.io/component": "router",
+            "app.kubernetes.io/instance": pool.name}
+
+
+def _router_meta(pool: PoolSpec) -> dict[str, Any]:
+    return {"name": router_name(pool), "namespace": pool.namespace,
+            "labels": {**router_labels(pool), "app.kubernetes.io/managed-by": "kvpool-operator"},
+            "ownerReferences": [owner_reference(pool)]}
+
+
+def router_deployment(pool: PoolSpec, settings: Settings) -> Manifest:
+    """``kvpool router-api``: the pool hit length of a prompt for KV-aware routers without a
+    sidecar.  It holds no credential: each caller's tenant token goes through to the nodes."""
+    probe = {"tcpSocket": {"port": "http"}}
+    container = {
+        "name": "router-api",
+        "image": pool.image or settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": [*settings.command, "router-api"],
+        "args": ["--pool", service_address(pool), "--listen", f"$(POD_IP):{ROUTER_GRPC_PORT}",
+                 "--http", f"$(POD_IP):{ROUTER_HTTP_PORT}"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "grpc", "containerPort": ROUTER_GRPC_PORT, "protocol": "TCP"},
+                  {"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
+        "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {**probe, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+    }
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _router_meta(pool),
+            "spec": {"replicas": pool.router_replicas, "selector": {"matchLabels": router_labels(pool)},
+                     "template": {"metadata": {"labels": _router_meta(pool)["labels"]},
+                                  "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
+                                           "containers": [container]}}}}
+
+
+def router_service(pool: PoolSpec) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _router_meta(pool),
+            "spec": {"selector": router_labels(pool),
+                     "ports": [{"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"},
+                               {"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"}]}}
 
 
 def pod_disruption_budget(pool: PoolSpec) -> Manifest:
@@ -256,7 +331,31 @@ def service_account(pool: PoolSpec) -> Manifest:
             "automountServiceAccountToken": False}
 
 
+def router_status(pool: PoolSpec) -> dict[str, Any] | None:
+    """Where routers reach the pool's router API and the nodes' KV events (None: neither is on; a
+    merge patch then removes the field)."""
+    if not pool.router_enabled and pool.events_tenant is None:
+        return None
+    # Every field named (None when off): this goes out as a merge patch, which keeps what it omits.
+    host = f"{router_name(pool)}.{pool.namespace}.svc"
+    on = pool.router_enabled
+    return {"enabled": on, "grpc": f"{host}:{ROUTER_GRPC_PORT}" if on else None,
+            "http": f"http://{host}:{ROUTER_HTTP_PORT}/v1/pool/match" if on else None,
+            "events": None if pool.events_tenant is None else {
+                "port": pool.events_port, "replayPort": pool.events_replay_port,
+                "service": f"{store_name(pool)}.{pool.namespace}.svc"}}
+
+
+def pruned(pool: PoolSpec) -> tuple[tuple[str, str, str], ...]:
+    """Optional children the spec switched off: (apiVersion, kind, name) to delete."""
+    if pool.router_enabled:
+        return ()
+    return (("apps/v1", "Deployment", router_name(pool)), ("v1", "Service", router_name(pool)))
+
+
 def children(pool: PoolSpec, layout: NodeLayout, settings: Settings, replicas: int) -> list[Manifest]:
     """Everything re-applied on each reconcile (the admin Secret is created once, separately)."""
+    router = [router_deployment(pool, settings), router_service(pool)] if pool.router_enabled else []
+    # The StatefulSet stays last (the reconcile adjusts its claims there).
     return [service_account(pool), config_map(pool, layout), headless_service(pool), pod_disruption_budget(pool),
-            stateful_set(pool, layout, settings, replicas)]
+            *router, stateful_set(pool, layout, settings, replicas)]

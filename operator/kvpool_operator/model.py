@@ -17,6 +17,8 @@ from .units import parse_bytes, parse_duration
 GROUP = "kvpool.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
+STORE_DEFAULT_TENANT = "default"
+"""The partition a store node keeps tokenless (open-tenancy) callers in."""
 
 POOL_LABEL = "kvpool.io/pool"
 """Opt-in label of pods that want a sidecar: ``name`` (pool in the pod's namespace) or ``namespace.name``."""
@@ -214,6 +216,12 @@ class PoolSpec:
     """spec.storage.encryption.enabled: encrypt the tiers below DRAM whatever the tiers say."""
     encryption_secret: str | None = None
     """spec.storage.encryption.secretName: the user's master-key Secret (else the operator mints one)."""
+    router_enabled: bool = False
+    """spec.router.enabled: run ``kvpool router-api`` for the pool (Deployment + Service)."""
+    router_replicas: int = 1
+    events_tenant: str | None = None
+    """spec.router.events: the tenant whose block events the store nodes publish (None: no events).
+    The pool's default tenant is the store's ``default`` partition."""
 
     @property
     def key(self) -> str:
@@ -222,6 +230,14 @@ class PoolSpec:
     @property
     def transfer_port(self) -> int:
         return self.port + 1
+
+    @property
+    def events_port(self) -> int:
+        return self.port + 2
+
+    @property
+    def events_replay_port(self) -> int:
+        return self.port + 3
 
 
 def _truthy(v: Any) -> bool:
@@ -262,6 +278,15 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         raise SpecError("InvalidSpec", f"spec.storage.encryption.enabled must be true or false, got {enc_on!r}")
     if len(set(tiers)) != len(tiers):
         raise SpecError("InvalidSpec", "spec.storage.tiers lists a tier twice")
+    rt = _get(spec, "router", default={})
+    default_tenant = _get(spec, "tenancy", "defaultTenant") or None
+    events_tenant = None
+    if _get(rt, "events", "enabled", default=False):
+        events_tenant = _get(rt, "events", "tenant")
+        if not events_tenant:
+            raise SpecError("InvalidSpec", "spec.router.events needs a tenant")
+        if events_tenant == default_tenant:
+            events_tenant = STORE_DEFAULT_TENANT  # tokenless callers are the store's default partition
     return PoolSpec(
         namespace=ns, name=name, uid=str(_get(meta, "uid", default="")),
         generation=int(_get(meta, "generation", default=0)),
@@ -287,6 +312,9 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         default_tenant=_get(spec, "tenancy", "defaultTenant") or None,
         force_scale_down=_truthy(_get(meta, "annotations", FORCE_SCALE_DOWN_ANNOTATION, default="")),
         encryption=enc_on, encryption_secret=_get(enc, "secretName") or None,
+        router_enabled=bool(_get(rt, "enabled", default=False)),
+        router_replicas=_int(_get(rt, "replicas", default=1), "spec.router.replicas", 1, 16),
+        events_tenant=events_tenant,
     )
 
 

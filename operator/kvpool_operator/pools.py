@@ -179,6 +179,9 @@ def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> Non
         nodes.forget(m.address for m in ring.members)  # channels of departed nodes
     for child in plan.children:
         kube.apply(child)
+    for api_version, kind, name in plan.prune:
+        if plan.pool is not None:
+            kube.delete(api_version, kind, name, plan.pool.namespace)  # 404 (never created) is fine
     meta = body.get("metadata") or {}
     kube.merge_patch(API_VERSION, "KVPool", meta["name"], meta.get("namespace"), {"status": plan.status}, "status")
     for ev in plan.events:

@@ -18,15 +18,20 @@ from kvpool.ring import Member, Ring
 from . import children, drain, membership, scaling, status
 from .drain import DrainState, Event, NodeDrainStatus
 from .membership import StorePod
-from .model import NodeLayout, PoolSpec, SpecError, TenantSpec, TierSpec, parse_pool, resolve_layout
+from .model import (
+    STORE_DEFAULT_TENANT,
+    NodeLayout,
+    PoolSpec,
+    SpecError,
+    TenantSpec,
+    TierSpec,
+    parse_pool,
+    resolve_layout,
+)
 from .settings import Settings
 from .status import NodeStats, PoolObservation
 from .tenancy import Credentials, NodeTenant, node_tenants
 from .units import format_bytes, parse_bytes
-
-STORE_DEFAULT_TENANT = "default"
-"""The partition a store node keeps tokenless (open-tenancy) callers in."""
-
 
 @dataclass(frozen=True)
 class PoolObserved:
@@ -63,6 +68,8 @@ class PoolPlan:
     events: tuple[Event, ...] = ()
     layout: NodeLayout | None = None
     children: tuple[dict[str, Any], ...] = ()
+    prune: tuple[tuple[str, str, str], ...] = ()
+    """(apiVersion, kind, name) of children the spec no longer asks for (deleted if present)."""
     ring: Ring | None = None
     push_ring: tuple[Member, ...] = ()
     """Usable members whose ring epoch differs from :attr:`ring` (get SetRing first)."""
@@ -217,6 +224,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         "replicas": len(obs.pods), "readyReplicas": len(ring.active), "desiredReplicas": desired,
         "selector": children.selector_string(pool), "ring": ring.to_dict(),
         "drain": state.to_status() if state is not None else None,
+        "router": children.router_status(pool),
         **status.usage_status(usage),
     }
     if pool.default_tenant:
@@ -242,7 +250,8 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         manifests = [m for m in manifests if m["kind"] != "StatefulSet"]
     return PoolPlan(
         pool=pool, status=patch, events=tuple(events), layout=layout,
-        children=tuple(manifests), ring=ring, push_ring=push,
+        children=tuple(manifests), prune=children.pruned(pool) if (st.get("router") or {}).get("enabled") else (),
+        ring=ring, push_ring=push,
         drain_calls=tuple(by_id[c] for c in calls if c in by_id), drain_deadline_ms=deadline,
         policy=layout_policy, tenants=tuple(node_tenants(pool, obs.tenants)),
         configure=tuple(m for m in ring.members if obs.stats.get(m.id) is not None),

@@ -133,6 +133,7 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
     granted = {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
     assert ("kvpool.io", "kvpools/status", "patch") in granted
     assert ("apps", "statefulsets", "create") in granted
+    assert ("apps", "deployments", "delete") in granted  # the pool's router API comes and goes with spec.router
     assert ("", "pods", "create") not in granted and ("", "pods", "delete") not in granted
     # The chart owns the webhook configuration: the operator gets no right to change it.
     assert not any(res == "mutatingwebhookconfigurations" for _, res, _ in granted)

@@ -79,7 +79,7 @@ ca: {{ $ca.Cert | b64enc }}
   resources: [kvpools/status]
   verbs: [get, patch, update]
 - apiGroups: [apps]
-  resources: [statefulsets]
+  resources: [statefulsets, deployments]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts, secrets]
