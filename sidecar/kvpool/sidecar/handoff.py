@@ -310,7 +310,8 @@ class HandoffService:
             raise
         if not st.ok:
             sc.local.abandon(e)
-            return f"the prefill sidecar at {rec.peer} did not serve it ({st.code.name}{': ' + st.message if st.message else ''})"
+            detail = f": {st.message}" if st.message else ""
+            return f"the prefill sidecar at {rec.peer} did not serve it ({st.code.name}{detail})"
         csum = checksum(sc.local.view(e))
         if csum != rec.state_checksum:
             sc.local.abandon(e)
