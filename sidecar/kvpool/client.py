@@ -136,6 +136,9 @@ class Client:
         self._stub = spbg.SidecarStub(self._channel)
         hello = self._rpc(self._stub.Hello, pb.Empty())
         self.tenant_id = hello.tenant_id
+        self.handoff_address = hello.handoff_address
+        """Where this sidecar exports state objects to decode sidecars ("" when it does not)."""
+        self.instance_id = hello.instance_id
         fd = os.open(hello.arena_path, os.O_RDWR)
         try:
             # MAP_POPULATE: map every page now instead of faulting 4 KiB at a time on first use.

@@ -203,7 +203,7 @@ def test_the_export_port_serves_only_the_exported_extent_while_it_holds(lc: Loca
     with lc.connect(0) as p:
         keys, values, state, prompt, pos = prefill(p, rng, blocks=2)
         rec = p.publish_prefill(keys, prompt, hold_ms=2000)
-        assert rec.peer and rec.peer == p._rpc(p._stub.Hello, pb.Empty()).handoff_address
+        assert rec.peer and rec.peer == p.handoff_address and rec.instance == p.instance_id
     eng = TransferEngine()
     try:
         def read(offset: int, length: int, token: int) -> tuple[TransferCode, bytes]:
