@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -17,8 +18,9 @@ from typing import Any
 import grpc
 
 from . import errors
+from . import handoff as _ho
 from .keys import pack_keys as _pack_keys
-from .planning import HitPlan, plan_hit
+from .planning import HitPlan, plan_hit, state_store_position
 from .proto import sidecar_pb2 as spb
 from .proto import sidecar_pb2_grpc as spbg
 from .proto import store_pb2 as pb
@@ -58,6 +60,66 @@ class Blocks(list[memoryview]):
         self.release()
 
 
+class HandoffResult:
+    """What the decode side has after :meth:`Client.accept_handoff`: the plan, the blocks and
+    the state (views into the arena, pinned until :meth:`release` or the lease's end), where the
+    state came from, and timings (seconds)."""
+
+    def __init__(self, record: _ho.HandoffRecord, plan: HitPlan, blocks: Blocks, block_codes: list[int],
+                 state: memoryview | None, state_outcome: _ho.StateOutcome, state_detail: str,
+                 state_lease_id: int, client: Client, blocks_local_seconds: float, state_seconds: float,
+                 total_seconds: float, pool_hits: int, local_hits: int) -> None:
+        self.record = record
+        self.plan = plan
+        self.blocks = blocks
+        """Views of the record's leading local blocks, in order (all of them when none is missing)."""
+        self.block_codes = block_codes
+        self.state = state
+        self.state_outcome = state_outcome
+        self.state_detail = state_detail
+        self.blocks_local_seconds = blocks_local_seconds
+        """Sidecar time from the accept to every block local."""
+        self.state_seconds = state_seconds
+        self.total_seconds = total_seconds
+        """Client time of the whole call."""
+        self.pool_hits = pool_hits
+        self.local_hits = local_hits
+        self._state_lease = state_lease_id
+        self._client = client
+
+    @property
+    def local_blocks(self) -> int:
+        """Leading blocks of the record that are local now."""
+        n = 0
+        for c in self.block_codes:
+            if c != pb.OK:
+                break
+            n += 1
+        return n
+
+    @property
+    def missing_blocks(self) -> int:
+        return sum(c != pb.OK for c in self.block_codes)
+
+    @property
+    def complete(self) -> bool:
+        """Every block local, and the state too when the record names one."""
+        return not self.missing_blocks and self.state_outcome not in (_ho.StateOutcome.EXPIRED,
+                                                                     _ho.StateOutcome.GONE)
+
+    def release(self) -> None:
+        self.blocks.release()
+        if self._state_lease:
+            self._client.release(self._state_lease)
+            self._state_lease = 0
+
+    def __enter__(self) -> HandoffResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class Client:
     """A connection to one sidecar."""
 
@@ -74,6 +136,9 @@ class Client:
         self._stub = spbg.SidecarStub(self._channel)
         hello = self._rpc(self._stub.Hello, pb.Empty())
         self.tenant_id = hello.tenant_id
+        self.handoff_address = hello.handoff_address
+        """Where this sidecar exports state objects to decode sidecars ("" when it does not)."""
+        self.instance_id = hello.instance_id
         fd = os.open(hello.arena_path, os.O_RDWR)
         try:
             # MAP_POPULATE: map every page now instead of faulting 4 KiB at a time on first use.
@@ -261,6 +326,67 @@ class Client:
                 have = self.has_states([keys[p // b - 1] for p in cands])
                 positions = [p for p, h in zip(cands, have, strict=True) if h]
         return plan_hit(prompt_tokens, matched * b, positions, b, window_tokens, rollback_tokens)
+
+    # -- prefill → decode handoff -------------------------------------------------------------
+
+    def publish_prefill(self, keys: Sequence[bytes], prompt_tokens: int, state_position: int | None = None,
+                        hold_ms: int = 30_000, record_ttl_ms: int = 600_000,
+                        timeout_ms: int = 10_000) -> _ho.HandoffRecord:
+        """Prefill side: hand a finished prefill to a decode instance (:mod:`kvpool.handoff`).
+
+        Makes sure every block of ``keys`` (the prompt's full blocks) is in the pool, writing
+        what is only local and waiting for the commits (``timeout_ms``); keeps the state object
+        at ``state_position`` (default: the store position ``floor((L − 1) / B) × B`` of DESIGN
+        §5; 0: none) exportable from this sidecar for ``hold_ms``; returns the signed record
+        (``.to_bytes()`` / ``.to_json()`` for the engines' channel), accepted for ``record_ttl_ms``.
+        Raises NotFound when a block is neither local nor in the pool.  A state object that does
+        not exist is not an error: the record then sends the decode side to the bounded replay.
+        """
+        if state_position is None:
+            state_position = state_store_position(prompt_tokens, self.block_tokens) or 0
+            if state_position // self.block_tokens > len(keys):
+                state_position = 0
+        elif state_position:
+            self._check_position(state_position)
+        r = self._rpc(self._stub.PublishPrefill, spb.PublishPrefillRequest(
+            keys=pack_keys(keys), prompt_tokens=prompt_tokens, block_tokens=self.block_tokens,
+            state_position=state_position, hold_ms=hold_ms, record_ttl_ms=record_ttl_ms, timeout_ms=timeout_ms))
+        if r.code != pb.OK:
+            raise errors.error_for_code(r.code, r.message)
+        return _ho.from_bytes(r.record)
+
+    def accept_handoff(self, record: _ho.HandoffRecord | bytes | str, window_tokens: int = 128,
+                       rollback_tokens: int = 6, lease_ms: int | None = None) -> HandoffResult:
+        """Decode side: land a prefill's blocks (from the pool) and state (point to point from
+        the prefill sidecar, else the pool) in this sidecar; the plan says what to compute.
+
+        Raises WrongTenant, HandoffInvalid (altered, forged, malformed) or HandoffExpired for a
+        record that may not be used.  Otherwise never raises for what is missing: blocks the
+        pool no longer holds are per-block codes (the plan covers the local prefix only), and a
+        state object that is gone gives the bounded replay of the hit rule
+        (:func:`kvpool.handoff.plan_handoff`).
+        """
+        t0 = time.perf_counter()
+        blob = record.to_bytes() if isinstance(record, _ho.HandoffRecord) else \
+            _ho.parse(record).to_bytes() if isinstance(record, str) else bytes(record)
+        r = self._rpc(self._stub.AcceptHandoff, spb.AcceptHandoffRequest(record=blob,
+                                                                         lease_ms=lease_ms or self.lease_ms))
+        if r.code != pb.OK:
+            raise errors.error_for_code(r.code, r.message)
+        rec = _ho.from_bytes(blob)
+        codes = list(r.codes)
+        ro = self._arena_ro
+        n = next((i for i, c in enumerate(codes) if c != pb.OK), len(codes))
+        blocks = Blocks([ro[o:o + s] for o, s in zip(r.offsets[:n], r.sizes[:n], strict=True)], self, r.lease_id)
+        outcome = _ho.StateOutcome(r.state)
+        state_ok = outcome in (_ho.StateOutcome.PEER, _ho.StateOutcome.POOL, _ho.StateOutcome.LOCAL)
+        state = ro[r.state_offset:r.state_offset + r.state_size] if state_ok else None
+        res = HandoffResult(rec, HitPlan(0, 0, None, 0, 0, 0), blocks, codes, state, outcome, r.state_detail,
+                            r.state_lease_id, self, r.blocks_us / 1e6, r.state_us / 1e6, 0.0, r.pool_hits,
+                            r.local_hits)
+        res.plan = _ho.plan_handoff(rec, res.local_blocks, state_ok, window_tokens, rollback_tokens)
+        res.total_seconds = time.perf_counter() - t0
+        return res
 
     # -- misc ---------------------------------------------------------------------------------
 

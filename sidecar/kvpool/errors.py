@@ -76,11 +76,30 @@ class Unavailable(KvpoolError):
     """The peer (store node or sidecar) cannot be reached."""
 
 
+class WrongTenant(PermissionDenied):
+    """A handoff record of another tenant."""
+
+    code = pb.WRONG_TENANT
+
+
+class HandoffInvalid(KvpoolError, ValueError):
+    """A handoff record that is malformed or whose tag does not verify (altered or forged)."""
+
+    code = pb.HANDOFF_INVALID
+
+
+class HandoffExpired(KvpoolError):
+    """A handoff record past its expiry."""
+
+    code = pb.HANDOFF_EXPIRED
+
+
 _BY_CODE: dict[int, type[KvpoolError]] = {
     pb.NOT_FOUND: NotFound, pb.QUOTA_EXCEEDED: QuotaExceeded, pb.NO_SPACE: NoSpace,
     pb.LEASE_EXPIRED: LeaseExpired, pb.CHECKSUM: ChecksumMismatch, pb.INVALID: InvalidArgument,
     pb.WRONG_OWNER: WrongOwner, pb.IN_FLIGHT: InFlight, pb.DRAINING: Draining,
-    pb.TOO_LARGE: TooLarge,
+    pb.TOO_LARGE: TooLarge, pb.WRONG_TENANT: WrongTenant, pb.HANDOFF_INVALID: HandoffInvalid,
+    pb.HANDOFF_EXPIRED: HandoffExpired,
 }
 
 GRPC_STATUS: dict[type[KvpoolError], grpc.StatusCode] = {

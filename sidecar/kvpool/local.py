@@ -131,7 +131,8 @@ class LocalCluster:
     def __init__(self, stores: int = 2, sidecars: int = 1, store_bytes: int = 256 << 20,
                  local_bytes: int = 64 << 20, ssd_bytes: int = 0, tenants: Sequence[str] | None = None,
                  block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
-                 quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None) -> None:
+                 quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None,
+                 handoff: bool = True) -> None:
         if tenants is not None and len(tenants) != sidecars:
             raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
         self.n_stores, self.n_sidecars = stores, sidecars
@@ -142,6 +143,7 @@ class LocalCluster:
         self.drain_seconds = drain_seconds
         self.quotas = quotas or {}
         self.store_config = store_config or {}
+        self.handoff = handoff
         self.admin_token = secrets.token_hex(16)
         self.tokens = {t: secrets.token_hex(16) for t in sorted(set(self.tenant_ids)) if t != "default"}
         self.store_procs: list[Proc] = []
@@ -188,6 +190,11 @@ class LocalCluster:
         self.tenants_file = os.path.join(self.workdir, "tenants.json")
         with open(self.tenants_file, "w") as f:
             json.dump(doc, f)
+        # One handoff key for all sidecars of the cluster (as a mounted secret would be).
+        self.handoff_key_file = os.path.join(self.workdir, "handoff.key")
+        with open(self.handoff_key_file, "w") as f:
+            f.write(secrets.token_hex(32))
+        os.chmod(self.handoff_key_file, 0o600)
         self.config_file = os.path.join(self.workdir, "store-config.json")
         with open(self.config_file, "w") as f:
             json.dump(self.store_config, f)
@@ -238,6 +245,8 @@ class LocalCluster:
             argv += ["--credentials", cred]
         if self.write_back:
             argv.append("--write-back")
+        if self.handoff:
+            argv += ["--handoff-listen", "127.0.0.1:0", "--handoff-key-file", self.handoff_key_file]
         argv += list(extra_args)
         proc = launch(f"sidecar-{i}", argv, d)
         self.sidecar_procs.append(proc)

@@ -1,5 +1,6 @@
 from kvpool.proto import store_pb2 as _store_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,21 +8,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class HandoffState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANDOFF_STATE_NONE: _ClassVar[HandoffState]
+    HANDOFF_STATE_PEER: _ClassVar[HandoffState]
+    HANDOFF_STATE_POOL: _ClassVar[HandoffState]
+    HANDOFF_STATE_LOCAL: _ClassVar[HandoffState]
+    HANDOFF_STATE_EXPIRED: _ClassVar[HandoffState]
+    HANDOFF_STATE_GONE: _ClassVar[HandoffState]
+HANDOFF_STATE_NONE: HandoffState
+HANDOFF_STATE_PEER: HandoffState
+HANDOFF_STATE_POOL: HandoffState
+HANDOFF_STATE_LOCAL: HandoffState
+HANDOFF_STATE_EXPIRED: HandoffState
+HANDOFF_STATE_GONE: HandoffState
+
 class HelloReply(_message.Message):
-    __slots__ = ("arena_path", "arena_bytes", "tenant_id", "version", "ring_epoch", "pool_nodes")
+    __slots__ = ("arena_path", "arena_bytes", "tenant_id", "version", "ring_epoch", "pool_nodes", "handoff_address", "instance_id")
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RING_EPOCH_FIELD_NUMBER: _ClassVar[int]
     POOL_NODES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     arena_path: str
     arena_bytes: int
     tenant_id: str
     version: str
     ring_epoch: int
     pool_nodes: int
-    def __init__(self, arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., tenant_id: _Optional[str] = ..., version: _Optional[str] = ..., ring_epoch: _Optional[int] = ..., pool_nodes: _Optional[int] = ...) -> None: ...
+    handoff_address: str
+    instance_id: str
+    def __init__(self, arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., tenant_id: _Optional[str] = ..., version: _Optional[str] = ..., ring_epoch: _Optional[int] = ..., pool_nodes: _Optional[int] = ..., handoff_address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("keys", "lease_ms", "local_only", "kind", "per_key")
@@ -157,3 +177,81 @@ class FlushReply(_message.Message):
     flushed_bytes: int
     dropped_objects: int
     def __init__(self, flushed_objects: _Optional[int] = ..., flushed_bytes: _Optional[int] = ..., dropped_objects: _Optional[int] = ...) -> None: ...
+
+class PublishPrefillRequest(_message.Message):
+    __slots__ = ("keys", "prompt_tokens", "block_tokens", "state_position", "hold_ms", "record_ttl_ms", "timeout_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    prompt_tokens: int
+    block_tokens: int
+    state_position: int
+    hold_ms: int
+    record_ttl_ms: int
+    timeout_ms: int
+    def __init__(self, keys: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., state_position: _Optional[int] = ..., hold_ms: _Optional[int] = ..., record_ttl_ms: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PublishPrefillReply(_message.Message):
+    __slots__ = ("code", "message", "codes", "record", "blocks_written", "publish_us", "state_exported")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_US_FIELD_NUMBER: _ClassVar[int]
+    STATE_EXPORTED_FIELD_NUMBER: _ClassVar[int]
+    code: _store_pb2.Code
+    message: str
+    codes: _containers.RepeatedScalarFieldContainer[_store_pb2.Code]
+    record: bytes
+    blocks_written: int
+    publish_us: int
+    state_exported: bool
+    def __init__(self, code: _Optional[_Union[_store_pb2.Code, str]] = ..., message: _Optional[str] = ..., codes: _Optional[_Iterable[_Union[_store_pb2.Code, str]]] = ..., record: _Optional[bytes] = ..., blocks_written: _Optional[int] = ..., publish_us: _Optional[int] = ..., state_exported: _Optional[bool] = ...) -> None: ...
+
+class AcceptHandoffRequest(_message.Message):
+    __slots__ = ("record", "lease_ms")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    lease_ms: int
+    def __init__(self, record: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class AcceptHandoffReply(_message.Message):
+    __slots__ = ("code", "message", "codes", "offsets", "sizes", "lease_id", "state", "state_offset", "state_size", "state_lease_id", "blocks_us", "state_us", "local_hits", "pool_hits", "state_detail")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_US_FIELD_NUMBER: _ClassVar[int]
+    STATE_US_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    POOL_HITS_FIELD_NUMBER: _ClassVar[int]
+    STATE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    code: _store_pb2.Code
+    message: str
+    codes: _containers.RepeatedScalarFieldContainer[_store_pb2.Code]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: int
+    state: HandoffState
+    state_offset: int
+    state_size: int
+    state_lease_id: int
+    blocks_us: int
+    state_us: int
+    local_hits: int
+    pool_hits: int
+    state_detail: str
+    def __init__(self, code: _Optional[_Union[_store_pb2.Code, str]] = ..., message: _Optional[str] = ..., codes: _Optional[_Iterable[_Union[_store_pb2.Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., state: _Optional[_Union[HandoffState, str]] = ..., state_offset: _Optional[int] = ..., state_size: _Optional[int] = ..., state_lease_id: _Optional[int] = ..., blocks_us: _Optional[int] = ..., state_us: _Optional[int] = ..., local_hits: _Optional[int] = ..., pool_hits: _Optional[int] = ..., state_detail: _Optional[str] = ...) -> None: ...

@@ -85,6 +85,16 @@ class SidecarStub:
                 request_serializer=kvpool_dot_proto_dot_sidecar__pb2.FlushRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_sidecar__pb2.FlushReply.FromString,
                 _registered_method=True)
+        self.PublishPrefill = channel.unary_unary(
+                '/kvpool.v1.Sidecar/PublishPrefill',
+                request_serializer=kvpool_dot_proto_dot_sidecar__pb2.PublishPrefillRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_sidecar__pb2.PublishPrefillReply.FromString,
+                _registered_method=True)
+        self.AcceptHandoff = channel.unary_unary(
+                '/kvpool.v1.Sidecar/AcceptHandoff',
+                request_serializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffReply.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -151,6 +161,19 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishPrefill(self, request, context):
+        """Prefill → decode handoff (kvpool.handoff): the prefill side publishes, the decode side accepts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcceptHandoff(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +226,16 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=kvpool_dot_proto_dot_sidecar__pb2.FlushRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_sidecar__pb2.FlushReply.SerializeToString,
+            ),
+            'PublishPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishPrefill,
+                    request_deserializer=kvpool_dot_proto_dot_sidecar__pb2.PublishPrefillRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_sidecar__pb2.PublishPrefillReply.SerializeToString,
+            ),
+            'AcceptHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcceptHandoff,
+                    request_deserializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +508,60 @@ class Sidecar:
             '/kvpool.v1.Sidecar/Flush',
             kvpool_dot_proto_dot_sidecar__pb2.FlushRequest.SerializeToString,
             kvpool_dot_proto_dot_sidecar__pb2.FlushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Sidecar/PublishPrefill',
+            kvpool_dot_proto_dot_sidecar__pb2.PublishPrefillRequest.SerializeToString,
+            kvpool_dot_proto_dot_sidecar__pb2.PublishPrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcceptHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Sidecar/AcceptHandoff',
+            kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffRequest.SerializeToString,
+            kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffReply.FromString,
             options,
             channel_credentials,
             insecure,

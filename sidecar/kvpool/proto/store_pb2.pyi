@@ -21,6 +21,9 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IN_FLIGHT: _ClassVar[Code]
     DRAINING: _ClassVar[Code]
     TOO_LARGE: _ClassVar[Code]
+    WRONG_TENANT: _ClassVar[Code]
+    HANDOFF_INVALID: _ClassVar[Code]
+    HANDOFF_EXPIRED: _ClassVar[Code]
 
 class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +41,9 @@ WRONG_OWNER: Code
 IN_FLIGHT: Code
 DRAINING: Code
 TOO_LARGE: Code
+WRONG_TENANT: Code
+HANDOFF_INVALID: Code
+HANDOFF_EXPIRED: Code
 BLOCK: Kind
 STATE: Kind
 

@@ -377,6 +377,21 @@ class LocalTier:
                 if e.state == COMMITTED and not e.pooled:
                     e.dirty = True
 
+    def unpin(self, e: LocalEntry) -> None:
+        """Drop one pin taken by hand (the handoff export's guard); frees a dead extent."""
+        with self.lock:
+            e.pins -= 1
+            if e.pins == 0 and e.state == DEAD:
+                self.arena.alloc.free(e.offset)
+
+    def mark_local_only(self, e: LocalEntry, dirty: bool) -> None:
+        """An object fetched from a peer, not the pool: never assumed pooled; ``dirty`` hands it
+        over on eviction and drain."""
+        with self.lock:
+            if e.state == COMMITTED:
+                e.pooled = False
+                e.dirty = dirty
+
     def local_only(self) -> list[LocalEntry]:
         """Objects that exist only here (dirty): what SIGTERM must flush, hottest first."""
         with self.lock:

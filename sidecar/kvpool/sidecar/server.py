@@ -36,6 +36,7 @@ from ..proto import sidecar_pb2_grpc as spbg
 from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from . import metrics
+from .handoff import HandoffService
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import UNREACHABLE, Pool
 
@@ -68,6 +69,15 @@ class SidecarConfig:
     arena_dir: str = ""
     events: EventsConfig | None = None
     """Publish the local tier's stored/removed events for KV-aware routers (``kvpool.events``)."""
+    handoff_listen: str = ""
+    """``host:port`` of the transfer port that exports state objects to decode sidecars (prefill →
+    decode handoff); "" exports none (records then send the decode side to the pool)."""
+    handoff_advertise: str = ""
+    """The address decode sidecars reach that port at (default: the bound address)."""
+    handoff_key: bytes = b""
+    """Secret signing handoff records, shared by the tenant's sidecars (default: the tenant token)."""
+    max_handoff_hold_ms: int = 120_000
+    """Longest a state object stays exported (the export pins local-tier space)."""
 
 
 @dataclass
@@ -103,6 +113,12 @@ class Sidecar(spbg.SidecarServicer):
         self._stop = threading.Event()
         self._refresher.start()
         self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
+        secret = cfg.handoff_key or cfg.token.encode()
+        if not secret and cfg.handoff_listen:
+            log.warning("no handoff key and no tenant token: handoff records are checked for integrity, "
+                        "not authenticity (give --handoff-key-file)")
+        self.handoff = HandoffService(self, cfg.handoff_listen, cfg.handoff_advertise, secret,
+                                      cfg.max_handoff_hold_ms)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -144,7 +160,8 @@ class Sidecar(spbg.SidecarServicer):
     def Hello(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.HelloReply:
         return spb.HelloReply(arena_path=self.local.arena.path, arena_bytes=self.local.capacity,
                               tenant_id=self.cfg.tenant_id, version=__version__, ring_epoch=self.pool.ring.epoch,
-                              pool_nodes=len(self.pool.nodes))
+                              pool_nodes=len(self.pool.nodes), handoff_address=self.handoff.address,
+                              instance_id=self.handoff.instance)
 
     def Match(self, request: spb.MatchRequest, context: grpc.ServicerContext) -> spb.MatchReply:
         t0 = time.perf_counter()
@@ -511,8 +528,10 @@ class Sidecar(spbg.SidecarServicer):
             if self._deferred and self.pending.empty():
                 self._resume_deferred()
 
-    def _push(self, entries: list[LocalEntry], copies: list[bytes] | None) -> tuple[int, int]:
-        """Write a batch to the owners (never what the pool is known to hold); ok / failed counts.
+    def _push(self, entries: list[LocalEntry], copies: list[bytes] | None,
+              codes_out: dict[int, int] | None = None) -> tuple[int, int]:
+        """Write a batch to the owners (never what the pool is known to hold); ok / failed counts
+        (and, into ``codes_out``, id(entry) → the pool's code for each entry sent).
 
         An item refused because our ring is stale (DRAINING, WRONG_OWNER) is sent once more after
         learning the new ring; one that still failed stays local-only (dirty), so eviction or
@@ -539,6 +558,8 @@ class Sidecar(spbg.SidecarServicer):
                     break
                 sel = stale
             for i, c in codes.items():
+                if codes_out is not None:
+                    codes_out[id(entries[i])] = c
                 if c in (pb.OK, pb.ALREADY_EXISTS):
                     entries[i].pooled = True
                     entries[i].dirty = False
@@ -589,6 +610,14 @@ class Sidecar(spbg.SidecarServicer):
             time.sleep(0.01)
         return flushed, nbytes, dropped
 
+    def PublishPrefill(self, request: spb.PublishPrefillRequest,
+                       context: grpc.ServicerContext) -> spb.PublishPrefillReply:
+        return self.handoff.publish(request)
+
+    def AcceptHandoff(self, request: spb.AcceptHandoffRequest,
+                      context: grpc.ServicerContext) -> spb.AcceptHandoffReply:
+        return self.handoff.accept(request, context)
+
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.SidecarStats:
         counters = dict(self.counters)
         counters["pool_errors"] = self.pool.errors
@@ -605,6 +634,7 @@ class Sidecar(spbg.SidecarServicer):
         self.pending.put(None)
         self._pusher.join(timeout=5)
         self._fetchers.shutdown(wait=False, cancel_futures=True)
+        self.handoff.close()
         self.pool.close()
         self.local.close()
 
@@ -631,6 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-seconds", type=float, default=20.0)
     ap.add_argument("--metrics-port", type=int, default=0)
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
+    ap.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", ""),
+                    help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
+    ap.add_argument("--handoff-advertise", default=os.environ.get("KVPOOL_HANDOFF_ADVERTISE", ""),
+                    help="address decode sidecars reach the handoff port at (default: the bound one)")
+    ap.add_argument("--handoff-key-file", default=os.environ.get("KVPOOL_HANDOFF_KEY_FILE"),
+                    help="secret that signs handoff records (default: the tenant token)")
     add_event_args(ap)
     return ap
 
@@ -643,10 +679,20 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
         tenant = args.tenant
     if args.token:
         token = args.token
+    key = b""
+    if args.handoff_key_file:
+        try:
+            with open(args.handoff_key_file, "rb") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"kvpool sidecar: cannot read handoff key {args.handoff_key_file}: {exc}") from None
+        if not key:
+            raise SystemExit(f"kvpool sidecar: handoff key file {args.handoff_key_file} is empty")
     return SidecarConfig(socket=args.socket, pool=[a.strip() for a in args.pool.split(",") if a.strip()],
                          local_bytes=args.local, tenant_id=tenant, token=token, write_back=args.write_back,
                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
-                         events=events_config(args))
+                         events=events_config(args), handoff_listen=args.handoff_listen,
+                         handoff_advertise=args.handoff_advertise, handoff_key=key)
 
 
 def serve(cfg: SidecarConfig) -> int:
@@ -667,7 +713,8 @@ def serve(cfg: SidecarConfig) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"READY unix://{cfg.socket} arena={sidecar.local.arena.path} tenant={cfg.tenant_id} "
           f"pool={len(sidecar.pool.nodes)}"
-          + (f" events={sidecar.events.endpoint} replay={sidecar.events.replay_endpoint}" if sidecar.events else ""),
+          + (f" events={sidecar.events.endpoint} replay={sidecar.events.replay_endpoint}" if sidecar.events else "")
+          + (f" handoff={sidecar.handoff.address}" if sidecar.handoff.address else ""),
           flush=True)
     stop.wait()
     server.stop(grace=0.5).wait()  # stop accepting; in-flight calls finish
