@@ -160,6 +160,13 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
         mounts.append({"name": TENANT_VOLUME, "mountPath": settings.credentials_dir, "readOnly": True})
     if settings.sidecar_metrics_port:
         args += ["--metrics-port", str(settings.sidecar_metrics_port)]
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    if settings.sidecar_handoff_port:
+        # Prefill → decode handoff: the state object is read point to point from this pod.
+        addr = f"$(POD_IP):{settings.sidecar_handoff_port}"
+        args += ["--handoff-listen", addr, "--handoff-advertise", addr]
+        env.insert(0, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     c: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": pool.image or settings.image,
@@ -168,14 +175,18 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
         "restartPolicy": "Always",
         "command": [*settings.command, "sidecar"],
         "args": args,
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "env": env,
         "startupProbe": {"exec": {"command": ["test", "-S", settings.socket_path]},
                          "periodSeconds": 1, "failureThreshold": 120},
         "volumeMounts": mounts,
     }
+    ports = []
     if settings.sidecar_metrics_port:
-        c["ports"] = [{"name": "kvpool-metrics", "containerPort": settings.sidecar_metrics_port}]
+        ports.append({"name": "kvpool-metrics", "containerPort": settings.sidecar_metrics_port})
+    if settings.sidecar_handoff_port:
+        ports.append({"name": "kvpool-handoff", "containerPort": settings.sidecar_handoff_port})
+    if ports:
+        c["ports"] = ports
     if pool.resources:
         c["resources"] = dict(pool.resources)
     return c

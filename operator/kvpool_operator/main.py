@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_seconds)
     ap.add_argument("--tenant-interval", type=float, default=d.tenant_interval_seconds)
     ap.add_argument("--sidecar-metrics-port", type=int, default=d.sidecar_metrics_port)
+    ap.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
+                    help="pod port of injected sidecars' prefill -> decode state exports (0 off)")
     ap.add_argument("--webhook-port", type=int, default=None, help="serve the injection webhook on this port")
     ap.add_argument("--webhook-addr", default="0.0.0.0", help="address the webhook listens on")
     ap.add_argument("--webhook-host", default=None, help="host name or IP the API server reaches the webhook at")
@@ -76,7 +78,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(image=args.image, image_pull_policy=args.image_pull_policy, command=tuple(args.command.split()),
                     namespace=args.namespace, default_dram_bytes=dram,
                     reconcile_interval_seconds=args.reconcile_interval, tenant_interval_seconds=args.tenant_interval,
-                    sidecar_metrics_port=args.sidecar_metrics_port)
+                    sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port)
 
 
 def _peering(kube: Kube, args: argparse.Namespace) -> tuple[bool, str | None]:

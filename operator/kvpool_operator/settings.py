@@ -33,6 +33,9 @@ class Settings:
     """Mount path of the tenant credential Secret in the sidecar."""
     sidecar_metrics_port: int = 0
     """Prometheus port of injected sidecars; 0 leaves metrics off."""
+    sidecar_handoff_port: int = 7460
+    """Port on the pod IP where injected sidecars export state objects to decode sidecars (the
+    prefill → decode handoff); 0: no export (decode sides then take the state from the pool)."""
     termination_margin_seconds: int = 5
     """Added to the sidecar drain time for a pod's terminationGracePeriodSeconds."""
     reconcile_interval_seconds: float = 10.0

@@ -1,5 +1,6 @@
 """The injection patch: what a pod gets, idempotence, never overwriting, every skip reason."""
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -29,8 +30,9 @@ def _pod(label: str = "pools.shared", **spec: Any) -> dict[str, Any]:
     return {"metadata": {"name": "e-1", "labels": {"kvpool.io/pool": label}}, "spec": s}
 
 
-def _plan(pod: dict[str, Any], bindings: list[TenantSpec] | None = None, ns: str = "app") -> Injection:
-    return plan_injection(pod, ns, POOLS, bindings or [], S)
+def _plan(pod: dict[str, Any], bindings: list[TenantSpec] | None = None, ns: str = "app",
+          settings: Settings = S) -> Injection:
+    return plan_injection(pod, ns, POOLS, bindings or [], settings)
 
 
 def test_injects_everything_for_the_default_tenant() -> None:
@@ -42,7 +44,11 @@ def test_injects_everything_for_the_default_tenant() -> None:
     assert side["command"] == ["kvpool", "sidecar"]
     assert side["args"] == ["--socket", "/run/kvpool/kvpool.sock", "--pool",
                             "127.0.0.10:7400,shared-store.pools.svc:7400", "--local", str(64 << 20),
-                            "--drain-seconds", "20"]
+                            "--drain-seconds", "20", "--handoff-listen", "$(POD_IP):7460",
+                            "--handoff-advertise", "$(POD_IP):7460"]
+    # The prefill → decode handoff exports state objects on the pod IP.
+    assert side["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert side["ports"] == [{"name": "kvpool-handoff", "containerPort": 7460}]
     assert side["startupProbe"]["exec"]["command"] == ["test", "-S", "/run/kvpool/kvpool.sock"]
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert vols["kvpool-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "80Mi"}  # 64Mi + 16Mi slack
@@ -59,7 +65,8 @@ def test_tenant_credentials_are_mounted() -> None:
     assert r.injected and r.tenant == "team-a"
     pod = apply_merge_patch(_pod("pools.closed"), r.patch)
     side = pod["spec"]["initContainers"][0]
-    assert side["args"][-4:] == ["--tenant", "team-a", "--credentials", "/etc/kvpool/tenant/credentials.json"]
+    i = side["args"].index("--tenant")
+    assert side["args"][i:i + 4] == ["--tenant", "team-a", "--credentials", "/etc/kvpool/tenant/credentials.json"]
     assert {"name": "kvpool-tenant", "mountPath": "/etc/kvpool/tenant", "readOnly": True} in side["volumeMounts"]
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert vols["kvpool-tenant"]["secret"]["secretName"] == "kvpool-tenant-team-a"
@@ -145,3 +152,10 @@ def test_pool_view_from_a_pool_body() -> None:
     v = pool_view_from_body(body)
     assert (v.local_bytes, v.drain_seconds, v.default_tenant) == (1 << 30, 7, "public")
     assert v.seeds == ("1.2.3.4:7400", "shared-store.pools.svc:7400")
+
+
+def test_handoff_export_can_be_switched_off() -> None:
+    r = _plan(_pod(), settings=dataclasses.replace(S, sidecar_handoff_port=0))
+    side = apply_merge_patch(_pod(), r.patch)["spec"]["initContainers"][0]
+    assert "--handoff-listen" not in side["args"] and "ports" not in side
+    assert all(e["name"] != "POD_IP" for e in side["env"])
