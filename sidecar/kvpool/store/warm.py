@@ -1,0 +1,129 @@
+"""Warm-up on scale-up: a previous owner pushes its hottest objects whose owner is now a new node.
+
+Rendezvous hashing moves a key only to a member that joined (DESIGN §6), so after a ring change
+that adds members, the objects a node holds and no longer owns are exactly those owned by the
+added members.  Without a push they would be misses at their new owner once readers stop
+falling back to the old one; so each previous owner pushes them, most recently used first,
+paced by a bandwidth bound (:func:`kvpool.store.drain.pace_delay`) so that serving keeps the
+network and the cores, until done, the deadline, or a newer ring (the plan is stale then).
+
+Unlike a drain the node keeps its copies: readers that fall back to it still find them, and
+eviction reclaims them like any cold object.  Only blocks move: they are content-addressed and
+immutable, while a state object is single-copy and may be rewritten at its owner meanwhile.
+The put asks before it sends, so an object the new owner already has (copied over by a reader,
+or pushed before an operator restart) costs no bytes: it is counted as skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..keys import KEY_BYTES
+from ..proto import store_pb2 as pb
+from ..ring import Ring
+from ..store_client import StoreClient
+from ..transfer import TransferEngine
+from .drain import pace_delay, push_object
+from .node import DEFAULT_TENANT, StoreNode
+
+log = logging.getLogger("kvpool.store.warm")
+
+
+def plan_warm(key_blob: bytes, last_access: Sequence[float] | npt.NDArray[Any], sizes: Sequence[int] | npt.NDArray[Any],
+              ring: Ring, added: Collection[str], fraction: float = 0.0) -> npt.NDArray[np.intp]:
+    """Indices of the objects to push, hottest (latest ``last_access``) first (pure).
+
+    An object moves when its owner among the active members of ``ring`` is one of ``added``.
+    ``fraction`` in (0, 1) keeps only the hottest objects whose bytes add up to at most that
+    share of the moved bytes (0 or ≥ 1: all of them).
+    """
+    n = len(key_blob) // KEY_BYTES
+    active = [m.id for m in ring.active]
+    if n == 0 or not active or not added:
+        return np.zeros(0, dtype=np.intp)
+    targets = [j for j, mid in enumerate(active) if mid in set(added)]
+    moved = np.flatnonzero(np.isin(ring.owners_of(key_blob), targets))
+    if len(moved) == 0:
+        return moved.astype(np.intp)
+    la = np.asarray(last_access, dtype=np.float64)[moved]
+    order = moved[np.argsort(-la, kind="stable")]
+    if 0.0 < fraction < 1.0:
+        sz = np.asarray(sizes, dtype=np.int64)[order]
+        budget = fraction * float(sz.sum())
+        order = order[np.cumsum(sz) <= budget]
+    return order.astype(np.intp)
+
+
+def added_members(previous: Ring | None, ring: Ring) -> list[str]:
+    """Active members of ``ring`` that were not active in ``previous`` (pure)."""
+    before = {m.id for m in previous.active} if previous is not None else set()
+    return [m.id for m in ring.active if m.id not in before]
+
+
+def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
+             max_bytes_per_second: int = 0, fraction: float = 0.0) -> None:
+    """Push the planned objects (the thread behind the ``Warm`` RPC); ``progress`` is the
+    service's :class:`~kvpool.store.service.WarmProgress`, updated as it goes."""
+    p = progress
+    deadline = p.deadline_unix_ms / 1000.0 if p.deadline_unix_ms else float("inf")
+    started = time.monotonic()
+    engine = TransferEngine()
+    clients: dict[tuple[str, str], StoreClient] = {}
+    entries = [e for e in node.objects_hottest_first() if e.kind == pb.BLOCK]
+    active = ring.active
+    try:
+        if entries:
+            blob = b"".join(e.key for e in entries)
+            order = plan_warm(blob, [e.last_access for e in entries], [e.size for e in entries], ring, added,
+                              fraction)
+            owner = ring.owners_of(blob)
+        else:
+            order, owner = np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+        todo = [entries[int(i)] for i in order]
+        p.planned_objects = p.remaining_objects = len(todo)
+        p.planned_bytes = sum(e.size for e in todo)
+        sent = 0
+        for i, e in zip(order.tolist(), todo, strict=True):
+            if node.ring.epoch > ring.epoch or p.cancelled:
+                break  # a newer ring: its own warm-up plans again
+            wait = pace_delay(sent, time.monotonic() - started, max_bytes_per_second)
+            if wait > 0:
+                time.sleep(min(wait, max(0.0, deadline - time.time())))
+            if time.time() >= deadline:
+                break
+            target = active[int(owner[i])]
+            tenant = node.tenants.get(e.tenant)
+            token = tenant.token if tenant is not None else ""
+            code = -1
+            if e.tenant == DEFAULT_TENANT or token:  # a revoked tenant cannot be written as itself
+                ck = (target.address, token)
+                client = clients.get(ck)
+                if client is None:
+                    client = clients[ck] = StoreClient(target.address, token, engine=engine)
+                code = push_object(node, client, e, ring.epoch)
+            if code == pb.OK:
+                p.moved_objects += 1
+                p.moved_bytes += e.size
+                sent += e.size
+            elif code == pb.ALREADY_EXISTS:
+                p.skipped_objects += 1
+                p.skipped_bytes += e.size
+            else:
+                p.failed_objects += 1
+            p.remaining_objects -= 1
+    except Exception:
+        log.exception("warm-up failed")
+    finally:
+        p.state = "done"
+        for c in clients.values():
+            c.close()
+        engine.close()
+        log.info("warm-up of epoch %d done: moved %d objects (%d bytes), skipped %d, failed %d, left %d",
+                 ring.epoch, p.moved_objects, p.moved_bytes, p.skipped_objects, p.failed_objects,
+                 p.remaining_objects)
