@@ -67,3 +67,20 @@ def test_added_members_are_the_new_active_ones() -> None:
 def test_the_push_is_paced_by_the_drain_bound() -> None:
     # 10 MiB pushed at 5 MiB/s must take 2 s: after 0.5 s the pusher waits 1.5 s.
     assert pace_delay(10 << 20, 0.5, 5 << 20) == 1.5
+
+
+class _E:
+    def __init__(self, size: int, tenant: str = "t", tclass: str = "chatbot") -> None:
+        self.size, self.tenant, self.traffic_class = size, tenant, tclass
+
+
+def test_batches_split_by_target_tenant_class_count_and_bytes() -> None:
+    from kvpool.store.warm import batches
+
+    es = [_E(10), _E(10), _E(10, tenant="u"), _E(10, tenant="u"), _E(10, tclass="agent"), _E(50), _E(10)]
+    got = batches(es, [0, 0, 0, 0, 0, 1, 1], max_objects=16, max_bytes=55)
+    assert [(t, [es.index(e) for e in run]) for t, run in got] == [(0, [0, 1]), (0, [2, 3]), (0, [4]), (1, [5]),
+                                                                    (1, [6])]
+    assert [len(r) for _, r in batches([_E(1)] * 40, [0] * 40, max_objects=16)] == [16, 16, 8]
+    assert [len(r) for _, r in batches([_E(100)] * 3, [0] * 3, max_bytes=10)] == [1, 1, 1]  # one alone may exceed
+    assert batches([], []) == []
