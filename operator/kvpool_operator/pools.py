@@ -156,7 +156,8 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
     return PoolObserved(
         body=body, tiers=tiers, pods=pods, sts_replicas=sts_replicas, sts_updating=updating,
         sts_claims=None if sts is None else list((sts.get("spec") or {}).get("volumeClaimTemplates") or []),
-        stats=dict(zip(usable, got, strict=True)), drain_statuses=drains, warm_statuses=warms, tenants=tenants_of(kube, pool.key),
+        stats=dict(zip(usable, got, strict=True)), drain_statuses=drains, warm_statuses=warms,
+        tenants=tenants_of(kube, pool.key),
         now_ms=now_ms, now_iso=now_iso), token, usable
 
 
@@ -179,9 +180,11 @@ def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> Non
             guarded("Drain", lambda m=m: nodes.drain(m.address, token, ring, plan.drain_deadline_ms,  # type: ignore[misc]
                                                      rate))
         rb, warm = plan.rebalance, plan.warm
-        for m in plan.warm_calls if rb is not None else ():
-            guarded("Warm", lambda m=m: nodes.warm(m.address, token, ring, rb.added,  # type: ignore[misc, union-attr]
-                                                   rb.deadline_unix_ms, warm.bytes_per_second, warm.fraction))
+        if rb is not None:
+            added, deadline = rb.added, rb.deadline_unix_ms
+            for m in plan.warm_calls:
+                guarded("Warm", lambda m=m: nodes.warm(m.address, token, ring, added,  # type: ignore[misc]
+                                                       deadline, warm.bytes_per_second, warm.fraction))
         if plan.policy is not None:
             policy = plan.policy
             _parallel(list(plan.configure), lambda m: guarded(

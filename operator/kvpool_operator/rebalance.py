@@ -214,7 +214,8 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
 
 def _end(state: RebalanceState, now_ms: int, result: str, why: str) -> RebalanceStep:
     t = state.totals()
-    msg = (f"rebalance to {', '.join(state.added)} {result.lower() if result != 'DeadlineExceeded' else 'hit its deadline'}"
+    outcome = "hit its deadline" if result == "DeadlineExceeded" else result.lower()
+    msg = (f"rebalance to {', '.join(state.added)} {outcome}"
            f" after {(now_ms - state.started_unix_ms) / 1000:.1f}s: moved {t['movedObjects']} hot objects "
            f"({format_bytes(t['movedBytes'])}), {t['skippedObjects']} already there, {t['failedObjects']} failed"
            + (f" ({why})" if why else ""))

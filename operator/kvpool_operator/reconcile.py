@@ -18,8 +18,8 @@ from kvpool.ring import Member, Ring
 from . import children, drain, membership, rebalance, scaling, status
 from .drain import DrainState, Event, NodeDrainStatus
 from .membership import StorePod
-from .rebalance import NodeWarmStatus, RebalanceState, WarmSettings
 from .model import NodeLayout, PoolSpec, SpecError, TenantSpec, TierSpec, parse_pool, resolve_layout
+from .rebalance import NodeWarmStatus, RebalanceState, WarmSettings
 from .settings import Settings
 from .status import NodeStats, PoolObservation
 from .tenancy import Credentials, NodeTenant, node_tenants
