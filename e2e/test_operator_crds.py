@@ -74,6 +74,7 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     assert spec["storage"]["replicas"] == 1 and spec["storage"]["replication"] == 1
     assert spec["ttl"] == {"agent": "3d", "chatbot": "7d"}
     assert spec["scaleDown"] == {"gracePeriodSeconds": 60, "utilizationLimit": 0.8}
+    assert spec["scaleUp"] == {"warmFraction": 1.0, "warmDeadlineSeconds": 300}
     assert spec["sidecar"]["localBytes"] == "256Mi" and spec["autoscaling"]["enabled"] is False
     header = cluster.kubectl("get", "kvpools", "-n", namespace).stdout.splitlines()[0].split()
     assert header == ["NAME", "READY", "REPLICAS", "CAPACITY", "USED", "UTILIZATION", "HITRATE", "PHASE", "AGE"]
@@ -95,6 +96,10 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     (pool("bad-events", router={"events": {"enabled": True}}), "router.events needs a tenant"),
     (pool("bad-router", router={"replicas": 0}), "spec.router.replicas"),
     (pool("bad-events2", router={"events": {"enabled": True, "tenant": "Not_A_Tenant"}}), "spec.router.events.tenant"),
+    (pool("bad-warm-rate", scaleUp={"warmBandwidth": "fast"}), "warmBandwidth must be a quantity"),
+    (pool("bad-warm-frac", scaleUp={"warmFraction": 1.5}), "scaleUp.warmFraction must be in [0, 1]"),
+    (pool("bad-warm-time", scaleUp={"warmDeadlineSeconds": 0}),
+     "scaleUp.warmDeadlineSeconds must be above 0 unless warmFraction is 0"),
     (pool("bad-ttl", ttl={"agent": "forever"}), "spec.ttl.agent"),
     (pool("bad-hash", hash="md5"), "spec.hash"),
     (pool("bad-enc", storage={"encryption": {"secretName": "k"}}), "encryption.secretName needs encryption.enabled"),

@@ -556,3 +556,44 @@ def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube:
     with StoreClient(remaining) as c:
         got = c.get(keys)
     assert sum(v is not None for v in got) == st["lastDrain"]["movedObjects"]
+
+
+def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator, kube: Kube, namespace: str) -> None:
+    """Issue 8 part 1: scaling a pool that holds data up shows Rebalancing (waiting for the ring,
+    then the previous owner pushing its hottest moved objects, paced) and then the counts."""
+    from kvpool.ring import owners
+    from kvpool.store_client import StoreClient
+
+    create(kube, kvpool("u", storage={"replicas": 1}, scaleUp={"warmBandwidth": "1Mi"},
+                        tenancy={"defaultTenant": "public"}), namespace)
+    st = wait_status(kube, namespace, "u", lambda s: s.get("readyReplicas") == 1, 120, "one ready store node")
+    first = st["ring"]["members"][0]["address"]
+    keys = [os.urandom(32) for _ in range(48)]
+    values = [os.urandom(64 << 10) for _ in keys]  # 3 MiB; about half moves: > 1 s at 1Mi/s
+    with StoreClient(first) as c:
+        assert set(c.put(keys, values)) == {0}
+    # The operator must see the node holding data before the scale-up (else nothing to warm).
+    wait_status(kube, namespace, "u", lambda s: s.get("usedBytes", 0) >= len(keys) * (64 << 10), 60,
+                "the stored bytes in status")
+    kube.merge_patch(API, "KVPool", "u", namespace, {"spec": {"storage": {"replicas": 2}}})
+    st = wait_status(kube, namespace, "u", lambda s: (cond(s, "Rebalancing") or ("",))[0] == "True", 120,
+                     "Rebalancing=True")
+    assert st["phase"] == "Rebalancing" and st["rebalance"]["added"] == ["u-store-1"]
+    assert st["rebalance"]["sources"] == ["u-store-0"]
+    st = wait_status(kube, namespace, "u", lambda s: bool(s.get("lastRebalance")) and not s.get("rebalance"), 120,
+                     "the rebalance done")
+    assert cond(st, "Rebalancing") == ("False", "Balanced") and st["phase"] == "Ready", st
+    last = st["lastRebalance"]
+    ids = [m["id"] for m in st["ring"]["members"]]
+    assert sorted(ids) == ["u-store-0", "u-store-1"]
+    moved = [k for k, o in zip(keys, owners(b"".join(keys), ids)[:, 0].tolist(), strict=True)
+             if ids[o] == "u-store-1"]
+    assert last["result"] == "Completed" and last["added"] == ["u-store-1"], last
+    assert last["movedObjects"] == len(moved) and last["plannedObjects"] == len(moved), last
+    assert last["movedBytes"] == len(moved) * (64 << 10) and last["failedObjects"] == 0, last
+    new = next(m["address"] for m in st["ring"]["members"] if m["id"] == "u-store-1")
+    with StoreClient(new) as c:
+        assert c.exists(moved, prefix_only=False).present == [True] * len(moved)
+    reasons = {e["reason"] for e in kube.list("v1", "Event", namespace)
+               if e["involvedObject"]["kind"] == "KVPool" and e["involvedObject"]["name"] == "u"}
+    assert {"RebalanceStarted", "RebalanceCompleted"} <= reasons, reasons

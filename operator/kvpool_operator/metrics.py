@@ -21,6 +21,8 @@ DRAIN_MOVED_BYTES = Counter("kvpool_operator_drain_moved_bytes_total", "Bytes mo
                             registry=REGISTRY)
 DRAIN_DROPPED_BYTES = Counter("kvpool_operator_drain_dropped_bytes_total", "Bytes dropped by completed drains",
                               registry=REGISTRY)
+REBALANCES = Counter("kvpool_operator_rebalances_total", "Scale-up rebalances (warm-up pushes) by result "
+                     "(Started, Completed, DeadlineExceeded, Cancelled)", ["result"], registry=REGISTRY)
 INJECTIONS = Counter("kvpool_operator_injections_total", "Admission decisions on pods by reason (Injected or the "
                      "skip reason)", ["reason"], registry=REGISTRY)
 SCALE_DOWN_BLOCKED = Counter("kvpool_operator_scale_down_blocked_total", "Scale-downs refused", registry=REGISTRY)

@@ -210,6 +210,12 @@ class PoolSpec:
     utilization_limit: float = 0.8
     drain_bytes_per_second: int = 0
     """Bound on each leaving node's push rate during a scale-down drain (0: unbounded)."""
+    warm_bytes_per_second: int = 0
+    """spec.scaleUp.warmBandwidth: bound on each previous owner's warm-up push rate (0: unbounded)."""
+    warm_fraction: float = 1.0
+    """spec.scaleUp.warmFraction: share of the moved bytes pushed, hottest first (0: no push)."""
+    warm_seconds: int = 300
+    """spec.scaleUp.warmDeadlineSeconds: how long the warm-up push may run."""
     default_tenant: str | None = None
     force_scale_down: bool = False
     encryption: bool = False
@@ -252,6 +258,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     sc = _get(spec, "sidecar", default={})
     au = _get(spec, "autoscaling", default={})
     sd = _get(spec, "scaleDown", default={})
+    su = _get(spec, "scaleUp", default={})
     replicas = _int(_get(st, "replicas", default=1), "spec.storage.replicas", 0, 1000)
     replication = _int(_get(st, "replication", default=1), "spec.storage.replication", 1, 5)
     if replicas and replication > replicas:
@@ -269,6 +276,12 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     limit = _float(_get(sd, "utilizationLimit", default=0.8), "spec.scaleDown.utilizationLimit")
     if not 0 < limit <= 1:
         raise SpecError("InvalidSpec", "spec.scaleDown.utilizationLimit must be in (0, 1]")
+    warm_fraction = _float(_get(su, "warmFraction", default=1.0), "spec.scaleUp.warmFraction")
+    if not 0 <= warm_fraction <= 1:
+        raise SpecError("InvalidSpec", "spec.scaleUp.warmFraction must be in [0, 1]")
+    warm_seconds = _int(_get(su, "warmDeadlineSeconds", default=300), "spec.scaleUp.warmDeadlineSeconds", 0, 86400)
+    if warm_fraction > 0 and warm_seconds == 0:
+        raise SpecError("InvalidSpec", "spec.scaleUp.warmDeadlineSeconds must be above 0 unless warmFraction is 0")
     ttl = dict(DEFAULT_TTL)
     ttl.update(_get(spec, "ttl", default={}) or {})
     tiers = _get(st, "tiers", default=[]) or []
@@ -309,6 +322,9 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         utilization_limit=limit,
         drain_bytes_per_second=(_bytes(_get(sd, "drainBandwidth"), "spec.scaleDown.drainBandwidth", positive=False)
                                 if _get(sd, "drainBandwidth") is not None else 0),
+        warm_bytes_per_second=(_bytes(_get(su, "warmBandwidth"), "spec.scaleUp.warmBandwidth", positive=False)
+                               if _get(su, "warmBandwidth") is not None else 0),
+        warm_fraction=warm_fraction, warm_seconds=warm_seconds,
         default_tenant=_get(spec, "tenancy", "defaultTenant") or None,
         force_scale_down=_truthy(_get(meta, "annotations", FORCE_SCALE_DOWN_ANNOTATION, default="")),
         encryption=enc_on, encryption_secret=_get(enc, "secretName") or None,

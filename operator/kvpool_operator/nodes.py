@@ -18,6 +18,7 @@ from kvpool.proto import store_pb2_grpc as pbg
 from kvpool.ring import Ring
 
 from .drain import NodeDrainStatus
+from .rebalance import NodeWarmStatus
 from .reconcile import Policy
 from .status import NodeStats, TenantUsage
 from .tenancy import NodeTenant
@@ -101,6 +102,16 @@ class Nodes:
     def drain_status(self, address: str, token: str) -> NodeDrainStatus:
         return drain_status_from_pb(self._call(address, "GetDrainStatus", pb.Empty(), token))
 
+    def warm(self, address: str, token: str, ring: Ring, added: Iterable[str], deadline_unix_ms: int,
+             max_bytes_per_second: int = 0, fraction: float = 0.0) -> NodeWarmStatus:
+        """Ask a previous owner to push its hottest objects now owned by ``added`` (idempotent per epoch)."""
+        return warm_status_from_pb(self._call(address, "Warm", pb.WarmRequest(
+            ring=ring_to_pb(ring), added=list(added), deadline_unix_ms=deadline_unix_ms,
+            max_bytes_per_second=max_bytes_per_second, fraction=fraction), token))
+
+    def warm_status(self, address: str, token: str) -> NodeWarmStatus:
+        return warm_status_from_pb(self._call(address, "GetWarmStatus", pb.Empty(), token))
+
 
 def ring_to_pb(ring: Ring) -> pb.Ring:
     return pb.Ring(epoch=ring.epoch, replicas=ring.replicas, members=[
@@ -112,3 +123,10 @@ def drain_status_from_pb(r: Any) -> NodeDrainStatus:
     return NodeDrainStatus(state=r.state or "idle", moved_objects=r.moved_objects, moved_bytes=r.moved_bytes,
                            dropped_objects=r.dropped_objects, dropped_bytes=r.dropped_bytes,
                            remaining_objects=r.remaining_objects, deadline_unix_ms=r.deadline_unix_ms, epoch=r.epoch)
+
+
+def warm_status_from_pb(r: Any) -> NodeWarmStatus:
+    return NodeWarmStatus(state=r.state or "idle", planned_objects=r.planned_objects, planned_bytes=r.planned_bytes,
+                          moved_objects=r.moved_objects, moved_bytes=r.moved_bytes, skipped_objects=r.skipped_objects,
+                          skipped_bytes=r.skipped_bytes, failed_objects=r.failed_objects,
+                          remaining_objects=r.remaining_objects, deadline_unix_ms=r.deadline_unix_ms, epoch=r.epoch)

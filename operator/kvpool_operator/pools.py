@@ -2,7 +2,7 @@
 
 Everything decided here comes from :func:`kvpool_operator.reconcile.plan_pool`; this module only
 gathers its inputs and applies its output, in the order that keeps a half-applied plan safe:
-ring to the nodes → drain calls → policy and tenants → children (so the StatefulSet shrinks only
+ring to the nodes → drain and warm-up calls → policy and tenants → children (so the StatefulSet shrinks only
 after the ring no longer names the leaving nodes) → status → Events.
 """
 
@@ -35,6 +35,7 @@ from .model import (
     wants_encryption,
 )
 from .nodes import NodeUnreachable
+from .rebalance import NodeWarmStatus, RebalanceState
 from .reconcile import PoolObserved, PoolPlan, plan_pool
 from .runtime import Runtime
 from .status import NodeStats
@@ -147,10 +148,21 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
             drains[node] = nodes.drain_status(f"{p.ip}:{pool.port}", token)
         except NodeUnreachable:
             drains[node] = None
+    rb = RebalanceState.from_status((body.get("status") or {}).get("rebalance"))
+    warms: dict[str, NodeWarmStatus | None] = {}
+    for node in rb.sources if rb else ():
+        p = usable.get(node)
+        if p is None:
+            continue
+        try:
+            warms[node] = nodes.warm_status(f"{p.ip}:{pool.port}", token)
+        except NodeUnreachable:
+            warms[node] = None
     return PoolObserved(
         body=body, tiers=tiers, pods=pods, sts_replicas=sts_replicas, sts_updating=updating,
         sts_claims=None if sts is None else list((sts.get("spec") or {}).get("volumeClaimTemplates") or []),
-        stats=dict(zip(usable, got, strict=True)), drain_statuses=drains, tenants=tenants_of(kube, pool.key),
+        stats=dict(zip(usable, got, strict=True)), drain_statuses=drains, warm_statuses=warms,
+        tenants=tenants_of(kube, pool.key),
         now_ms=now_ms, now_iso=now_iso, master_key_problem=key_problem), token, usable
 
 
@@ -172,6 +184,12 @@ def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> Non
         for m in plan.drain_calls:
             guarded("Drain", lambda m=m: nodes.drain(m.address, token, ring, plan.drain_deadline_ms,  # type: ignore[misc]
                                                      rate))
+        rb, warm = plan.rebalance, plan.warm
+        if rb is not None:
+            added, deadline = rb.added, rb.deadline_unix_ms
+            for m in plan.warm_calls:
+                guarded("Warm", lambda m=m: nodes.warm(m.address, token, ring, added,  # type: ignore[misc]
+                                                       deadline, warm.bytes_per_second, warm.fraction))
         if plan.policy is not None:
             policy = plan.policy
             _parallel(list(plan.configure), lambda m: guarded(
@@ -193,6 +211,8 @@ def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> Non
             metrics.DRAINS.labels(ev.reason.removeprefix("Drain") or "Started").inc()
         if ev.reason == "UtilizationTooHigh":
             metrics.SCALE_DOWN_BLOCKED.inc()
+        if ev.reason in ("RebalanceStarted", "RebalanceCompleted", "RebalanceDeadlineExceeded", "RebalanceCancelled"):
+            metrics.REBALANCES.labels(ev.reason.removeprefix("Rebalance")).inc()
     last = plan.status.get("lastDrain")
     if last:
         metrics.DRAIN_MOVED_BYTES.inc(int(last.get("movedBytes", 0)))

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpool.ring import Member, Ring
 
-from . import children, drain, membership, scaling, status
+from . import children, drain, membership, rebalance, scaling, status
 from .drain import DrainState, Event, NodeDrainStatus
 from .membership import StorePod
 from .model import (
@@ -28,6 +28,7 @@ from .model import (
     parse_pool,
     resolve_layout,
 )
+from .rebalance import NodeWarmStatus, RebalanceState, WarmSettings
 from .settings import Settings
 from .status import NodeStats, PoolObservation
 from .tenancy import Credentials, NodeTenant, node_tenants
@@ -46,6 +47,8 @@ class PoolObserved:
     stats: Mapping[str, NodeStats | None] = field(default_factory=dict)
     """Per usable pod: its Stats (None: it did not answer)."""
     drain_statuses: Mapping[str, NodeDrainStatus | None] = field(default_factory=dict)
+    warm_statuses: Mapping[str, NodeWarmStatus | None] = field(default_factory=dict)
+    """The rebalance sources' GetWarmStatus answers (None: no answer)."""
     tenants: Sequence[tuple[TenantSpec, Credentials]] = ()
     now_ms: int = 0
     now_iso: str = ""
@@ -82,6 +85,10 @@ class PoolPlan:
     replicas: int | None = None
     spec_error: SpecError | None = None
     scale: scaling.ScaleDecision | None = None
+    warm_calls: tuple[Member, ...] = ()
+    """Previous owners that get Warm (after SetRing) for :attr:`rebalance`."""
+    rebalance: RebalanceState | None = None
+    warm: WarmSettings = WarmSettings()
 
 
 def _failed(body: Mapping[str, Any], err: SpecError, obs: PoolObserved, pool: PoolSpec | None) -> PoolPlan:
@@ -206,6 +213,13 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         events.append(Event("Normal", "RingUpdated", f"ring epoch {ring.epoch}: {len(ring.active)} active, "
                                                      f"{len(ring.draining)} draining"))
 
+    rb = rebalance.advance(
+        RebalanceState.from_status(st.get("rebalance")), previous, ring,
+        {k: (v.epoch if v is not None else None) for k, v in obs.stats.items()}, obs.pods, obs.warm_statuses,
+        obs.now_ms, warm := WarmSettings(pool.warm_fraction, pool.warm_seconds, pool.warm_bytes_per_second),
+        settings.drain_overrun_seconds, draining=state is not None,
+        held_bytes={k: v.used_bytes for k, v in obs.stats.items() if v is not None})
+    events += rb.events
     by_id = {m.id: m for m in ring.members}
     push = tuple(m for m in ring.members
                  if (s := obs.stats.get(m.id)) is None or s.epoch != ring.epoch)
@@ -215,7 +229,8 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     view = status.pool_conditions(PoolObservation(
         desired=desired, pods=len(obs.pods), ready_pods=sum(p.ready for p in obs.pods),
         active_members=len(ring.active), unreachable=unreachable, decision=decision, drain=state,
-        now_ms=obs.now_ms, updating=obs.sts_updating, problem=obs.master_key_problem or claim_problem))
+        now_ms=obs.now_ms, updating=obs.sts_updating, problem=obs.master_key_problem or claim_problem,
+        rebalance=rb.state))
     generation = int((body.get("metadata") or {}).get("generation", 0))
     conds, cond_events = status.merge_conditions(st.get("conditions"), view.conditions, obs.now_iso, generation)
     events += cond_events
@@ -225,6 +240,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         "selector": children.selector_string(pool), "ring": ring.to_dict(),
         "drain": state.to_status() if state is not None else None,
         "router": children.router_status(pool),
+        "rebalance": rb.state.to_status() if rb.state is not None else None,
         **status.usage_status(usage),
     }
     if pool.default_tenant:
@@ -234,6 +250,8 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
                 row["tenantId"] = pool.default_tenant
     if finished is not None:
         patch["lastDrain"] = dict(finished)
+    if rb.finished is not None:
+        patch["lastRebalance"] = dict(rb.finished)
     if decision is not None and decision.action in ("up", "down") and obs.sts_replicas is not None:
         patch["lastScaleUnixMs"] = obs.now_ms
     layout_policy = Policy(dict(pool.ttl_seconds), layout.dram.high_watermark, layout.dram.low_watermark)
@@ -255,4 +273,5 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         drain_calls=tuple(by_id[c] for c in calls if c in by_id), drain_deadline_ms=deadline,
         policy=layout_policy, tenants=tuple(node_tenants(pool, obs.tenants)),
         configure=tuple(m for m in ring.members if obs.stats.get(m.id) is not None),
-        replicas=replicas, scale=decision)
+        replicas=replicas, scale=decision, warm_calls=tuple(by_id[c] for c in rb.calls if c in by_id),
+        rebalance=rb.state, warm=warm)

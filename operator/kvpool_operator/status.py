@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .drain import DrainState, Event
+from .rebalance import RebalanceState
 from .scaling import ScaleDecision
 from .units import format_bytes, format_percent
 
-CONDITION_TYPES = ("Ready", "Progressing", "Draining", "Degraded", "ScaleDownBlocked")
+CONDITION_TYPES = ("Ready", "Progressing", "Draining", "Degraded", "ScaleDownBlocked", "Rebalancing")
 
 
 # ------------------------------------------------------------------------------- aggregation
@@ -138,6 +139,8 @@ class PoolObservation:
     """The StatefulSet is rolling out a new template."""
     problem: tuple[str, str] | None = None
     """(reason, message) of a part of the spec that could not be applied (the rest was)."""
+    rebalance: RebalanceState | None = None
+    """The scale-up warm-up in progress."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,8 @@ def pool_conditions(o: PoolObservation) -> PoolStatusView:
                  Condition("Progressing", False, reason, "waiting for the spec to be fixed"),
                  Condition("Draining", False, "NotDraining", "no scale-down in progress"),
                  Condition("Degraded", True, reason, msg),
-                 Condition("ScaleDownBlocked", False, "NotBlocked", "no scale-down refused"))
+                 Condition("ScaleDownBlocked", False, "NotBlocked", "no scale-down refused"),
+                 Condition("Rebalancing", False, "Balanced", "no scale-up rebalance in progress"))
         return PoolStatusView(conds, "Failed", f"The pool cannot be reconciled: {msg}.")
     ready = o.desired > 0 and o.active_members >= o.desired
     if ready:
@@ -191,13 +195,19 @@ def pool_conditions(o: PoolObservation) -> PoolStatusView:
         c_block = Condition("ScaleDownBlocked", True, o.decision.reason, o.decision.message)
     else:
         c_block = Condition("ScaleDownBlocked", False, "NotBlocked", "no scale-down refused")
-    conds = (c_ready, c_prog, c_drain, c_deg, c_block)
+    if o.rebalance is not None:
+        c_rebal = Condition("Rebalancing", True, o.rebalance.stage, o.rebalance.progress_message(o.now_ms))
+    else:
+        c_rebal = Condition("Rebalancing", False, "Balanced", "no scale-up rebalance in progress")
+    conds = (c_ready, c_prog, c_drain, c_deg, c_block, c_rebal)
     if c_drain.status:
         phase, msg = "Draining", c_drain.message
     elif c_block.status:
         phase, msg = "Blocked", c_block.message
     elif c_deg.status:
         phase, msg = "Degraded", c_deg.message
+    elif c_rebal.status:
+        phase, msg = "Rebalancing", c_rebal.message
     elif c_prog.status:
         phase, msg = "Progressing", c_prog.message
     elif ready:

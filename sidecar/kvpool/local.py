@@ -262,18 +262,43 @@ class LocalCluster:
         """Start one more sidecar (of ``tenant``; ``local_bytes`` defaults to the cluster's)."""
         return self._register_sidecar(*self._launch_sidecar(tenant, local_bytes, extra_args))
 
-    def publish_ring(self, draining: Sequence[str] = ()) -> int:
-        """Push a new ring epoch to every live store node (what the operator does in Kubernetes)."""
-        self.epoch += 1
-        ring = pb.Ring(epoch=self.epoch, replicas=1, members=[
+    def _ring_pb(self, draining: Sequence[str] = ()) -> pb.Ring:
+        return pb.Ring(epoch=self.epoch, replicas=1, members=[
             pb.RingMember(id=nid, address=addr, state="draining" if nid in draining else "active")
             for nid, addr, p in zip(self.store_ids, self.stores, self.store_procs, strict=True)
             if p.popen.poll() is None])
+
+    def publish_ring(self, draining: Sequence[str] = ()) -> int:
+        """Push a new ring epoch to every live store node (what the operator does in Kubernetes)."""
+        self.epoch += 1
+        ring = self._ring_pb(draining)
         for addr, p in zip(self.stores, self.store_procs, strict=True):
             if p.popen.poll() is None:
                 with self.admin(addr) as c:
                     c.set_ring(ring)
         return self.epoch
+
+    def warm(self, added: Sequence[str], deadline_seconds: float = 60.0, max_bytes_per_second: int = 0,
+             fraction: float = 0.0) -> dict[str, pb.WarmStatus]:
+        """After a scale-up: each previous owner pushes its hottest objects now owned by ``added``
+        to them (what the operator does on scale-up); their first answers by node id."""
+        ring = self._ring_pb()
+        deadline = int((time.time() + deadline_seconds) * 1000)
+        out = {}
+        for nid, addr, p in zip(self.store_ids, self.stores, self.store_procs, strict=True):
+            if nid not in added and p.popen.poll() is None:
+                with self.admin(addr) as c:
+                    out[nid] = c.warm(ring, added, deadline, max_bytes_per_second, fraction)
+        return out
+
+    def warm_status(self) -> dict[str, pb.WarmStatus]:
+        """Every live store node's warm-up progress by node id."""
+        out = {}
+        for nid, addr, p in zip(self.store_ids, self.stores, self.store_procs, strict=True):
+            if p.popen.poll() is None:
+                with self.admin(addr) as c:
+                    out[nid] = c.warm_status()
+        return out
 
     def admin(self, address: str) -> StoreClient:
         return StoreClient(address, self.admin_token)

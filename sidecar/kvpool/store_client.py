@@ -379,6 +379,15 @@ class StoreClient:
     def drain_status(self) -> pb.DrainStatus:
         return self._rpc(self.stub.GetDrainStatus, pb.Empty())
 
+    def warm(self, ring: pb.Ring, added: Sequence[str], deadline_unix_ms: int = 0, max_bytes_per_second: int = 0,
+             fraction: float = 0.0) -> pb.WarmStatus:
+        """Start (idempotent per epoch) pushing the hottest objects now owned by ``added`` to them."""
+        return self._rpc(self.stub.Warm, pb.WarmRequest(ring=ring, added=list(added), deadline_unix_ms=deadline_unix_ms,
+                                                        max_bytes_per_second=max_bytes_per_second, fraction=fraction))
+
+    def warm_status(self) -> pb.WarmStatus:
+        return self._rpc(self.stub.GetWarmStatus, pb.Empty())
+
     def set_tenants(self, tenants: Sequence[pb.TenantConfig], replace: bool = False) -> None:
         self._rpc(self.stub.SetTenants, pb.SetTenantsRequest(tenants=list(tenants), replace=replace))
 

@@ -75,6 +75,8 @@ def test_kvpool_printer_columns() -> None:
     "spec.scaleDown.gracePeriodSeconds", "spec.ttl", "spec.sidecar.localBytes", "spec.tenancy.defaultTenant",
     "status.conditions.[].type", "status.conditions.[].status", "status.conditions.[].reason",
     "status.conditions.[].message", "status.ring", "status.drain", "status.hitRate", "status.phase",
+    "spec.scaleUp.warmBandwidth", "spec.scaleUp.warmFraction", "spec.scaleUp.warmDeadlineSeconds",
+    "status.rebalance", "status.lastRebalance",
 ])
 def test_kvpool_fields(path: str) -> None:
     assert _at(_schema("kvpool"), path)
@@ -103,6 +105,8 @@ def test_cel_rules_present() -> None:
     assert any("self.minReplicas" in r and "<=" in r and "self.maxReplicas" in r for r in pool)
     assert any("self.low" in r and "<" in r and "self.high" in r for r in tier)
     assert any("self.storage.replication <= self.storage.replicas" in r for r in pool)
+    assert any("self.warmFraction == 0.0" in r and "self.warmDeadlineSeconds > 0" in r for r in pool)
+    assert any(m.startswith("scaleUp.warmBandwidth") for m in pool.values())
     assert any("quantity(self).isGreaterThan(quantity('0'))" in r for r in tenant)  # quota positive
     assert any("quantity(self).isGreaterThan(quantity('0'))" in r for r in tier)  # capacity positive
     assert sum("self == oldSelf" == r for r in _rules_list("kvpool")) == 2  # blockTokens and hash

@@ -21,6 +21,10 @@ def test_pool_defaults() -> None:
     assert p.ttl_seconds == {"agent": 3 * 86400, "chatbot": 7 * 86400}
     assert p.grace_period_seconds == 60 and p.utilization_limit == 0.8 and p.drain_bytes_per_second == 0
     assert parse_pool(pool_body(scaleDown={"drainBandwidth": "64Mi"})).drain_bytes_per_second == 64 << 20
+    assert (p.warm_fraction, p.warm_seconds, p.warm_bytes_per_second) == (1.0, 300, 0)
+    up = parse_pool(pool_body(scaleUp={"warmBandwidth": "32Mi", "warmFraction": 0.25, "warmDeadlineSeconds": 90}))
+    assert (up.warm_fraction, up.warm_seconds, up.warm_bytes_per_second) == (0.25, 90, 32 << 20)
+    assert parse_pool(pool_body(scaleUp={"warmFraction": 0, "warmDeadlineSeconds": 0})).warm_fraction == 0
     assert p.local_bytes == 256 << 20 and p.default_tenant is None and not p.force_scale_down
     assert p.key == "ns.p"
 
@@ -43,6 +47,9 @@ def test_pool_ttl_override_and_annotation() -> None:
     ({"scaleDown": {"utilizationLimit": 0}}, "utilizationLimit"),
     ({"storage": {"tiers": ["a", "a"]}}, "twice"),
     ({"blockTokens": 0}, "blockTokens"),
+    ({"scaleUp": {"warmFraction": 1.5}}, "warmFraction"),
+    ({"scaleUp": {"warmDeadlineSeconds": 0}}, "warmDeadlineSeconds"),
+    ({"scaleUp": {"warmBandwidth": "fast"}}, "warmBandwidth"),
 ])
 def test_pool_invalid(spec: dict[str, Any], match: str) -> None:
     with pytest.raises(SpecError, match=match):

@@ -372,3 +372,43 @@ class HealthReply(_message.Message):
     epoch: int
     transfer_address: str
     def __init__(self, ok: _Optional[bool] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+
+class WarmRequest(_message.Message):
+    __slots__ = ("ring", "added", "deadline_unix_ms", "max_bytes_per_second", "fraction")
+    RING_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ring: Ring
+    added: _containers.RepeatedScalarFieldContainer[str]
+    deadline_unix_ms: int
+    max_bytes_per_second: int
+    fraction: float
+    def __init__(self, ring: _Optional[_Union[Ring, _Mapping]] = ..., added: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., max_bytes_per_second: _Optional[int] = ..., fraction: _Optional[float] = ...) -> None: ...
+
+class WarmStatus(_message.Message):
+    __slots__ = ("state", "planned_objects", "planned_bytes", "moved_objects", "moved_bytes", "skipped_objects", "skipped_bytes", "failed_objects", "remaining_objects", "deadline_unix_ms", "epoch")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MOVED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    planned_objects: int
+    planned_bytes: int
+    moved_objects: int
+    moved_bytes: int
+    skipped_objects: int
+    skipped_bytes: int
+    failed_objects: int
+    remaining_objects: int
+    deadline_unix_ms: int
+    epoch: int
+    def __init__(self, state: _Optional[str] = ..., planned_objects: _Optional[int] = ..., planned_bytes: _Optional[int] = ..., moved_objects: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., skipped_objects: _Optional[int] = ..., skipped_bytes: _Optional[int] = ..., failed_objects: _Optional[int] = ..., remaining_objects: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...

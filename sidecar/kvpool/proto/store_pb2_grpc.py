@@ -109,6 +109,16 @@ class StoreStub:
                 request_serializer=kvpool_dot_proto_dot_store__pb2.Empty.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_store__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.Warm = channel.unary_unary(
+                '/kvpool.v1.Store/Warm',
+                request_serializer=kvpool_dot_proto_dot_store__pb2.WarmRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_store__pb2.WarmStatus.FromString,
+                _registered_method=True)
+        self.GetWarmStatus = channel.unary_unary(
+                '/kvpool.v1.Store/GetWarmStatus',
+                request_serializer=kvpool_dot_proto_dot_store__pb2.Empty.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_store__pb2.WarmStatus.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -204,6 +214,18 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Warm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWarmStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +303,16 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvpool_dot_proto_dot_store__pb2.Empty.FromString,
                     response_serializer=kvpool_dot_proto_dot_store__pb2.HealthReply.SerializeToString,
+            ),
+            'Warm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Warm,
+                    request_deserializer=kvpool_dot_proto_dot_store__pb2.WarmRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_store__pb2.WarmStatus.SerializeToString,
+            ),
+            'GetWarmStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWarmStatus,
+                    request_deserializer=kvpool_dot_proto_dot_store__pb2.Empty.FromString,
+                    response_serializer=kvpool_dot_proto_dot_store__pb2.WarmStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -688,6 +720,60 @@ class Store:
             '/kvpool.v1.Store/Health',
             kvpool_dot_proto_dot_store__pb2.Empty.SerializeToString,
             kvpool_dot_proto_dot_store__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Warm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Store/Warm',
+            kvpool_dot_proto_dot_store__pb2.WarmRequest.SerializeToString,
+            kvpool_dot_proto_dot_store__pb2.WarmStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWarmStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Store/GetWarmStatus',
+            kvpool_dot_proto_dot_store__pb2.Empty.SerializeToString,
+            kvpool_dot_proto_dot_store__pb2.WarmStatus.FromString,
             options,
             channel_credentials,
             insecure,

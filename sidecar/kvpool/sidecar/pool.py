@@ -8,7 +8,9 @@ become misses: the engine never sees a pool error, and never wrong bytes.
 
 Reads that miss at a key's owner look further, in one more batched round: at a draining member
 (always), and during a ring transition (``transition_seconds`` after a ring change) at the
-lower-ranked owners and the owners of earlier epochs, since objects are not moved on scale-up.
+lower-ranked owners and the owners of earlier epochs: on scale-up objects reach their new owner
+only gradually (copied over by such reads, :mod:`kvpool.sidecar.copyover`, and pushed by the
+previous owners' warm-up, :mod:`kvpool.store.warm`).
 A node that answers for a newer epoch makes the caller learn the ring and route once more.
 """
 
@@ -163,7 +165,7 @@ class Pool:
         self.history_depth = history_depth
         self.transition_seconds = transition_seconds
         """How long after a ring change misses are also looked for where the keys used to live
-        (objects are not moved on scale-up yet); outside it a miss costs one round, no more."""
+        (copy-over and the warm-up push move them meanwhile); outside it a miss costs one round, no more."""
         self.fallback_ranks = fallback_ranks
         self._transition_until = 0.0
         self._active_ids: list[str] = []

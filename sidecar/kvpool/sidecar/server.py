@@ -37,6 +37,7 @@ from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from . import metrics
 from .handoff import HandoffService
+from .copyover import CopyOver
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import UNREACHABLE, Pool
 
@@ -78,6 +79,11 @@ class SidecarConfig:
     """Secret signing handoff records, shared by the tenant's sidecars (default: the tenant token)."""
     max_handoff_hold_ms: int = 120_000
     """Longest a state object stays exported (the export pins local-tier space)."""
+    transition_seconds: float = 600.0
+    """How long after a ring change reads that miss look where keys used to live (``Pool``)."""
+    copy_over_bytes: int = -1
+    """Bound of the copy-over queue (blocks found at a previous owner, written to the new one):
+    -1 an eighth of the local tier, 0 off."""
 
 
 @dataclass
@@ -95,7 +101,7 @@ class Sidecar(spbg.SidecarServicer):
         self.local.on_evict = self._on_evict
         self.events = EventPublisher(cfg.events, MEDIUM_LOCAL, self.local.events_snapshot) if cfg.events else None
         self.local.events = self.events
-        self.pool = Pool(cfg.pool, cfg.token)
+        self.pool = Pool(cfg.pool, cfg.token, transition_seconds=cfg.transition_seconds)
         self.pool.on_ring_change = self._ring_changed
         self.match_leases: dict[int, _MatchLease] = {}
         self._ids = iter(range(1, 1 << 62))
@@ -119,6 +125,8 @@ class Sidecar(spbg.SidecarServicer):
                         "not authenticity (give --handoff-key-file)")
         self.handoff = HandoffService(self, cfg.handoff_listen, cfg.handoff_advertise, secret,
                                       cfg.max_handoff_hold_ms)
+        bound = self.local.capacity // 8 if cfg.copy_over_bytes < 0 else cfg.copy_over_bytes
+        self.copy_over = CopyOver(self._pin_for_copy, self._copy_to_owner, self.counters, bound) if bound else None
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -302,12 +310,17 @@ class Sidecar(spbg.SidecarServicer):
             total += self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, routes, contended, drop)
             still = np.array([found[i] is None for i in todo], dtype=bool)
         if still.any():
+            before = still
             for routes in self.pool.fallbacks(sub):
                 routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
                 total += self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, routes, contended, drop)
                 still = np.array([found[i] is None for i in todo], dtype=bool)
                 if not still.any():
                     break
+            if self.copy_over is not None and kind == pb.BLOCK:
+                # Found where the key used to live: give it to its new owner, off this read's path.
+                moved = [found[todo[j]] for j in np.flatnonzero(before & ~still).tolist()]
+                self.copy_over.offer([e for e in moved if e is not None])
         if contended:
             total += self._await_contended(keys, contended, found, kind, lease)
         for i, j in dups:
@@ -458,6 +471,23 @@ class Sidecar(spbg.SidecarServicer):
     def _on_evict(self, evicted: list[tuple[LocalEntry, bytes]]) -> None:
         if self.pool.enabled:
             self._enqueue([e for e, _ in evicted], [b for _, b in evicted])
+
+    def _pin_for_copy(self, entries: list[LocalEntry]) -> tuple[list[LocalEntry], Any]:
+        lease = self.local.lease(entries, 600_000)
+        return list(lease.entries), lambda: self.local.release([lease.lease_id])
+
+    def _copy_to_owner(self, entries: list[LocalEntry]) -> list[int]:
+        """One pool write per traffic class to the current owners (the copy-over worker)."""
+        codes = [UNREACHABLE] * len(entries)
+        groups: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            groups.setdefault(e.traffic_class or "chatbot", []).append(i)
+        for tclass, sel in groups.items():
+            got = self.pool.put([entries[i].key for i in sel], [self.local.view(entries[i]) for i in sel],
+                                [entries[i].checksum for i in sel], tclass, pb.BLOCK)
+            for i, c in zip(sel, got, strict=True):
+                codes[i] = c
+        return codes
 
     def _ring_changed(self, ring: Any) -> None:
         """Write-through blocks whose pool write failed (their owner was unreachable) get another
@@ -622,6 +652,9 @@ class Sidecar(spbg.SidecarServicer):
         counters = dict(self.counters)
         counters["pool_errors"] = self.pool.errors
         counters["local_only_objects"] = len(self.local.local_only())
+        counters["ring_transition"] = int(self.pool.in_transition)
+        if self.copy_over is not None:
+            counters["pool_copyover_queued_bytes"] = self.copy_over.queued_bytes
         return spb.SidecarStats(counters=counters, local_capacity_bytes=self.local.capacity,
                                 local_used_bytes=self.local.used, local_objects=len(self.local.lru),
                                 ring_epoch=self.pool.ring.epoch, pool_nodes_up=self.pool.nodes_up(),
@@ -635,6 +668,8 @@ class Sidecar(spbg.SidecarServicer):
         self._pusher.join(timeout=5)
         self._fetchers.shutdown(wait=False, cancel_futures=True)
         self.handoff.close()
+        if self.copy_over is not None:
+            self.copy_over.close()
         self.pool.close()
         self.local.close()
 
@@ -660,6 +695,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--write-back", action="store_true")
     ap.add_argument("--drain-seconds", type=float, default=20.0)
     ap.add_argument("--metrics-port", type=int, default=0)
+    ap.add_argument("--transition-seconds", type=float, default=600.0,
+                    help="after a ring change, look for missing keys at their previous owners this long")
+    ap.add_argument("--copy-over-bytes", type=parse_bytes, default=-1,
+                    help="bound of the queue copying blocks found at a previous owner to the new one "
+                         "(default: an eighth of the local tier; 0: off)")
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
     ap.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", ""),
                     help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
@@ -692,7 +732,8 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          local_bytes=args.local, tenant_id=tenant, token=token, write_back=args.write_back,
                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
                          events=events_config(args), handoff_listen=args.handoff_listen,
-                         handoff_advertise=args.handoff_advertise, handoff_key=key)
+                         handoff_advertise=args.handoff_advertise, handoff_key=key,
+                         transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes)
 
 
 def serve(cfg: SidecarConfig) -> int:

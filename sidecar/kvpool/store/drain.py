@@ -85,7 +85,9 @@ def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_secon
                  p.moved_bytes, p.dropped_objects)  # type: ignore[attr-defined]
 
 
-def _push(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> bool:
+def push_object(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> int:
+    """Write one object to ``client``'s node; its code (OK, ALREADY_EXISTS: nothing was sent,
+    ...), or -1 when it could not be read here or the target failed."""
     result: list[int] = []
 
     def sink(view: memoryview) -> None:
@@ -94,8 +96,12 @@ def _push(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> bool:
 
     try:
         if not node.read_object(e, sink):
-            return False
-    except Exception as exc:  # a dead target drops this object, the drain goes on
+            return -1
+    except Exception as exc:  # a dead target drops this object, the push goes on
         log.warning("push of one object failed: %s", exc)
-        return False
-    return bool(result) and result[0] in (pb.OK, pb.ALREADY_EXISTS)
+        return -1
+    return result[0] if result else -1
+
+
+def _push(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> bool:
+    return push_object(node, client, e, epoch) in (pb.OK, pb.ALREADY_EXISTS)

@@ -1133,6 +1133,36 @@ class StoreNode:
                     self.dram.alloc.free(e.offset)
                     e.offset = -1
 
+    def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> None:
+        """Hand several objects' bytes to ``sink`` at once (a batched push), each held in flight
+        while it runs; objects gone or not promotable meanwhile are left out."""
+        held: list[Entry] = []
+        views: list[memoryview] = []
+        with self.lock:
+            for e in entries:
+                if e.state != COMMITTED:
+                    continue
+                if e.tier != "dram":
+                    e.pins += 1
+                    try:
+                        if self._promote(e, time.time()) != pb.OK:
+                            continue
+                    finally:
+                        e.pins -= 1
+                e.inflight += 1
+                held.append(e)
+                views.append(self.dram.slice(e.offset, e.size))
+        try:
+            if held:
+                sink(held, views)
+        finally:
+            with self.lock:
+                for e in held:
+                    e.inflight -= 1
+                    if e.inflight == 0 and e.state == -1 and e.offset >= 0:
+                        self.dram.alloc.free(e.offset)
+                        e.offset = -1
+
     def stats(self) -> dict[str, object]:
         with self.lock:
             self._sweep(time.time())

@@ -4,7 +4,8 @@ Authentication happens here (the tenant comes from the token in the call's metad
 the message); errors are mapped to gRPC status in exactly one place (``kvpool.errors``).  The
 DRAM arena is served to peers by a :class:`~kvpool.transfer.TransferServer` with the node as
 its guard; the same port serves the one-round-trip data session (:mod:`.data_session`).
-The drain runs in a background thread and reports through ``GetDrainStatus``.
+The drain runs in a background thread and reports through ``GetDrainStatus``; so does the
+scale-up warm-up push (``Warm``/``GetWarmStatus``, :mod:`.warm`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,25 @@ class DrainProgress:
         return pb.DrainStatus(**self.__dict__)
 
 
+@dataclass
+class WarmProgress:
+    state: str = "idle"
+    planned_objects: int = 0
+    planned_bytes: int = 0
+    moved_objects: int = 0
+    moved_bytes: int = 0
+    skipped_objects: int = 0
+    skipped_bytes: int = 0
+    failed_objects: int = 0
+    remaining_objects: int = 0
+    deadline_unix_ms: int = 0
+    epoch: int = 0
+    cancelled: bool = False
+
+    def to_pb(self) -> pb.WarmStatus:
+        return pb.WarmStatus(**{k: v for k, v in self.__dict__.items() if k != "cancelled"})
+
+
 class StoreService(pbg.StoreServicer):
     def __init__(self, node: StoreNode, transfer_address: str, admin_token: str = "") -> None:
         self.node = node
@@ -82,6 +102,7 @@ class StoreService(pbg.StoreServicer):
                                     shm_path=node.dram.path)
         self.drain = DrainProgress()
         self._drain_thread: threading.Thread | None = None
+        self.warm = WarmProgress()
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -234,6 +255,27 @@ class StoreService(pbg.StoreServicer):
 
     def GetDrainStatus(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DrainStatus:
         return self.drain.to_pb()
+
+    def Warm(self, request: pb.WarmRequest, context: grpc.ServicerContext) -> pb.WarmStatus:
+        """Start (once per epoch: idempotent, so an operator may call again) the warm-up push of
+        the objects now owned by ``request.added``; a warm-up of an older epoch is stopped."""
+        self._admin(context)
+        ring = self._call(context, lambda: ring_from_pb(request.ring))
+        if not 0.0 <= request.fraction <= 1.0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fraction must be in [0, 1]")
+        self.node.set_ring(ring)
+        if self.warm.state in ("running", "done") and self.warm.epoch == ring.epoch:
+            return self.warm.to_pb()
+        self.warm.cancelled = True
+        self.warm = WarmProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
+        from .warm import run_warm  # the pusher needs the store client (a module cycle otherwise)
+        threading.Thread(target=run_warm, args=(self.node, ring, list(request.added), self.warm,
+                                                request.max_bytes_per_second, request.fraction),
+                         name="warm", daemon=True).start()
+        return self.warm.to_pb()
+
+    def GetWarmStatus(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.WarmStatus:
+        return self.warm.to_pb()
 
 
 @dataclass

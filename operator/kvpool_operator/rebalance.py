@@ -1,0 +1,228 @@
+"""Scale-up rebalance as a resumable state machine (issue 8 part 1; DESIGN §6, §8).
+
+    a ring epoch adds members → WaitingForRing (every member must report that epoch, so the new
+    nodes take the writes) → Warming (each previous owner asked to push its hottest blocks now
+    owned by the added members, paced, until done or the deadline) → done (``status.lastRebalance``).
+
+Reads never wait for it: during the transition the sidecars fall back to the previous owners
+and copy what they find over; the push makes the rest of the hot set hit at the new owners.
+Pure: :func:`advance` maps (``status.rebalance``, the rings, the nodes' answers) to the next
+state and the Warm calls to make; a store node's Warm is idempotent for one epoch, so an
+operator restarted in the middle re-reads ``status.rebalance`` and carries on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.ring import Ring
+
+from .drain import Event
+from .membership import StorePod
+from .units import format_bytes
+
+COUNTERS = ("plannedObjects", "plannedBytes", "movedObjects", "movedBytes", "skippedObjects", "skippedBytes",
+            "failedObjects", "remainingObjects")
+
+
+def _iso(unix_ms: int) -> str:
+    return dt.datetime.fromtimestamp(unix_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class NodeWarmStatus:
+    """A store node's answer to GetWarmStatus (store.proto WarmStatus)."""
+
+    state: str = "idle"  # idle | running | done
+    planned_objects: int = 0
+    planned_bytes: int = 0
+    moved_objects: int = 0
+    moved_bytes: int = 0
+    skipped_objects: int = 0
+    skipped_bytes: int = 0
+    failed_objects: int = 0
+    remaining_objects: int = 0
+    deadline_unix_ms: int = 0
+    epoch: int = 0
+
+    def counters(self) -> dict[str, int]:
+        return {"plannedObjects": self.planned_objects, "plannedBytes": self.planned_bytes,
+                "movedObjects": self.moved_objects, "movedBytes": self.moved_bytes,
+                "skippedObjects": self.skipped_objects, "skippedBytes": self.skipped_bytes,
+                "failedObjects": self.failed_objects, "remainingObjects": self.remaining_objects}
+
+
+@dataclass(frozen=True)
+class WarmSettings:
+    """The pool's spec.scaleUp, as the planner needs it."""
+
+    fraction: float = 1.0
+    deadline_seconds: int = 300
+    bytes_per_second: int = 0
+
+
+@dataclass(frozen=True)
+class RebalanceState:
+    """What ``status.rebalance`` holds while a scale-up warm-up runs."""
+
+    epoch: int
+    """Ring epoch whose added members receive the push."""
+    added: tuple[str, ...]
+    sources: tuple[str, ...]
+    """Previous owners that push (active before and after)."""
+    started_unix_ms: int
+    deadline_unix_ms: int
+    stage: str = "WaitingForRing"  # WaitingForRing | Warming
+    nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def totals(self) -> dict[str, int]:
+        out = dict.fromkeys(COUNTERS, 0)
+        for n in self.nodes.values():
+            for k in COUNTERS:
+                out[k] += int(n.get(k, 0))
+        return out
+
+    def to_status(self) -> dict[str, Any]:
+        return {"phase": "Rebalancing", "stage": self.stage, "epoch": self.epoch, "added": list(self.added),
+                "sources": list(self.sources), "startedUnixMs": self.started_unix_ms,
+                "deadlineUnixMs": self.deadline_unix_ms, "deadline": _iso(self.deadline_unix_ms),
+                "nodes": {k: dict(v) for k, v in self.nodes.items()}, **self.totals()}
+
+    @staticmethod
+    def from_status(doc: Mapping[str, Any] | None) -> RebalanceState | None:
+        if not doc or doc.get("phase") != "Rebalancing":
+            return None
+        return RebalanceState(epoch=int(doc.get("epoch", 0)), added=tuple(doc.get("added") or ()),
+                              sources=tuple(doc.get("sources") or ()),
+                              started_unix_ms=int(doc.get("startedUnixMs", 0)),
+                              deadline_unix_ms=int(doc.get("deadlineUnixMs", 0)),
+                              stage=str(doc.get("stage", "WaitingForRing")),
+                              nodes={k: dict(v) for k, v in (doc.get("nodes") or {}).items()})
+
+    def progress_message(self, now_ms: int) -> str:
+        t = self.totals()
+        if self.stage == "WaitingForRing":
+            return (f"waiting for every store node to take ring epoch {self.epoch} before warming "
+                    f"{', '.join(self.added)}")
+        left = max(0, (self.deadline_unix_ms - now_ms) // 1000)
+        return (f"warming {', '.join(self.added)} from {', '.join(self.sources)}: moved {t['movedObjects']} of "
+                f"{t['plannedObjects']} hot objects ({format_bytes(t['movedBytes'])}), {t['skippedObjects']} "
+                f"already there, {t['remainingObjects']} remaining, {left}s to the deadline")
+
+
+@dataclass(frozen=True)
+class RebalanceStep:
+    state: RebalanceState | None
+    """The state to store (None: no rebalance in progress)."""
+    calls: tuple[str, ...] = ()
+    """Previous owners to (re)send Warm with the current ring and the deadline."""
+    events: tuple[Event, ...] = ()
+    finished: Mapping[str, Any] | None = None
+    """Summary for ``status.lastRebalance`` when the rebalance ended on this step."""
+
+
+def _start(previous: Ring, ring: Ring, now_ms: int, warm: WarmSettings,
+           carry: RebalanceState | None = None) -> RebalanceStep:
+    before = {m.id for m in previous.active}
+    added = [m.id for m in ring.active if m.id not in before]
+    if carry is not None:  # a further scale-up before the last one finished: warm all new members
+        added = [m.id for m in ring.active if m.id in set(carry.added) or m.id in set(added)]
+        before = {m.id for m in ring.active} - set(added)
+    sources = tuple(m.id for m in ring.active if m.id in before)
+    if not added or not sources or warm.fraction <= 0:
+        return RebalanceStep(None)
+    state = RebalanceState(epoch=ring.epoch, added=tuple(added), sources=sources, started_unix_ms=now_ms,
+                           deadline_unix_ms=now_ms + warm.deadline_seconds * 1000,
+                           nodes={s: {"state": "pending"} for s in sources})
+    verb = "restarted for" if carry is not None else "started:"
+    return RebalanceStep(state, events=(Event(
+        "Normal", "RebalanceStarted", f"rebalance {verb} {', '.join(sources)} will push their hottest moved "
+                                      f"objects to {', '.join(added)} (ring epoch {ring.epoch}); deadline in "
+                                      f"{warm.deadline_seconds}s"),))
+
+
+def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epochs: Mapping[str, int | None],
+            pods: Iterable[StorePod], statuses: Mapping[str, NodeWarmStatus | None], now_ms: int,
+            warm: WarmSettings, overrun_seconds: float = 30.0, draining: bool = False,
+            held_bytes: Mapping[str, int] | None = None) -> RebalanceStep:
+    """The next step of the scale-up rebalance.
+
+    ``previous`` is the ring of the last status (None on a new pool), ``ring`` the one this
+    reconcile publishes; ``epochs`` each usable member's reported ring epoch (None: no answer);
+    ``statuses`` the sources' GetWarmStatus answers. ``draining``: a scale-down is in progress
+    (its own drain moves the objects; no warm-up then). ``held_bytes``: what each node reported
+    holding; a scale-up whose previous owners hold nothing (a new pool coming up) has nothing to
+    warm and starts no rebalance.
+    """
+    if draining:
+        if state is None:
+            return RebalanceStep(None)
+        return _end(state, now_ms, "Cancelled", "a scale-down started")
+    if state is not None and ring.epoch != state.epoch:
+        if not any(m.id in state.added for m in ring.active) and previous is not None:
+            ended = _end(state, now_ms, "Superseded", f"ring epoch {ring.epoch} no longer has the added nodes")
+            nxt = _start(previous, ring, now_ms, warm)
+            return RebalanceStep(nxt.state, events=ended.events + nxt.events, finished=ended.finished)
+        nxt = _start(previous or ring, ring, now_ms, warm, carry=state)
+        return RebalanceStep(nxt.state, events=nxt.events)
+    if state is None:
+        if previous is None or ring.epoch == previous.epoch:
+            return RebalanceStep(None)
+        if held_bytes is not None and not any(held_bytes.get(m.id, 0) for m in previous.active):
+            return RebalanceStep(None)
+        return _start(previous, ring, now_ms, warm)
+
+    usable = {p.name for p in pods if p.usable}
+    members = [m.id for m in ring.members]
+    if state.stage == "WaitingForRing":
+        if any(epochs.get(m) != ring.epoch for m in members if m in usable):
+            if now_ms > state.deadline_unix_ms:
+                return _end(state, now_ms, "DeadlineExceeded", "the ring never reached every store node")
+            return RebalanceStep(state)
+        state = RebalanceState(**{**state.__dict__, "stage": "Warming"})
+    nodes: dict[str, dict[str, Any]] = {}
+    calls: list[str] = []
+    pending = 0
+    for src in state.sources:
+        prev = dict(state.nodes.get(src, {}))
+        st = statuses.get(src)
+        if src not in usable:
+            prev["state"] = "gone"  # its moved objects are read through fallbacks or recomputed
+        elif st is None:
+            if prev.get("state") != "done":
+                prev["state"] = "unreachable"
+                pending += 1
+        elif st.epoch == state.epoch and st.state == "done":
+            prev.update(st.counters(), state="done")
+        elif st.epoch == state.epoch and st.state == "running":
+            prev.update(st.counters(), state="running")
+            pending += 1
+        else:  # idle, or a warm-up of another epoch (node restarted, or never asked yet)
+            prev["state"] = "pending"
+            calls.append(src)
+            pending += 1
+        nodes[src] = prev
+    state = RebalanceState(**{**state.__dict__, "nodes": nodes})
+    overrun = now_ms > state.deadline_unix_ms + int(overrun_seconds * 1000)
+    if pending and not overrun:
+        return RebalanceStep(state, tuple(calls))
+    return _end(state, now_ms, "Completed" if not pending else "DeadlineExceeded", "")
+
+
+def _end(state: RebalanceState, now_ms: int, result: str, why: str) -> RebalanceStep:
+    t = state.totals()
+    outcome = "hit its deadline" if result == "DeadlineExceeded" else result.lower()
+    msg = (f"rebalance to {', '.join(state.added)} {outcome}"
+           f" after {(now_ms - state.started_unix_ms) / 1000:.1f}s: moved {t['movedObjects']} hot objects "
+           f"({format_bytes(t['movedBytes'])}), {t['skippedObjects']} already there, {t['failedObjects']} failed"
+           + (f" ({why})" if why else ""))
+    reason = {"Completed": "RebalanceCompleted", "DeadlineExceeded": "RebalanceDeadlineExceeded"}.get(
+        result, "RebalanceCancelled")
+    ev = Event("Normal" if result in ("Completed", "Superseded", "Cancelled") else "Warning", reason, msg)
+    finished = {**t, "result": result, "epoch": state.epoch, "added": list(state.added),
+                "sources": list(state.sources), "startedUnixMs": state.started_unix_ms, "endedUnixMs": now_ms,
+                "durationSeconds": round((now_ms - state.started_unix_ms) / 1000, 3)}
+    return RebalanceStep(None, events=(ev,), finished=finished)

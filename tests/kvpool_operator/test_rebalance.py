@@ -1,0 +1,154 @@
+"""The scale-up rebalance as pure plans: when it starts, when it pushes, what status says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.ring import Member, Ring
+from kvpool_operator.membership import StorePod
+from kvpool_operator.model import parse_pool
+from kvpool_operator.rebalance import NodeWarmStatus, RebalanceState, WarmSettings, advance
+from kvpool_operator.reconcile import PoolObserved, PoolPlan, plan_pool
+from kvpool_operator.settings import Settings
+from kvpool_operator.status import NodeStats
+from kvpool_operator.testing import apply_merge_patch, pool_body
+
+NOW = 1_700_000_000_000
+GI = 1 << 30
+W = WarmSettings(fraction=1.0, deadline_seconds=60, bytes_per_second=1 << 20)
+
+
+def _ring(epoch: int, n: int) -> Ring:
+    return Ring(epoch, tuple(Member(f"p-store-{i}", f"127.0.0.{10 + i}:7400") for i in range(n)))
+
+
+def _pods(n: int) -> list[StorePod]:
+    return [StorePod(f"p-store-{i}", i, f"127.0.0.{10 + i}", ready=True) for i in range(n)]
+
+
+def _done(epoch: int, moved: int = 5) -> NodeWarmStatus:
+    return NodeWarmStatus("done", planned_objects=moved + 1, moved_objects=moved, moved_bytes=moved * 100,
+                          skipped_objects=1, epoch=epoch)
+
+
+def test_a_ring_that_adds_members_starts_a_rebalance_that_waits_for_the_ring() -> None:
+    step = advance(None, _ring(3, 2), _ring(4, 3), {}, _pods(3), {}, NOW, W, held_bytes={"p-store-0": 1})
+    assert step.state is not None and step.calls == ()
+    assert step.state.added == ("p-store-2",) and step.state.sources == ("p-store-0", "p-store-1")
+    assert step.state.stage == "WaitingForRing" and step.state.deadline_unix_ms == NOW + 60_000
+    assert [e.reason for e in step.events] == ["RebalanceStarted"]
+    # One node still on the old epoch: wait (the new node must take writes first).
+    st = advance(step.state, _ring(4, 3), _ring(4, 3), {"p-store-0": 4, "p-store-1": 4, "p-store-2": 3}, _pods(3),
+                 {}, NOW + 1000, W)
+    assert st.state is not None and st.state.stage == "WaitingForRing" and st.calls == ()
+    # Every member on epoch 4: the previous owners are asked to push.
+    epochs = {f"p-store-{i}": 4 for i in range(3)}
+    idle = {"p-store-0": NodeWarmStatus(), "p-store-1": NodeWarmStatus()}
+    st = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, _pods(3), idle, NOW + 2000, W)
+    assert st.state is not None and st.state.stage == "Warming" and st.calls == ("p-store-0", "p-store-1")
+    # Asked again while idle or on another epoch (an operator restart resumes), never while running.
+    running = NodeWarmStatus("running", planned_objects=9, moved_objects=3, moved_bytes=300, epoch=4)
+    st = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, _pods(3),
+                 {"p-store-0": running, "p-store-1": NodeWarmStatus("done", epoch=3)}, NOW + 3000, W)
+    assert st.state is not None and st.calls == ("p-store-1",)
+    assert st.state.totals()["movedObjects"] == 3 and st.finished is None
+    # Both done: finished with the counts.
+    st = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, _pods(3),
+                 {"p-store-0": _done(4, 7), "p-store-1": _done(4, 2)}, NOW + 4000, W)
+    assert st.state is None and st.finished is not None
+    assert st.finished["result"] == "Completed" and st.finished["movedObjects"] == 9
+    assert st.finished["skippedObjects"] == 2 and st.finished["movedBytes"] == 900
+    assert [e.reason for e in st.events] == ["RebalanceCompleted"]
+
+
+def test_no_rebalance_without_added_members_held_bytes_or_fraction() -> None:
+    assert advance(None, _ring(3, 3), _ring(4, 2), {}, _pods(2), {}, NOW, W).state is None  # a shrink
+    assert advance(None, None, _ring(1, 3), {}, _pods(3), {}, NOW, W).state is None  # a new pool
+    assert advance(None, _ring(1, 0), _ring(2, 3), {}, _pods(3), {}, NOW, W).state is None  # no previous owner
+    empty = {"p-store-0": 0, "p-store-1": 0}
+    assert advance(None, _ring(3, 2), _ring(4, 3), {}, _pods(3), {}, NOW, W, held_bytes=empty).state is None
+    off = WarmSettings(fraction=0.0)
+    assert advance(None, _ring(3, 2), _ring(4, 3), {}, _pods(3), {}, NOW, off).state is None
+    # A scale-down cancels a running rebalance (its drain moves the objects).
+    st = advance(None, _ring(3, 2), _ring(4, 3), {}, _pods(3), {}, NOW, W)
+    assert st.state is not None
+    cancel = advance(st.state, _ring(4, 3), _ring(4, 3), {}, _pods(3), {}, NOW, W, draining=True)
+    assert cancel.state is None and cancel.finished is not None and cancel.finished["result"] == "Cancelled"
+
+
+def test_a_second_scale_up_restarts_the_warm_up_for_every_new_member() -> None:
+    st = advance(None, _ring(3, 2), _ring(4, 3), {}, _pods(4), {}, NOW, W)
+    assert st.state is not None
+    again = advance(st.state, _ring(4, 3), _ring(5, 4), {}, _pods(4), {}, NOW + 500, W)
+    assert again.state is not None and again.state.epoch == 5
+    assert again.state.added == ("p-store-2", "p-store-3") and again.state.sources == ("p-store-0", "p-store-1")
+    assert again.state.stage == "WaitingForRing"
+
+
+def test_deadline_and_a_gone_source() -> None:
+    st = advance(None, _ring(3, 2), _ring(4, 3), {}, _pods(3), {}, NOW, W)
+    assert st.state is not None
+    epochs = {f"p-store-{i}": 4 for i in range(3)}
+    st = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, _pods(3), {}, NOW + 1, W)
+    assert st.state is not None
+    stuck = NodeWarmStatus("running", planned_objects=9, moved_objects=1, remaining_objects=8, epoch=4)
+    pods = [p for p in _pods(3) if p.name != "p-store-1"]
+    late = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, pods, {"p-store-0": stuck}, NOW + 91_000, W,
+                   overrun_seconds=30)
+    assert late.state is None and late.finished is not None and late.finished["result"] == "DeadlineExceeded"
+    assert late.events[0].type == "Warning" and late.events[0].reason == "RebalanceDeadlineExceeded"
+    assert late.finished["remainingObjects"] == 8
+
+
+def test_state_round_trips_through_status() -> None:
+    st = advance(None, _ring(3, 2), _ring(4, 3), {}, _pods(3), {}, NOW, W)
+    assert st.state is not None
+    doc = st.state.to_status()
+    assert doc["phase"] == "Rebalancing" and doc["added"] == ["p-store-2"] and doc["movedObjects"] == 0
+    assert RebalanceState.from_status(doc) == st.state
+    assert RebalanceState.from_status(None) is None and RebalanceState.from_status({"phase": "Done"}) is None
+
+
+def _stats(n: int, epoch: int, used: int = GI // 10) -> dict[str, NodeStats | None]:
+    return {f"p-store-{i}": NodeStats(f"p-store-{i}", epoch=epoch, capacity_bytes=GI, used_bytes=used)
+            for i in range(n)}
+
+
+def _run(body: dict[str, Any], **obs: Any) -> tuple[PoolPlan, dict[str, Any]]:
+    plan = plan_pool(PoolObserved(body=body, now_ms=obs.pop("now_ms", NOW), now_iso="t", **obs), Settings())
+    return plan, dict(body, status=apply_merge_patch(body.get("status") or {}, plan.status))
+
+
+def _conds(plan: PoolPlan) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in plan.status["conditions"]}
+
+
+def test_scale_up_through_plan_pool_shows_rebalancing_then_done() -> None:
+    body = pool_body(storage={"replicas": 2}, scaleUp={"warmBandwidth": "8Mi", "warmFraction": 0.5})
+    assert parse_pool(body).warm_bytes_per_second == 8 << 20
+    _, body = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2, 0))
+    plan, body = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2, 1))
+    assert _conds(plan)["Rebalancing"] == ("False", "Balanced") and plan.status["phase"] == "Ready"
+    body["spec"]["storage"]["replicas"] = 3
+    plan, body = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2, 1))
+    assert plan.replicas == 3 and plan.rebalance is None  # the new pod is not Ready yet
+    # The new pod is Ready: a new ring epoch names it, and the rebalance starts.
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats={**_stats(3, 0, 0), **_stats(2, 1)})
+    assert plan.ring is not None and plan.ring.epoch == 2 and plan.rebalance is not None
+    assert plan.warm_calls == () and _conds(plan)["Rebalancing"] == ("True", "WaitingForRing")
+    assert plan.status["phase"] == "Rebalancing" and plan.status["rebalance"]["added"] == ["p-store-2"]
+    assert "RebalanceStarted" in {e.reason for e in plan.events}
+    # Everyone has epoch 2: the previous owners are asked to push, with the pool's bound and fraction.
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, 2), now_ms=NOW + 10_000,
+                      warm_statuses={"p-store-0": NodeWarmStatus(), "p-store-1": NodeWarmStatus(epoch=1)})
+    assert [m.id for m in plan.warm_calls] == ["p-store-0", "p-store-1"]
+    assert plan.warm == WarmSettings(0.5, 300, 8 << 20)
+    assert _conds(plan)["Rebalancing"] == ("True", "Warming")
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, 2), now_ms=NOW + 20_000,
+                      warm_statuses={"p-store-0": _done(2, 4), "p-store-1": _done(2, 6)})
+    assert plan.warm_calls == () and plan.status["rebalance"] is None
+    assert _conds(plan)["Rebalancing"] == ("False", "Balanced") and plan.status["phase"] == "Ready"
+    last = plan.status["lastRebalance"]
+    assert last["result"] == "Completed" and last["movedObjects"] == 10 and last["added"] == ["p-store-2"]
+    reasons = [e.reason for e in plan.events]
+    assert "RebalanceCompleted" in reasons and "Balanced" in reasons  # the condition's transition Event
