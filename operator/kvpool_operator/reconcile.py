@@ -34,6 +34,7 @@ from .status import NodeStats, PoolObservation
 from .tenancy import Credentials, NodeTenant, node_tenants
 from .units import format_bytes, parse_bytes
 
+
 @dataclass(frozen=True)
 class PoolObserved:
     body: Mapping[str, Any]

@@ -36,8 +36,8 @@ from ..proto import sidecar_pb2_grpc as spbg
 from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from . import metrics
-from .handoff import HandoffService
 from .copyover import CopyOver
+from .handoff import HandoffService
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import UNREACHABLE, Pool
 
