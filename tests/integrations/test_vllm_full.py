@@ -96,13 +96,15 @@ def block_keys(tokens: list[int]) -> list[bytes]:
     return worker()._my_space(()).block_keys(tuple(tokens[:PREFIX_BLOCKS * BS]))
 
 
-def wait_stored(tokens: list[int], timeout: float = 60.0) -> None:
+def wait_stored(tokens: list[int], saved: int, timeout: float = 60.0) -> None:
     """Saves run on the connector's background thread after the request finished: wait until the
-    pool holds every prefix block (a condition with a deadline, not a pause)."""
+    pool holds every prefix block and the saver has counted ``saved`` blocks (it counts after the
+    put returns, so both are waited for; a condition with a deadline, not a pause)."""
     w, keys = worker(), block_keys(tokens)
     deadline = time.monotonic() + timeout
-    while w.client.match(keys) < len(keys):
-        assert time.monotonic() < deadline, f"only {w.client.match(keys)}/{len(keys)} blocks stored"
+    while w.client.match(keys) < len(keys) or w.stats["saved_blocks"] < saved:
+        assert time.monotonic() < deadline, (f"{w.client.match(keys)}/{len(keys)} blocks stored, "
+                                             f"{w.stats['saved_blocks']}/{saved} saves counted")
         time.sleep(0.02)
 
 
@@ -124,7 +126,7 @@ def miss_then_load(llm: LLM, tokens: list[int]) -> list[int]:
     before = dict(worker().stats)
     want, cached = generate(llm, tokens)
     assert cached == 0
-    wait_stored(tokens)
+    wait_stored(tokens, before["saved_blocks"] + PREFIX_BLOCKS)
     assert worker().stats["saved_blocks"] - before["saved_blocks"] == PREFIX_BLOCKS
     return want
 
