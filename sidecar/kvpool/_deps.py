@@ -13,6 +13,10 @@ another Python the copies cannot load, and the import fails with the reason and 
 them in the image, or ship kvpool in it with ``kvpool.io/engine-client: image``) instead of an
 ImportError from deep inside grpc.
 
+An engine image that has its own, older protobuf or grpcio keeps it (one version per process, and
+the engine's code depends on it): kvpool's generated code then fails at import with protobuf's (or
+grpc's) own version error, which names both versions.
+
 A regular install has no ``kvpool-deps`` beside the package: :func:`provide` is one ``isdir``.
 """
 
