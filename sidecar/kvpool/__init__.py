@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _deps
 from .keys import KeySpace, chain_keys
 from .planning import (
     FetchDecision,
@@ -26,6 +27,10 @@ __all__ = [
     "state_store_position",
 ]
 __version__ = "0.1.0"
+
+# An engine image given the client by injection may lack grpcio/protobuf/xxhash: the copies beside
+# the package fill in (kvpool/_deps.py); a regular install has none and this is one isdir.
+_deps.provide()
 
 
 def __getattr__(name: str) -> Any:

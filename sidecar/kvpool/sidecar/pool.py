@@ -252,15 +252,17 @@ class Pool:
                 self._seen_epoch = max(self._seen_epoch, epoch)
             self.refresh_needed.set()
 
-    def catch_up(self) -> bool:
+    def catch_up(self, routed_epoch: int | None = None) -> bool:
         """If a node answered for a newer epoch than ours, learn the ring now (one caller does,
-        the others wait for it); True when the ring changed, so the caller routes again."""
-        if self._seen_epoch <= self.ring.epoch:
-            return False
-        before = self.ring.epoch
-        with self._refresh_lock:
-            if self._seen_epoch > self.ring.epoch:
-                self.refresh_ring()
+        the others wait for it); True when the ring is not the one the caller routed under
+        (``routed_epoch``, default: the current one), so the caller routes again.  The
+        background refresh may have learnt the newer ring between the caller's round and this
+        call: that still counts as a change for the caller."""
+        before = self.ring.epoch if routed_epoch is None else routed_epoch
+        if self._seen_epoch > self.ring.epoch:
+            with self._refresh_lock:
+                if self._seen_epoch > self.ring.epoch:
+                    self.refresh_ring()
         return self.ring.epoch != before
 
     def _failed(self, node: NodeHandle, exc: BaseException) -> None:
@@ -336,8 +338,9 @@ class Pool:
     def match(self, key_array: npt.NDArray[Any], lease_ms: int) -> PoolMatch:
         """Longest prefix of ``key_array`` present in the pool (see :meth:`_match`); asked again
         when a node told us of a newer ring on the way (the first call after a ring change)."""
+        epoch = self.ring.epoch
         m = self._match(key_array, lease_ms)
-        if m.prefix < len(key_array) and self.catch_up():
+        if m.prefix < len(key_array) and self.catch_up(epoch):
             self.release(m.leases)
             m = self._match(key_array, lease_ms)
         return m
@@ -384,8 +387,9 @@ class Pool:
 
     def present(self, key_array: npt.NDArray[Any], kind: int) -> npt.NDArray[np.bool_]:
         """Per-key presence at the owners, then at the fallbacks for what is still missing."""
+        epoch = self.ring.epoch
         p = self._present(key_array, kind)
-        if not p.all() and self.catch_up():
+        if not p.all() and self.catch_up(epoch):
             p = self._present(key_array, kind)
         return p
 

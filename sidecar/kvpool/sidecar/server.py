@@ -301,10 +301,11 @@ class Sidecar(spbg.SidecarServicer):
                 dups.append((i, j))
         sub = arr[todo]
         contended: list[int] = []
+        epoch = self.pool.ring.epoch
         total = self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, self.pool.route(sub), contended,
                                   drop)
         still = np.array([found[i] is None for i in todo], dtype=bool)
-        if still.any() and self.pool.catch_up():
+        if still.any() and self.pool.catch_up(epoch):
             # A node told us of a newer ring: route what is missing again under it first.
             routes = {nid: idx[still[idx]] for nid, idx in self.pool.route(sub).items()}
             total += self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, routes, contended, drop)
@@ -580,11 +581,12 @@ class Sidecar(spbg.SidecarServicer):
             codes: dict[int, int] = {}
             for attempt in range(2):
                 views = [memoryview(copies[i]) if copies is not None else self.local.view(entries[i]) for i in sel]
+                epoch = self.pool.ring.epoch
                 got = self.pool.put([entries[i].key for i in sel], views, [entries[i].checksum for i in sel],
                                     traffic_class, kind)
                 codes.update(zip(sel, got, strict=True))
                 stale = [i for i in sel if codes[i] in (pb.DRAINING, pb.WRONG_OWNER)]
-                if not stale or attempt or not self.pool.catch_up():
+                if not stale or attempt or not self.pool.catch_up(epoch):
                     break
                 sel = stale
             for i, c in codes.items():

@@ -136,3 +136,21 @@ def test_rpc_status_decides_down(shared: Any, rng: random.Random) -> None:
         with StoreClient(f"127.0.0.1:{port}", timeout=5) as c, pytest.raises(grpc.RpcError) as gone:
             c.stub.Exists(pb.ExistsRequest(keys=b""), timeout=5)
     assert gone.value.code() == grpc.StatusCode.UNAVAILABLE and node_is_down(gone.value)
+
+
+def test_catch_up_counts_a_ring_the_background_refresh_learnt_after_the_callers_round() -> None:
+    """A reply told of epoch 2 and the refresh loop learnt it before the caller asked: the caller,
+    who routed under epoch 1, must still route again (it used to get False and keep its misses)."""
+    from kvpool.sidecar.pool import Pool
+
+    pool = Pool([])  # no seeds: nothing is asked at construction
+    try:
+        pool.set_ring(_ring(1, "a", "b"))
+        routed = pool.ring.epoch
+        pool._note_epoch(2)                # a node answered for epoch 2 ...
+        pool.set_ring(_ring(2, "a", "b", "c"))  # ... and the refresh loop learnt it first
+        assert pool.catch_up(routed) is True
+        assert pool.catch_up() is False    # nothing newer than the current ring
+        assert pool.catch_up(pool.ring.epoch) is False
+    finally:
+        pool.close()
