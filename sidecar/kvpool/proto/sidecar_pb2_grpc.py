@@ -85,6 +85,11 @@ class SidecarStub:
                 request_serializer=kvpool_dot_proto_dot_sidecar__pb2.FlushRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_sidecar__pb2.FlushReply.FromString,
                 _registered_method=True)
+        self.ReadRanges = channel.unary_unary(
+                '/kvpool.v1.Sidecar/ReadRanges',
+                request_serializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesReply.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -151,6 +156,12 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadRanges(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +214,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=kvpool_dot_proto_dot_sidecar__pb2.FlushRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_sidecar__pb2.FlushReply.SerializeToString,
+            ),
+            'ReadRanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadRanges,
+                    request_deserializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +491,33 @@ class Sidecar:
             '/kvpool.v1.Sidecar/Flush',
             kvpool_dot_proto_dot_sidecar__pb2.FlushRequest.SerializeToString,
             kvpool_dot_proto_dot_sidecar__pb2.FlushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Sidecar/ReadRanges',
+            kvpool_dot_proto_dot_sidecar__pb2.ReadRangesRequest.SerializeToString,
+            kvpool_dot_proto_dot_sidecar__pb2.ReadRangesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,7 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IN_FLIGHT: _ClassVar[Code]
     DRAINING: _ClassVar[Code]
     TOO_LARGE: _ClassVar[Code]
+    UNSUPPORTED: _ClassVar[Code]
 
 class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ WRONG_OWNER: Code
 IN_FLIGHT: Code
 DRAINING: Code
 TOO_LARGE: Code
+UNSUPPORTED: Code
 BLOCK: Kind
 STATE: Kind
 
