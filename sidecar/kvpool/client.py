@@ -2,7 +2,8 @@
 
 The client talks gRPC to its sidecar over a unix socket for metadata and maps the sidecar's
 shared-memory arena for bytes: ``get`` returns views into the arena (zero copy, valid while
-their lease holds), ``put`` costs one copy into it.  Thread-safe; a context manager.
+their lease holds), ``put`` costs one copy into it; ``get_ranges`` reads only byte ranges of an
+object (sparse attention's top-k entries) without the rest of it moving anywhere.  Thread-safe; a context manager.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from . import errors
+from . import errors, ranges
 from .keys import pack_keys as _pack_keys
 from .planning import HitPlan, plan_hit
 from .proto import sidecar_pb2 as spb
@@ -52,6 +53,29 @@ class Blocks(list[memoryview]):
             self.lease_id = 0
 
     def __enter__(self) -> Blocks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class RangeReads:
+    """The answer of :meth:`Client.get_ranges_many`: per key its code, the object's size and
+    views of its ranges in the sidecar's arena (None where the code is not OK), all held by one
+    lease until :meth:`release` or its expiry."""
+
+    def __init__(self, codes: list[int], sizes: list[int], views: list[list[memoryview] | None], client: Client,
+                 lease_id: int) -> None:
+        self.codes, self.sizes, self.views = codes, sizes, views
+        self.lease_id = lease_id
+        self._client = client
+
+    def release(self) -> None:
+        if self.lease_id:
+            self._client.release(self.lease_id)
+            self.lease_id = 0
+
+    def __enter__(self) -> RangeReads:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -170,6 +194,94 @@ class Client:
             if r.lease_id:
                 self._release_async(r.lease_id)
         return out
+
+    # -- sparse reading -----------------------------------------------------------------------
+
+    def _read_ranges(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int,
+                     verify_object: bool) -> tuple[Any, list[ranges.Pairs]]:
+        """The ReadRanges call; ranges refused here (negative, not integers, wrong shape) are
+        sent as none, so the sidecar answers INVALID for them; the normalised ranges are returned."""
+        if len(keys) != len(per_key):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(per_key)} range lists")
+        pairs = [ranges.normalize(r)[0] for r in per_key]
+        counts, blob = ranges.encode(pairs)
+        r = self._rpc(self._stub.ReadRanges, spb.ReadRangesRequest(
+            keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=kind, lease_ms=self.lease_ms,
+            verify_object=verify_object))
+        return r, pairs
+
+    def get_ranges_many(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int = pb.BLOCK,
+                        verify_object: bool = False) -> RangeReads:
+        """Sparse read of several objects: for each key a list of ``(offset, length)`` byte
+        ranges; per key a code (OK, NOT_FOUND, INVALID for ranges it cannot serve, ...) and, where
+        OK, views of exactly those ranges in the arena (zero copy; held by the lease).  Only the
+        ranges move: from the local tier in place, or from the owner node into scratch space
+        (the object is not pulled into the local tier)."""
+        if not keys:
+            return RangeReads([], [], [], self, 0)
+        r, pairs = self._read_ranges(keys, per_key, kind, verify_object)
+        ro = self._arena_ro
+        views: list[list[memoryview] | None] = []
+        at = 0
+        for c, p in zip(r.codes, pairs, strict=True):
+            if c == pb.OK:
+                views.append([ro[o:o + n] for o, n in zip(r.offsets[at:at + len(p)], p[:, 1].tolist(), strict=True)])
+            else:
+                views.append(None)
+            at += len(p)
+        return RangeReads(list(r.codes), list(r.sizes), views, self, r.lease_id)
+
+    def get_ranges(self, key: bytes, per_range: Any, kind: int = pb.BLOCK) -> Blocks:
+        """Views of byte ranges ``[(offset, length), ...]`` of one object (see
+        :meth:`get_ranges_many`); raises NotFound if absent, InvalidArgument for ranges it
+        cannot serve (out of bounds, zero length, too many)."""
+        arr, why = ranges.normalize(per_range)
+        if why:
+            raise errors.InvalidArgument(why)
+        got = self.get_ranges_many([key], [arr], kind)
+        code, size = got.codes[0], got.sizes[0]
+        views = got.views[0]
+        if code != pb.OK or views is None:
+            got.release()
+            if code == pb.INVALID and size:
+                raise errors.InvalidArgument(f"ranges cannot be served from the {size}-byte object: "
+                                             + (ranges.check(arr, size) or "too many bytes in one read"))
+            raise errors.error_for_code(code, f"ranged read of the key: {errors.code_name(code)}")
+        return Blocks(views, self, got.lease_id)
+
+    def get_ranges_into(self, keys: Sequence[bytes], per_key: Sequence[Any], buffers: Sequence[Buffer],
+                        kind: int = pb.BLOCK) -> list[int]:
+        """Copy only the byte ranges of each object, back to back in the order asked, into the
+        caller's ``buffers``; per-key codes (a buffer smaller than its ranges is INVALID and its
+        key is not asked for)."""
+        if len(keys) != len(buffers) or len(keys) != len(per_key):
+            raise errors.InvalidArgument(f"{len(keys)} keys, {len(per_key)} range lists, {len(buffers)} buffers")
+        if not keys:
+            return []
+        dsts = [as_bytes_view(b) for b in buffers]
+        norm = [ranges.normalize(r)[0] for r in per_key]
+        small = [dsts[i].nbytes < ranges.total_bytes(p) for i, p in enumerate(norm)]
+        ask = [i for i in range(len(keys)) if not small[i]]
+        codes = [pb.INVALID] * len(keys)
+        if not ask:
+            return codes
+        r, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
+        try:
+            arena = self._arena
+            at = 0
+            for j, i in enumerate(ask):
+                pairs = norm[i]
+                codes[i] = r.codes[j]
+                if r.codes[j] == pb.OK:
+                    dst, pos = dsts[i], 0
+                    for o, n in zip(r.offsets[at:at + len(pairs)], pairs[:, 1].tolist(), strict=True):
+                        dst[pos:pos + n] = arena[o:o + n]
+                        pos += n
+                at += len(pairs)
+        finally:
+            if r.lease_id:
+                self._release_async(r.lease_id)
+        return codes
 
     def _release_async(self, lease_id: int) -> None:
         """Drop a lease without waiting for the answer: the copy is done, so the caller need not
