@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from . import errors, ranges
 from .keys import pack_keys as _pack_keys
@@ -198,17 +199,19 @@ class Client:
     # -- sparse reading -----------------------------------------------------------------------
 
     def _read_ranges(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int,
-                     verify_object: bool) -> tuple[Any, list[ranges.Pairs]]:
+                     verify_object: bool) -> tuple[Any, list[tuple[ranges.Pairs, Any]], list[ranges.Pairs]]:
         """The ReadRanges call; ranges refused here (negative, not integers, wrong shape) are
-        sent as none, so the sidecar answers INVALID for them; the normalised ranges are returned."""
+        sent as none, so the sidecar answers INVALID for them.  Returns the reply, the ranges sent
+        (coalesced, with each asked range's merged index) and the ranges asked, normalised."""
         if len(keys) != len(per_key):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(per_key)} range lists")
         pairs = [ranges.normalize(r)[0] for r in per_key]
-        counts, blob = ranges.encode(pairs)
+        merged = [ranges.coalesce(p) for p in pairs]  # abutting ranges as one: fewer to move and copy
+        counts, blob = ranges.encode([m for m, _ in merged])
         r = self._rpc(self._stub.ReadRanges, spb.ReadRangesRequest(
             keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=kind, lease_ms=self.lease_ms,
             verify_object=verify_object))
-        return r, pairs
+        return r, merged, pairs
 
     def get_ranges_many(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int = pb.BLOCK,
                         verify_object: bool = False) -> RangeReads:
@@ -219,16 +222,19 @@ class Client:
         (the object is not pulled into the local tier)."""
         if not keys:
             return RangeReads([], [], [], self, 0)
-        r, pairs = self._read_ranges(keys, per_key, kind, verify_object)
+        r, merged, pairs = self._read_ranges(keys, per_key, kind, verify_object)
         ro = self._arena_ro
         views: list[list[memoryview] | None] = []
         at = 0
-        for c, p in zip(r.codes, pairs, strict=True):
+        for c, p, (m, group) in zip(r.codes, pairs, merged, strict=True):
             if c == pb.OK:
-                views.append([ro[o:o + n] for o, n in zip(r.offsets[at:at + len(p)], p[:, 1].tolist(), strict=True)])
+                # An asked range sits in its merged range at its distance from the merged start.
+                base = np.asarray(r.offsets[at:at + len(m)], np.int64)[group]
+                where = (base + (p[:, 0].astype(np.int64) - m[group, 0].astype(np.int64))).tolist()
+                views.append([ro[o:o + n] for o, n in zip(where, p[:, 1].tolist(), strict=True)])
             else:
                 views.append(None)
-            at += len(p)
+            at += len(m)
         return RangeReads(list(r.codes), list(r.sizes), views, self, r.lease_id)
 
     def get_ranges(self, key: bytes, per_range: Any, kind: int = pb.BLOCK) -> Blocks:
@@ -265,19 +271,19 @@ class Client:
         codes = [pb.INVALID] * len(keys)
         if not ask:
             return codes
-        r, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
+        r, merged, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
         try:
             arena = self._arena
             at = 0
             for j, i in enumerate(ask):
-                pairs = norm[i]
+                m = merged[j][0]  # the same back-to-back bytes as the ranges asked
                 codes[i] = r.codes[j]
                 if r.codes[j] == pb.OK:
                     dst, pos = dsts[i], 0
-                    for o, n in zip(r.offsets[at:at + len(pairs)], pairs[:, 1].tolist(), strict=True):
+                    for o, n in zip(r.offsets[at:at + len(m)], m[:, 1].tolist(), strict=True):
                         dst[pos:pos + n] = arena[o:o + n]
                         pos += n
-                at += len(pairs)
+                at += len(m)
         finally:
             if r.lease_id:
                 self._release_async(r.lease_id)

@@ -259,7 +259,8 @@ class DataSession:
                     kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True, verify_object: bool = False,
                     epoch: int = 0) -> ReadResult:
         """Read only the byte ranges ``per_key[i]`` of each object into ``buffers[i]``, back to
-        back in the order asked (a sparse read; :mod:`kvpool.ranges`).  A key without a buffer
+        back in the order asked (a sparse read; :mod:`kvpool.ranges`; abutting ranges are sent
+        as one, :func:`~kvpool.ranges.coalesce`).  A key without a buffer
         at least as large as its ranges is INVALID and not asked for; each range is verified
         against the checksum the node computed over the bytes it sent (CHECKSUM on mismatch).
         ``sizes`` of the result are the objects' sizes (0 where absent); ``checksums`` are 0."""
@@ -276,7 +277,8 @@ class DataSession:
         def part(r: range) -> None:
             sel = ask[r.start:r.stop]
             blob = b"".join(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in sel)
-            mine = [per_key[i] for i in sel]
+            # Abutting ranges travel as one: the same bytes land in the same places.
+            mine = [ranges.coalesce(per_key[i])[0] for i in sel]
             counts, packed = ranges.encode(mine)
             flat = np.concatenate(mine) if mine else np.zeros((0, 2), np.uint64)
             drop = lease_id if r.start == 0 else 0

@@ -105,6 +105,34 @@ def split(counts: Sequence[int] | npt.NDArray[Any], pairs: Pairs) -> list[Pairs]
     return [pairs[b[i]:b[i + 1]] for i in range(len(counts))]
 
 
+_COALESCE_LIMIT = 1 << 40
+"""Ranges with offsets or lengths past this are never merged (sums of them could wrap u64); the
+node refuses them anyway (no object is that large)."""
+
+
+def coalesce(pairs: Pairs) -> tuple[Pairs, npt.NDArray[np.intp]]:
+    """Runs of abutting ranges (each starting where the one before it ends) as one range, and
+    the index of the merged range each input range fell into.  The back-to-back bytes are the
+    same, so a buffer laid out for the input serves the merged ranges unchanged; a top-k of
+    neighbouring entries then costs one range (one iovec, one checksum) instead of many.  The
+    per-key range limit then counts merged ranges."""
+    m = len(pairs)
+    # A zero length is left for the node to refuse (merged away it would be served), and so
+    # are values that could wrap.
+    if m <= 1 or (pairs > _COALESCE_LIMIT).any() or (pairs[:, 1] == 0).any():
+        return pairs, np.arange(m, dtype=np.intp)
+    off, ln = pairs[:, 0], pairs[:, 1]
+    brk = np.ones(m, dtype=bool)
+    brk[1:] = off[1:] != off[:-1] + ln[:-1]
+    if brk.all():
+        return pairs, np.arange(m, dtype=np.intp)
+    first = np.flatnonzero(brk)
+    merged = np.empty((len(first), 2), _U64)
+    merged[:, 0] = off[first]
+    merged[:, 1] = np.add.reduceat(ln, first)
+    return merged, np.cumsum(brk, dtype=np.intp) - 1
+
+
 def plan(codes: Sequence[int], sizes: Sequence[int], per_key: Sequence[Pairs],
          max_ranges: int = MAX_RANGES_PER_KEY, max_bytes: int = DEFAULT_MAX_BYTES) -> list[int]:
     """Per-key codes of a ranged read: the lookup's code where it failed (NOT_FOUND, ...), else

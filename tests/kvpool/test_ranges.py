@@ -153,3 +153,37 @@ def test_unsupported_maps_through_every_form() -> None:
     assert isinstance(exc, errors.Unsupported)
     assert isinstance(errors.from_session_status(errors.session_status_for(exc)), errors.Unsupported)
     assert errors.grpc_status_for(exc).name == "UNIMPLEMENTED"
+
+
+def test_coalesce_merges_abutting_runs_and_keeps_the_layout() -> None:
+    rng = random.Random(3)
+    value = bytes(rng.randrange(256) for _ in range(4096))
+    for _ in range(300):
+        pairs = []
+        for _ in range(rng.randint(1, 12)):
+            if pairs and rng.random() < 0.6:  # abut the previous one
+                o, n = pairs[-1]
+                pairs.append((o + n, rng.randint(1, 64)))
+            else:
+                pairs.append((rng.randrange(3000), rng.randint(1, 64)))
+        arr = _pairs(*pairs)
+        merged, group = ranges.coalesce(arr)
+        flat = b"".join(value[o:o + n] for o, n in pairs)
+        assert b"".join(value[o:o + n] for o, n in merged.tolist()) == flat
+        assert len(group) == len(pairs) and group[0] == 0 and (np.diff(group) >= 0).all()
+        assert ranges.total_bytes(merged) == ranges.total_bytes(arr)
+        for j, (o, n) in enumerate(pairs):  # each asked range lies inside its merged range
+            mo, mn = merged[group[j]].tolist()
+            assert mo <= o and o + n <= mo + mn
+        # No two merged ranges abut any more.
+        assert all(int(merged[k, 0] + merged[k, 1]) != int(merged[k + 1, 0]) for k in range(len(merged) - 1))
+    full = _pairs(*[(k * 16, 16) for k in range(256)])
+    merged, group = ranges.coalesce(full)
+    assert merged.tolist() == [[0, 4096]] and group.tolist() == [0] * 256
+
+
+@pytest.mark.parametrize("pairs", [_pairs((0, 10), (10, 0)), _pairs((TOP - 1, 1), (TOP, 1)),
+                                   _pairs((0, 1 << 41), (1 << 41, 1))])
+def test_coalesce_leaves_what_the_node_must_refuse(pairs: ranges.Pairs) -> None:
+    merged, group = ranges.coalesce(pairs)
+    assert merged.tolist() == pairs.tolist() and group.tolist() == list(range(len(pairs)))
