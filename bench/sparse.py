@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             owner = lc.stores[int(owners(key, lc.store_ids)[0, 0])]
             store = StoreClient(owner)
             out = np.zeros(size, np.uint8)
-            mv = memoryview(out)
+            mv = memoryview(out.data)
             rng = random.Random(7)
 
             def check(pairs: list[tuple[int, int]], got: memoryview) -> None:

@@ -396,8 +396,8 @@ class Sidecar(spbg.SidecarServicer):
         # Local objects are checked against their size here; for the others only the shape and
         # the byte budget (the owner checks the bounds: it knows the size).
         sizes = [e.size if e is not None else 0 for e in found]
-        codes = ranges.plan([pb.OK] * n, [s if e is not None else _UNBOUNDED for s, e in zip(sizes, found, strict=True)],
-                            per_key, ranges.MAX_RANGES_PER_KEY, self.max_range_bytes)
+        bound = [s if e is not None else _UNBOUNDED for s, e in zip(sizes, found, strict=True)]
+        codes = ranges.plan([pb.OK] * n, bound, per_key, ranges.MAX_RANGES_PER_KEY, self.max_range_bytes)
         local_hits = sum(1 for e, c in zip(found, codes, strict=True) if e is not None and c == pb.OK)
         todo = [i for i in range(n) if found[i] is None and codes[i] == pb.OK]
         where: dict[int, LocalEntry] = {}

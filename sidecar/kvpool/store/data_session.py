@@ -5,9 +5,9 @@ One handler call per connection, run on the transfer server's connection thread.
 comes from the token in each frame, checked exactly as the gRPC service checks its bearer token
 (:meth:`StoreNode.authenticate`); a refused token gets an error status and no bytes.  Payload
 moves with ``sendmsg`` from arena views (GET; GET_RANGES sends only the asked ranges) and
-``recvmsg_into`` into reserved arena extents (PUT), never through Python per byte.  A PUT whose payload does not arrive whole is revoked, so a
-writer killed mid-put leaves nothing visible; a frame that does not parse closes this connection
-only.
+``recvmsg_into`` into reserved arena extents (PUT), never through Python per byte.  A PUT whose
+payload does not arrive whole is revoked, so a writer killed mid-put leaves nothing visible; a
+frame that does not parse closes this connection only.
 """
 
 from __future__ import annotations

@@ -104,10 +104,11 @@ def test_batches_mix_local_remote_missing_and_invalid(shared: Any, h: Any, rng: 
             assert got.views[2] is None and got.views[3] is None
         assert _sent(shared) - sent0 == 10 + 99_999  # the remote OK ones only
         # Into caller buffers: back to back; too small a buffer is INVALID and not asked.
-        bufs = [bytearray(15), np.zeros(10, np.uint8), bytearray(3)]
-        codes = b.get_ranges_into([keys[0], keys[3], keys[1]], [[(10, 5), (0, 10)], [(50, 10)], [(0, 4)]], bufs)
+        first, second = bytearray(15), np.zeros(10, np.uint8)
+        codes = b.get_ranges_into([keys[0], keys[3], keys[1]], [[(10, 5), (0, 10)], [(50, 10)], [(0, 4)]],
+                                  [first, second, bytearray(3)])
         assert codes == [pb.OK, pb.OK, pb.INVALID]
-        assert bytes(bufs[0]) == values[0][10:15] + values[0][:10] and bufs[1].tobytes() == values[3][50:60]
+        assert bytes(first) == values[0][10:15] + values[0][:10] and second.tobytes() == values[3][50:60]
         with pytest.raises(errors.NotFound):
             b.get_ranges(missing, [(0, 1)])
         with pytest.raises(errors.InvalidArgument, match="100000-byte object"):
