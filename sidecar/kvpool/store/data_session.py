@@ -144,8 +144,9 @@ class DataSessionHandler:
                             sent += ln
                 at += len(pairs)
             head = dp.encode_response(dp.OP_GET_RANGES, req.request_id, n, epoch=node.ring.epoch, payload_len=sent)
-            stream.send([head, dp.encode_range_table(codes, sizes, sums), *views])
+            # Counted before the first byte leaves: a client that has its bytes sees the count.
             node.note_range_read(n, sum(1 for c in codes if c == pb.OK), sent)
+            stream.send([head, dp.encode_range_table(codes, sizes, sums), *views])
         finally:
             node.read_unpin(found)
 
