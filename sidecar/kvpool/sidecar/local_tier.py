@@ -326,17 +326,20 @@ class LocalTier:
             self.on_evict(evicted)
         return out
 
-    def scratch_done(self, e: LocalEntry, lease: LocalLease, keep: bool) -> None:
+    def scratch_done(self, e: LocalEntry, lease: LocalLease, keep: bool) -> bool:
         """The fetch into scratch ``e`` ended; unless ``keep`` (its bytes go to the client) the
-        lease lets go of it at once too."""
+        lease lets go of it at once too.  False when the bytes cannot be handed out: the lease
+        expired meanwhile, so the extent is free (and may be reused) the moment this returns."""
         with self.lock:
+            live = self.leases.get(lease.lease_id) is lease
             pins = 1
-            if not keep and self.leases.get(lease.lease_id) is lease and e in lease.entries:
+            if not keep and live and e in lease.entries:
                 lease.entries.remove(e)
                 pins = 2
             e.pins -= pins
             if e.pins == 0:
                 self.arena.alloc.free(e.offset)
+            return keep and live
 
     def revoke(self, rid: int) -> None:
         with self.lock:

@@ -490,7 +490,8 @@ class Sidecar(spbg.SidecarServicer):
                             break
         finally:
             for i, e in have.items():
-                self.local.scratch_done(e, lease, keep=codes[i] == pb.OK)
+                if not self.local.scratch_done(e, lease, keep=codes[i] == pb.OK) and codes[i] == pb.OK:
+                    codes[i] = pb.LEASE_EXPIRED  # its scratch is gone: never point at a freed extent
         return {i: e for i, e in have.items() if codes[i] == pb.OK}
 
     # -- write --------------------------------------------------------------------------------
