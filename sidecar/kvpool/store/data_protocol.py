@@ -34,8 +34,9 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   order, back to back, sent straight from the arena.  A key whose ranges break a rule (empty,
   zero length, out of bounds, too many, over the byte budget) is INVALID on its own; the frame
   stays in sync.  Integrity: the whole-object checksum cannot vouch for a part, so the node hashes
-  each range it sends (XXH3-64, as for objects) and the client verifies each range it received
-  (a mismatch is the key's CHECKSUM); that covers the wire and the landing.  The object itself is
+  each range it sends (XXH3-64, as for objects; a range that is the whole object carries the
+  writer's checksum instead) and the client verifies each range it received (a mismatch is the
+  key's CHECKSUM); that covers the wire and the landing.  The object itself is
   held in flight for the send, as for GET, so its extent cannot be recycled under the reply; with
   ``FLAG_VERIFY_OBJECT`` the node also checks the whole object against the writer's checksum
   before sending any part of it (a key that fails is CHECKSUM), at the cost of hashing it all.

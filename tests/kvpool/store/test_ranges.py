@@ -140,7 +140,7 @@ def test_the_table_checksums_are_those_of_the_bytes_sent(nodes: Any, h: Any, rng
     assert c.put([key], [value]) == [pb.OK]
     raw = Raw(node)
     try:
-        pairs = [(5, 1000), (200_000, 99_999), (0, 1)]
+        pairs = [(5, 1000), (200_000, 99_999), (0, 1), (0, len(value))]  # the last: the writer's checksum
         resp, _, table, payload = raw.get_ranges([key], [pairs])
         assert table is not None and list(table.codes) == [pb.OK] and list(table.sizes) == [len(value)]
         assert payload == expected(value, pairs)
