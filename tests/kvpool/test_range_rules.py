@@ -159,7 +159,7 @@ def test_coalesce_merges_abutting_runs_and_keeps_the_layout() -> None:
     rng = random.Random(3)
     value = bytes(rng.randrange(256) for _ in range(4096))
     for _ in range(300):
-        pairs = []
+        pairs: list[tuple[int, int]] = []
         for _ in range(rng.randint(1, 12)):
             if pairs and rng.random() < 0.6:  # abut the previous one
                 o, n = pairs[-1]

@@ -56,7 +56,7 @@ trusted: the receiver raises :class:`ProtocolError` and closes that connection o
 from __future__ import annotations
 
 import struct
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -325,8 +325,8 @@ def decode_get_table(resp: Response, body: bytes | bytearray | memoryview) -> Ge
     return GetTable(codes, sizes, sums)
 
 
-def encode_range_table(codes: npt.NDArray[np.uint8] | list[int], sizes: npt.NDArray[np.uint64] | list[int],
-                       checksums: npt.NDArray[np.uint64] | list[int]) -> bytes:
+def encode_range_table(codes: npt.NDArray[np.uint8] | Sequence[int], sizes: npt.NDArray[np.uint64] | Sequence[int],
+                       checksums: npt.NDArray[np.uint64] | Sequence[int]) -> bytes:
     """The GET_RANGES table: codes u8 × n, object sizes u64 × n, checksums u64 × ranges."""
     return (np.asarray(codes, np.uint8).tobytes() + np.asarray(sizes, _U64).tobytes()
             + np.asarray(checksums, _U64).tobytes())

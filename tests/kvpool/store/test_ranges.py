@@ -189,9 +189,10 @@ def test_every_broken_rule_is_invalid_per_key_and_the_stream_stays_in_sync(nodes
     finally:
         raw.close()
     # Through the client: ranges refused before sending, and buffers that are too small.
-    for pairs in ([(-1, 4)], [(0, -4)], [(0, 1.5)], [[1, 2, 3]], "junk"):
+    refused: list[Any] = [[(-1, 4)], [(0, -4)], [(0, 1.5)], [[1, 2, 3]], "junk"]
+    for given in refused:
         with pytest.raises(errors.InvalidArgument):
-            c.get_ranges(keys[0], pairs)
+            c.get_ranges(keys[0], given)
     asked = int(c.stats().counters["range_reads"])
     r = c.read_ranges([keys[0], keys[0], keys[0]], [[(0, 10)], [(-5, 1)], [(0, 10)]],
                       [memoryview(bytearray(9)), memoryview(bytearray(1)), None])
