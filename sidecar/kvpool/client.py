@@ -113,6 +113,7 @@ class Client:
         self._pending_matches: OrderedDict[bytes, int] = OrderedDict()  # first key → match lease
         self.max_pending_matches = 1024
         self._inflight: set[Any] = set()
+        self._done_range_leases: list[int] = []  # see _range_lease_done
 
     def _rpc(self, method: Any, request: Any) -> Any:
         try:
@@ -208,10 +209,23 @@ class Client:
         pairs = [ranges.normalize(r)[0] for r in per_key]
         merged = [ranges.coalesce(p) for p in pairs]  # abutting ranges as one: fewer to move and copy
         counts, blob = ranges.encode([m for m, _ in merged])
+        with self._lock:
+            done, self._done_range_leases = self._done_range_leases, []
         r = self._rpc(self._stub.ReadRanges, spb.ReadRangesRequest(
             keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=kind, lease_ms=self.lease_ms,
-            verify_object=verify_object))
+            verify_object=verify_object, release_lease_ids=done))
         return r, merged, pairs
+
+    def _range_lease_done(self, lease_id: int) -> None:
+        """A ranged read's lease whose bytes were copied out: dropped by the next ranged read in
+        its own call (no second round trip per read), or, past a few, in one release now; one
+        that no call follows ends with its lease (``lease_ms``)."""
+        with self._lock:
+            self._done_range_leases.append(lease_id)
+            if len(self._done_range_leases) < 16:
+                return
+            done, self._done_range_leases = self._done_range_leases, []
+        self._release_many_async(done)
 
     def get_ranges_many(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int = pb.BLOCK,
                         verify_object: bool = False) -> RangeReads:
@@ -286,15 +300,18 @@ class Client:
                 at += len(m)
         finally:
             if r.lease_id:
-                self._release_async(r.lease_id)
+                self._range_lease_done(r.lease_id)
         return codes
 
     def _release_async(self, lease_id: int) -> None:
         """Drop a lease without waiting for the answer: the copy is done, so the caller need not
         pay a second round trip (~0.3-1 ms); a lost release expires with the lease."""
-        if self._closed:
+        self._release_many_async([lease_id])
+
+    def _release_many_async(self, lease_ids: list[int]) -> None:
+        if self._closed or not lease_ids:
             return
-        fut = self._stub.Release.future(spb.LeaseRequest(lease_ids=[lease_id]), timeout=self.timeout)
+        fut = self._stub.Release.future(spb.LeaseRequest(lease_ids=lease_ids), timeout=self.timeout)
         with self._lock:
             self._inflight.add(fut)  # a collected future cancels its call
         fut.add_done_callback(self._forget)
@@ -392,6 +409,13 @@ class Client:
         with self._lock:
             if self._closed:
                 return
+            done, self._done_range_leases = self._done_range_leases, []
+        if done:
+            try:
+                self._rpc(self._stub.Release, spb.LeaseRequest(lease_ids=done))
+            except errors.KvpoolError:
+                pass  # they expire with their leases
+        with self._lock:
             self._closed = True
         self._channel.close()
         try:

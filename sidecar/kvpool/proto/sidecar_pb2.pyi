@@ -159,20 +159,22 @@ class FlushReply(_message.Message):
     def __init__(self, flushed_objects: _Optional[int] = ..., flushed_bytes: _Optional[int] = ..., dropped_objects: _Optional[int] = ...) -> None: ...
 
 class ReadRangesRequest(_message.Message):
-    __slots__ = ("keys", "counts", "ranges", "kind", "lease_ms", "verify_object")
+    __slots__ = ("keys", "counts", "ranges", "kind", "lease_ms", "verify_object", "release_lease_ids")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     counts: _containers.RepeatedScalarFieldContainer[int]
     ranges: bytes
     kind: _store_pb2.Kind
     lease_ms: int
     verify_object: bool
-    def __init__(self, keys: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ..., ranges: _Optional[bytes] = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., lease_ms: _Optional[int] = ..., verify_object: _Optional[bool] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ..., ranges: _Optional[bytes] = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., lease_ms: _Optional[int] = ..., verify_object: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadRangesReply(_message.Message):
     __slots__ = ("codes", "sizes", "offsets", "lease_id", "lease_expires_unix_ms", "local_hits", "pool_hits", "pool_bytes")

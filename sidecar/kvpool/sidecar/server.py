@@ -380,6 +380,8 @@ class Sidecar(spbg.SidecarServicer):
         in place (the client copies only them); a missing object's ranges are read from its owner
         — those bytes only — into a scratch extent of the arena that the lease holds and its end
         frees: the object is never pulled whole, nor cached here."""
+        if request.release_lease_ids:  # the client's copies out of them are done
+            self.local.release(list(request.release_lease_ids))
         keys, arr = self._keys(request.keys, context)
         kind = self._kind(request.kind, context)
         n = len(keys)

@@ -137,3 +137,25 @@ def test_a_released_range_read_frees_its_scratch(shared: Any, reader: int, h: An
         assert bytes(got[0]) == value[:1 * MiB]
         got.release()
         assert b.stats().local_used_bytes == used0
+
+
+def test_copies_release_their_lease_in_the_next_call(shared: Any, reader: int, h: Any, rng: random.Random) -> None:
+    """``get_ranges_into`` pays one round trip: its lease (holding pool ranges' scratch) is
+    dropped by the next ranged read, or when the client closes."""
+    with shared.connect(0) as a:
+        [key] = h.keys(rng, 1)
+        [value] = h.values(rng, [2 * MiB])
+        assert a.put([key], [value]) == [pb.OK]
+        _settled(h, a)
+    c = shared.connect(reader)
+    try:
+        buf = bytearray(1 * MiB)
+        assert c.stats().local_used_bytes == 0
+        assert c.get_ranges_into([key], [[(1 * MiB, 1 * MiB)]], [buf]) == [pb.OK] and bytes(buf) == value[1 * MiB:]
+        assert c.stats().local_used_bytes >= 1 * MiB  # held until the next call
+        assert c.get_ranges_into([key], [[(0, 4 * KiB)]], [buf]) == [pb.OK] and bytes(buf[:4 * KiB]) == value[:4 * KiB]
+        assert 0 < c.stats().local_used_bytes < 1 * MiB  # the first one gone, the second held
+    finally:
+        c.close()
+    with shared.connect(reader) as d:
+        assert d.stats().local_used_bytes == 0
