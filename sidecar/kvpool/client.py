@@ -2,7 +2,8 @@
 
 The client talks gRPC to its sidecar over a unix socket for metadata and maps the sidecar's
 shared-memory arena for bytes: ``get`` returns views into the arena (zero copy, valid while
-their lease holds), ``put`` costs one copy into it.  Thread-safe; a context manager.
+their lease holds), ``put`` costs one copy into it; ``get_ranges`` reads only byte ranges of an
+object (sparse attention's top-k entries) without the rest of it moving anywhere.  Thread-safe; a context manager.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
-from . import errors
+from . import errors, ranges
 from . import handoff as _ho
 from .keys import pack_keys as _pack_keys
 from .planning import HitPlan, plan_hit, state_store_position
@@ -120,6 +122,29 @@ class HandoffResult:
         self.release()
 
 
+class RangeReads:
+    """The answer of :meth:`Client.get_ranges_many`: per key its code, the object's size and
+    views of its ranges in the sidecar's arena (None where the code is not OK), all held by one
+    lease until :meth:`release` or its expiry."""
+
+    def __init__(self, codes: list[int], sizes: list[int], views: list[list[memoryview] | None], client: Client,
+                 lease_id: int) -> None:
+        self.codes, self.sizes, self.views = codes, sizes, views
+        self.lease_id = lease_id
+        self._client = client
+
+    def release(self) -> None:
+        if self.lease_id:
+            self._client.release(self.lease_id)
+            self.lease_id = 0
+
+    def __enter__(self) -> RangeReads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class Client:
     """A connection to one sidecar."""
 
@@ -153,6 +178,7 @@ class Client:
         self._pending_matches: OrderedDict[bytes, int] = OrderedDict()  # first key → match lease
         self.max_pending_matches = 1024
         self._inflight: set[Any] = set()
+        self._done_range_leases: list[int] = []  # see _range_lease_done
 
     def _rpc(self, method: Any, request: Any) -> Any:
         try:
@@ -236,12 +262,121 @@ class Client:
                 self._release_async(r.lease_id)
         return out
 
+    # -- sparse reading -----------------------------------------------------------------------
+
+    def _read_ranges(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int,
+                     verify_object: bool) -> tuple[Any, list[tuple[ranges.Pairs, Any]], list[ranges.Pairs]]:
+        """The ReadRanges call; ranges refused here (negative, not integers, wrong shape) are
+        sent as none, so the sidecar answers INVALID for them.  Returns the reply, the ranges sent
+        (coalesced, with each asked range's merged index) and the ranges asked, normalised."""
+        if len(keys) != len(per_key):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(per_key)} range lists")
+        pairs = [ranges.normalize(r)[0] for r in per_key]
+        merged = [ranges.coalesce(p) for p in pairs]  # abutting ranges as one: fewer to move and copy
+        counts, blob = ranges.encode([m for m, _ in merged])
+        with self._lock:
+            done, self._done_range_leases = self._done_range_leases, []
+        r = self._rpc(self._stub.ReadRanges, spb.ReadRangesRequest(
+            keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=kind, lease_ms=self.lease_ms,
+            verify_object=verify_object, release_lease_ids=done))
+        return r, merged, pairs
+
+    def _range_lease_done(self, lease_id: int) -> None:
+        """A ranged read's lease whose bytes were copied out: dropped by the next ranged read in
+        its own call (no second round trip per read), or, past a few, in one release now; one
+        that no call follows ends with its lease (``lease_ms``)."""
+        with self._lock:
+            self._done_range_leases.append(lease_id)
+            if len(self._done_range_leases) < 16:
+                return
+            done, self._done_range_leases = self._done_range_leases, []
+        self._release_many_async(done)
+
+    def get_ranges_many(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int = pb.BLOCK,
+                        verify_object: bool = False) -> RangeReads:
+        """Sparse read of several objects: for each key a list of ``(offset, length)`` byte
+        ranges; per key a code (OK, NOT_FOUND, INVALID for ranges it cannot serve, ...) and, where
+        OK, views of exactly those ranges in the arena (zero copy; held by the lease).  Only the
+        ranges move: from the local tier in place, or from the owner node into scratch space
+        (the object is not pulled into the local tier)."""
+        if not keys:
+            return RangeReads([], [], [], self, 0)
+        r, merged, pairs = self._read_ranges(keys, per_key, kind, verify_object)
+        ro = self._arena_ro
+        views: list[list[memoryview] | None] = []
+        at = 0
+        for c, p, (m, group) in zip(r.codes, pairs, merged, strict=True):
+            if c == pb.OK:
+                # An asked range sits in its merged range at its distance from the merged start.
+                base = np.asarray(r.offsets[at:at + len(m)], np.int64)[group]
+                where = (base + (p[:, 0].astype(np.int64) - m[group, 0].astype(np.int64))).tolist()
+                views.append([ro[o:o + n] for o, n in zip(where, p[:, 1].tolist(), strict=True)])
+            else:
+                views.append(None)
+            at += len(m)
+        return RangeReads(list(r.codes), list(r.sizes), views, self, r.lease_id)
+
+    def get_ranges(self, key: bytes, per_range: Any, kind: int = pb.BLOCK) -> Blocks:
+        """Views of byte ranges ``[(offset, length), ...]`` of one object (see
+        :meth:`get_ranges_many`); raises NotFound if absent, InvalidArgument for ranges it
+        cannot serve (out of bounds, zero length, too many)."""
+        arr, why = ranges.normalize(per_range)
+        if why:
+            raise errors.InvalidArgument(why)
+        got = self.get_ranges_many([key], [arr], kind)
+        code, size = got.codes[0], got.sizes[0]
+        views = got.views[0]
+        if code != pb.OK or views is None:
+            got.release()
+            if code == pb.INVALID and size:
+                raise errors.InvalidArgument(f"ranges cannot be served from the {size}-byte object: "
+                                             + (ranges.check(arr, size) or "too many bytes in one read"))
+            raise errors.error_for_code(code, f"ranged read of the key: {errors.code_name(code)}")
+        return Blocks(views, self, got.lease_id)
+
+    def get_ranges_into(self, keys: Sequence[bytes], per_key: Sequence[Any], buffers: Sequence[Buffer],
+                        kind: int = pb.BLOCK) -> list[int]:
+        """Copy only the byte ranges of each object, back to back in the order asked, into the
+        caller's ``buffers``; per-key codes (a buffer smaller than its ranges is INVALID and its
+        key is not asked for)."""
+        if len(keys) != len(buffers) or len(keys) != len(per_key):
+            raise errors.InvalidArgument(f"{len(keys)} keys, {len(per_key)} range lists, {len(buffers)} buffers")
+        if not keys:
+            return []
+        dsts = [as_bytes_view(b) for b in buffers]
+        norm = [ranges.normalize(r)[0] for r in per_key]
+        small = [dsts[i].nbytes < ranges.total_bytes(p) for i, p in enumerate(norm)]
+        ask = [i for i in range(len(keys)) if not small[i]]
+        codes = [pb.INVALID] * len(keys)
+        if not ask:
+            return codes
+        r, merged, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
+        try:
+            arena = self._arena
+            at = 0
+            for j, i in enumerate(ask):
+                m = merged[j][0]  # the same back-to-back bytes as the ranges asked
+                codes[i] = r.codes[j]
+                if r.codes[j] == pb.OK:
+                    dst, pos = dsts[i], 0
+                    for o, n in zip(r.offsets[at:at + len(m)], m[:, 1].tolist(), strict=True):
+                        dst[pos:pos + n] = arena[o:o + n]
+                        pos += n
+                at += len(m)
+        finally:
+            if r.lease_id:
+                self._range_lease_done(r.lease_id)
+        return codes
+
     def _release_async(self, lease_id: int) -> None:
         """Drop a lease without waiting for the answer: the copy is done, so the caller need not
         pay a second round trip (~0.3-1 ms); a lost release expires with the lease."""
-        if self._closed:
+        self._release_many_async([lease_id])
+
+    def _release_many_async(self, lease_ids: list[int]) -> None:
+        if self._closed or not lease_ids:
             return
-        fut = self._stub.Release.future(spb.LeaseRequest(lease_ids=[lease_id]), timeout=self.timeout)
+        fut = self._stub.Release.future(spb.LeaseRequest(lease_ids=lease_ids), timeout=self.timeout)
         with self._lock:
             self._inflight.add(fut)  # a collected future cancels its call
         fut.add_done_callback(self._forget)
@@ -400,6 +535,13 @@ class Client:
         with self._lock:
             if self._closed:
                 return
+            done, self._done_range_leases = self._done_range_leases, []
+        if done:
+            try:
+                self._rpc(self._stub.Release, spb.LeaseRequest(lease_ids=done))
+            except errors.KvpoolError:
+                pass  # they expire with their leases
+        with self._lock:
             self._closed = True
         self._channel.close()
         try:

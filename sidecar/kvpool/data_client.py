@@ -1,6 +1,6 @@
 """Client of one store node's data session (:mod:`kvpool.store.data_protocol`).
 
-One round trip per get and exists (two short frames around the payload per put), over a small
+One round trip per get, ranged get and exists (two short frames around the payload per put), over a small
 pool of persistent connections to the node's transfer port.  A batch of several objects is cut
 into ``connections`` parts sent concurrently, one per connection, so the bytes of one batch move
 over several streams (the GIL is released in every ``recvmsg_into``/``sendmsg``; checksums of one
@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from . import errors
+from . import errors, ranges
 from .keys import KEY_BYTES
 from .proto import store_pb2 as pb
 from .store import data_protocol as dp
@@ -254,6 +254,75 @@ class DataSession:
                 codes[i] = pb.INVALID
             elif verify and checksum(buf) != sums[i]:
                 codes[i] = pb.CHECKSUM
+
+    def read_ranges(self, keys: bytes, per_key: Sequence[ranges.Pairs], buffers: Sequence[memoryview | None],
+                    kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True, verify_object: bool = False,
+                    epoch: int = 0) -> ReadResult:
+        """Read only the byte ranges ``per_key[i]`` of each object into ``buffers[i]``, back to
+        back in the order asked (a sparse read; :mod:`kvpool.ranges`; abutting ranges are sent
+        as one, :func:`~kvpool.ranges.coalesce`).  A key without a buffer
+        at least as large as its ranges is INVALID and not asked for; each range is verified
+        against the checksum the node computed over the bytes it sent (CHECKSUM on mismatch).
+        ``sizes`` of the result are the objects' sizes (0 where absent); ``checksums`` are 0."""
+        n = len(keys) // KEY_BYTES
+        if len(per_key) != n or len(buffers) != n:
+            raise errors.InvalidArgument(f"{n} keys, {len(per_key)} range lists, {len(buffers)} buffers")
+        codes: list[int] = [pb.INVALID] * n
+        sizes = [0] * n
+        epochs = [0]
+        ask = [i for i in range(n) if buffers[i] is not None
+               and buffers[i].nbytes >= ranges.total_bytes(per_key[i])]  # type: ignore[union-attr]
+        flags = dp.FLAG_VERIFY_OBJECT if verify_object else 0
+
+        def part(r: range) -> None:
+            sel = ask[r.start:r.stop]
+            blob = b"".join(keys[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in sel)
+            # Abutting ranges travel as one: the same bytes land in the same places.
+            mine = [ranges.coalesce(per_key[i])[0] for i in sel]
+            counts, packed = ranges.encode(mine)
+            flat = np.concatenate(mine) if mine else np.zeros((0, 2), np.uint64)
+            drop = lease_id if r.start == 0 else 0
+
+            def run(stream: Stream, rid: int) -> None:
+                stream.send(dp.encode_request(dp.OP_GET_RANGES, rid, self._token, blob, kind=kind, flags=flags,
+                                              lease_id=drop, epoch=epoch, ranges=(counts, packed)))
+                resp, body = self._response(stream, rid, dp.OP_GET_RANGES)
+                if resp.items != len(sel):
+                    raise dp.ProtocolError(f"GET_RANGES answered {resp.items} keys of {len(sel)}")
+                trailer = bytearray(8 * len(flat))
+                if trailer:
+                    stream.recv_exact(trailer)
+                table = dp.decode_range_table(resp, body, trailer, counts, flat)
+                part_codes = table.codes.tolist()
+                part_sizes = table.sizes.tolist()
+                sums = table.checksums.tolist()
+                targets: list[memoryview] = []
+                for j, i in enumerate(sel):
+                    codes[i], sizes[i] = part_codes[j], part_sizes[j]
+                    if part_codes[j] == pb.OK:
+                        targets.append(buffers[i][:ranges.total_bytes(mine[j])])  # type: ignore[index]
+                if targets:
+                    stream.recv_buffers(targets)
+                epochs.append(resp.epoch)
+                if not verify:
+                    return
+                at = 0
+                for j, i in enumerate(sel):
+                    pairs = mine[j]
+                    if codes[i] == pb.OK:
+                        buf = buffers[i]
+                        assert buf is not None
+                        pos = 0
+                        for k, ln in enumerate(pairs[:, 1].tolist()):
+                            if checksum(buf[pos:pos + ln]) != sums[at + k]:
+                                codes[i] = pb.CHECKSUM
+                                break
+                            pos += ln
+                    at += len(pairs)
+            self._call(run)
+
+        self._parallel(split_parts(len(ask), self.connections), part)
+        return ReadResult(codes, sizes, [0] * n, max(epochs))
 
     def put(self, keys: bytes, views: Sequence[memoryview], checksums: Sequence[int] | None = None,
             traffic_class: str = "chatbot", kind: int = pb.BLOCK, timeout_ms: int = 0,

@@ -94,12 +94,19 @@ class HandoffExpired(KvpoolError):
     code = pb.HANDOFF_EXPIRED
 
 
+class Unsupported(KvpoolError):
+    """The peer cannot serve this call at all (a ranged read of a node without the data session)."""
+
+    code = pb.UNSUPPORTED
+
+
 _BY_CODE: dict[int, type[KvpoolError]] = {
     pb.NOT_FOUND: NotFound, pb.QUOTA_EXCEEDED: QuotaExceeded, pb.NO_SPACE: NoSpace,
     pb.LEASE_EXPIRED: LeaseExpired, pb.CHECKSUM: ChecksumMismatch, pb.INVALID: InvalidArgument,
     pb.WRONG_OWNER: WrongOwner, pb.IN_FLIGHT: InFlight, pb.DRAINING: Draining,
     pb.TOO_LARGE: TooLarge, pb.WRONG_TENANT: WrongTenant, pb.HANDOFF_INVALID: HandoffInvalid,
     pb.HANDOFF_EXPIRED: HandoffExpired,
+    pb.UNSUPPORTED: Unsupported,
 }
 
 GRPC_STATUS: dict[type[KvpoolError], grpc.StatusCode] = {
@@ -113,6 +120,7 @@ GRPC_STATUS: dict[type[KvpoolError], grpc.StatusCode] = {
     WrongOwner: grpc.StatusCode.FAILED_PRECONDITION,
     Draining: grpc.StatusCode.UNAVAILABLE,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unsupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 _FROM_GRPC: dict[grpc.StatusCode, type[KvpoolError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -121,6 +129,7 @@ _FROM_GRPC: dict[grpc.StatusCode, type[KvpoolError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpace,
     grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
+    grpc.StatusCode.UNIMPLEMENTED: Unsupported,
 }
 
 
@@ -128,7 +137,7 @@ SESSION_OK = 0
 """Call status of a data-session frame that succeeded (its per-item codes say the rest)."""
 SESSION_STATUS: dict[type[KvpoolError], int] = {
     KvpoolError: 1, InvalidArgument: 2, Unauthenticated: 3, PermissionDenied: 4, Draining: 5,
-    Unavailable: 6, TooLarge: 7,
+    Unavailable: 6, TooLarge: 7, Unsupported: 8,
 }
 _FROM_SESSION: dict[int, type[KvpoolError]] = {v: k for k, v in SESSION_STATUS.items()}
 

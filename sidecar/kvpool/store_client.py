@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from . import errors
+from . import errors, ranges
 from .data_client import DataSession, Dest, ExistsReply, ReadResult
-from .keys import pack_keys, unpack_keys
+from .keys import KEY_BYTES, pack_keys, unpack_keys
 from .proto import store_pb2 as pb
 from .proto import store_pb2_grpc as pbg
 from .store.tiers import checksum
@@ -343,6 +343,51 @@ class StoreClient:
             self.release_async([plan.lease_id])
         codes = [pb.INVALID if c == pb.OK and bufs[i] is None else c for i, c in enumerate(codes)]
         return ReadResult(codes, plan.sizes, plan.checksums, plan.epoch)
+
+    def read_ranges(self, keys: Sequence[bytes] | bytes, per_key: Sequence[Any], buffers: Sequence[memoryview | None],
+                    kind: int = pb.BLOCK, lease_id: int = 0, verify_object: bool = False) -> ReadResult:
+        """Sparse read: only the byte ranges ``per_key[i]`` (``(offset, length)`` pairs) of each
+        object, back to back into ``buffers[i]``; per-item codes (INVALID for ranges that break a
+        rule of :mod:`kvpool.ranges` or a buffer too small, NOT_FOUND, CHECKSUM) and the objects'
+        sizes.  Only over the data session: a node without one raises
+        :class:`~kvpool.errors.Unsupported` (the gRPC API has no ranged read)."""
+        blob = keys if isinstance(keys, bytes) else pack_keys(keys)
+        n = len(blob) // KEY_BYTES
+        if len(per_key) != n or len(buffers) != n:
+            raise errors.InvalidArgument(f"{n} keys, {len(per_key)} range lists, {len(buffers)} buffers")
+        pairs: list[ranges.Pairs] = []
+        bad: list[int] = []
+        for i, rs in enumerate(per_key):
+            arr, why = ranges.normalize(rs)
+            pairs.append(arr)
+            if why:
+                bad.append(i)  # refused here: sent as no buffer, so never asked for
+        ds = self.session()
+        if ds is None:
+            raise errors.Unsupported(f"store node {self.address} serves no data session: no ranged reads")
+        refused = set(bad)
+        bufs = [None if i in refused else (as_bytes_view(b) if b is not None else None)
+                for i, b in enumerate(buffers)]
+        with self._session_call(ds):
+            r = ds.read_ranges(blob, pairs, bufs, kind, lease_id, self.verify, verify_object, self.epoch_seen)
+        self._seen(r.epoch)
+        return r
+
+    def get_ranges(self, key: bytes, per_range: Any, kind: int = pb.BLOCK) -> bytearray | None:
+        """Convenience sparse read of one object (tests, tools): its ranges back to back, None if
+        absent; :class:`~kvpool.errors.InvalidArgument` for ranges it cannot serve."""
+        arr, why = ranges.normalize(per_range)
+        if why:
+            raise errors.InvalidArgument(why)
+        out = bytearray(ranges.total_bytes(arr))
+        r = self.read_ranges([key], [arr], [memoryview(out)], kind)
+        code = r.codes[0]
+        if code == pb.NOT_FOUND:
+            return None
+        if code != pb.OK:
+            raise errors.error_for_code(code, f"ranged read: {errors.code_name(code)}"
+                                        + (f" (object of {r.sizes[0]} bytes)" if r.sizes[0] else ""))
+        return out
 
     def get(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[bytearray | None]:
         """Convenience read into fresh buffers (tests, tools); None for misses."""

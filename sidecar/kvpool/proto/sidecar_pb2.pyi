@@ -178,6 +178,44 @@ class FlushReply(_message.Message):
     dropped_objects: int
     def __init__(self, flushed_objects: _Optional[int] = ..., flushed_bytes: _Optional[int] = ..., dropped_objects: _Optional[int] = ...) -> None: ...
 
+class ReadRangesRequest(_message.Message):
+    __slots__ = ("keys", "counts", "ranges", "kind", "lease_ms", "verify_object", "release_lease_ids")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    ranges: bytes
+    kind: _store_pb2.Kind
+    lease_ms: int
+    verify_object: bool
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ..., ranges: _Optional[bytes] = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., lease_ms: _Optional[int] = ..., verify_object: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReadRangesReply(_message.Message):
+    __slots__ = ("codes", "sizes", "offsets", "lease_id", "lease_expires_unix_ms", "local_hits", "pool_hits", "pool_bytes")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    POOL_HITS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    codes: _containers.RepeatedScalarFieldContainer[_store_pb2.Code]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: int
+    lease_expires_unix_ms: int
+    local_hits: int
+    pool_hits: int
+    pool_bytes: int
+    def __init__(self, codes: _Optional[_Iterable[_Union[_store_pb2.Code, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., local_hits: _Optional[int] = ..., pool_hits: _Optional[int] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
+
 class PublishPrefillRequest(_message.Message):
     __slots__ = ("keys", "prompt_tokens", "block_tokens", "state_position", "hold_ms", "record_ttl_ms", "timeout_ms")
     KEYS_FIELD_NUMBER: _ClassVar[int]

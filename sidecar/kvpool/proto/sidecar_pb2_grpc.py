@@ -95,6 +95,11 @@ class SidecarStub:
                 request_serializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffReply.FromString,
                 _registered_method=True)
+        self.ReadRanges = channel.unary_unary(
+                '/kvpool.v1.Sidecar/ReadRanges',
+                request_serializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesReply.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -174,6 +179,13 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadRanges(self, request, context):
+        """Sparse reads (get_ranges): only the asked byte ranges of each object.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +248,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.AcceptHandoff,
                     request_deserializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffReply.SerializeToString,
+            ),
+            'ReadRanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadRanges,
+                    request_deserializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_sidecar__pb2.ReadRangesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +579,33 @@ class Sidecar:
             '/kvpool.v1.Sidecar/AcceptHandoff',
             kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffRequest.SerializeToString,
             kvpool_dot_proto_dot_sidecar__pb2.AcceptHandoffReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Sidecar/ReadRanges',
+            kvpool_dot_proto_dot_sidecar__pb2.ReadRangesRequest.SerializeToString,
+            kvpool_dot_proto_dot_sidecar__pb2.ReadRangesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,7 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WRONG_TENANT: _ClassVar[Code]
     HANDOFF_INVALID: _ClassVar[Code]
     HANDOFF_EXPIRED: _ClassVar[Code]
+    UNSUPPORTED: _ClassVar[Code]
 
 class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ TOO_LARGE: Code
 WRONG_TENANT: Code
 HANDOFF_INVALID: Code
 HANDOFF_EXPIRED: Code
+UNSUPPORTED: Code
 BLOCK: Kind
 STATE: Kind
 

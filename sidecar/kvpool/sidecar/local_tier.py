@@ -297,6 +297,50 @@ class LocalTier:
                     out.append(None)
         return out, pending
 
+    def scratch(self, sizes: Sequence[int], lease: LocalLease) -> list[LocalEntry | None]:
+        """Arena extents outside the index, for bytes that are not whole objects (the ranges of a
+        sparse read fetched from the pool): never matched, cached or evicted; held by ``lease``
+        and by the fetch itself (two pins), so a lease that expires while the bytes are still
+        landing cannot free the extent under them (:meth:`scratch_done` drops the fetch's pin).
+        None where there is no room (even after evicting cached objects) or the lease is gone."""
+        out: list[LocalEntry | None] = []
+        evicted: list[tuple[LocalEntry, bytes]] = []
+        with self.lock:
+            live = self.leases.get(lease.lease_id) is lease
+            for s in sizes:
+                if not live or s <= 0 or self.arena.alloc.rounded(s) > self.capacity:
+                    out.append(None)
+                    continue
+                try:
+                    off = self._alloc_evicting(s, evicted)
+                except OutOfSpace:
+                    self.counters["refused_space"] += 1
+                    out.append(None)
+                    continue
+                e = LocalEntry(b"", -1, "", s, off)
+                e.state = DEAD  # freed by the last unpin, as a removed object would be
+                e.pins = 2
+                lease.entries.append(e)
+                out.append(e)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        return out
+
+    def scratch_done(self, e: LocalEntry, lease: LocalLease, keep: bool) -> bool:
+        """The fetch into scratch ``e`` ended; unless ``keep`` (its bytes go to the client) the
+        lease lets go of it at once too.  False when the bytes cannot be handed out: the lease
+        expired meanwhile, so the extent is free (and may be reused) the moment this returns."""
+        with self.lock:
+            live = self.leases.get(lease.lease_id) is lease
+            pins = 1
+            if not keep and live and e in lease.entries:
+                lease.entries.remove(e)
+                pins = 2
+            e.pins -= pins
+            if e.pins == 0:
+                self.arena.alloc.free(e.offset)
+            return keep and live
+
     def revoke(self, rid: int) -> None:
         with self.lock:
             res = self.reservations.pop(rid, None)

@@ -450,6 +450,25 @@ class Pool:
         self._note_epoch(r.epoch)
         return r
 
+    def read_ranges(self, nid: str, key_array: npt.NDArray[Any], per_key: Sequence[Any],
+                    buffers: Sequence[memoryview | None], kind: int, verify_object: bool = False) -> ReadResult | None:
+        """Sparse read at node ``nid``: only ``per_key[i]``'s byte ranges, into ``buffers[i]``
+        (:meth:`StoreClient.read_ranges`); None when the node is down or failed, UNSUPPORTED per
+        key when it serves no data session (not a failure: it is up, it just cannot)."""
+        node = self._up(nid)
+        if node is None or len(key_array) == 0:
+            return None
+        try:
+            r = node.client.read_ranges(key_array.tobytes(), per_key, buffers, kind, verify_object=verify_object)
+        except errors.Unsupported:
+            n = len(key_array)
+            return ReadResult([pb.UNSUPPORTED] * n, [0] * n, [0] * n, 0)
+        except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
+            self._failed(node, exc)
+            return None
+        self._note_epoch(r.epoch)
+        return r
+
     # -- put ----------------------------------------------------------------------------------
 
     def put(self, keys: list[bytes], views: list[memoryview], checksums: list[int], traffic_class: str,

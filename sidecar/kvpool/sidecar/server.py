@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from .. import __version__
+from .. import __version__, ranges
 from ..cli import parse_bytes
 from ..events import MEDIUM_LOCAL, EventPublisher, EventsConfig, add_event_args, events_config
 from ..keys import KEY_BYTES
@@ -42,6 +42,9 @@ from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import UNREACHABLE, Pool
 
 log = logging.getLogger("kvpool.sidecar")
+
+_UNBOUNDED = (1 << 64) - 1
+"""Size to check a non-local object's ranges against: only their shape (its owner knows the size)."""
 
 
 @dataclass
@@ -127,6 +130,8 @@ class Sidecar(spbg.SidecarServicer):
                                       cfg.max_handoff_hold_ms)
         bound = self.local.capacity // 8 if cfg.copy_over_bytes < 0 else cfg.copy_over_bytes
         self.copy_over = CopyOver(self._pin_for_copy, self._copy_to_owner, self.counters, bound) if bound else None
+        self.max_range_bytes = min(ranges.DEFAULT_MAX_BYTES, self.local.capacity // 2)
+        """Bytes one ranged read may ask for (the pool's ranges need scratch space in the arena)."""
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -398,6 +403,129 @@ class Sidecar(spbg.SidecarServicer):
         if len(jobs) == 1:
             return run(jobs[0])
         return sum(self._fetchers.map(run, jobs))
+
+    # -- sparse read --------------------------------------------------------------------------
+
+    def ReadRanges(self, request: spb.ReadRangesRequest, context: grpc.ServicerContext) -> spb.ReadRangesReply:
+        """Byte ranges of objects (:mod:`kvpool.ranges`): a local object's ranges are pointed at
+        in place (the client copies only them); a missing object's ranges are read from its owner
+        — those bytes only — into a scratch extent of the arena that the lease holds and its end
+        frees: the object is never pulled whole, nor cached here."""
+        if request.release_lease_ids:  # the client's copies out of them are done
+            self.local.release(list(request.release_lease_ids))
+        keys, arr = self._keys(request.keys, context)
+        kind = self._kind(request.kind, context)
+        n = len(keys)
+        if len(request.counts) != n:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{n} keys but {len(request.counts)} range counts")
+        try:
+            flat = ranges.decode(request.counts, request.ranges)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        per_key = ranges.split(request.counts, flat)
+        lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
+        found, lease = self.local.lookup(keys, kind, lease_ms)
+        assert lease is not None
+        # Local objects are checked against their size here; for the others only the shape and
+        # the byte budget (the owner checks the bounds: it knows the size).
+        sizes = [e.size if e is not None else 0 for e in found]
+        bound = [s if e is not None else _UNBOUNDED for s, e in zip(sizes, found, strict=True)]
+        codes = ranges.plan([pb.OK] * n, bound, per_key, ranges.MAX_RANGES_PER_KEY, self.max_range_bytes)
+        local_hits = sum(1 for e, c in zip(found, codes, strict=True) if e is not None and c == pb.OK)
+        todo = [i for i in range(n) if found[i] is None and codes[i] == pb.OK]
+        where: dict[int, LocalEntry] = {}
+        try:
+            if todo and self.pool.enabled:
+                where = self._fetch_ranges(keys, arr, todo, per_key, codes, sizes, kind, lease,
+                                           request.verify_object)
+            else:
+                for i in todo:
+                    codes[i] = pb.NOT_FOUND
+        except BaseException:
+            self.local.release([lease.lease_id])
+            raise
+        offsets = np.zeros(len(flat), np.uint64)
+        at = ranges.bounds(request.counts)
+        pool_bytes = local_bytes = 0
+        for i in range(n):
+            if codes[i] != pb.OK:
+                continue
+            pairs = per_key[i]
+            e = found[i]
+            if e is not None:
+                offsets[at[i]:at[i + 1]] = np.uint64(e.offset) + pairs[:, 0]
+                local_bytes += ranges.total_bytes(pairs)
+            else:
+                offsets[at[i]:at[i + 1]] = ranges.starts(pairs).astype(np.uint64) + np.uint64(where[i].offset)
+                pool_bytes += ranges.total_bytes(pairs)
+        if not lease.entries:
+            self.local.release([lease.lease_id])
+        pool_hits = len(where)
+        self.counters["range_reads"] += n
+        self.counters["range_hits_local"] += local_hits
+        self.counters["range_hits_pool"] += pool_hits
+        self.counters["range_bytes_local"] += local_bytes
+        self.counters["range_bytes_pool"] += pool_bytes
+        return spb.ReadRangesReply(codes=codes, sizes=sizes, offsets=offsets.tolist(),
+                                   lease_id=lease.lease_id if lease.entries else 0,
+                                   lease_expires_unix_ms=int(lease.expires * 1000) if lease.entries else 0,
+                                   local_hits=local_hits, pool_hits=pool_hits, pool_bytes=pool_bytes)
+
+    def _fetch_ranges(self, keys: list[bytes], arr: np.ndarray, todo: list[int], per_key: list[ranges.Pairs],
+                      codes: list[int], sizes: list[int], kind: int, lease: LocalLease,
+                      verify_object: bool) -> dict[int, LocalEntry]:
+        """Read the ranges of ``todo``'s objects from their owners (then the fallbacks, as whole
+        reads do) into scratch extents; key index → its scratch for those that arrived."""
+        scratch = self.local.scratch([ranges.total_bytes(per_key[i]) for i in todo], lease)
+        have: dict[int, LocalEntry] = {}
+        for i, e in zip(todo, scratch, strict=True):
+            if e is None:
+                codes[i] = pb.NO_SPACE
+            else:
+                have[i] = e
+                codes[i] = pb.NOT_FOUND  # until an owner answers
+        ask = [i for i in todo if i in have]
+        sub = arr[ask]
+
+        def run(job: tuple[str, np.ndarray]) -> None:
+            nid, idx = job
+            sel = [ask[int(j)] for j in idx]
+            r = self.pool.read_ranges(nid, sub[idx], [per_key[i] for i in sel],
+                                      [self.local.view(have[i]) for i in sel], kind, verify_object)
+            if r is None:
+                return
+            for i, c, size in zip(sel, r.codes, r.sizes, strict=True):
+                codes[i], sizes[i] = c, size  # only keys still NOT_FOUND are asked
+                if c == pb.CHECKSUM:
+                    self.counters["pool_checksum_failures"] += 1
+
+        def round_(routes: dict[str, np.ndarray]) -> None:
+            still = np.array([codes[i] == pb.NOT_FOUND for i in ask], dtype=bool)
+            jobs = [(nid, idx[still[idx]]) for nid, idx in routes.items()]
+            jobs = [j for j in jobs if len(j[1])]
+            if len(jobs) == 1:
+                run(jobs[0])
+            elif jobs:
+                list(self._fetchers.map(run, jobs))
+
+        def missing() -> bool:
+            return any(codes[i] == pb.NOT_FOUND for i in ask)
+
+        try:
+            if ask:
+                round_(self.pool.route(sub))
+                if missing() and self.pool.catch_up():
+                    round_(self.pool.route(sub))
+                if missing():
+                    for routes in self.pool.fallbacks(sub):
+                        round_(routes)
+                        if not missing():
+                            break
+        finally:
+            for i, e in have.items():
+                if not self.local.scratch_done(e, lease, keep=codes[i] == pb.OK) and codes[i] == pb.OK:
+                    codes[i] = pb.LEASE_EXPIRED  # its scratch is gone: never point at a freed extent
+        return {i: e for i, e in have.items() if codes[i] == pb.OK}
 
     # -- write --------------------------------------------------------------------------------
 

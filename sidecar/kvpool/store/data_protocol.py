@@ -1,4 +1,4 @@
-"""The store's data session: one-round-trip binary frames for get, put and exists.
+"""The store's data session: one-round-trip binary frames for get, put, exists and ranged get.
 
 A data session is a TCP connection to a store node's transfer port whose first bytes are the
 request magic below (the transfer server hands such connections to the node's session handler,
@@ -27,6 +27,19 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   reads one whole header, finds a bad magic and closes the connection instead of waiting.
 * GET: codes u8 × n, sizes u64 × n, checksums u64 × n, then ``payload_len`` bytes: the objects
   whose code is OK, in order, back to back.
+* GET_RANGES (sparse reads, :mod:`kvpool.ranges`): the request's keys are followed by counts
+  u32 × n (ranges per key) and then the ranges, (offset u64, length u64) × sum(counts); the
+  reply is codes u8 × n, object sizes u64 × n, one checksum u64 per requested range (0 for the
+  ranges of keys whose code is not OK), then ``payload_len`` bytes: the OK keys' ranges in
+  order, back to back, sent straight from the arena.  A key whose ranges break a rule (empty,
+  zero length, out of bounds, too many, over the byte budget) is INVALID on its own; the frame
+  stays in sync.  Integrity: the whole-object checksum cannot vouch for a part, so the node hashes
+  each range it sends (XXH3-64, as for objects; a range that is the whole object carries the
+  writer's checksum instead) and the client verifies each range it received (a mismatch is the
+  key's CHECKSUM); that covers the wire and the landing.  The object itself is
+  held in flight for the send, as for GET, so its extent cannot be recycled under the reply; with
+  ``FLAG_VERIFY_OBJECT`` the node also checks the whole object against the writer's checksum
+  before sending any part of it (a key that fails is CHECKSUM), at the cost of hashing it all.
 * EXISTS: ``prefix`` in the header, presence bitmap ``ceil(n / 8)`` bytes (bit i of byte i // 8,
   least significant first), ``lease_id`` when the prefix was pinned.
 * PUT is two frames: PUT_READY with codes u8 × n (OK: send this object's bytes; anything else,
@@ -43,12 +56,13 @@ trusted: the receiver raises :class:`ProtocolError` and closes that connection o
 from __future__ import annotations
 
 import struct
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from .. import ranges as _ranges
 from ..keys import KEY_BYTES
 from ..transfer import protocol as _transfer
 from ..transfer.protocol import ProtocolError
@@ -63,13 +77,16 @@ OP_HELLO = 1
 OP_GET = 2
 OP_PUT = 3
 OP_EXISTS = 4
-REQUEST_OPS = (OP_HELLO, OP_GET, OP_PUT, OP_EXISTS)
+OP_GET_RANGES = 6
+REQUEST_OPS = (OP_HELLO, OP_GET, OP_PUT, OP_EXISTS, OP_GET_RANGES)
 OP_PUT_READY = 3
 OP_PUT_DONE = 5
-RESPONSE_OPS = (OP_HELLO, OP_GET, OP_PUT_READY, OP_EXISTS, OP_PUT_DONE)
+RESPONSE_OPS = (OP_HELLO, OP_GET, OP_PUT_READY, OP_EXISTS, OP_PUT_DONE, OP_GET_RANGES)
 
 FLAG_PREFIX_ONLY = 1
 FLAG_PIN = 2
+FLAG_VERIFY_OBJECT = 4
+"""GET_RANGES: verify the whole object against its stored checksum before sending parts."""
 
 REQUEST = struct.Struct("<4sBBBBIIIHHQQ")
 RESPONSE = struct.Struct("<4sBBBBIIIIQQQ")
@@ -84,6 +101,8 @@ MAX_MESSAGE_BYTES = 1024
 MAX_OBJECT_BYTES = 1 << 40
 
 _U64 = np.dtype("<u8")
+_U32 = np.dtype("<u4")
+MAX_RANGES_PER_FRAME = _ranges.MAX_RANGES_PER_FRAME
 
 HELLO_PADDING = bytes(max(0, _transfer.REQUEST_SIZE - REQUEST_SIZE))
 
@@ -101,8 +120,9 @@ class Request(NamedTuple):
     epoch: int
 
     def body_bytes(self) -> int:
-        """Bytes that follow the header (token, class, keys, and sizes for PUT)."""
-        per_key = KEY_BYTES + (8 if self.op == OP_PUT else 0)
+        """Bytes that follow the header (token, class, keys, and sizes for PUT, range counts for
+        GET_RANGES; the ranges themselves follow, :func:`ranges_bytes`)."""
+        per_key = KEY_BYTES + (8 if self.op == OP_PUT else 4 if self.op == OP_GET_RANGES else 0)
         return self.token_len + self.class_len + self.items * per_key
 
 
@@ -124,6 +144,8 @@ class Response(NamedTuple):
             return 0
         if self.op == OP_GET:
             return self.items * 17
+        if self.op == OP_GET_RANGES:
+            return self.items * 9  # then the range checksums, 8 × the ranges asked
         if self.op in (OP_PUT_READY, OP_PUT_DONE):
             return self.items
         if self.op == OP_EXISTS:
@@ -135,8 +157,10 @@ class Response(NamedTuple):
 
 def encode_request(op: int, request_id: int, token: bytes, keys: bytes, *, kind: int = 0, flags: int = 0,
                    lease_ms: int = 0, lease_id: int = 0, epoch: int = 0, traffic_class: bytes = b"",
-                   sizes: npt.NDArray[np.uint64] | None = None) -> list[bytes]:
-    """The buffers of one request frame (header first); ``keys`` is the packed 32-byte keys."""
+                   sizes: npt.NDArray[np.uint64] | None = None,
+                   ranges: tuple[npt.NDArray[np.uint32], bytes] | None = None) -> list[bytes]:
+    """The buffers of one request frame (header first); ``keys`` is the packed 32-byte keys;
+    ``ranges``: GET_RANGES counts per key and packed pairs (:func:`kvpool.ranges.encode`)."""
     if len(keys) % KEY_BYTES:
         raise ValueError(f"key blob of {len(keys)} bytes is not a multiple of {KEY_BYTES}")
     count = len(keys) // KEY_BYTES
@@ -151,6 +175,13 @@ def encode_request(op: int, request_id: int, token: bytes, keys: bytes, *, kind:
         if sizes is None or len(sizes) != count:
             raise ValueError("a PUT needs one size per key")
         out.append(np.ascontiguousarray(sizes, _U64).tobytes())
+    if op == OP_GET_RANGES:
+        if ranges is None or len(ranges[0]) != count:
+            raise ValueError("a GET_RANGES needs one range count per key")
+        counts, blob = ranges
+        if int(counts.sum()) > MAX_RANGES_PER_FRAME or len(blob) != 16 * int(counts.sum()):
+            raise ValueError("GET_RANGES ranges over the frame limit or not matching their counts")
+        out += [np.ascontiguousarray(counts, _U32).tobytes(), blob]
     return [b for b in out if b]
 
 
@@ -184,6 +215,8 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
         raise ProtocolError("token or traffic class length over the limit")
     if op == OP_HELLO and (count or clen):
         raise ProtocolError("HELLO carries no keys")
+    if op == OP_GET_RANGES and clen:
+        raise ProtocolError("GET_RANGES carries no traffic class")
     return Request(op, kind, flags, rid, count, lease_ms, tlen, clen, lease_id, epoch)
 
 
@@ -192,6 +225,8 @@ class RequestBody(NamedTuple):
     traffic_class: str
     keys: bytes
     sizes: npt.NDArray[np.uint64] | None
+    counts: npt.NDArray[np.uint32] | None = None
+    """GET_RANGES: ranges per key (the ranges follow the body, :func:`ranges_bytes`)."""
 
 
 def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> RequestBody:
@@ -212,7 +247,21 @@ def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> R
         sizes = np.frombuffer(mv, _U64, req.items, end)
         if req.items and int(sizes.max()) > MAX_OBJECT_BYTES:
             raise ProtocolError("object size over the protocol limit")
-    return RequestBody(token, tclass, keys, sizes)
+    counts = None
+    if req.op == OP_GET_RANGES:
+        counts = np.frombuffer(mv, _U32, req.items, end)
+    return RequestBody(token, tclass, keys, sizes, counts)
+
+
+def ranges_bytes(body: RequestBody) -> int:
+    """Bytes of (offset, length) pairs after a GET_RANGES body; :class:`ProtocolError` past the
+    frame limit (a receiver never reads that much to find out)."""
+    if body.counts is None:
+        return 0
+    total = int(body.counts.sum(dtype=np.uint64))
+    if total > MAX_RANGES_PER_FRAME:
+        raise ProtocolError(f"{total} ranges in one frame (at most {MAX_RANGES_PER_FRAME})")
+    return 16 * total
 
 
 def encode_checksums(checksums: npt.NDArray[np.uint64] | list[int]) -> bytes:
@@ -242,7 +291,7 @@ def decode_response(data: bytes | bytearray | memoryview) -> Response:
         RESPONSE, data, RESPONSE_MAGIC, RESPONSE_OPS, "response")
     if count > MAX_KEYS or msg_len > MAX_MESSAGE_BYTES or prefix > count:
         raise ProtocolError("data response header over its limits")
-    if payload and (op != OP_GET or status):
+    if payload and (op not in (OP_GET, OP_GET_RANGES) or status):
         raise ProtocolError("payload on a response that carries none")
     return Response(op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload)
 
@@ -274,6 +323,40 @@ def decode_get_table(resp: Response, body: bytes | bytearray | memoryview) -> Ge
     if int(sizes[ok].sum()) != resp.payload_len or (sizes[~ok] != 0).any():
         raise ProtocolError("GET payload length does not match its table")
     return GetTable(codes, sizes, sums)
+
+
+def encode_range_table(codes: npt.NDArray[np.uint8] | Sequence[int], sizes: npt.NDArray[np.uint64] | Sequence[int],
+                       checksums: npt.NDArray[np.uint64] | Sequence[int]) -> bytes:
+    """The GET_RANGES table: codes u8 × n, object sizes u64 × n, checksums u64 × ranges."""
+    return (np.asarray(codes, np.uint8).tobytes() + np.asarray(sizes, _U64).tobytes()
+            + np.asarray(checksums, _U64).tobytes())
+
+
+class RangeTable(NamedTuple):
+    codes: npt.NDArray[np.uint8]
+    sizes: npt.NDArray[np.uint64]
+    checksums: npt.NDArray[np.uint64]
+
+
+def decode_range_table(resp: Response, body: bytes | bytearray | memoryview, sums: bytes | bytearray | memoryview,
+                       counts: npt.NDArray[Any], pairs: npt.NDArray[np.uint64]) -> RangeTable:
+    """Codes, sizes and range checksums of a GET_RANGES reply to the request of ``counts`` and
+    ``pairs``; the payload must be exactly the OK keys' ranges (anything else is a broken stream)."""
+    n = resp.items
+    if len(body) != 9 * n or len(counts) != n:
+        raise ProtocolError(f"GET_RANGES table of {len(body)} bytes for {n} items")
+    m = len(pairs)
+    if len(sums) != 8 * m:
+        raise ProtocolError(f"{len(sums)} bytes of range checksums for {m} ranges")
+    codes = np.frombuffer(body, np.uint8, n, 0)
+    sizes = np.frombuffer(body, _U64, n, n)
+    if n and int(sizes.max()) > MAX_OBJECT_BYTES:
+        raise ProtocolError("object size over the protocol limit")
+    per_range_ok = np.repeat(codes == 0, np.asarray(counts, np.int64))
+    expected = int(pairs[per_range_ok, 1].sum(dtype=np.uint64)) if m else 0
+    if expected != resp.payload_len:
+        raise ProtocolError("GET_RANGES payload length does not match the ranges asked")
+    return RangeTable(codes, sizes, np.frombuffer(sums, _U64, m))
 
 
 def encode_bitmap(present: bytes | bytearray | npt.NDArray[np.uint8]) -> bytes:

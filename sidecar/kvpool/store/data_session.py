@@ -4,10 +4,10 @@ frames and arena bytes out.
 One handler call per connection, run on the transfer server's connection thread.  The tenant
 comes from the token in each frame, checked exactly as the gRPC service checks its bearer token
 (:meth:`StoreNode.authenticate`); a refused token gets an error status and no bytes.  Payload
-moves with ``sendmsg`` from arena views (GET) and ``recvmsg_into`` into reserved arena extents
-(PUT), never through Python per byte.  A PUT whose payload does not arrive whole is revoked, so a
-writer killed mid-put leaves nothing visible; a frame that does not parse closes this connection
-only.
+moves with ``sendmsg`` from arena views (GET; GET_RANGES sends only the asked ranges) and
+``recvmsg_into`` into reserved arena extents (PUT), never through Python per byte.  A PUT whose
+payload does not arrive whole is revoked, so a writer killed mid-put leaves nothing visible; a
+frame that does not parse closes this connection only.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import threading
 
 import numpy as np
 
-from .. import errors
+from .. import errors, ranges
 from ..keys import unpack_keys
 from ..proto import store_pb2 as pb
 from ..transfer.stream import STALL_ERRORS, Stream
 from . import data_protocol as dp
 from .node import Entry, StoreNode
+from .tiers import checksum
 
 log = logging.getLogger("kvpool.store.session")
 
@@ -52,11 +53,18 @@ class DataSessionHandler:
             if body:
                 stream.recv_exact(body)
             parsed = dp.decode_request_body(req, body)
-            self._serve(stream, req, parsed)
+            pairs = None
+            if req.op == dp.OP_GET_RANGES:
+                blob = bytearray(dp.ranges_bytes(parsed))
+                if blob:
+                    stream.recv_exact(blob)
+                pairs = ranges.decode(parsed.counts if parsed.counts is not None else [], blob)
+            self._serve(stream, req, parsed, pairs)
 
     # -- one frame ---------------------------------------------------------------------------
 
-    def _serve(self, stream: Stream, req: dp.Request, body: dp.RequestBody) -> None:
+    def _serve(self, stream: Stream, req: dp.Request, body: dp.RequestBody,
+               pairs: ranges.Pairs | None = None) -> None:
         reply_op = dp.OP_PUT_READY if req.op == dp.OP_PUT else req.op
         if req.op == dp.OP_HELLO:
             stream.send([dp.encode_response(dp.OP_HELLO, req.request_id, epoch=self.node.ring.epoch)])
@@ -70,6 +78,9 @@ class DataSessionHandler:
                 self._get(stream, req, tenant, keys)
             elif req.op == dp.OP_EXISTS:
                 self._exists(stream, req, tenant, keys)
+            elif req.op == dp.OP_GET_RANGES:
+                assert body.counts is not None and pairs is not None
+                self._get_ranges(stream, req, tenant, keys, ranges.split(body.counts, pairs))
             else:
                 self._put(stream, req, tenant, keys, body)
         except (errors.KvpoolError, ValueError) as exc:
@@ -103,6 +114,42 @@ class DataSessionHandler:
             stream.send([head, dp.encode_get_table(np.array(codes, np.uint8), sizes, sums), *views])
         finally:
             self.node.read_unpin(found)
+
+    def _get_ranges(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes],
+                    per_key: list[ranges.Pairs]) -> None:
+        """Only the asked byte ranges of each object, straight from the arena; each range hashed
+        as it is queued (the client verifies it), the objects held in flight for the send."""
+        node = self.node
+        codes, found = node.read_pin(tenant, keys, req.kind, req.lease_id)
+        try:
+            n = len(keys)
+            sizes = [e.size if e is not None else 0 for e in found]
+            codes = ranges.plan(codes, sizes, per_key, node.cfg.max_ranges_per_key, node.cfg.max_range_bytes)
+            sums = np.zeros(sum(len(p) for p in per_key), np.uint64)
+            views: list[memoryview] = []
+            arena = node.dram
+            at = 0
+            sent = 0
+            for i, e in enumerate(found):
+                pairs = per_key[i]
+                if e is not None and codes[i] == pb.OK:
+                    whole = arena.slice(e.offset, e.size)
+                    if req.flags & dp.FLAG_VERIFY_OBJECT and checksum(whole) != e.checksum:
+                        codes[i] = pb.CHECKSUM
+                    else:
+                        for j, (off, ln) in enumerate(pairs.tolist()):
+                            v = whole[off:off + ln]
+                            # The whole object: its writer's checksum, no second pass over it.
+                            sums[at + j] = e.checksum if ln == e.size else checksum(v)
+                            views.append(v)
+                            sent += ln
+                at += len(pairs)
+            head = dp.encode_response(dp.OP_GET_RANGES, req.request_id, n, epoch=node.ring.epoch, payload_len=sent)
+            # Counted before the first byte leaves: a client that has its bytes sees the count.
+            node.note_range_read(n, sum(1 for c in codes if c == pb.OK), sent)
+            stream.send([head, dp.encode_range_table(codes, sizes, sums), *views])
+        finally:
+            node.read_unpin(found)
 
     def _put(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes], body: dp.RequestBody) -> None:
         assert body.sizes is not None

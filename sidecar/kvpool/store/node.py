@@ -154,6 +154,10 @@ class NodeConfig:
     data_session: bool = True
     """Serve the one-round-trip binary data session (get, put, exists) on the transfer port
     beside the gRPC API; off, clients use the gRPC calls (the compatibility path)."""
+    max_range_bytes: int = 256 << 20
+    """Bytes one ranged read (data-session GET_RANGES) may move; keys past it are INVALID."""
+    max_ranges_per_key: int = 4096
+    """Ranges of one key in one ranged read; more is INVALID for that key."""
     events: Any = None
     """A ``kvpool.events.EventsConfig``: publish the stored/removed blocks of ``events_tenant``."""
     events_tenant: str = DEFAULT_TENANT
@@ -742,6 +746,14 @@ class StoreNode:
                 if e.inflight == 0 and e.state == -1 and e.offset >= 0:
                     self.dram.alloc.free(e.offset)  # removed while it was being sent
                     e.offset = -1
+
+    def note_range_read(self, keys: int, served: int, nbytes: int) -> None:
+        """Count a ranged read: keys asked, keys served, bytes of ranges sent (``range_bytes_sent``:
+        what a sparse read moved, to compare with the objects' sizes)."""
+        with self.lock:
+            self.counters["range_reads"] += keys
+            self.counters["range_hits"] += served
+            self.counters["range_bytes_sent"] += nbytes
 
     def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
                  lease_id: int = 0) -> tuple[list[int], list[int], list[int], list[int], list[int], Lease | None]:

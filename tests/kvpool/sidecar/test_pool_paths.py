@@ -74,3 +74,23 @@ def test_a_read_after_a_match_drops_its_pins_at_the_nodes(cluster: Any, h: Any, 
         for address, ks in groups.items():
             with StoreClient(address) as node:
                 assert node.remove(ks) == [pb.OK] * len(ks)
+
+
+def test_ranged_reads_of_nodes_without_the_session_are_unsupported(module_cluster: Any, h: Any,
+                                                                   rng: random.Random) -> None:
+    """The gRPC path has no ranged read: a sidecar says UNSUPPORTED for pool objects (and never
+    fetches them whole instead); its own local objects are still served."""
+    from kvpool import errors
+    with module_cluster.connect(0) as a, module_cluster.connect(1) as b:
+        [key] = h.keys(rng, 1)
+        [value] = h.values(rng, [64 * KiB])
+        assert a.put([key], [value]) == [pb.OK]
+        _settled(h, a)
+        with a.get_ranges(key, [(1, 3)]) as views:
+            assert bytes(views[0]) == value[1:4]
+        used = b.stats().local_objects
+        with b.get_ranges_many([key], [[(1, 3)]]) as got:
+            assert got.codes == [pb.UNSUPPORTED]
+        with pytest.raises(errors.Unsupported):
+            b.get_ranges(key, [(1, 3)])
+        assert b.stats().local_objects == used
