@@ -12,7 +12,7 @@ of traffic class (PUT only), ``count`` × 32 key bytes, and for PUT ``count`` ×
 
     magic "KVDQ" | version u8 | op u8 | kind u8 | flags u8 | request_id u32 | count u32 |
     lease_ms u32 (GET/EXISTS lease, PUT reservation timeout) | token_len u16 | class_len u16 |
-    lease_id u64 (GET: a match lease to drop) | epoch u64
+    lease_id u64 (GET, EXISTS: a lease of the tenant to drop first) | epoch u64
 
 Response header (48 bytes), then ``msg_len`` bytes of UTF-8 message, then the body::
 
@@ -27,7 +27,7 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   reads one whole header, finds a bad magic and closes the connection instead of waiting.
 * GET: codes u8 × n, sizes u64 × n, checksums u64 × n, then ``payload_len`` bytes: the objects
   whose code is OK, in order, back to back.
-* EXISTS: ``prefix`` in the header, presence bitmap ``ceil(n / 8)`` bytes (bit i of byte i // 8,
+* EXISTS: (an EXISTS of no keys with a ``lease_id`` is a release) ``prefix`` in the header, presence bitmap ``ceil(n / 8)`` bytes (bit i of byte i // 8,
   least significant first), ``lease_id`` when the prefix was pinned.
 * PUT is two frames: PUT_READY with codes u8 × n (OK: send this object's bytes; anything else,
   e.g. ALREADY_EXISTS or QUOTA_EXCEEDED: do not), then the client sends the OK objects' bytes
