@@ -674,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-port", type=int, default=0)
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
     add_event_args(ap)
+    ap.add_argument("--arena-dir", default="",
+                    help="directory of the shared-memory arena (default: beside the socket); it must be "
+                         "memory-backed (tmpfs), else every write to the arena dirties disk pages")
     return ap
 
 
@@ -688,7 +691,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     return SidecarConfig(socket=args.socket, pool=[a.strip() for a in args.pool.split(",") if a.strip()],
                          local_bytes=args.local, tenant_id=tenant, token=token, write_back=args.write_back,
                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
-                         events=events_config(args))
+                         events=events_config(args), arena_dir=args.arena_dir)
 
 
 def serve(cfg: SidecarConfig) -> int:
