@@ -242,6 +242,8 @@ def decode_table(resp: Response, body: bytes | bytearray | memoryview, arena_byt
         return Table(list(codes), [], [])
     offsets = np.frombuffer(body, _U64, n, n)
     sizes = np.frombuffer(body, _U64, n, 9 * n) if resp.op == OP_READ else np.zeros(n, _U64)
-    if n and int((offsets + sizes).max()) > arena_bytes:
+    # Each bound alone first: the u64 sum of two huge values could wrap below the arena size.
+    if n and (int(offsets.max()) > arena_bytes or int(sizes.max()) > arena_bytes
+              or int((offsets + sizes).max()) > arena_bytes):
         raise ProtocolError("extent outside the arena")
     return Table(list(codes), offsets.tolist(), sizes.tolist())
