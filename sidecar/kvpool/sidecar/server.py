@@ -397,7 +397,23 @@ class Sidecar(spbg.SidecarServicer):
             return 0
         if len(jobs) == 1:
             return run(jobs[0])
-        return sum(self._fetchers.map(run, jobs))
+        # The first node's read on this thread, the others on the fetchers: one thread handoff
+        # fewer per call; every read has stopped (none still lands bytes) before this returns.
+        futs = [self._fetchers.submit(run, job) for job in jobs[1:]]
+        total = 0
+        failure: BaseException | None = None
+        try:
+            total += run(jobs[0])
+        except BaseException as exc:
+            failure = exc
+        for f in futs:
+            try:
+                total += f.result()
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return total
 
     # -- write --------------------------------------------------------------------------------
 
