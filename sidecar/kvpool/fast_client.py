@@ -12,6 +12,7 @@ breaks or sends a frame that does not parse is closed and the call raises
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -86,6 +87,7 @@ class FastSession:
         self._open = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._pid = os.getpid()
         self._put_back(self._connect())  # fails here (no such socket, wrong tenant) or never
 
     def _connect(self) -> _Conn:
@@ -101,6 +103,13 @@ class FastSession:
 
     def _take(self) -> _Conn:
         with self._cond:
+            if self._pid != os.getpid():
+                # A forked child (engines fork workers): the connections it inherited are its
+                # parent's streams; frames from both would interleave.  Start afresh.
+                self._pid = os.getpid()
+                for c in self._idle:
+                    c.close()  # the child's copy of the descriptor only
+                self._idle, self._open = [], 0
             while True:
                 if self._closed:
                     raise errors.Unavailable("fast session closed")

@@ -207,3 +207,30 @@ def test_a_client_without_the_fast_socket_uses_grpc(module_cluster: Any, rng: ra
         assert c.match(keys) == 1
         with c.get(keys) as got:
             assert bytes(got[0]) == b"over grpc"
+
+
+def test_a_forked_child_opens_its_own_connections(module_cluster: Any, rng: random.Random) -> None:
+    """Engines fork workers after connecting: a child must not speak on its parent's streams."""
+    import os
+
+    with kvpool.connect(module_cluster.sidecars[0]) as c:
+        keys = [rng.randbytes(32) for _ in range(2)]
+        assert c.put(keys, [b"parent", b"both"]) == [pb.OK, pb.OK]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: read through the inherited client, report, exit at once
+            ok = b"0"
+            try:
+                with c.get(keys) as got:
+                    ok = b"1" if [bytes(v) for v in got] == [b"parent", b"both"] else b"0"
+            finally:
+                os.write(w, ok)
+                os._exit(0)
+        os.close(w)
+        for _ in range(50):  # the parent keeps using its own connections meanwhile
+            assert c.match(keys) == 2
+        assert os.read(r, 1) == b"1"
+        os.waitpid(pid, 0)
+        os.close(r)
+        with c.get(keys) as got:
+            assert bytes(got[0]) == b"parent"
