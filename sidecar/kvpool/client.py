@@ -2,8 +2,9 @@
 
 The client talks gRPC to its sidecar over a unix socket for metadata (the hot calls — match,
 read, write, release — over the binary fast session beside it, :mod:`kvpool.fast_client`, when
-the sidecar has one) and maps the sidecar's shared-memory arena for bytes: ``get`` returns views into the arena (zero copy, valid while
-their lease holds), ``put`` costs one copy into it.  Thread-safe; a context manager.
+the sidecar has one) and maps the sidecar's shared-memory arena for bytes: ``get`` returns
+views into the arena (zero copy, valid while their lease holds), ``put`` costs one copy into
+it.  Thread-safe; a context manager.
 """
 
 from __future__ import annotations

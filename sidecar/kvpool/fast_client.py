@@ -177,7 +177,8 @@ class FastSession:
             raise errors.Unavailable("fast session: READ reply for another number of keys")
         return ReadReply(t.codes, t.offsets, t.sizes, r.ref, r.prefix, r.local)
 
-    def write_start(self, keys: bytes, sizes: list[int], kind: int, traffic_class: str) -> tuple[list[int], list[int], int]:
+    def write_start(self, keys: bytes, sizes: list[int], kind: int,
+                    traffic_class: str) -> tuple[list[int], list[int], int]:
         """(codes, arena offsets, reservation id)."""
         r, body = self.call(fp.OP_WRITE_START, keys=keys, kind=kind, text=traffic_class.encode(),
                             values=np.asarray(sizes, np.uint64))

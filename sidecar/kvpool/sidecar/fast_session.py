@@ -151,7 +151,7 @@ class _Connection:
             if reply is not None:
                 send_buffers(self.conn, reply)
 
-    def _serve(self, req: fp.Request, body: fp.RequestBody) -> list[bytes] | None:
+    def _serve(self, req: fp.Request, body: fp.RequestBody) -> list[bytes | memoryview] | None:
         sc = self.sidecar
         try:
             if req.op == fp.OP_HELLO:

@@ -27,8 +27,9 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   reads one whole header, finds a bad magic and closes the connection instead of waiting.
 * GET: codes u8 × n, sizes u64 × n, checksums u64 × n, then ``payload_len`` bytes: the objects
   whose code is OK, in order, back to back.
-* EXISTS: (an EXISTS of no keys with a ``lease_id`` is a release) ``prefix`` in the header, presence bitmap ``ceil(n / 8)`` bytes (bit i of byte i // 8,
-  least significant first), ``lease_id`` when the prefix was pinned.
+* EXISTS: ``prefix`` in the header, presence bitmap ``ceil(n / 8)`` bytes (bit i of byte i // 8,
+  least significant first), ``lease_id`` when the prefix was pinned.  A request ``lease_id`` is
+  dropped first (a lease of the frame's tenant only): an EXISTS of no keys is the release.
 * PUT is two frames: PUT_READY with codes u8 × n (OK: send this object's bytes; anything else,
   e.g. ALREADY_EXISTS or QUOTA_EXCEEDED: do not), then the client sends the OK objects' bytes
   back to back and after them the checksums of all n objects (u64 × n), then PUT_DONE with the
