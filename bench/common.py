@@ -413,8 +413,13 @@ def python_env() -> dict[str, str]:
 def ensure_kvpool_importable() -> None:
     """Make `import kvpool` work from a plain checkout (sidecar/ is the source root)."""
     src = str(REPO_ROOT / "sidecar")
-    if src not in sys.path:
-        sys.path.append(src)
+    # First on the path, for this process and the servers it starts (`python -m kvpool ...`):
+    # a kvpool installed elsewhere (another checkout's editable install) must not be what a
+    # run from this checkout measures.
+    if sys.path[:1] != [src]:
+        sys.path.insert(0, src)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]
+    os.environ["PYTHONPATH"] = os.pathsep.join([src, *paths])
 
 
 @dataclasses.dataclass

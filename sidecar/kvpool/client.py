@@ -1,9 +1,11 @@
 """What an engine imports: ``kvpool.connect(address) -> Client``.
 
-The client talks gRPC to its sidecar over a unix socket for metadata and maps the sidecar's
-shared-memory arena for bytes: ``get`` returns views into the arena (zero copy, valid while
-their lease holds), ``put`` costs one copy into it; ``get_ranges`` reads only byte ranges of an
-object (sparse attention's top-k entries) without the rest of it moving anywhere.  Thread-safe; a context manager.
+The client talks gRPC to its sidecar over a unix socket for metadata (the hot calls — match,
+read, write, release — over the binary fast session beside it, :mod:`kvpool.fast_client`, when
+the sidecar has one) and maps the sidecar's shared-memory arena for bytes: ``get`` returns
+views into the arena (zero copy, valid while their lease holds), ``put`` costs one copy into
+it; ``get_ranges`` reads only byte ranges of an object (sparse attention's top-k entries)
+without the rest of it moving anywhere.  Thread-safe; a context manager.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import numpy as np
 
 from . import errors, ranges
 from . import handoff as _ho
+from .fast_client import Copier, FastSession
 from .keys import pack_keys as _pack_keys
 from .planning import HitPlan, plan_hit, state_store_position
 from .proto import sidecar_pb2 as spb
 from .proto import sidecar_pb2_grpc as spbg
 from .proto import store_pb2 as pb
+from .sidecar.fast_protocol import socket_path as fast_socket_path
 from .store.tiers import checksum
 from .store_client import as_bytes_view
 
@@ -149,7 +153,7 @@ class Client:
     """A connection to one sidecar."""
 
     def __init__(self, address: str, block_tokens: int = 128, timeout: float = 30.0,
-                 lease_ms: int = 10000) -> None:
+                 lease_ms: int = 10000, fast: bool | None = None) -> None:
         if not address.startswith("unix://"):
             raise errors.InvalidArgument(f"sidecar address must be unix:///path, got {address!r}")
         self.address = address
@@ -179,6 +183,21 @@ class Client:
         self.max_pending_matches = 1024
         self._inflight: set[Any] = set()
         self._done_range_leases: list[int] = []  # see _range_lease_done
+        self._copier = Copier()
+        self._fast: FastSession | None = None
+        if fast is None:
+            fast = os.environ.get("KVPOOL_FAST_SESSION", "1") != "0"
+        if fast:
+            try:
+                self._fast = FastSession(fast_socket_path(address[len("unix://"):]), self.tenant_id,
+                                         hello.arena_bytes, timeout)
+            except (OSError, errors.KvpoolError):
+                self._fast = None  # an older sidecar, or none beside this socket: gRPC only
+
+    @property
+    def fast_session(self) -> bool:
+        """Whether the hot calls go over the fast session (else all over gRPC)."""
+        return self._fast is not None
 
     def _rpc(self, method: Any, request: Any) -> Any:
         try:
@@ -209,6 +228,9 @@ class Client:
         """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`)."""
         if not keys:
             return 0, 0
+        if self._fast is not None:
+            prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms)
+            return prefix, lease_id
         r = self._rpc(self._stub.Match, spb.MatchRequest(keys=pack_keys(keys), lease_ms=lease_ms or self.lease_ms))
         return r.prefix, r.lease_id
 
@@ -226,8 +248,7 @@ class Client:
             return Blocks([], self, 0)
         if not lease_id and kind == pb.BLOCK:
             lease_id = self._consume_match(keys)
-        r = self._rpc(self._stub.Read, spb.ReadRequest(keys=pack_keys(keys), lease_id=lease_id, kind=kind,
-                                                       lease_ms=self.lease_ms))
+        r = self._read(pack_keys(keys), lease_id, kind)
         codes = list(r.codes)
         if any(c != pb.OK for c in codes):
             if r.lease_id:
@@ -244,10 +265,10 @@ class Client:
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
-        r = self._rpc(self._stub.Read, spb.ReadRequest(keys=pack_keys(keys), lease_id=self._consume_match(keys),
-                                                       lease_ms=self.lease_ms))
+        r = self._read(pack_keys(keys), self._consume_match(keys), pb.BLOCK)
         out = []
         try:
+            pairs = []
             for c, o, s, b in zip(r.codes, r.offsets, r.sizes, buffers, strict=True):
                 if c != pb.OK:
                     out.append(-1)
@@ -255,8 +276,9 @@ class Client:
                 dst = as_bytes_view(b)
                 if len(dst) < s:
                     raise errors.InvalidArgument(f"buffer of {len(dst)} bytes for an object of {s}")
-                dst[:s] = self._arena[o:o + s]
+                pairs.append((self._arena[o:o + s], dst[:s]))
                 out.append(s)
+            self._copier.copy(pairs)  # one memcpy per object, a big batch over two threads
         finally:
             if r.lease_id:
                 self._release_async(r.lease_id)
@@ -368,6 +390,13 @@ class Client:
                 self._range_lease_done(r.lease_id)
         return codes
 
+    def _read(self, keys: bytes, lease_id: int, kind: int) -> Any:
+        """One Read (fast session or gRPC): codes, offsets, sizes, lease_id."""
+        if self._fast is not None:
+            return self._fast.read(keys, kind, self.lease_ms, lease_id)
+        return self._rpc(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id, kind=kind,
+                                                          lease_ms=self.lease_ms))
+
     def _release_async(self, lease_id: int) -> None:
         """Drop a lease without waiting for the answer: the copy is done, so the caller need not
         pay a second round trip (~0.3-1 ms); a lost release expires with the lease."""
@@ -376,6 +405,12 @@ class Client:
     def _release_many_async(self, lease_ids: list[int]) -> None:
         if self._closed or not lease_ids:
             return
+        if self._fast is not None:
+            try:
+                self._fast.release(list(lease_ids), wait=False)
+                return
+            except errors.KvpoolError:
+                pass  # the gRPC path below
         fut = self._stub.Release.future(spb.LeaseRequest(lease_ids=lease_ids), timeout=self.timeout)
         with self._lock:
             self._inflight.add(fut)  # a collected future cancels its call
@@ -387,6 +422,9 @@ class Client:
 
     def release(self, lease_id: int) -> None:
         if lease_id and not self._closed:
+            if self._fast is not None:
+                self._fast.release([lease_id])
+                return
             self._rpc(self._stub.Release, spb.LeaseRequest(lease_ids=[lease_id]))
 
     # -- writing ------------------------------------------------------------------------------
@@ -399,23 +437,30 @@ class Client:
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
-        start = self._rpc(self._stub.WriteStart, spb.WriteStartRequest(
-            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=kind))
-        codes = list(start.codes)
-        if not start.reservation_id:
+        blob, sizes = pack_keys(keys), [len(v) for v in views]
+        if self._fast is not None:
+            codes, offsets, rid = self._fast.write_start(blob, sizes, kind, traffic_class)
+        else:
+            start = self._rpc(self._stub.WriteStart, spb.WriteStartRequest(
+                keys=blob, sizes=sizes, traffic_class=traffic_class, kind=kind))
+            codes, offsets, rid = list(start.codes), list(start.offsets), start.reservation_id
+        if not rid:
             return codes
         sums = [0] * len(keys)
         arena = self._arena
         for i, c in enumerate(codes):
             if c == pb.OK:
-                off = start.offsets[i]
+                off = offsets[i]
                 arena[off:off + len(views[i])] = views[i]
                 sums[i] = checksum(views[i])
-        commit = self._rpc(self._stub.WriteCommit, spb.WriteCommitRequest(reservation_id=start.reservation_id,
-                                                                          checksums=sums))
+        if self._fast is not None:
+            final = self._fast.write_commit(rid, sums)
+        else:
+            final = list(self._rpc(self._stub.WriteCommit, spb.WriteCommitRequest(reservation_id=rid,
+                                                                                  checksums=sums)).codes)
         for i, c in enumerate(codes):
             if c == pb.OK:
-                codes[i] = commit.codes[i]
+                codes[i] = final[i]
         return codes
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
@@ -543,6 +588,9 @@ class Client:
                 pass  # they expire with their leases
         with self._lock:
             self._closed = True
+        if self._fast is not None:
+            self._fast.close()
+        self._copier.close()
         self._channel.close()
         try:
             self._arena_ro.release()

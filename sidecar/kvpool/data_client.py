@@ -182,18 +182,61 @@ class DataSession:
         return int(self._call(run))
 
     def exists(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,
-               lease_ms: int = 0, epoch: int = 0) -> ExistsReply:
+               lease_ms: int = 0, epoch: int = 0, drop_lease: int = 0) -> ExistsReply:
+        """Prefix and presence of ``keys`` (pinned with ``pin``), after dropping ``drop_lease``."""
         flags = (dp.FLAG_PREFIX_ONLY if prefix_only else 0) | (dp.FLAG_PIN if pin else 0)
         n = len(keys) // KEY_BYTES
 
         def run(stream: Stream, rid: int) -> ExistsReply:
             stream.send(dp.encode_request(dp.OP_EXISTS, rid, self._token, keys, kind=kind, flags=flags,
-                                          lease_ms=lease_ms, epoch=epoch))
+                                          lease_ms=lease_ms, epoch=epoch, lease_id=drop_lease))
             resp, body = self._response(stream, rid, dp.OP_EXISTS)
             if resp.items != n:
                 raise dp.ProtocolError(f"EXISTS answered {resp.items} keys of {n}")
             return ExistsReply(resp.prefix, dp.decode_bitmap(body, n), resp.lease_id, resp.epoch)
         return self._call(run)  # type: ignore[no-any-return]
+
+    def exists_begin(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,
+                     lease_ms: int = 0, epoch: int = 0) -> Callable[[], ExistsReply]:
+        """:meth:`exists` in two halves: the request is sent now, the returned function waits
+        for the answer.  A caller asking several nodes sends to all of them first and then
+        collects, on one thread (no thread handoff per node).  A connection that fails before
+        the node answered is retried once with the whole call."""
+        flags = (dp.FLAG_PREFIX_ONLY if prefix_only else 0) | (dp.FLAG_PIN if pin else 0)
+        n = len(keys) // KEY_BYTES
+        again = lambda: self.exists(keys, kind, prefix_only, pin, lease_ms, epoch)  # noqa: E731
+        stream, reused = self._take()
+        rid = next(self._ids) & 0xFFFFFFFF
+        mark = stream.received
+        try:
+            stream.send(dp.encode_request(dp.OP_EXISTS, rid, self._token, keys, kind=kind, flags=flags,
+                                          lease_ms=lease_ms, epoch=epoch))
+        except OSError as exc:
+            stream.close()
+            if reused:
+                return again
+            raise errors.Unavailable(f"data session to {self.address}: {type(exc).__name__}: {exc}") from None
+
+        def finish() -> ExistsReply:
+            try:
+                resp, body = self._response(stream, rid, dp.OP_EXISTS)
+                if resp.items != n:
+                    raise dp.ProtocolError(f"EXISTS answered {resp.items} keys of {n}")
+                out = ExistsReply(resp.prefix, dp.decode_bitmap(body, n), resp.lease_id, resp.epoch)
+            except errors.KvpoolError:
+                self._give(stream)
+                raise
+            except (OSError, dp.ProtocolError) as exc:
+                stream.close()
+                if reused and stream.received == mark and isinstance(exc, OSError):
+                    return again()
+                raise errors.Unavailable(f"data session to {self.address}: {type(exc).__name__}: {exc}") from None
+            except BaseException:
+                stream.close()
+                raise
+            self._give(stream)
+            return out
+        return finish
 
     def read(self, keys: bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True,
              epoch: int = 0) -> ReadResult:

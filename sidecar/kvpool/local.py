@@ -30,6 +30,8 @@ from .store_client import StoreClient
 # through preexec_fn: preexec_fn forces a full fork() that runs gRPC's fork handlers, which abort
 # the child when another thread of the parent has calls in flight (grpc/grpc#43055).
 DIE_WITH_PARENT_ENV = "KVPOOL_DIE_WITH_PARENT"
+SHM_DIR = "/dev/shm"
+"""Where sidecars put their arenas (memory-backed, as the socket volume of a pod)."""
 
 
 @dataclass
@@ -247,6 +249,10 @@ class LocalCluster:
             argv.append("--write-back")
         if self.handoff:
             argv += ["--handoff-listen", "127.0.0.1:0", "--handoff-key-file", self.handoff_key_file]
+        if os.path.isdir(SHM_DIR) and "--arena-dir" not in extra_args:
+            # As in a pod (the socket's emptyDir is medium Memory): the workdir may be on disk,
+            # where every write to the arena would dirty page-cache pages bound for writeback.
+            argv += ["--arena-dir", SHM_DIR]
         argv += list(extra_args)
         proc = launch(f"sidecar-{i}", argv, d)
         self.sidecar_procs.append(proc)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,8 +192,32 @@ class StoreClient:
         return ExistsReply(reply.prefix, np.frombuffer(reply.present, np.uint8).astype(bool), reply.lease_id,
                            reply.epoch)
 
+    def exists_array_begin(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
+                           kind: int = pb.BLOCK, epoch: int = 0) -> Callable[[], ExistsReply] | None:
+        """:meth:`exists_array` in two halves over the data session (the request sent now, the
+        answer collected by the returned function); None when the node has no data session."""
+        ds = self.session()
+        if ds is None:
+            return None
+        with self._session_call(ds):
+            finish = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch)
+
+        def done() -> ExistsReply:
+            with self._session_call(ds):
+                r = finish()
+            self._seen(r.epoch)
+            return r
+        return done
+
     def release(self, lease_ids: Sequence[int]) -> None:
         ids = [i for i in lease_ids if i]
+        ds = self.session()
+        if ds is not None and len(ids) <= 4:
+            # One short frame each on the data session (~0.1 ms) instead of a gRPC call (~1 ms).
+            with self._session_call(ds):
+                for lid in ids:
+                    ds.exists(b"", drop_lease=lid)
+            return
         if ids:
             self._rpc(self.stub.Release, pb.ReleaseRequest(lease_ids=ids))
 

@@ -137,6 +137,8 @@ class LocalTier:
     def match_prefix(self, keys: list[bytes], lease_ms: int = 0) -> tuple[int, LocalLease | None]:
         """Leading run of keys held locally (committed blocks), pinned by a lease when ``lease_ms``."""
         with self.lock:
+            if keys and keys[0] not in self.blocks:
+                return 0, None  # the common miss of a sidecar that never saw this prefix: no scan
             found = list(map(self.blocks.get, keys))
             try:
                 n = found.index(None)

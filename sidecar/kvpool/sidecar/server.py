@@ -22,12 +22,12 @@ import time
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 
-from .. import __version__, ranges
+from .. import __version__, errors, ranges
 from ..cli import parse_bytes
 from ..events import MEDIUM_LOCAL, EventPublisher, EventsConfig, add_event_args, events_config
 from ..keys import KEY_BYTES
@@ -37,6 +37,8 @@ from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from . import metrics
 from .copyover import CopyOver
+from .fast_protocol import socket_path as fast_socket_path
+from .fast_session import FastSessionServer
 from .handoff import HandoffService
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import UNREACHABLE, Pool
@@ -87,6 +89,17 @@ class SidecarConfig:
     copy_over_bytes: int = -1
     """Bound of the copy-over queue (blocks found at a previous owner, written to the new one):
     -1 an eighth of the local tier, 0 off."""
+
+
+class ReadResult(NamedTuple):
+    codes: list[int]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    lease_id: int
+    lease_expires_unix_ms: int
+    local_hits: int
+    pool_hits: int
 
 
 @dataclass
@@ -177,15 +190,22 @@ class Sidecar(spbg.SidecarServicer):
                               instance_id=self.handoff.instance)
 
     def Match(self, request: spb.MatchRequest, context: grpc.ServicerContext) -> spb.MatchReply:
-        t0 = time.perf_counter()
         keys, arr = self._keys(request.keys, context)
         lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
         if request.per_key:
             return self._probe(keys, arr, self._kind(request.kind, context))
+        prefix, n_local, lease_id = self.match_keys(keys, arr, lease_ms, request.local_only)
+        return spb.MatchReply(prefix=prefix, local_prefix=n_local, lease_id=lease_id)
+
+    def match_keys(self, keys: list[bytes], arr: np.ndarray, lease_ms: int,
+                   local_only: bool = False) -> tuple[int, int, int]:
+        """The longest present prefix of ``keys`` (local tier, then pool), pinned under one
+        lease: (prefix, local prefix, lease id or 0).  Shared by gRPC and the fast session."""
+        t0 = time.perf_counter()
         n_local, local_lease = self.local.match_prefix(keys, lease_ms)
         prefix = n_local
         pool_leases: list[tuple[str, int]] = []
-        if n_local < len(keys) and self.pool.enabled and not request.local_only:
+        if n_local < len(keys) and self.pool.enabled and not local_only:
             pm = self.pool.match(arr[n_local:], lease_ms)
             prefix += pm.prefix
             pool_leases = pm.leases
@@ -202,7 +222,7 @@ class Sidecar(spbg.SidecarServicer):
         self.counters["lookup_blocks"] += len(keys)
         self.counters["hit_blocks_local"] += n_local
         self.counters["hit_blocks_pool"] += prefix - n_local
-        return spb.MatchReply(prefix=prefix, local_prefix=n_local, lease_id=lease_id)
+        return prefix, n_local, lease_id
 
     def _probe(self, keys: list[bytes], arr: np.ndarray, kind: int) -> spb.MatchReply:
         found, _ = self.local.lookup(keys, kind)
@@ -235,18 +255,31 @@ class Sidecar(spbg.SidecarServicer):
             self.pool.release(left)
 
     def Release(self, request: spb.LeaseRequest, context: grpc.ServicerContext) -> pb.Empty:
-        for lid in request.lease_ids:
-            self._take_match_lease(lid)
-        self.local.release(list(request.lease_ids))
+        self.release_leases(list(request.lease_ids))
         return pb.Empty()
+
+    def release_leases(self, lease_ids: list[int]) -> None:
+        """Drop match and read leases (unknown or expired ids are ignored)."""
+        for lid in lease_ids:
+            self._take_match_lease(lid)
+        self.local.release(lease_ids)
 
     # -- read ---------------------------------------------------------------------------------
 
     def Read(self, request: spb.ReadRequest, context: grpc.ServicerContext) -> spb.ReadReply:
-        t0 = time.perf_counter()
         keys, arr = self._keys(request.keys, context)
         kind = self._kind(request.kind, context)
         lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
+        r = self.read_keys(keys, arr, kind, lease_ms, request.lease_id)
+        return spb.ReadReply(codes=r.codes, offsets=r.offsets, sizes=r.sizes, checksums=r.checksums,
+                             lease_id=r.lease_id, lease_expires_unix_ms=r.lease_expires_unix_ms,
+                             local_hits=r.local_hits, pool_hits=r.pool_hits)
+
+    def read_keys(self, keys: list[bytes], arr: np.ndarray, kind: int, lease_ms: int,
+                  match_lease: int = 0) -> ReadResult:
+        """Local hits and pool fetches of ``keys`` as arena extents under one read lease (which
+        also drops the match lease ``match_lease``).  Shared by gRPC and the fast session."""
+        t0 = time.perf_counter()
         # The lease pins local hits in the lookup itself and fetched objects as they land, so
         # nothing handed to the client can be evicted (and its extent reused) under it.
         found, lease = self.local.lookup(keys, kind, lease_ms)
@@ -255,7 +288,7 @@ class Sidecar(spbg.SidecarServicer):
         local_hits = sum(local_found)
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
-        ml, expired = self._pop_match_leases(request.lease_id)
+        ml, expired = self._pop_match_leases(match_lease)
         # The match's pool lease at a node is dropped by the read of that node, in the same
         # round trip (the read pins what it sends): node id -> lease id, taken by the reads.
         drop = dict(reversed(ml.pool_leases)) if ml else {}
@@ -284,10 +317,8 @@ class Sidecar(spbg.SidecarServicer):
         self.counters["read_hits_local"] += local_hits
         self.counters["read_hits_pool"] += pool_hits
         self.counters["read_misses"] += n - local_hits - pool_hits
-        return spb.ReadReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums,
-                             lease_id=lease.lease_id if lease.entries else 0,
-                             lease_expires_unix_ms=int(lease.expires * 1000) if lease.entries else 0,
-                             local_hits=local_hits, pool_hits=pool_hits)
+        return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0,
+                          int(lease.expires * 1000) if lease.entries else 0, local_hits, pool_hits)
 
     def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int],
                        found: list[LocalEntry | None], kind: int, lease_ms: int, lease: LocalLease,
@@ -402,7 +433,23 @@ class Sidecar(spbg.SidecarServicer):
             return 0
         if len(jobs) == 1:
             return run(jobs[0])
-        return sum(self._fetchers.map(run, jobs))
+        # The first node's read on this thread, the others on the fetchers: one thread handoff
+        # fewer per call; every read has stopped (none still lands bytes) before this returns.
+        futs = [self._fetchers.submit(run, job) for job in jobs[1:]]
+        total = 0
+        failure: BaseException | None = None
+        try:
+            total += run(jobs[0])
+        except BaseException as exc:
+            failure = exc
+        for f in futs:
+            try:
+                total += f.result()
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return total
 
     # -- sparse read --------------------------------------------------------------------------
 
@@ -534,20 +581,31 @@ class Sidecar(spbg.SidecarServicer):
         if len(request.sizes) != len(keys):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(request.sizes)} sizes")
         self._kind(request.kind, context)
-        codes, entries, rid = self.local.reserve(keys, list(request.sizes), request.kind,
-                                                 request.traffic_class or "chatbot")
+        codes, entries, rid = self.write_start(keys, list(request.sizes), request.kind, request.traffic_class)
         return spb.WriteStartReply(codes=codes, offsets=[e.offset if e else 0 for e in entries], reservation_id=rid)
 
+    def write_start(self, keys: list[bytes], sizes: list[int], kind: int,
+                    traffic_class: str) -> tuple[list[int], list[LocalEntry | None], int]:
+        """Reserve arena extents for a put: (codes, entries, reservation id)."""
+        return self.local.reserve(keys, sizes, kind, traffic_class or "chatbot")
+
     def WriteCommit(self, request: spb.WriteCommitRequest, context: grpc.ServicerContext) -> pb.CodesReply:
+        try:
+            return pb.CodesReply(codes=self.write_commit(request.reservation_id, list(request.checksums)))
+        except errors.InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # not reached: abort raises
+
+    def write_commit(self, reservation_id: int, sums: list[int]) -> list[int]:
+        """Make a reservation's objects visible (and queue them for the pool): per-item codes."""
         t0 = time.perf_counter()
-        sums = list(request.checksums)
         with self.local.lock:
-            res = self.local.reservations.get(request.reservation_id)
+            res = self.local.reservations.get(reservation_id)
             entries = list(res[1]) if res else []
         if res is None:
-            return pb.CodesReply(codes=[pb.LEASE_EXPIRED] * len(sums))
+            return [pb.LEASE_EXPIRED] * len(sums)
         if len(sums) != len(entries):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(sums)} checksums for {len(entries)} items")
+            raise errors.InvalidArgument(f"{len(sums)} checksums for {len(entries)} items")
         for i, e in enumerate(entries):
             if e is not None and not sums[i]:
                 sums[i] = checksum(self.local.view(e))
@@ -555,13 +613,13 @@ class Sidecar(spbg.SidecarServicer):
         # State objects are single-copy host-memory objects: only flushed on drain/eviction.
         dirty = self.cfg.write_back or kind_state or not self.pool.enabled
         through = self.pool.enabled and not dirty
-        codes, done, pin = self.local.commit(request.reservation_id, sums, dirty=dirty and self.pool.enabled,
+        codes, done, pin = self.local.commit(reservation_id, sums, dirty=dirty and self.pool.enabled,
                                              pin_ms=600_000 if through else 0)
         if pin is not None:
             self._enqueue(done, pin=pin)
         self.counters["put_blocks"] += len(done)
         metrics.record_put(self.cfg.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
-        return pb.CodesReply(codes=codes)
+        return codes
 
     def WriteRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
         self.local.revoke(request.reservation_id)
@@ -838,6 +896,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--handoff-key-file", default=os.environ.get("KVPOOL_HANDOFF_KEY_FILE"),
                     help="secret that signs handoff records (default: the tenant token)")
     add_event_args(ap)
+    ap.add_argument("--arena-dir", default="",
+                    help="directory of the shared-memory arena (default: beside the socket); it must be "
+                         "memory-backed (tmpfs), else every write to the arena dirties disk pages")
     return ap
 
 
@@ -863,7 +924,8 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
                          events=events_config(args), handoff_listen=args.handoff_listen,
                          handoff_advertise=args.handoff_advertise, handoff_key=key,
-                         transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes)
+                         transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes,
+                         arena_dir=args.arena_dir)
 
 
 def serve(cfg: SidecarConfig) -> int:
@@ -877,6 +939,9 @@ def serve(cfg: SidecarConfig) -> int:
     if server.add_insecure_port(f"unix://{cfg.socket}") == 0:
         raise SystemExit(f"kvpool sidecar: cannot listen on {cfg.socket}")
     server.start()
+    # The hot calls' binary path beside the gRPC socket (kvpool.sidecar.fast_protocol).
+    fast = FastSessionServer(sidecar, fast_socket_path(cfg.socket))
+    fast.start()
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, sidecar)
     stop = threading.Event()
@@ -888,6 +953,7 @@ def serve(cfg: SidecarConfig) -> int:
           + (f" handoff={sidecar.handoff.address}" if sidecar.handoff.address else ""),
           flush=True)
     stop.wait()
+    fast.stop()
     server.stop(grace=0.5).wait()  # stop accepting; in-flight calls finish
     t0 = time.time()
     flushed, nbytes, dropped = sidecar.flush(cfg.drain_seconds)

@@ -12,7 +12,7 @@ of traffic class (PUT only), ``count`` × 32 key bytes, and for PUT ``count`` ×
 
     magic "KVDQ" | version u8 | op u8 | kind u8 | flags u8 | request_id u32 | count u32 |
     lease_ms u32 (GET/EXISTS lease, PUT reservation timeout) | token_len u16 | class_len u16 |
-    lease_id u64 (GET: a match lease to drop) | epoch u64
+    lease_id u64 (GET, EXISTS: a lease of the tenant to drop first) | epoch u64
 
 Response header (48 bytes), then ``msg_len`` bytes of UTF-8 message, then the body::
 
@@ -41,7 +41,8 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   ``FLAG_VERIFY_OBJECT`` the node also checks the whole object against the writer's checksum
   before sending any part of it (a key that fails is CHECKSUM), at the cost of hashing it all.
 * EXISTS: ``prefix`` in the header, presence bitmap ``ceil(n / 8)`` bytes (bit i of byte i // 8,
-  least significant first), ``lease_id`` when the prefix was pinned.
+  least significant first), ``lease_id`` when the prefix was pinned.  A request ``lease_id`` is
+  dropped first (a lease of the frame's tenant only): an EXISTS of no keys is the release.
 * PUT is two frames: PUT_READY with codes u8 × n (OK: send this object's bytes; anything else,
   e.g. ALREADY_EXISTS or QUOTA_EXCEEDED: do not), then the client sends the OK objects' bytes
   back to back and after them the checksums of all n objects (u64 × n), then PUT_DONE with the

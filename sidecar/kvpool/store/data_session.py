@@ -91,6 +91,10 @@ class DataSessionHandler:
                                             epoch=self.node.ring.epoch)])
 
     def _exists(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes]) -> None:
+        if req.lease_id:
+            # A lease this tenant holds, dropped first: an EXISTS of no keys is the session's
+            # release (a sidecar drops its match leases this way, not over gRPC).
+            self.node.release([req.lease_id], tenant)
         prefix, present, lease = self.node.exists(tenant, keys, req.kind, bool(req.flags & dp.FLAG_PREFIX_ONLY),
                                                   bool(req.flags & dp.FLAG_PIN), req.lease_ms)
         stream.send([dp.encode_response(dp.OP_EXISTS, req.request_id, req.items, prefix=prefix,

@@ -300,6 +300,30 @@ def test_a_read_drops_the_match_lease_it_supersedes(nodes: Any, h: Any, rng: ran
     assert c.remove(keys) == [pb.OK] * 3  # the lease went with the read
 
 
+def test_an_exists_of_no_keys_releases_a_lease_of_its_own_tenant_only(nodes: Any, h: Any,
+                                                                      rng: random.Random) -> None:
+    """The session's release (what a sidecar drops its match leases with): another tenant's
+    frame naming the lease leaves it pinned; the owner's frees it."""
+    node = nodes["tenants"]
+    a, b = node.client("tok-alpha"), node.client("tok-beta")
+    keys = h.rand_keys(rng, 2)
+    assert a.put(keys, [b"a", b"b"]) == [pb.OK] * 2
+    m = a.exists(keys, pin=True, lease_ms=60000)
+    assert m.prefix == 2 and m.lease_id
+    assert a.remove(keys[:1]) == [pb.IN_FLIGHT]
+    b.release([m.lease_id])  # beta's frame: not its lease
+    assert a.remove(keys[:1]) == [pb.IN_FLIGHT]
+    a.release([m.lease_id])
+    assert a.remove(keys) == [pb.OK] * 2
+    raw = Raw(node)
+    try:  # the frame itself: an EXISTS of no keys, answered like any EXISTS
+        raw.request(dp.OP_EXISTS, b"tok-alpha", b"", lease_id=12345)
+        resp, _, body = raw.response()
+        assert resp.status == 0 and resp.items == 0 and resp.prefix == 0 and body == b""
+    finally:
+        raw.close()
+
+
 def test_a_removal_during_the_send_succeeds_and_the_reply_stays_whole(nodes: Any, h: Any,
                                                                       rng: random.Random) -> None:
     """A read's own pin is only an in-flight mark: removing the object while its bytes are on

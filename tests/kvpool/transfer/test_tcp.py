@@ -557,10 +557,12 @@ def test_stats_count_bytes_and_outcomes(make_remote: MakeRemote) -> None:
     remote.engine.submit(remote.address, reqs).wait(10)
     engine = remote.engine.stats()
     assert engine["bytes_written"] == 2 << 20 and engine["bytes_read"] == 1 << 20
-    assert engine["slices_no_segment"] == 1 and engine["peers"] == 1 and engine["connects"] == 2
+    # Workers connect when they first take work: on a busy machine one may take every slice.
+    assert engine["slices_no_segment"] == 1 and engine["peers"] == 1 and engine["connects"] in (1, 2)
     server = remote.server.stats()  # live connections are counted without closing them
     assert server["bytes_received"] == 2 << 20 and server["bytes_sent"] == 1 << 20
-    assert server["requests_no_segment"] == 1 and server["connections"] == 2 and server["accepted"] == 2
+    assert server["requests_no_segment"] == 1
+    assert server["connections"] == server["accepted"] == engine["connects"]
 
 
 def test_wait_async_does_not_block_the_loop(make_remote: MakeRemote) -> None:

@@ -1,0 +1,206 @@
+"""Server side of the client↔sidecar fast session (:mod:`kvpool.sidecar.fast_protocol`).
+
+A unix socket beside the gRPC one; one thread per connection (a client opens one per thread
+that calls at the same time, so a handful), at most ``max_connections``.  Each connection
+receives into one buffer of its own, grown to the largest frame it has seen and never beyond
+the protocol's limits (no unbounded queue: the next frame is read only after the reply to the
+previous one is sent).  The calls are the sidecar's own (:meth:`Sidecar.match_keys`,
+:meth:`Sidecar.read_keys`, …), exactly what the gRPC methods run.
+
+The tenant is the sidecar's; a connection must say HELLO with the tenant it expects before
+anything else, and a HELLO naming another tenant is refused — a client pointed at the wrong
+pod's socket learns it at once instead of reading another tenant's objects.  A frame that does
+not parse closes that connection only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import errors
+from ..keys import KEY_BYTES
+from ..proto import store_pb2 as pb
+from ..transfer._sockio import recv_exact, send_buffers
+from . import fast_protocol as fp
+
+if TYPE_CHECKING:
+    from .server import Sidecar
+
+log = logging.getLogger("kvpool.sidecar.fast")
+
+
+class _Refused(Exception):
+    """A call refused with a session status (the connection stays open)."""
+
+    def __init__(self, exc: errors.KvpoolError) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+class FastSessionServer:
+    """Accepts fast-session connections for one sidecar."""
+
+    def __init__(self, sidecar: Sidecar, path: str, max_connections: int = 64) -> None:
+        self.sidecar = sidecar
+        self.path = path
+        self.max_connections = max_connections
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+
+    def start(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)  # a stale socket of a previous life
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(self.path)
+        sock.listen(64)
+        self._listener = sock
+        self._acceptor = threading.Thread(target=self._accept_loop, name="fast-accept", daemon=True)
+        self._acceptor.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=2)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= self.max_connections:
+                    conn.close()  # the client falls back to gRPC
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve_conn, args=(conn,), name="fast-conn", daemon=True).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            _Connection(self.sidecar, conn).run(self._stop)
+        except (ConnectionError, OSError):
+            pass  # the client went away
+        except fp.ProtocolError as exc:
+            log.warning("fast session: closing a connection after a bad frame: %s", exc)
+        except Exception:
+            log.exception("fast session: connection failed")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+
+class _Connection:
+    """One client connection: frames in, sidecar calls, frames out."""
+
+    def __init__(self, sidecar: Sidecar, conn: socket.socket) -> None:
+        self.sidecar = sidecar
+        self.conn = conn
+        self.greeted = False
+        self._header = bytearray(fp.REQUEST_SIZE)
+        self._body = bytearray(64 * KEY_BYTES)
+
+    def _body_view(self, n: int) -> memoryview:
+        """A view of ``n`` bytes of this connection's receive buffer (grown, never shrunk; the
+        header check bounds ``n`` to a few MB)."""
+        if len(self._body) < n:
+            self._body = bytearray(n)
+        return memoryview(self._body)[:n]
+
+    def run(self, stopping: threading.Event) -> None:
+        header = memoryview(self._header)
+        while not stopping.is_set():
+            n = self.conn.recv_into(header, fp.REQUEST_SIZE, socket.MSG_WAITALL)
+            if n == 0:
+                return
+            if n < fp.REQUEST_SIZE:
+                recv_exact(self.conn, header[n:])
+            req = fp.decode_request(header)
+            body = self._body_view(req.body_bytes())
+            if len(body):
+                recv_exact(self.conn, body)
+            parsed = fp.decode_request_body(req, body)
+            reply = self._serve(req, parsed)
+            if reply is not None:
+                send_buffers(self.conn, reply)
+
+    def _serve(self, req: fp.Request, body: fp.RequestBody) -> list[bytes | memoryview] | None:
+        sc = self.sidecar
+        try:
+            if req.op == fp.OP_HELLO:
+                if body.text and body.text != sc.cfg.tenant_id:
+                    raise _Refused(errors.PermissionDenied(
+                        f"this sidecar serves tenant {sc.cfg.tenant_id!r}, not {body.text!r}"))
+                self.greeted = True
+                return [fp.encode_response(fp.OP_HELLO, req.request_id)]
+            if not self.greeted:
+                raise _Refused(errors.Unauthenticated("fast session: HELLO first"))
+            if body.releases:
+                sc.release_leases(body.releases)
+            if req.op == fp.OP_RELEASE:
+                return None if req.flags & fp.FLAG_NO_REPLY else [fp.encode_response(fp.OP_RELEASE, req.request_id)]
+            lease_ms = min(req.lease_ms or sc.cfg.lease_ms, sc.cfg.max_lease_ms)
+            if req.op == fp.OP_MATCH:
+                arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
+                prefix, local, lease_id = sc.match_keys(arr.tolist(), arr, lease_ms,
+                                                        bool(req.flags & fp.FLAG_LOCAL_ONLY))
+                return [fp.encode_response(fp.OP_MATCH, req.request_id, req.items, prefix=prefix, local=local,
+                                           ref=lease_id)]
+            if req.op == fp.OP_READ:
+                kind = self._kind(req.kind)
+                arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
+                r = sc.read_keys(arr.tolist(), arr, kind, lease_ms, req.ref)
+                return [fp.encode_response(fp.OP_READ, req.request_id, req.items, prefix=r.local_hits,
+                                           local=r.pool_hits, ref=r.lease_id),
+                        fp.encode_table(r.codes, r.offsets, r.sizes)]
+            if req.op == fp.OP_WRITE_START:
+                kind = self._kind(req.kind)
+                assert body.values is not None
+                keys = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}").tolist()
+                codes, entries, rid = sc.write_start(keys, body.values.tolist(), kind, body.text)
+                return [fp.encode_response(fp.OP_WRITE_START, req.request_id, req.items, ref=rid),
+                        fp.encode_table(codes, [e.offset if e else 0 for e in entries])]
+            assert req.op == fp.OP_WRITE_COMMIT and body.values is not None
+            codes = sc.write_commit(req.ref, body.values.tolist())
+            return [fp.encode_response(fp.OP_WRITE_COMMIT, req.request_id, req.items), fp.encode_table(codes)]
+        except _Refused as r:
+            exc: errors.KvpoolError = r.exc
+        except errors.KvpoolError as e:
+            exc = e
+        if req.flags & fp.FLAG_NO_REPLY:
+            return None
+        return [fp.encode_response(req.op, req.request_id, req.items, status=errors.session_status_for(exc),
+                                   message=str(exc))]
+
+    @staticmethod
+    def _kind(kind: int) -> int:
+        if kind not in (pb.BLOCK, pb.STATE):
+            raise _Refused(errors.InvalidArgument(f"unknown object kind {kind}"))
+        return kind

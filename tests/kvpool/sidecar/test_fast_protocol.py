@@ -1,0 +1,102 @@
+"""The client↔sidecar fast-session frames, without sockets: round trips and every refusal."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from kvpool.sidecar import fast_protocol as fp
+
+KEYS = bytes(range(32)) + bytes(range(32, 64))
+
+
+def _request(frame: list[bytes]) -> tuple[fp.Request, fp.RequestBody]:
+    blob = b"".join(frame)
+    req = fp.decode_request(blob[:fp.REQUEST_SIZE])
+    return req, fp.decode_request_body(req, blob[fp.REQUEST_SIZE:])
+
+
+def test_requests_round_trip() -> None:
+    req, body = _request(fp.encode_request(fp.OP_READ, 7, keys=KEYS, kind=1, lease_ms=500, ref=99,
+                                           releases=[3, 4]))
+    assert (req.op, req.request_id, req.items, req.kind, req.lease_ms, req.ref) == (fp.OP_READ, 7, 2, 1, 500, 99)
+    assert body.keys == KEYS and body.releases == [3, 4] and body.values is None
+    req, body = _request(fp.encode_request(fp.OP_WRITE_START, 8, keys=KEYS, text=b"batch", values=[10, 1 << 33]))
+    assert body.text == "batch" and body.values is not None and body.values.tolist() == [10, 1 << 33]
+    req, body = _request(fp.encode_request(fp.OP_WRITE_COMMIT, 9, ref=5, values=[1, 2, 3]))
+    assert req.items == 3 and req.ref == 5 and body.keys == b"" and body.values.tolist() == [1, 2, 3]
+    req, body = _request(fp.encode_request(fp.OP_RELEASE, 10, releases=[1, 2], flags=fp.FLAG_NO_REPLY))
+    assert req.items == 0 and body.releases == [1, 2]
+    req, body = _request(fp.encode_request(fp.OP_HELLO, 11, text="tenant-é".encode()))
+    assert body.text == "tenant-é"
+
+
+def test_responses_and_tables_round_trip() -> None:
+    head = fp.encode_response(fp.OP_READ, 3, 2, prefix=1, local=1, ref=77)
+    resp = fp.decode_response(head)
+    assert (resp.op, resp.request_id, resp.items, resp.prefix, resp.local, resp.ref) == (fp.OP_READ, 3, 2, 1, 1, 77)
+    table = fp.decode_table(resp, fp.encode_table([0, 5], [4096, 0], [100, 0]), arena_bytes=1 << 20)
+    assert table == fp.Table([0, 5], [4096, 0], [100, 0])
+    resp = fp.decode_response(fp.encode_response(fp.OP_WRITE_COMMIT, 4, 2))
+    assert fp.decode_table(resp, fp.encode_table([0, 6]), 1).codes == [0, 6]
+    err = fp.encode_response(fp.OP_MATCH, 5, 2, status=3, message="no")
+    resp = fp.decode_response(err[:fp.RESPONSE_SIZE])
+    assert resp.status == 3 and resp.msg_len == 2 and resp.body_bytes() == 0 and err[fp.RESPONSE_SIZE:] == b"no"
+
+
+def _header(**over: int) -> bytes:
+    f = {"magic": fp.REQUEST_MAGIC, "version": fp.VERSION, "op": fp.OP_READ, "kind": 0, "flags": 0, "rid": 1,
+         "count": 1, "lease_ms": 0, "tlen": 0, "nrel": 0, "ref": 0}
+    f.update(over)
+    return fp.REQUEST.pack(*f.values())
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"magic": b"KVDQ"}, "magic"), ({"version": 9}, "version"), ({"op": 0}, "unknown"), ({"op": 200}, "unknown"),
+    ({"count": fp.MAX_KEYS + 1}, "at most"), ({"tlen": fp.MAX_TEXT_BYTES + 1}, "limit"),
+    ({"nrel": fp.MAX_RELEASES + 1}, "limit"), ({"op": fp.OP_HELLO, "count": 1}, "no items"),
+    ({"op": fp.OP_RELEASE, "count": 2}, "no items"), ({"flags": fp.FLAG_NO_REPLY}, "without a reply"),
+])
+def test_malformed_request_headers_are_refused(over: dict[str, int], why: str) -> None:
+    with pytest.raises(fp.ProtocolError, match=why):
+        fp.decode_request(_header(**over))
+    with pytest.raises(fp.ProtocolError):
+        fp.decode_request(_header(**over)[:-1])  # and a short header, whatever it says
+
+
+def test_malformed_bodies_are_refused() -> None:
+    req = fp.decode_request(_header(count=2))
+    with pytest.raises(fp.ProtocolError, match="expected 64"):
+        fp.decode_request_body(req, b"\0" * 63)
+    req = fp.decode_request(_header(op=fp.OP_HELLO, count=0, tlen=2))
+    with pytest.raises(fp.ProtocolError, match="UTF-8"):
+        fp.decode_request_body(req, b"\xff\xfe")
+    req = fp.decode_request(_header(op=fp.OP_WRITE_START, count=1))
+    with pytest.raises(fp.ProtocolError, match="size over"):
+        fp.decode_request_body(req, b"\0" * 32 + struct.pack("<Q", (1 << 40) + 1))
+
+
+def test_malformed_responses_and_tables_are_refused() -> None:
+    good = fp.encode_response(fp.OP_READ, 1, 1)
+    for bad in (b"KVFQ" + good[4:], good[:4] + b"\x09" + good[5:], good[:5] + b"\x63" + good[6:], good[:-1]):
+        with pytest.raises(fp.ProtocolError):
+            fp.decode_response(bad)
+    resp = fp.decode_response(good)
+    with pytest.raises(fp.ProtocolError, match="table"):
+        fp.decode_table(resp, b"\0" * 16, 1 << 20)
+    # An extent past the end of the arena would make the client read bytes of no object.
+    with pytest.raises(fp.ProtocolError, match="outside the arena"):
+        fp.decode_table(resp, fp.encode_table([0], [1 << 20], [1]), arena_bytes=1 << 20)
+    with pytest.raises(fp.ProtocolError, match="outside the arena"):
+        fp.decode_table(resp, fp.encode_table([0], [0], [np.uint64(1 << 63)]), arena_bytes=1 << 20)
+
+
+def test_encoder_refuses_what_the_decoder_would() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fp.encode_request(fp.OP_MATCH, 1, keys=b"\0" * 33)
+    with pytest.raises(ValueError, match="one size"):
+        fp.encode_request(fp.OP_WRITE_START, 1, keys=KEYS, values=[1])
+    with pytest.raises(ValueError, match="too long"):
+        fp.encode_request(fp.OP_RELEASE, 1, releases=list(range(fp.MAX_RELEASES + 1)))
