@@ -7,9 +7,12 @@ bash tools/setup.sh
 export PYTHONPATH="$PWD/sidecar:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 echo "== checks: generated code, lint, import contracts"
-"$PY" tools/genproto.py --check
-"$PY" -m ruff check -q sidecar operator tests tools e2e bench
-lint-imports --no-cache >/dev/null || lint-imports --no-cache
+# A failed check fails the run, but only after the test suite has run: a lint slip must not hide
+# what the tests would have said.
+checks=0
+"$PY" tools/genproto.py --check || checks=1
+"$PY" -m ruff check -q sidecar operator tests tools e2e bench || checks=1
+lint-imports --no-cache >/dev/null || lint-imports --no-cache || checks=1
 if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
   # The engine venvs (vLLM, LMCache, SGLang) for tests/integrations: about 6 minutes and 7.6 GB the
   # first time on a machine, seconds once cached under $KVPOOL_CACHE. KVPOOL_SKIP_ENGINES=1 skips
@@ -23,11 +26,18 @@ if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
 fi
 echo "== pytest"
 set +e
+if [ "$#" -eq 0 ]; then
+  set -- tests e2e  # the whole suite (the same as pyproject's testpaths, said here so it cannot drift)
+fi
 "$PY" -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure here"
   exit 1
+fi
+if [ "$checks" -ne 0 ]; then
+  echo "checks failed (above): generated code, ruff or import contracts"
+  [ "$rc" -ne 0 ] || rc=1
 fi
 exit "$rc"

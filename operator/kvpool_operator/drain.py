@@ -11,20 +11,20 @@ for one epoch, so an operator restarted in the middle re-reads ``status.drain`` 
 
 from __future__ import annotations
 
-import datetime as dt
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .membership import StorePod
-from .units import format_bytes
-
-
-def _iso(unix_ms: int) -> str:
-    return dt.datetime.fromtimestamp(unix_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
+from .units import format_bytes, format_time
 
 COUNTERS = ("movedObjects", "movedBytes", "droppedObjects", "droppedBytes", "remainingObjects")
+
+
+def status_counters(status: Any, names: Sequence[str]) -> dict[str, int]:
+    """The camelCase status counters ``names`` of a node's status dataclass (its snake_case fields)."""
+    return {n: int(getattr(status, re.sub(r"([A-Z])", r"_\1", n).lower())) for n in names}
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class NodeDrainStatus:
     epoch: int = 0
 
     def counters(self) -> dict[str, int]:
-        return {"movedObjects": self.moved_objects, "movedBytes": self.moved_bytes,
-                "droppedObjects": self.dropped_objects, "droppedBytes": self.dropped_bytes,
-                "remainingObjects": self.remaining_objects}
+        return status_counters(self, COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ class DrainState:
     def to_status(self) -> dict[str, Any]:
         return {"phase": "Draining", "fromReplicas": self.from_replicas, "toReplicas": self.to_replicas,
                 "leaving": list(self.leaving), "startedUnixMs": self.started_unix_ms,
-                "deadlineUnixMs": self.deadline_unix_ms, "deadline": _iso(self.deadline_unix_ms),
+                "deadlineUnixMs": self.deadline_unix_ms, "deadline": format_time(self.deadline_unix_ms),
                 "epoch": self.epoch, "reason": self.reason,
                 "nodes": {k: dict(v) for k, v in self.nodes.items()}, **self.totals()}
 

@@ -9,7 +9,6 @@ after the ring no longer names the leaving nodes) → status → Events.
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import logging
 import secrets
 import time
@@ -40,14 +39,15 @@ from .reconcile import PoolObserved, PoolPlan, plan_pool
 from .runtime import Runtime
 from .status import NodeStats
 from .tenancy import Credentials, credentials_from_secret, new_admin_token
+from .units import format_time
 
 log = logging.getLogger("kvpool.operator.pools")
 T = TypeVar("T")
 
 
 def _now() -> tuple[int, str]:
-    t = time.time()
-    return int(t * 1000), dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    ms = int(time.time() * 1000)
+    return ms, format_time(ms)
 
 
 def admin_token(kube: Kube, pool_body: Mapping[str, Any]) -> str:

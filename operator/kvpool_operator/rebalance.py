@@ -13,23 +13,18 @@ operator restarted in the middle re-reads ``status.rebalance`` and carries on.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.ring import Ring
 
-from .drain import Event
+from .drain import Event, status_counters
 from .membership import StorePod
-from .units import format_bytes
+from .units import format_bytes, format_time
 
 COUNTERS = ("plannedObjects", "plannedBytes", "movedObjects", "movedBytes", "skippedObjects", "skippedBytes",
             "failedObjects", "remainingObjects")
-
-
-def _iso(unix_ms: int) -> str:
-    return dt.datetime.fromtimestamp(unix_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -49,10 +44,7 @@ class NodeWarmStatus:
     epoch: int = 0
 
     def counters(self) -> dict[str, int]:
-        return {"plannedObjects": self.planned_objects, "plannedBytes": self.planned_bytes,
-                "movedObjects": self.moved_objects, "movedBytes": self.moved_bytes,
-                "skippedObjects": self.skipped_objects, "skippedBytes": self.skipped_bytes,
-                "failedObjects": self.failed_objects, "remainingObjects": self.remaining_objects}
+        return status_counters(self, COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -88,7 +80,7 @@ class RebalanceState:
     def to_status(self) -> dict[str, Any]:
         return {"phase": "Rebalancing", "stage": self.stage, "epoch": self.epoch, "added": list(self.added),
                 "sources": list(self.sources), "startedUnixMs": self.started_unix_ms,
-                "deadlineUnixMs": self.deadline_unix_ms, "deadline": _iso(self.deadline_unix_ms),
+                "deadlineUnixMs": self.deadline_unix_ms, "deadline": format_time(self.deadline_unix_ms),
                 "nodes": {k: dict(v) for k, v in self.nodes.items()}, **self.totals()}
 
     @staticmethod

@@ -6,6 +6,7 @@ bad spec fails fast with a clear message instead of becoming a zero.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -85,3 +86,8 @@ def format_quantity(n: int) -> str:
 
 def format_percent(fraction: float) -> str:
     return f"{fraction * 100:.1f}%"
+
+
+def format_time(unix_ms: int) -> str:
+    """An instant as Kubernetes writes one in status (RFC 3339, UTC, whole seconds)."""
+    return dt.datetime.fromtimestamp(unix_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

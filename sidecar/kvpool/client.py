@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import grpc
 import numpy as np
@@ -46,7 +46,26 @@ def pack_keys(keys: Sequence[bytes]) -> bytes:
         raise errors.InvalidArgument(str(exc)) from None
 
 
-class Blocks(list[memoryview]):
+class _Leased:
+    """What holds one sidecar lease: released once, by :meth:`release`, the ``with`` block's end
+    or the lease's expiry."""
+
+    lease_id: int
+    _client: Client
+
+    def release(self) -> None:
+        if self.lease_id:
+            self._client.release(self.lease_id)
+            self.lease_id = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Blocks(_Leased, list[memoryview]):
     """Views into the sidecar's arena, pinned by one lease until :meth:`release` or its expiry."""
 
     def __init__(self, views: list[memoryview], client: Client, lease_id: int) -> None:
@@ -54,22 +73,11 @@ class Blocks(list[memoryview]):
         self.lease_id = lease_id
         self._client = client
 
-    def release(self) -> None:
-        if self.lease_id:
-            self._client.release(self.lease_id)
-            self.lease_id = 0
 
-    def __enter__(self) -> Blocks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class HandoffResult:
+class HandoffResult(_Leased):
     """What the decode side has after :meth:`Client.accept_handoff`: the plan, the blocks and
     the state (views into the arena, pinned until :meth:`release` or the lease's end), where the
-    state came from, and timings (seconds)."""
+    state came from, and timings (seconds).  Its own lease is the state's."""
 
     def __init__(self, record: _ho.HandoffRecord, plan: HitPlan, blocks: Blocks, block_codes: list[int],
                  state: memoryview | None, state_outcome: _ho.StateOutcome, state_detail: str,
@@ -90,7 +98,7 @@ class HandoffResult:
         """Client time of the whole call."""
         self.pool_hits = pool_hits
         self.local_hits = local_hits
-        self._state_lease = state_lease_id
+        self.lease_id = state_lease_id
         self._client = client
 
     @property
@@ -115,18 +123,10 @@ class HandoffResult:
 
     def release(self) -> None:
         self.blocks.release()
-        if self._state_lease:
-            self._client.release(self._state_lease)
-            self._state_lease = 0
-
-    def __enter__(self) -> HandoffResult:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+        super().release()
 
 
-class RangeReads:
+class RangeReads(_Leased):
     """The answer of :meth:`Client.get_ranges_many`: per key its code, the object's size and
     views of its ranges in the sidecar's arena (None where the code is not OK), all held by one
     lease until :meth:`release` or its expiry."""
@@ -136,17 +136,6 @@ class RangeReads:
         self.codes, self.sizes, self.views = codes, sizes, views
         self.lease_id = lease_id
         self._client = client
-
-    def release(self) -> None:
-        if self.lease_id:
-            self._client.release(self.lease_id)
-            self.lease_id = 0
-
-    def __enter__(self) -> RangeReads:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Client:
