@@ -364,6 +364,7 @@ class Client:
         r, merged, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
         try:
             arena = self._arena
+            pairs: list[tuple[memoryview, memoryview]] = []
             at = 0
             for j, i in enumerate(ask):
                 m = merged[j][0]  # the same back-to-back bytes as the ranges asked
@@ -371,9 +372,10 @@ class Client:
                 if r.codes[j] == pb.OK:
                     dst, pos = dsts[i], 0
                     for o, n in zip(r.offsets[at:at + len(m)], m[:, 1].tolist(), strict=True):
-                        dst[pos:pos + n] = arena[o:o + n]
+                        pairs.append((arena[o:o + n], dst[pos:pos + n]))
                         pos += n
                 at += len(m)
+            self._copier.copy(pairs)  # as get_into: one pass, big batches on two threads
         finally:
             if r.lease_id:
                 self._range_lease_done(r.lease_id)

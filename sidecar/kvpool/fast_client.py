@@ -15,7 +15,6 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import Sequence
 from concurrent import futures
 from typing import Any, NamedTuple
 
@@ -36,19 +35,19 @@ class ReadReply(NamedTuple):
 
 
 class _Conn:
-    def __init__(self, path: str, tenant: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.sock.connect(path)
         self.header = bytearray(fp.RESPONSE_SIZE)
         self.next_id = 1
 
-    def call(self, op: int, arena_bytes: int, **kw: Any) -> tuple[fp.Response, bytes]:
+    def call(self, op: int, **kw: Any) -> tuple[fp.Response, bytearray]:
         rid = self.next_id
         self.next_id = (rid + 1) & 0xFFFFFFFF
         send_buffers(self.sock, fp.encode_request(op, rid, **kw))  # type: ignore[arg-type]
         if kw.get("flags", 0) & fp.FLAG_NO_REPLY:
-            return fp.Response(op, 0, 0, rid, 0, 0, 0, 0, 0), b""
+            return fp.Response(op, 0, 0, rid, 0, 0, 0, 0, 0), bytearray()
         view = memoryview(self.header)
         recv_exact(self.sock, view)
         resp = fp.decode_response(view)
@@ -64,7 +63,7 @@ class _Conn:
         body = bytearray(resp.body_bytes())
         if body:
             recv_exact(self.sock, memoryview(body))
-        return resp, bytes(body)
+        return resp, body
 
     def close(self) -> None:
         self.sock.close()
@@ -91,9 +90,9 @@ class FastSession:
         self._put_back(self._connect())  # fails here (no such socket, wrong tenant) or never
 
     def _connect(self) -> _Conn:
-        conn = _Conn(self.path, self.tenant, self.timeout)
+        conn = _Conn(self.path, self.timeout)
         try:
-            conn.call(fp.OP_HELLO, self.arena_bytes, text=self.tenant.encode())
+            conn.call(fp.OP_HELLO, text=self.tenant.encode())
         except BaseException:
             conn.close()
             raise
@@ -141,13 +140,13 @@ class FastSession:
             self._open -= 1
             self._cond.notify()
 
-    def call(self, op: int, **kw: Any) -> tuple[fp.Response, bytes]:
+    def call(self, op: int, **kw: Any) -> tuple[fp.Response, bytearray]:
         try:
             conn = self._take()
         except OSError as exc:
             raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
         try:
-            out = conn.call(op, self.arena_bytes, **kw)
+            out = conn.call(op, **kw)
         except errors.KvpoolError:
             self._put_back(conn)  # a refused call: the stream is still in step
             raise
@@ -226,11 +225,6 @@ class Copier:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _copy(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
-        for src, dst in pairs:
-            np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
-
-    @staticmethod
     def _take(chunks: list[tuple[memoryview, memoryview]], turn: Any) -> None:
         n = len(chunks)
         while True:
@@ -243,7 +237,7 @@ class Copier:
     def copy(self, pairs: list[tuple[memoryview, memoryview]]) -> None:
         total = sum(s.nbytes for s, _ in pairs)
         if total < PARALLEL_COPY_BYTES:
-            self._copy(pairs)
+            self._take(pairs, itertools.count())  # alone: every pair in turn
             return
         chunks = [(src[at:at + CHUNK_BYTES], dst[at:at + CHUNK_BYTES])
                   for src, dst in pairs for at in range(0, src.nbytes, CHUNK_BYTES)]

@@ -105,9 +105,12 @@ class LocalTier:
     def _drop_lease(self, lease: LocalLease) -> None:
         self.leases.pop(lease.lease_id, None)
         for e in lease.entries:
-            e.pins -= 1
-            if e.pins == 0 and e.state == DEAD:
-                self.arena.alloc.free(e.offset)
+            self._unpin_locked(e)
+
+    def _unpin_locked(self, e: LocalEntry) -> None:
+        e.pins -= 1
+        if e.pins == 0 and e.state == DEAD:
+            self.arena.alloc.free(e.offset)  # removed or evicted while pinned: its extent goes now
 
     def _new_lease(self, entries: list[LocalEntry], lease_ms: int, now: float) -> LocalLease:
         # Under self.lock: pinning must be atomic with the lookup that found the entries, or a
@@ -426,9 +429,7 @@ class LocalTier:
     def unpin(self, e: LocalEntry) -> None:
         """Drop one pin taken by hand (the handoff export's guard); frees a dead extent."""
         with self.lock:
-            e.pins -= 1
-            if e.pins == 0 and e.state == DEAD:
-                self.arena.alloc.free(e.offset)
+            self._unpin_locked(e)
 
     def mark_local_only(self, e: LocalEntry, dirty: bool) -> None:
         """An object fetched from a peer, not the pool: never assumed pooled; ``dirty`` hands it

@@ -19,10 +19,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -43,6 +43,7 @@ from .handoff import HandoffService
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import UNREACHABLE, Pool
 
+T = TypeVar("T")
 log = logging.getLogger("kvpool.sidecar")
 
 _UNBOUNDED = (1 << 64) - 1
@@ -428,23 +429,23 @@ class Sidecar(spbg.SidecarServicer):
                     self.local.abandon(e)
             return got
 
-        jobs = [(nid, idx) for nid, idx in routes.items() if len(idx)]
-        if not jobs:
-            return 0
-        if len(jobs) == 1:
-            return run(jobs[0])
-        # The first node's read on this thread, the others on the fetchers: one thread handoff
-        # fewer per call; every read has stopped (none still lands bytes) before this returns.
+        return self._run_jobs(run, [(nid, idx) for nid, idx in routes.items() if len(idx)])
+
+    def _run_jobs(self, run: Callable[[T], int | None], jobs: Sequence[T]) -> int:
+        """Run one read per node: the first on this thread, the others on the fetchers (one
+        thread handoff fewer per call); every read has stopped (none still lands bytes) before
+        this returns.  The sum of the reads' results (None counts 0)."""
         futs = [self._fetchers.submit(run, job) for job in jobs[1:]]
         total = 0
         failure: BaseException | None = None
         try:
-            total += run(jobs[0])
+            if jobs:
+                total += run(jobs[0]) or 0
         except BaseException as exc:
             failure = exc
         for f in futs:
             try:
-                total += f.result()
+                total += f.result() or 0
             except BaseException as exc:
                 failure = failure or exc
         if failure is not None:
@@ -549,19 +550,16 @@ class Sidecar(spbg.SidecarServicer):
         def round_(routes: dict[str, np.ndarray]) -> None:
             still = np.array([codes[i] == pb.NOT_FOUND for i in ask], dtype=bool)
             jobs = [(nid, idx[still[idx]]) for nid, idx in routes.items()]
-            jobs = [j for j in jobs if len(j[1])]
-            if len(jobs) == 1:
-                run(jobs[0])
-            elif jobs:
-                list(self._fetchers.map(run, jobs))
+            self._run_jobs(run, [j for j in jobs if len(j[1])])
 
         def missing() -> bool:
             return any(codes[i] == pb.NOT_FOUND for i in ask)
 
         try:
             if ask:
+                epoch = self.pool.ring.epoch
                 round_(self.pool.route(sub))
-                if missing() and self.pool.catch_up():
+                if missing() and self.pool.catch_up(epoch):
                     round_(self.pool.route(sub))
                 if missing():
                     for routes in self.pool.fallbacks(sub):
@@ -767,12 +765,12 @@ class Sidecar(spbg.SidecarServicer):
             codes: dict[int, int] = {}
             for attempt in range(2):
                 views = [memoryview(copies[i]) if copies is not None else self.local.view(entries[i]) for i in sel]
-                epoch = self.pool.ring.epoch
+                routed = self.pool.ring.epoch
                 got = self.pool.put([entries[i].key for i in sel], views, [entries[i].checksum for i in sel],
                                     traffic_class, kind)
                 codes.update(zip(sel, got, strict=True))
                 stale = [i for i in sel if codes[i] in (pb.DRAINING, pb.WRONG_OWNER)]
-                if not stale or attempt or not self.pool.catch_up(epoch):
+                if not stale or attempt or not self.pool.catch_up(routed):
                     break
                 sel = stale
             for i, c in codes.items():
