@@ -153,13 +153,16 @@ class MatchService:
                 last = exc
         raise errors.Unavailable(f"no store node answered: {last}")
 
-    def match(self, token: str, keys: list[bytes], block_tokens: int) -> MatchResult:
-        if not keys:
+    def match(self, token: str, key_blob: bytes, block_tokens: int) -> MatchResult:
+        """Pool hit of the packed 32-byte keys ``key_blob`` (the wire form: no per-key objects)."""
+        if len(key_blob) % KEY_BYTES:
+            raise errors.InvalidArgument(f"keys: {len(key_blob)} bytes is not a multiple of {KEY_BYTES}")
+        if not key_blob:
             return MatchResult(0, 0, block_tokens, 0)
         pool = self._pool(token)
-        arr = np.frombuffer(pack_keys(keys), dtype=f"V{KEY_BYTES}")
+        arr = np.frombuffer(key_blob, dtype=f"V{KEY_BYTES}")
         present = pool.present(arr, pb.BLOCK)
-        return MatchResult(leading_run(present), len(keys), block_tokens, pool.ring.epoch)
+        return MatchResult(leading_run(present), len(arr), block_tokens, pool.ring.epoch)
 
     def match_tokens(self, token: str, key_space: KeySpace, tokens: Sequence[int] | np.ndarray) -> MatchResult:
         if len(tokens) > MAX_TOKENS:
@@ -168,7 +171,7 @@ class MatchService:
             keys = key_space.block_keys(tokens)
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
-        return self.match(token, keys, key_space.block_tokens)
+        return self.match(token, pack_keys(keys), key_space.block_tokens)
 
     def close(self) -> None:
         with self._lock:
@@ -182,12 +185,6 @@ def _bearer(value: str | None) -> str:
     if value and value.lower().startswith("bearer "):
         return value[7:].strip()
     return ""
-
-
-def _keys_from_blob(blob: bytes) -> list[bytes]:
-    if len(blob) % KEY_BYTES:
-        raise errors.InvalidArgument(f"keys: {len(blob)} bytes is not a multiple of {KEY_BYTES}")
-    return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
 
 
 # ------------------------------------------------------------------------------------ gRPC
@@ -205,7 +202,7 @@ class RouterServicer(rpbg.RouterServicer):
         token = _bearer(dict(context.invocation_metadata()).get("authorization"))
         try:
             if request.keys:
-                r = self.service.match(token, _keys_from_blob(request.keys), request.key_space.block_tokens or 128)
+                r = self.service.match(token, request.keys, request.key_space.block_tokens or 128)
             else:
                 ks = request.key_space
                 space = key_space_from({"model": ks.model, "revision": ks.revision, "lora": ks.lora,
@@ -239,7 +236,7 @@ def http_match(service: MatchService, token: str, body: bytes) -> tuple[int, dic
             if not isinstance(hexes, list) or not all(isinstance(k, str) and len(k) == 2 * KEY_BYTES for k in hexes):
                 raise errors.InvalidArgument("keys must be a list of 64-hex-digit block keys")
             try:
-                keys = [bytes.fromhex(k) for k in hexes]
+                keys = b"".join(bytes.fromhex(k) for k in hexes)
             except ValueError:
                 raise errors.InvalidArgument("keys must be hex") from None
             r = service.match(token, keys, int((doc.get("key_space") or {}).get("block_tokens") or 128))

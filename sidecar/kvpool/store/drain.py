@@ -85,9 +85,9 @@ def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_secon
                  p.moved_bytes, p.dropped_objects)  # type: ignore[attr-defined]
 
 
-def push_object(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> int:
-    """Write one object to ``client``'s node; its code (OK, ALREADY_EXISTS: nothing was sent,
-    ...), or -1 when it could not be read here or the target failed."""
+def _push(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> bool:
+    """Write one object to ``client``'s node; True when it is there now (OK, or ALREADY_EXISTS:
+    nothing was sent); False when it could not be read here or the target refused or failed."""
     result: list[int] = []
 
     def sink(view: memoryview) -> None:
@@ -96,12 +96,8 @@ def push_object(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> i
 
     try:
         if not node.read_object(e, sink):
-            return -1
+            return False
     except Exception as exc:  # a dead target drops this object, the push goes on
         log.warning("push of one object failed: %s", exc)
-        return -1
-    return result[0] if result else -1
-
-
-def _push(node: StoreNode, client: StoreClient, e: Entry, epoch: int) -> bool:
-    return push_object(node, client, e, epoch) in (pb.OK, pb.ALREADY_EXISTS)
+        return False
+    return bool(result) and result[0] in (pb.OK, pb.ALREADY_EXISTS)

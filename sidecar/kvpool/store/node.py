@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import ranges
 from ..errors import InvalidArgument
 from ..proto import store_pb2 as pb
 from ..ring import Ring
@@ -154,9 +155,9 @@ class NodeConfig:
     data_session: bool = True
     """Serve the one-round-trip binary data session (get, put, exists) on the transfer port
     beside the gRPC API; off, clients use the gRPC calls (the compatibility path)."""
-    max_range_bytes: int = 256 << 20
+    max_range_bytes: int = ranges.DEFAULT_MAX_BYTES
     """Bytes one ranged read (data-session GET_RANGES) may move; keys past it are INVALID."""
-    max_ranges_per_key: int = 4096
+    max_ranges_per_key: int = ranges.MAX_RANGES_PER_KEY
     """Ranges of one key in one ranged read; more is INVALID for that key."""
     events: Any = None
     """A ``kvpool.events.EventsConfig``: publish the stored/removed blocks of ``events_tenant``."""
@@ -1122,32 +1123,13 @@ class StoreNode:
         return iter(items)
 
     def read_object(self, e: Entry, sink: Callable[[memoryview], None]) -> bool:
-        """Hand an object's bytes to ``sink`` (the drain's pusher), pinned while it runs."""
-        with self.lock:
-            if e.state != COMMITTED:
-                return False
-            if e.tier != "dram":
-                e.pins += 1
-                try:
-                    if self._promote(e, time.time()) != pb.OK:
-                        return False
-                finally:
-                    e.pins -= 1
-            e.inflight += 1
-            view = self.dram.slice(e.offset, e.size)
-        try:
-            sink(view)
-            return True
-        finally:
-            with self.lock:
-                e.inflight -= 1
-                if e.inflight == 0 and e.state == -1 and e.offset >= 0:
-                    self.dram.alloc.free(e.offset)
-                    e.offset = -1
+        """Hand an object's bytes to ``sink`` (the drain's pusher), in flight while it runs;
+        False when it is gone or cannot be promoted."""
+        return self.read_objects([e], lambda _held, views: sink(views[0])) == 1
 
-    def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> None:
+    def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> int:
         """Hand several objects' bytes to ``sink`` at once (a batched push), each held in flight
-        while it runs; objects gone or not promotable meanwhile are left out."""
+        while it runs; objects gone or not promotable meanwhile are left out.  How many were."""
         held: list[Entry] = []
         views: list[memoryview] = []
         with self.lock:
@@ -1168,12 +1150,8 @@ class StoreNode:
             if held:
                 sink(held, views)
         finally:
-            with self.lock:
-                for e in held:
-                    e.inflight -= 1
-                    if e.inflight == 0 and e.state == -1 and e.offset >= 0:
-                        self.dram.alloc.free(e.offset)
-                        e.offset = -1
+            self.read_unpin(held)
+        return len(held)
 
     def stats(self) -> dict[str, object]:
         with self.lock:

@@ -36,8 +36,10 @@ log = logging.getLogger("kvpool.store.warm")
 
 
 def plan_warm(key_blob: bytes, last_access: Sequence[float] | npt.NDArray[Any], sizes: Sequence[int] | npt.NDArray[Any],
-              ring: Ring, added: Collection[str], fraction: float = 0.0) -> npt.NDArray[np.intp]:
+              ring: Ring, added: Collection[str], fraction: float = 0.0,
+              owners: npt.NDArray[Any] | None = None) -> npt.NDArray[np.intp]:
     """Indices of the objects to push, hottest (latest ``last_access``) first (pure).
+    ``owners``: ``ring.owners_of(key_blob)`` when the caller has it already.
 
     An object moves when its owner among the active members of ``ring`` is one of ``added``.
     ``fraction`` in (0, 1) keeps only the hottest objects whose bytes add up to at most that
@@ -47,8 +49,11 @@ def plan_warm(key_blob: bytes, last_access: Sequence[float] | npt.NDArray[Any], 
     active = [m.id for m in ring.active]
     if n == 0 or not active or not added:
         return np.zeros(0, dtype=np.intp)
-    targets = [j for j, mid in enumerate(active) if mid in set(added)]
-    moved = np.flatnonzero(np.isin(ring.owners_of(key_blob), targets))
+    joined = set(added)
+    targets = [j for j, mid in enumerate(active) if mid in joined]
+    if owners is None:
+        owners = ring.owners_of(key_blob)
+    moved = np.flatnonzero(np.isin(owners, targets))
     if len(moved) == 0:
         return moved.astype(np.intp)
     la = np.asarray(last_access, dtype=np.float64)[moved]
@@ -122,9 +127,9 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
     try:
         if entries:
             blob = b"".join(e.key for e in entries)
+            owner = ring.owners_of(blob)  # once: the plan and the push both route by it
             order = plan_warm(blob, [e.last_access for e in entries], [e.size for e in entries], ring, added,
-                              fraction)
-            owner = ring.owners_of(blob)
+                              fraction, owners=owner)
         else:
             order, owner = np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
         todo = [entries[int(i)] for i in order]
