@@ -22,6 +22,15 @@ from .units import format_bytes, format_time
 COUNTERS = ("movedObjects", "movedBytes", "droppedObjects", "droppedBytes", "remainingObjects")
 
 
+def sum_counters(nodes: Iterable[Mapping[str, Any]], names: Sequence[str]) -> dict[str, int]:
+    """The counters ``names`` summed over the nodes' status rows."""
+    out = dict.fromkeys(names, 0)
+    for n in nodes:
+        for k in names:
+            out[k] += int(n.get(k, 0))
+    return out
+
+
 def status_counters(status: Any, names: Sequence[str]) -> dict[str, int]:
     """The camelCase status counters ``names`` of a node's status dataclass (its snake_case fields)."""
     return {n: int(getattr(status, re.sub(r"([A-Z])", r"_\1", n).lower())) for n in names}
@@ -59,11 +68,7 @@ class DrainState:
     reason: str = "SpecChanged"
 
     def totals(self) -> dict[str, int]:
-        out = dict.fromkeys(COUNTERS, 0)
-        for n in self.nodes.values():
-            for k in COUNTERS:
-                out[k] += int(n.get(k, 0))
-        return out
+        return sum_counters(self.nodes.values(), COUNTERS)
 
     def to_status(self) -> dict[str, Any]:
         return {"phase": "Draining", "fromReplicas": self.from_replicas, "toReplicas": self.to_replicas,

@@ -325,7 +325,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         warm_bytes_per_second=(_bytes(_get(su, "warmBandwidth"), "spec.scaleUp.warmBandwidth", positive=False)
                                if _get(su, "warmBandwidth") is not None else 0),
         warm_fraction=warm_fraction, warm_seconds=warm_seconds,
-        default_tenant=_get(spec, "tenancy", "defaultTenant") or None,
+        default_tenant=default_tenant,
         force_scale_down=_truthy(_get(meta, "annotations", FORCE_SCALE_DOWN_ANNOTATION, default="")),
         encryption=enc_on, encryption_secret=_get(enc, "secretName") or None,
         router_enabled=bool(_get(rt, "enabled", default=False)),

@@ -73,8 +73,9 @@ def ensure_master_key(kube: Kube, pool: PoolSpec, tiers: Mapping[str, TierSpec |
     name = children.master_key_secret_name(pool)
     secret = kube.get("v1", "Secret", name, pool.namespace)
     if secret is None and not pool.encryption_secret:
-        kube.create(children.master_key_secret(pool, secrets.token_urlsafe(32)))
-        secret = kube.get("v1", "Secret", name, pool.namespace)
+        # None: another reconcile created it first; read that one.
+        secret = (kube.create(children.master_key_secret(pool, secrets.token_urlsafe(32)))
+                  or kube.get("v1", "Secret", name, pool.namespace))
     return master_key_problem(secret, name, pool.namespace)
 
 

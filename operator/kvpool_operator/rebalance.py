@@ -14,12 +14,12 @@ operator restarted in the middle re-reads ``status.rebalance`` and carries on.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpool.ring import Ring
 
-from .drain import Event, status_counters
+from .drain import Event, status_counters, sum_counters
 from .membership import StorePod
 from .units import format_bytes, format_time
 
@@ -71,11 +71,7 @@ class RebalanceState:
     nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def totals(self) -> dict[str, int]:
-        out = dict.fromkeys(COUNTERS, 0)
-        for n in self.nodes.values():
-            for k in COUNTERS:
-                out[k] += int(n.get(k, 0))
-        return out
+        return sum_counters(self.nodes.values(), COUNTERS)
 
     def to_status(self) -> dict[str, Any]:
         return {"phase": "Rebalancing", "stage": self.stage, "epoch": self.epoch, "added": list(self.added),
@@ -174,7 +170,7 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
             if now_ms > state.deadline_unix_ms:
                 return _end(state, now_ms, "DeadlineExceeded", "the ring never reached every store node")
             return RebalanceStep(state)
-        state = RebalanceState(**{**state.__dict__, "stage": "Warming"})
+        state = replace(state, stage="Warming")
     nodes: dict[str, dict[str, Any]] = {}
     calls: list[str] = []
     pending = 0
@@ -197,7 +193,7 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
             calls.append(src)
             pending += 1
         nodes[src] = prev
-    state = RebalanceState(**{**state.__dict__, "nodes": nodes})
+    state = replace(state, nodes=nodes)
     overrun = now_ms > state.deadline_unix_ms + int(overrun_seconds * 1000)
     if pending and not overrun:
         return RebalanceStep(state, tuple(calls))
