@@ -527,7 +527,9 @@ def _try(fn: Callable[[str], list[int]], token: str) -> list[int] | None:
 def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube: Kube, namespace: str) -> None:
     from kvpool.store_client import StoreClient
 
-    create(kube, kvpool("r", storage={"replicas": 2}, scaleDown={"gracePeriodSeconds": 30},
+    # 1 MiB/s: the 4 MiB drain lasts about 4 s, so it is still running when the operator is
+    # killed (unbounded, it could end between the status read and the kill).
+    create(kube, kvpool("r", storage={"replicas": 2}, scaleDown={"gracePeriodSeconds": 30, "drainBandwidth": "1Mi"},
                         tenancy={"defaultTenant": "public"}), namespace)
     st = wait_status(kube, namespace, "r", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
     leaving = next(m for m in st["ring"]["members"] if m["id"] == "r-store-1")
