@@ -9,6 +9,7 @@ and 2 sidecars (A and B):
 - remote_get: keys A put, which B's local tier does not hold, so they come from the store
   nodes, read into caller buffers the same way; before each repetition A puts a fresh key set
   (untimed) and B.match waits until the pool has all of it;
+- remote_get_zero_copy: the same, `B.get` returning views of B's arena, released untimed;
 - match: `B.match(keys)` of 8192 keys spread over the 4 store nodes and not in B's local tier
   (each match's lease released, untimed, where the client returns one).
 
@@ -129,6 +130,30 @@ def _read_into(client: Any, keys: list[bytes], outs: list[np.ndarray]) -> int:
     return 0
 
 
+def _remote_zero_copy(plan: Any, a: Any, b: Any, vals: list[Any], v: int, nb: int) -> Row:
+    """remote_get_zero_copy: as remote_get, but `B.get` returning views of B's arena (where the
+    fetch landed), released untimed: what an engine that reads the views in place pays."""
+    times: list[float] = []
+    bad = 0
+    for i in range(plan.warmup + plan.reps(v, nb)):
+        rkeys = keys32(f"sc-remote-views-{v}-{nb}-{i}", nb)
+        a.put(rkeys, vals)
+        _wait_match(b, rkeys)
+        t0 = time.perf_counter()
+        views = b.get(rkeys)
+        dt = time.perf_counter() - t0
+        ok = len(views) == nb and all(bytes(x[:64]) == bytes(val[:64]) and len(x) == v
+                                      for x, val in zip(views, vals, strict=True))
+        _release_views(views)  # untimed
+        del views
+        bad += 0 if ok else 1
+        if i >= plan.warmup:
+            times.append(dt)
+    return row_from_times(SYSTEM, "remote_get_zero_copy", v, nb, times,
+                          note="B.get from the pool (views, released untimed)"
+                          + (f"; {bad} WRONG VIEWS" if bad else ""))
+
+
 def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
     plan = ctx.plan
     rows: list[Row] = []
@@ -204,8 +229,10 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
         if not np.array_equal(dst[:v * nb], src[:v * nb]):
             note += "; VERIFY FAILED"
         rows.append(row_from_times(SYSTEM, "remote_get", v, nb, times, note=note))
-        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {rows[-4].gbps:.2f} local "
-                f"{rows[-3].gbps:.2f} remote {rows[-1].gbps:.2f} GB/s")
+        remote = rows[-1]
+        rows.append(_remote_zero_copy(plan, a, b, vals, v, nb))
+        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {rows[-5].gbps:.2f} local "
+                f"{rows[-4].gbps:.2f} remote {remote.gbps:.2f} (views {rows[-1].gbps:.2f}) GB/s")
 
     keys = keys32("sc-match", EXISTS_KEYS)
     ev, eb = 4096, 512

@@ -99,6 +99,10 @@ SIDECAR_RATIOS: dict[str, R] = {
                                                            "local_get_zero_copy"),
                                             ("mooncake_shm", "get"), "",
                                             "kvpool local-hit get returning views, no copy"),
+    "remote_get_zero_copy_vs_mooncake_tcp": ("throughput", ("kvpool_sidecar", "remote_get_zero_copy"),
+                                             ("mooncake_tcp", "get"), "",
+                                             "kvpool remote get returning views of the sidecar's arena "
+                                             "(no copy into caller buffers) / Mooncake over TCP"),
     "local_get_vs_memcpy": ("throughput", ("kvpool_sidecar", "local_get"), ("memcpy", "copy"),
                             "", "kvpool local-hit get / numpy memcpy of the same batch"),
     "remote_get_vs_redis": ("throughput", ("kvpool_sidecar", "remote_get"), ("redis", "get"),
