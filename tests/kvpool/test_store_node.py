@@ -315,3 +315,26 @@ def test_a_huge_batch_against_a_pinned_arena_is_refused_quickly(make_node) -> No
     codes, _, _, _ = node.put_start(T, more, [4096] * len(more), "chatbot", pb.BLOCK)
     assert pb.NO_SPACE in codes and set(codes) <= {pb.OK, pb.NO_SPACE}
     assert calls <= 3  # not one eviction pass per refused item
+
+
+def test_reads_count_in_the_hit_rate_once_per_block(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)
+    rng = random.Random(7)
+    keys = [rng.randbytes(32) for _ in range(4)]
+    assert put(node, keys[:3], [b"v" * 100] * 3) == [pb.OK] * 3
+
+    def rate() -> tuple[int, int]:
+        return node.counters["hit_blocks"], node.counters["lookup_blocks"]
+
+    # A read over gRPC (get) and one over the data session (read_pin) are lookups themselves.
+    assert get(node, keys) == [b"v" * 100] * 3 + [None]
+    assert rate() == (3, 4)
+    codes, found = node.read_pin(T, keys[1:])
+    node.read_unpin(found)
+    assert codes == [pb.OK, pb.OK, pb.NOT_FOUND] and rate() == (5, 7)
+    # A match, then the read of its lease: the match counted the blocks, the read does not again.
+    prefix, _, lease = node.exists(T, keys, pin=True, lease_ms=10_000)
+    assert prefix == 3 and lease is not None and rate() == (8, 11)
+    codes, found = node.read_pin(T, keys[:3], drop_lease_id=lease.lease_id)
+    node.read_unpin(found)
+    assert codes == [pb.OK] * 3 and rate() == (8, 11)

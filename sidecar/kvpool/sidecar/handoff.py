@@ -36,7 +36,7 @@ from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from ..transfer import Segment, SegmentRegistry, TransferEngine, TransferRequest, TransferServer
 from .local_tier import COMMITTED, LocalEntry
-from .pool import UNREACHABLE
+from .retry import UNREACHABLE
 
 if TYPE_CHECKING:
     from .server import Sidecar

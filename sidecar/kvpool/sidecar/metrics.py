@@ -55,13 +55,19 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvpool_pool_nodes_up", "Store nodes reachable", value=s.pool.nodes_up())
         yield GaugeMetricFamily("kvpool_local_objects", "Objects in the local tier", value=len(s.local.lru))
         yield GaugeMetricFamily("kvpool_pool_pending_bytes", "Bytes waiting to be written to the pool",
-                                value=max(s.pending_bytes + s.deferred_bytes, 0))
+                                value=s.backlog_bytes())
         yield GaugeMetricFamily("kvpool_ring_epoch", "Ring epoch the sidecar routes by", value=s.pool.ring.epoch)
         yield CounterMetricFamily("kvpool_pool_errors", "Failed pool calls", value=s.pool.errors)
         yield CounterMetricFamily("kvpool_local_evictions", "Objects evicted from the local tier",
                                   value=s.counters["evicted"])
         yield CounterMetricFamily("kvpool_pool_writes_shed", "Pool writes deferred because the backlog was full",
                                   value=s.counters["pool_writes_shed"])
+        yield CounterMetricFamily("kvpool_pool_writes_backoff",
+                                  "Write-through blocks scheduled for another pool write after a passing failure",
+                                  value=s.counters["pool_writes_backoff"])
+        yield CounterMetricFamily("kvpool_pool_writes_dropped",
+                                  "Write-through blocks given up after their pool write retries (they stay local-only)",
+                                  value=s.counters["pool_writes_dropped"])
 
 
 def record_put(tenant: str, nbytes: int, seconds: float) -> None:

@@ -36,6 +36,7 @@ from ..ring import Member, Ring, owners
 from ..store.service import ring_from_pb
 from ..store_client import StoreClient
 from ..transfer import TransferEngine
+from .retry import UNREACHABLE
 
 log = logging.getLogger("kvpool.sidecar.pool")
 
@@ -52,9 +53,6 @@ class NodeHandle:
 
 
 Routes = dict[str, npt.NDArray[np.intp]]
-
-UNREACHABLE = -1
-"""Per-item result of a pool write whose owner could not be reached (not a store code)."""
 
 _DOWN_STATUSES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                   grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}

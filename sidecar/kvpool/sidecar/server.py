@@ -41,7 +41,8 @@ from .fast_protocol import socket_path as fast_socket_path
 from .fast_session import FastSessionServer
 from .handoff import HandoffService
 from .local_tier import LocalEntry, LocalLease, LocalTier
-from .pool import UNREACHABLE, Pool
+from .pool import Pool
+from .retry import RETRY, UNREACHABLE, RetryQueue, outcome
 
 T = TypeVar("T")
 log = logging.getLogger("kvpool.sidecar")
@@ -90,6 +91,10 @@ class SidecarConfig:
     copy_over_bytes: int = -1
     """Bound of the copy-over queue (blocks found at a previous owner, written to the new one):
     -1 an eighth of the local tier, 0 off."""
+    pool_write_retries: int = 10
+    """Retries of a write-through block whose pool write failed for a passing reason (busy or
+    unreachable owner, another writer's reservation, ...: ``kvpool.sidecar.retry``), with
+    doubling delays (0.2 s up to 5 s: about 30 s in all); then it is counted as dropped."""
 
 
 class ReadResult(NamedTuple):
@@ -130,6 +135,10 @@ class Sidecar(spbg.SidecarServicer):
         self._pins: dict[int, int] = {}  # id(batch) → lease pinning it while the writer has it
         self.max_pending = cfg.max_pending_bytes or self.local.capacity // 4
         self.counters = self.local.counters
+        # Blocks waiting to be written again after a passing failure (guarded by ``_lock``);
+        # bounded like the backlog they are part of.
+        self.retries: RetryQueue[LocalEntry] = RetryQueue(cfg.pool_write_retries, self.max_pending,
+                                                          base=0.2, cap=5.0)
         self._pusher = threading.Thread(target=self._push_loop, name="pool-writer", daemon=True)
         self._pusher.start()
         self._refresher = threading.Thread(target=self._refresh_loop, name="ring", daemon=True)
@@ -720,18 +729,20 @@ class Sidecar(spbg.SidecarServicer):
             self.local.release([lease.lease_id])
 
     def _push_loop(self) -> None:
+        """The pool writer (background thread): one queued batch after another; in between,
+        deferred blocks and due retries are queued again."""
         while True:
             try:
                 item = self.pending.get(timeout=0.1)
             except queue.Empty:
-                if self._deferred:
-                    self._resume_deferred()
+                self._resume_waiting()
                 continue
             if item is None:
                 return
             entries, copies = item
+            codes: dict[int, int] = {}
             try:
-                self._push(entries, copies)
+                self._push(entries, copies, codes)
             except Exception:
                 log.exception("pool write failed")
             finally:
@@ -740,8 +751,69 @@ class Sidecar(spbg.SidecarServicer):
                 lid = self._pins.pop(id(entries), None)
                 if lid:
                     self.local.release([lid])
-            if self._deferred and self.pending.empty():
-                self._resume_deferred()
+            if copies is None and not self.cfg.write_back:
+                self._retry_later(entries, codes)
+            if self.pending.empty():
+                self._resume_waiting()
+            else:
+                self._resume_retries()  # due retries queue behind the batches already waiting
+
+    def _resume_waiting(self) -> None:
+        """Queue again what waits for the writer: deferred blocks (backlog room) and due retries."""
+        if self._deferred:
+            self._resume_deferred()
+        self._resume_retries()
+
+    def _retry_later(self, entries: list[LocalEntry], codes: dict[int, int]) -> None:
+        """After a write-through batch: schedule another write of each block that failed for a
+        passing reason; one tried too often (or not fitting the backlog) is counted as dropped
+        and stays local-only, so eviction or the drain still hands it over."""
+        scheduled = dropped = 0
+        now = time.monotonic()
+        with self._lock:
+            for e in entries:
+                # A block missing from ``codes`` was not sent (the push raised): try it again too.
+                if e.pooled or e.kind != pb.BLOCK or outcome(codes.get(id(e), UNREACHABLE)) != RETRY:
+                    self.retries.settle(e)
+                elif self.retries.schedule(e, e.size, now):
+                    scheduled += 1
+                else:
+                    dropped += 1
+        if scheduled:
+            self.counters["pool_writes_backoff"] += scheduled
+        if dropped:
+            self.counters["pool_writes_dropped"] += dropped
+            log.warning("%d write-through blocks dropped after %d pool write retries: they stay local-only",
+                        dropped, self.retries.max_attempts)
+
+    def _resume_retries(self) -> None:
+        """Queue the retries that are due as one pinned batch (those still local and not pooled)."""
+        with self._lock:
+            due = self.retries.next_due()
+            if due is None or due > time.monotonic():
+                return
+            taken = self.retries.take_due(time.monotonic(), 64)
+            nbytes = sum(size for _, size in taken)
+            # Moved from the retries to pending in one step: the backlog never reads 0 meanwhile.
+            self.pending_bytes += nbytes
+        live = [e for e, _ in taken if e.dirty and not e.pooled]
+        lease = self.local.lease(live, 600_000)  # an evicted block went to the pool as a copy
+        kept = {id(e) for e in lease.entries}
+        with self._lock:
+            self.pending_bytes -= nbytes - sum(e.size for e in lease.entries)
+            for e, _ in taken:
+                if id(e) not in kept:
+                    self.retries.settle(e)
+        if lease.entries:
+            entries = list(lease.entries)
+            self._pins[id(entries)] = lease.lease_id
+            self.pending.put((entries, None))
+        else:
+            self.local.release([lease.lease_id])
+
+    def backlog_bytes(self) -> int:
+        """Bytes on their way to the pool: queued, deferred (shed) and waiting for a retry."""
+        return max(self.pending_bytes + self.deferred_bytes + self.retries.bytes, 0)
 
     def _push(self, entries: list[LocalEntry], copies: list[bytes] | None,
               codes_out: dict[int, int] | None = None) -> tuple[int, int]:
@@ -750,7 +822,8 @@ class Sidecar(spbg.SidecarServicer):
 
         An item refused because our ring is stale (DRAINING, WRONG_OWNER) is sent once more after
         learning the new ring; one that still failed stays local-only (dirty), so eviction or
-        the drain at SIGTERM hands it over again.
+        the drain at SIGTERM hands it over again (and the pool writer tries a write-through
+        block again later if the failure was a passing one: :meth:`_retry_later`).
         """
         todo = [i for i, e in enumerate(entries) if not e.pooled]
         if not todo:
@@ -844,7 +917,7 @@ class Sidecar(spbg.SidecarServicer):
         return spb.SidecarStats(counters=counters, local_capacity_bytes=self.local.capacity,
                                 local_used_bytes=self.local.used, local_objects=len(self.local.lru),
                                 ring_epoch=self.pool.ring.epoch, pool_nodes_up=self.pool.nodes_up(),
-                                pending_pool_bytes=max(self.pending_bytes + self.deferred_bytes, 0))
+                                pending_pool_bytes=self.backlog_bytes())
 
     def close(self) -> None:
         if self.events is not None:
@@ -886,6 +959,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--copy-over-bytes", type=parse_bytes, default=-1,
                     help="bound of the queue copying blocks found at a previous owner to the new one "
                          "(default: an eighth of the local tier; 0: off)")
+    ap.add_argument("--pool-write-retries", type=int, default=10,
+                    help="retries of a write-through block whose pool write failed for a passing reason "
+                         "(with doubling delays), after which it is counted as dropped and stays local-only")
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
     ap.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", ""),
                     help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
@@ -923,7 +999,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          events=events_config(args), handoff_listen=args.handoff_listen,
                          handoff_advertise=args.handoff_advertise, handoff_key=key,
                          transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes,
-                         arena_dir=args.arena_dir)
+                         arena_dir=args.arena_dir, pool_write_retries=args.pool_write_retries)
 
 
 def serve(cfg: SidecarConfig) -> int:

@@ -397,9 +397,7 @@ class StoreNode:
                     e.last_access = now
                     if e.tier == "dram":
                         self.lru_dram.move_to_end(id(e))
-            # Block-weighted: every key asked counts, hits are the matched prefix.
-            self.counters["lookup_blocks"] += len(keys)
-            self.counters["hit_blocks"] += prefix
+            self._count_lookup(len(keys), prefix)  # the matched prefix are the hits
             lease = self._new_lease(hits[:prefix], lease_ms, now, tenant) if pin and prefix else None
             return prefix, bytes(present), lease
 
@@ -714,11 +712,24 @@ class StoreNode:
             hits += 1
         self.counters["get_blocks"] += len(keys)
         self.counters["get_hits"] += hits
-        if drop_lease_id:
-            old = self.leases.get(drop_lease_id)
-            if old is not None and old.tenant == tenant:
-                self._drop_lease(old)
+        old = self.leases.get(drop_lease_id) if drop_lease_id else None
+        if old is not None and old.tenant == tenant:
+            self._drop_lease(old)
+        else:
+            # Not the read of a match made here (whose Exists counted these blocks): the read
+            # is the lookup, over gRPC and the data session alike.
+            self._count_lookup(len(keys), hits)
         return codes, found
+
+    def _count_lookup(self, asked: int, hits: int) -> None:
+        """Count a lookup in the hit rate the node reports (``hit_blocks`` / ``lookup_blocks`` of
+        Stats, summed into the pool's ``hitRate`` by the operator).  Block-weighted: every key
+        asked counts once per request, hits are the keys found.  An Exists counts (its matched
+        prefix are the hits), and so does a read, except the read of a match's lease: the match
+        counted those blocks already, so a match-then-read counts each block once.  Caller
+        holds the lock."""
+        self.counters["lookup_blocks"] += asked
+        self.counters["hit_blocks"] += hits
 
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
                  drop_lease_id: int = 0) -> tuple[list[int], list[Entry | None]]:

@@ -4,7 +4,7 @@ Rendezvous hashing moves a key only to a member that joined (DESIGN §6), so aft
 that adds members, the objects a node holds and no longer owns are exactly those owned by the
 added members.  Without a push they would be misses at their new owner once readers stop
 falling back to the old one; so each previous owner pushes them, most recently used first,
-paced by a bandwidth bound (:func:`kvpool.store.drain.pace_delay`) so that serving keeps the
+paced by a bandwidth bound (:func:`kvpool.store.push.pace_delay`) so that serving keeps the
 network and the cores, until done, the deadline, or a newer ring (the plan is stale then).
 
 Unlike a drain the node keeps its copies: readers that fall back to it still find them, and
@@ -27,10 +27,8 @@ import numpy.typing as npt
 from ..keys import KEY_BYTES
 from ..proto import store_pb2 as pb
 from ..ring import Ring
-from ..store_client import StoreClient
-from ..transfer import TransferEngine
-from .drain import pace_delay
-from .node import DEFAULT_TENANT, Entry, StoreNode
+from .node import StoreNode
+from .push import Targets, batch_cap, batches, pace_delay, push_batch
 
 log = logging.getLogger("kvpool.store.warm")
 
@@ -65,48 +63,6 @@ def plan_warm(key_blob: bytes, last_access: Sequence[float] | npt.NDArray[Any], 
     return order.astype(np.intp)
 
 
-BATCH_OBJECTS = 16
-BATCH_BYTES = 4 << 20
-
-
-def batches(entries: Sequence[Any], targets: Sequence[int], max_objects: int = BATCH_OBJECTS,
-            max_bytes: int = BATCH_BYTES) -> list[tuple[int, list[Any]]]:
-    """Split the push, in its order, into (target, entries) runs of one target, tenant and traffic
-    class, at most ``max_objects`` and (unless one object alone is larger) ``max_bytes`` each: one
-    put per run (pure)."""
-    out: list[tuple[int, list[Any]]] = []
-    size = 0
-    for e, t in zip(entries, targets, strict=True):
-        if out:
-            tgt, run = out[-1]
-            same = tgt == t and run[0].tenant == e.tenant and run[0].traffic_class == e.traffic_class
-            if same and len(run) < max_objects and size + e.size <= max_bytes:
-                run.append(e)
-                size += e.size
-                continue
-        out.append((t, [e]))
-        size = e.size
-    return out
-
-
-def push_batch(node: StoreNode, client: StoreClient, batch: Sequence[Entry], epoch: int) -> dict[int, int]:
-    """One put of ``batch`` to ``client``'s node; id(entry) → code for those read here (the put
-    asks first, so ALREADY_EXISTS costs no bytes).  Empty when the target failed."""
-    codes: dict[int, int] = {}
-
-    def sink(held: list[Entry], views: list[memoryview]) -> None:
-        got = client.put([e.key for e in held], views, traffic_class=held[0].traffic_class or "chatbot",
-                         kind=held[0].kind, epoch=epoch, checksums=[e.checksum for e in held])
-        codes.update((id(e), c) for e, c in zip(held, got, strict=True))
-
-    try:
-        node.read_objects(batch, sink)
-    except Exception as exc:  # a dead target fails this batch, the push goes on
-        log.warning("warm-up push of %d objects failed: %s", len(batch), exc)
-        return {}
-    return codes
-
-
 def added_members(previous: Ring | None, ring: Ring) -> list[str]:
     """Active members of ``ring`` that were not active in ``previous`` (pure)."""
     before = {m.id for m in previous.active} if previous is not None else set()
@@ -120,10 +76,9 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
     p = progress
     deadline = p.deadline_unix_ms / 1000.0 if p.deadline_unix_ms else float("inf")
     started = time.monotonic()
-    engine = TransferEngine()
-    clients: dict[tuple[str, str], StoreClient] = {}
     entries = [e for e in node.objects_hottest_first() if e.kind == pb.BLOCK]
     active = ring.active
+    targets = Targets(node)
     try:
         if entries:
             blob = b"".join(e.key for e in entries)
@@ -136,8 +91,7 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
         p.planned_objects = p.remaining_objects = len(todo)
         p.planned_bytes = sum(e.size for e in todo)
         sent = 0
-        # Bounded, a batch carries at most ~0.1 s of the rate: the pacing stays fine-grained.
-        cap = min(BATCH_BYTES, max_bytes_per_second // 10) if max_bytes_per_second > 0 else BATCH_BYTES
+        cap = batch_cap(max_bytes_per_second)
         for tgt, batch in batches(todo, [int(owner[i]) for i in order.tolist()], max_bytes=cap):
             if node.ring.epoch > ring.epoch or p.cancelled:
                 break  # a newer ring: its own warm-up plans again
@@ -146,16 +100,8 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
                 time.sleep(min(wait, max(0.0, deadline - time.time())))
             if time.time() >= deadline:
                 break
-            e0, target = batch[0], active[tgt]
-            tenant = node.tenants.get(e0.tenant)
-            token = tenant.token if tenant is not None else ""
-            codes: dict[int, int] = {}
-            if e0.tenant == DEFAULT_TENANT or token:  # a revoked tenant cannot be written as itself
-                ck = (target.address, token)
-                client = clients.get(ck)
-                if client is None:
-                    client = clients[ck] = StoreClient(target.address, token, engine=engine)
-                codes = push_batch(node, client, batch, ring.epoch)
+            client = targets.client(active[tgt].address, batch[0].tenant)  # None: a revoked tenant
+            codes = push_batch(node, client, batch, ring.epoch) if client is not None else {}
             for e in batch:
                 code = codes.get(id(e), -1)
                 if code == pb.OK:
@@ -172,9 +118,7 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
         log.exception("warm-up failed")
     finally:
         p.state = "done"
-        for c in clients.values():
-            c.close()
-        engine.close()
+        targets.close()
         log.info("warm-up of epoch %d done: moved %d objects (%d bytes), skipped %d, failed %d, left %d",
                  ring.epoch, p.moved_objects, p.moved_bytes, p.skipped_objects, p.failed_objects,
                  p.remaining_objects)

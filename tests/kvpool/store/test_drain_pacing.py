@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool.store.drain import pace_delay
+from kvpool.store.push import pace_delay
 
 
 def test_unbounded_never_waits() -> None:

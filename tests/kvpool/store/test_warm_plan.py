@@ -7,7 +7,7 @@ import random
 import numpy as np
 
 from kvpool.ring import Member, Ring, owners
-from kvpool.store.drain import pace_delay
+from kvpool.store.push import pace_delay
 from kvpool.store.warm import added_members, plan_warm
 
 
@@ -70,12 +70,12 @@ def test_the_push_is_paced_by_the_drain_bound() -> None:
 
 
 class _E:
-    def __init__(self, size: int, tenant: str = "t", tclass: str = "chatbot") -> None:
-        self.size, self.tenant, self.traffic_class = size, tenant, tclass
+    def __init__(self, size: int, tenant: str = "t", tclass: str = "chatbot", kind: int = 0) -> None:
+        self.size, self.tenant, self.traffic_class, self.kind = size, tenant, tclass, kind
 
 
-def test_batches_split_by_target_tenant_class_count_and_bytes() -> None:
-    from kvpool.store.warm import batches
+def test_batches_split_by_target_tenant_class_kind_count_and_bytes() -> None:
+    from kvpool.store.push import batches
 
     es = [_E(10), _E(10), _E(10, tenant="u"), _E(10, tenant="u"), _E(10, tclass="agent"), _E(50), _E(10)]
     got = batches(es, [0, 0, 0, 0, 0, 1, 1], max_objects=16, max_bytes=55)
@@ -84,3 +84,6 @@ def test_batches_split_by_target_tenant_class_count_and_bytes() -> None:
     assert [len(r) for _, r in batches([_E(1)] * 40, [0] * 40, max_objects=16)] == [16, 16, 8]
     assert [len(r) for _, r in batches([_E(100)] * 3, [0] * 3, max_bytes=10)] == [1, 1, 1]  # one alone may exceed
     assert batches([], []) == []
+    # The drain moves state objects too: a put carries one kind.
+    mixed = [_E(1), _E(1, kind=1), _E(1, kind=1), _E(1)]
+    assert [[mixed.index(e) for e in r] for _, r in batches(mixed, [0] * 4)] == [[0], [1, 2], [3]]

@@ -1,0 +1,120 @@
+"""A write-through pool write that fails for a passing reason, with no ring change, is tried
+again until the block reaches the pool; one tried too often is counted as dropped and stays
+local-only (handed over at eviction or drain).  Real store and sidecar processes: the failures
+are provoked for real (another writer's reservation, a stopped store node)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpool.local import LocalCluster
+from kvpool.proto import store_pb2 as pb
+from kvpool.sidecar.retry import DONE, REFUSED, RETRY, RetryQueue, delay, outcome
+from kvpool.store_client import StoreClient
+
+KiB, MiB = 1 << 10, 1 << 20
+CLUSTER = dict(stores=1, sidecars=1, store_bytes=64 * MiB, local_bytes=16 * MiB)
+
+
+def _count(h: Any, client: Any, name: str) -> int:
+    return h.counters(client).get(name, 0)
+
+
+@pytest.fixture
+def held(module_cluster: LocalCluster, h: Any, rng: random.Random) -> Iterator[tuple[bytes, bytes, Any]]:
+    """A key another writer holds a reservation for (its PutStart, never committed), its value,
+    and a function letting go of that reservation."""
+    key, value = h.keys(rng, 1)[0], rng.randbytes(8 * KiB)
+    with StoreClient(module_cluster.stores[0]) as other:
+        start = other.stub.PutStart(pb.PutStartRequest(keys=key, sizes=[len(value)], timeout_ms=120_000), timeout=10)
+        assert list(start.codes) == [pb.OK]
+        done = []
+
+        def let_go() -> None:
+            if not done:
+                other.stub.PutRevoke(pb.PutRevokeRequest(reservation_id=start.reservation_id), timeout=10)
+                done.append(1)
+
+        try:
+            yield key, value, let_go
+        finally:
+            let_go()
+
+
+def test_a_block_another_writer_holds_reaches_the_pool_once_it_lets_go(
+        module_cluster: LocalCluster, h: Any, held: tuple[bytes, bytes, Any]) -> None:
+    key, value, let_go = held
+    with module_cluster.connect(0) as c:
+        in_flight, writes = _count(h, c, "pool_write_in_flight"), _count(h, c, "pool_writes")
+        assert c.put([key], [value]) == [pb.OK]
+        h.wait_for(lambda: _count(h, c, "pool_write_in_flight") > in_flight, what="the IN_FLIGHT refusal")
+        assert c.stats().pending_pool_bytes > 0  # the retry is part of the backlog
+        let_go()
+        # No ring change happens: only the writer's own retry can bring the block to the pool.
+        h.wait_for(lambda: c.stats().pending_pool_bytes == 0 and _count(h, c, "local_only_objects") == 0,
+                   timeout=20, what="the retried pool write")
+        assert _count(h, c, "pool_writes") == writes + 1
+        assert _count(h, c, "pool_writes_dropped") == 0
+    with StoreClient(module_cluster.stores[0]) as node:
+        assert [bytes(v) if v is not None else None for v in node.get([key])] == [value]
+
+
+def test_a_block_tried_too_often_is_counted_dropped_and_stays_local(
+        module_cluster: LocalCluster, h: Any, held: tuple[bytes, bytes, Any]) -> None:
+    key, value, _ = held
+    module_cluster.add_sidecar(extra_args=["--pool-write-retries", "2"])
+    with module_cluster.connect(len(module_cluster.sidecars) - 1) as c:
+        assert c.put([key], [value]) == [pb.OK]
+        h.wait_for(lambda: _count(h, c, "pool_writes_dropped") == 1, what="the block to be dropped")
+        counters = h.counters(c)
+        assert counters["pool_write_in_flight"] == 3  # the first write and its two retries
+        assert counters["local_only_objects"] == 1 and counters.get("pool_writes", 0) == 0
+        assert c.stats().pending_pool_bytes == 0  # given up: no longer part of the backlog
+
+
+def test_a_block_written_while_its_node_is_stopped_reaches_the_pool_after(h: Any, rng: random.Random) -> None:
+    with LocalCluster(stores=1, sidecars=1, store_bytes=64 * MiB, local_bytes=16 * MiB) as lc, lc.connect(0) as c:
+        keys = h.keys(rng, 4)
+        values = h.values(rng, [16 * KiB] * 4)
+        pid = lc.store_pids[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert c.put(keys, values) == [pb.OK] * 4
+            # The pool write times out (the node answers nothing): a failure with no ring change.
+            h.wait_for(lambda: c.stats().counters.get("pool_errors", 0) > 0, what="the timed-out pool write")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        h.wait_for(lambda: c.stats().pending_pool_bytes == 0 and _count(h, c, "local_only_objects") == 0,
+                   timeout=40, what="the retried pool write")
+        assert _count(h, c, "pool_writes") == 4
+        with StoreClient(lc.stores[0]) as node:
+            assert [bytes(v) if v is not None else None for v in node.get(keys)] == values
+
+
+# -- the pure decisions ---------------------------------------------------------------------------
+
+
+def test_outcomes_of_pool_write_codes() -> None:
+    assert {outcome(c) for c in (pb.OK, pb.ALREADY_EXISTS)} == {DONE}
+    assert {outcome(c) for c in (-1, pb.IN_FLIGHT, pb.LEASE_EXPIRED, pb.NO_SPACE, pb.DRAINING)} == {RETRY}
+    assert {outcome(c) for c in (pb.QUOTA_EXCEEDED, pb.WRONG_TENANT, pb.INVALID, pb.TOO_LARGE)} == {REFUSED}
+
+
+def test_retry_queue_backs_off_bounds_bytes_and_gives_up() -> None:
+    assert [delay(n, 0.1, 0.5) for n in (1, 2, 3, 4, 60)] == [0.1, 0.2, 0.4, 0.5, 0.5]
+    q: RetryQueue[str] = RetryQueue(max_attempts=2, max_bytes=100, base=1.0, cap=10.0)
+    assert q.schedule("a", 60, now=0.0) and q.schedule("a", 60, now=0.0)  # waiting already: once
+    assert not q.schedule("b", 41, now=0.0)  # does not fit
+    assert q.bytes == 60 and len(q) == 1 and q.next_due() == 1.0
+    assert q.take_due(0.5, 10) == [] and q.take_due(1.0, 10) == [("a", 60)] and q.bytes == 0
+    assert q.schedule("a", 60, now=1.0) and q.next_due() == 3.0  # the second retry waits twice as long
+    assert q.take_due(3.0, 10) == [("a", 60)]
+    assert not q.schedule("a", 60, now=3.0)  # tried twice again: given up
+    q.settle("a")
+    assert q.schedule("a", 60, now=4.0) and q.next_due() == 5.0  # a new failure after that starts afresh
