@@ -5,7 +5,7 @@ import warnings
 
 from kvpool.proto import router_pb2 as kvpool_dot_proto_dot_router__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class RouterStub:
+class RouterStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -41,7 +41,7 @@ class RouterStub:
                 _registered_method=True)
 
 
-class RouterServicer:
+class RouterServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def PoolMatch(self, request, context):
@@ -66,7 +66,7 @@ def add_RouterServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Router:
+class Router(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

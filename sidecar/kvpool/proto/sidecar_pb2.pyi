@@ -55,7 +55,7 @@ class MatchRequest(_message.Message):
     local_only: bool
     kind: _store_pb2.Kind
     per_key: bool
-    def __init__(self, keys: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., local_only: _Optional[bool] = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., per_key: _Optional[bool] = ...) -> None: ...
+    def __init__(self, keys: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., local_only: bool = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., per_key: bool = ...) -> None: ...
 
 class MatchReply(_message.Message):
     __slots__ = ("prefix", "local_prefix", "lease_id", "present")
@@ -194,7 +194,7 @@ class ReadRangesRequest(_message.Message):
     lease_ms: int
     verify_object: bool
     release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, keys: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ..., ranges: _Optional[bytes] = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., lease_ms: _Optional[int] = ..., verify_object: _Optional[bool] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, keys: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ..., ranges: _Optional[bytes] = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., lease_ms: _Optional[int] = ..., verify_object: bool = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadRangesReply(_message.Message):
     __slots__ = ("codes", "sizes", "offsets", "lease_id", "lease_expires_unix_ms", "local_hits", "pool_hits", "pool_bytes")
@@ -250,7 +250,7 @@ class PublishPrefillReply(_message.Message):
     blocks_written: int
     publish_us: int
     state_exported: bool
-    def __init__(self, code: _Optional[_Union[_store_pb2.Code, str]] = ..., message: _Optional[str] = ..., codes: _Optional[_Iterable[_Union[_store_pb2.Code, str]]] = ..., record: _Optional[bytes] = ..., blocks_written: _Optional[int] = ..., publish_us: _Optional[int] = ..., state_exported: _Optional[bool] = ...) -> None: ...
+    def __init__(self, code: _Optional[_Union[_store_pb2.Code, str]] = ..., message: _Optional[str] = ..., codes: _Optional[_Iterable[_Union[_store_pb2.Code, str]]] = ..., record: _Optional[bytes] = ..., blocks_written: _Optional[int] = ..., publish_us: _Optional[int] = ..., state_exported: bool = ...) -> None: ...
 
 class AcceptHandoffRequest(_message.Message):
     __slots__ = ("record", "lease_ms")

@@ -6,7 +6,7 @@ import warnings
 from kvpool.proto import sidecar_pb2 as kvpool_dot_proto_dot_sidecar__pb2
 from kvpool.proto import store_pb2 as kvpool_dot_proto_dot_store__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class SidecarStub:
+class SidecarStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -102,7 +102,7 @@ class SidecarStub:
                 _registered_method=True)
 
 
-class SidecarServicer:
+class SidecarServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Hello(self, request, context):
@@ -262,7 +262,7 @@ def add_SidecarServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Sidecar:
+class Sidecar(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -63,7 +63,7 @@ class ExistsRequest(_message.Message):
     epoch: int
     prefix_only: bool
     kind: Kind
-    def __init__(self, keys: _Optional[bytes] = ..., pin: _Optional[bool] = ..., lease_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., prefix_only: _Optional[bool] = ..., kind: _Optional[_Union[Kind, str]] = ...) -> None: ...
+    def __init__(self, keys: _Optional[bytes] = ..., pin: bool = ..., lease_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., prefix_only: bool = ..., kind: _Optional[_Union[Kind, str]] = ...) -> None: ...
 
 class ExistsReply(_message.Message):
     __slots__ = ("prefix", "present", "lease_id", "lease_expires_unix_ms", "epoch")
@@ -261,7 +261,7 @@ class StatsReply(_message.Message):
     hit_blocks: int
     lookup_blocks: int
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., hit_blocks: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., hit_blocks: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., draining: bool = ...) -> None: ...
 
 class RingMember(_message.Message):
     __slots__ = ("id", "address", "state", "transfer_address")
@@ -336,7 +336,7 @@ class TenantConfig(_message.Message):
     quota_bytes: int
     ttl_seconds: _containers.ScalarMap[str, int]
     evict_own_on_quota: bool
-    def __init__(self, tenant_id: _Optional[str] = ..., token: _Optional[str] = ..., salt: _Optional[bytes] = ..., quota_bytes: _Optional[int] = ..., ttl_seconds: _Optional[_Mapping[str, int]] = ..., evict_own_on_quota: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tenant_id: _Optional[str] = ..., token: _Optional[str] = ..., salt: _Optional[bytes] = ..., quota_bytes: _Optional[int] = ..., ttl_seconds: _Optional[_Mapping[str, int]] = ..., evict_own_on_quota: bool = ...) -> None: ...
 
 class SetTenantsRequest(_message.Message):
     __slots__ = ("tenants", "replace")
@@ -344,7 +344,7 @@ class SetTenantsRequest(_message.Message):
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantConfig]
     replace: bool
-    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantConfig, _Mapping]]] = ..., replace: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantConfig, _Mapping]]] = ..., replace: bool = ...) -> None: ...
 
 class PolicyRequest(_message.Message):
     __slots__ = ("ttl_seconds", "high_watermark", "low_watermark")
@@ -373,7 +373,7 @@ class HealthReply(_message.Message):
     node_id: str
     epoch: int
     transfer_address: str
-    def __init__(self, ok: _Optional[bool] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("ring", "added", "deadline_unix_ms", "max_bytes_per_second", "fraction")

@@ -5,7 +5,7 @@ import warnings
 
 from kvpool.proto import store_pb2 as kvpool_dot_proto_dot_store__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class StoreStub:
+class StoreStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -121,7 +121,7 @@ class StoreStub:
                 _registered_method=True)
 
 
-class StoreServicer:
+class StoreServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Exists(self, request, context):
@@ -322,7 +322,7 @@ def add_StoreServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Store:
+class Store(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
