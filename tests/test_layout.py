@@ -20,3 +20,18 @@ def test_generated_grpc_code_is_up_to_date() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "genproto.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ci_entry_point_runs_the_suite_under_plain_sh() -> None:
+    """`sh .ci/run` (dash here) must reach pytest: a bashism before the hand-over to
+    tools/test.sh would end it with exit 2 before any test ran.  Collection of one file only,
+    engine venvs skipped, so this stays quick."""
+    import os
+    import shutil
+    sh = shutil.which("dash") or shutil.which("sh")
+    assert sh is not None
+    r = subprocess.run([sh, str(ROOT / ".ci" / "run"), "--collect-only", "-q", "tests/test_layout.py"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=240,
+                       env={**os.environ, "KVPOOL_SKIP_ENGINES": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "test_layout.py::test_source_roots_are_not_packages" in r.stdout
