@@ -53,7 +53,7 @@ class RetryQueue(Generic[E]):
     hands it over).  Not thread-safe: the caller holds its lock.
     """
 
-    def __init__(self, max_attempts: int, max_bytes: int, base: float = 0.1, cap: float = 2.0) -> None:
+    def __init__(self, max_attempts: int, max_bytes: int, base: float = 0.2, cap: float = 5.0) -> None:
         self.max_attempts, self.max_bytes = max_attempts, max_bytes
         self.base, self.cap = base, cap
         self.bytes = 0

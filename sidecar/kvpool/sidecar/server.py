@@ -137,8 +137,7 @@ class Sidecar(spbg.SidecarServicer):
         self.counters = self.local.counters
         # Blocks waiting to be written again after a passing failure (guarded by ``_lock``);
         # bounded like the backlog they are part of.
-        self.retries: RetryQueue[LocalEntry] = RetryQueue(cfg.pool_write_retries, self.max_pending,
-                                                          base=0.2, cap=5.0)
+        self.retries: RetryQueue[LocalEntry] = RetryQueue(cfg.pool_write_retries, self.max_pending)
         self._pusher = threading.Thread(target=self._push_loop, name="pool-writer", daemon=True)
         self._pusher.start()
         self._refresher = threading.Thread(target=self._refresh_loop, name="ring", daemon=True)
@@ -788,11 +787,12 @@ class Sidecar(spbg.SidecarServicer):
 
     def _resume_retries(self) -> None:
         """Queue the retries that are due as one pinned batch (those still local and not pooled)."""
+        now = time.monotonic()
         with self._lock:
             due = self.retries.next_due()
-            if due is None or due > time.monotonic():
+            if due is None or due > now:
                 return
-            taken = self.retries.take_due(time.monotonic(), 64)
+            taken = self.retries.take_due(now, 64)
             nbytes = sum(size for _, size in taken)
             # Moved from the retries to pending in one step: the backlog never reads 0 meanwhile.
             self.pending_bytes += nbytes
