@@ -15,6 +15,7 @@ per-item results are ``store_pb2.Code`` values.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -378,32 +379,28 @@ class DataSession:
         codes: list[int] = [pb.INVALID] * n
         epochs = [0]
         tclass = traffic_class.encode("utf-8")
-        # Parts reserve in batch order (part k asks once part k-1 has its answer) and then move
-        # their bytes concurrently: quota and space go to the earliest items, as in one call.
+        # The parts go out at once, each on its own connection, and carry one order ticket: the
+        # node reserves them in batch order (data_protocol, PUT), so quota and space go to the
+        # earliest items as in one frame, without part k waiting a round trip for part k-1.
         # A key repeated in the batch must meet itself in one reservation: no split then.
         parts = split_parts(n, self.connections if len(set(_chunks(keys))) == n else 1)
-        turns = [threading.Event() for _ in parts]
-        turn_of = {r.start: k for k, r in enumerate(parts)}
+        batch = secrets.randbits(48) or 1
+        index = {r.start: k for k, r in enumerate(parts)}
 
         def part(r: range) -> None:
-            k = turn_of[r.start]
-            try:
-                frame = dp.encode_request(
-                    dp.OP_PUT, 0, self._token, keys[r.start * KEY_BYTES:r.stop * KEY_BYTES], kind=kind,
-                    lease_ms=timeout_ms, epoch=epoch, traffic_class=tclass,
-                    sizes=np.fromiter((views[i].nbytes for i in r), np.uint64, len(r)))
-                if k:
-                    turns[k - 1].wait()
-                self._call(lambda stream, rid: run(stream, rid, r, frame, turns[k]))
-            finally:
-                turns[k].set()
+            k = index[r.start]
+            frame = dp.encode_request(
+                dp.OP_PUT, 0, self._token, keys[r.start * KEY_BYTES:r.stop * KEY_BYTES], kind=kind,
+                lease_ms=timeout_ms, epoch=epoch, traffic_class=tclass,
+                lease_id=dp.order_ticket(batch, k, len(parts)) if len(parts) > 1 else 0,
+                sizes=np.fromiter((views[i].nbytes for i in r), np.uint64, len(r)))
+            self._call(lambda stream, rid: run(stream, rid, r, frame))
 
-        def run(stream: Stream, rid: int, r: range, frame: list[bytes], reserved: threading.Event) -> None:
+        def run(stream: Stream, rid: int, r: range, frame: list[bytes]) -> None:
             stream.send([dp.with_request_id(frame[0], rid), *frame[1:]])
             # Hash while PUT_READY is on its way: the checksums trail the payload.
             sums = [checksums[i] if checksums is not None else checksum(views[i]) for i in r]
             resp, body = self._response(stream, rid, dp.OP_PUT_READY)
-            reserved.set()
             ready = dp.decode_codes(resp, body) if len(body) == len(r) else None
             if ready is None:
                 raise dp.ProtocolError(f"PUT_READY answered {resp.items} keys of {len(r)}")

@@ -12,7 +12,7 @@ of traffic class (PUT only), ``count`` × 32 key bytes, and for PUT ``count`` ×
 
     magic "KVDQ" | version u8 | op u8 | kind u8 | flags u8 | request_id u32 | count u32 |
     lease_ms u32 (GET/EXISTS lease, PUT reservation timeout) | token_len u16 | class_len u16 |
-    lease_id u64 (GET, EXISTS: a lease of the tenant to drop first) | epoch u64
+    lease_id u64 (GET, EXISTS: a lease of the tenant to drop first; PUT: the order ticket) | epoch u64
 
 Response header (48 bytes), then ``msg_len`` bytes of UTF-8 message, then the body::
 
@@ -49,6 +49,11 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   final codes u8 × n.  A duplicate costs no bytes.  A PUT_READY without any OK code (or with an
   error status) is final: no payload, no checksums, no PUT_DONE.  The checksums trail the
   payload so that the writer hashes while PUT_READY is on its way, not before asking.
+  A batch cut into parts over several connections is ordered by each PUT's ``lease_id``, its
+  order ticket (:func:`order_ticket`: the batch's random 48-bit number, the number of parts and
+  the part's index; 0 for an unordered put): the node reserves part k once parts 0..k-1 of the
+  same tenant and batch have reserved (:mod:`kvpool.store.put_order`), so the parts' frames and
+  bytes travel at once while quota and space still go to the earliest items.
 
 A frame that does not parse (magic, version, op, limits) means the stream can no longer be
 trusted: the receiver raises :class:`ProtocolError` and closes that connection only.
@@ -184,6 +189,22 @@ def encode_request(op: int, request_id: int, token: bytes, keys: bytes, *, kind:
             raise ValueError("GET_RANGES ranges over the frame limit or not matching their counts")
         out += [np.ascontiguousarray(counts, _U32).tobytes(), blob]
     return [b for b in out if b]
+
+
+def order_ticket(batch: int, part: int, parts: int) -> int:
+    """The PUT order ticket of part ``part`` of ``parts`` of batch ``batch`` (48 bits)."""
+    if not 0 <= part < parts <= 0xFF or not 0 < batch < 1 << 48:
+        raise ValueError(f"no order ticket for part {part} of {parts} of batch {batch}")
+    return batch << 16 | parts << 8 | part
+
+
+def split_ticket(ticket: int) -> tuple[int, int, int] | None:
+    """(batch, part, parts) of a PUT order ticket; None for 0 or a ticket that makes no sense
+    (the put is then served unordered: the ticket never refuses a write)."""
+    batch, parts, part = ticket >> 16, ticket >> 8 & 0xFF, ticket & 0xFF
+    if not batch or batch >= 1 << 48 or part >= parts:
+        return None
+    return batch, part, parts
 
 
 def with_request_id(header: bytes, request_id: int) -> bytes:

@@ -23,6 +23,7 @@ from ..proto import store_pb2 as pb
 from ..transfer.stream import STALL_ERRORS, Stream
 from . import data_protocol as dp
 from .node import Entry, StoreNode
+from .put_order import PutOrder
 from .tiers import checksum
 
 log = logging.getLogger("kvpool.store.session")
@@ -33,8 +34,9 @@ class DataSessionHandler:
 
     magic = dp.REQUEST_MAGIC
 
-    def __init__(self, node: StoreNode) -> None:
+    def __init__(self, node: StoreNode, order: PutOrder | None = None) -> None:
         self.node = node
+        self.order = order if order is not None else PutOrder()
 
     def __call__(self, stream: Stream, stopping: threading.Event) -> None:
         header = bytearray(dp.REQUEST_SIZE)
@@ -159,8 +161,18 @@ class DataSessionHandler:
         assert body.sizes is not None
         node = self.node
         sizes = body.sizes.tolist()
-        codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
-                                                     req.kind, req.lease_ms)
+        ticket = dp.split_ticket(req.lease_id)
+        if ticket is not None:
+            # One part of a batch sent over several connections: reserve in batch order.
+            if not self.order.wait_turn(tenant, ticket[0], ticket[1]):
+                with node.lock:  # the batch's order is lost (its earlier part is late or gone)
+                    node.counters["put_order_waited_out"] += 1
+        try:
+            codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
+                                                         req.kind, req.lease_ms)
+        finally:
+            if ticket is not None:
+                self.order.reserved(tenant, *ticket)
         todo = [i for i, c in enumerate(codes) if c == pb.OK]
         held: list[Entry] = []
         targets: list[memoryview | None] = []
