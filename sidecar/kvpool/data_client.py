@@ -240,9 +240,11 @@ class DataSession:
         return finish
 
     def read(self, keys: bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True,
-             epoch: int = 0) -> ReadResult:
+             epoch: int = 0, streams: int | None = None) -> ReadResult:
         """Read objects into the memory ``dest`` names for each (verified against their checksums:
-        a mismatch is the item's CHECKSUM code, a too-small or missing buffer INVALID)."""
+        a mismatch is the item's CHECKSUM code, a too-small or missing buffer INVALID).
+        ``streams``: connections to cut the batch over (default ``connections``; 1 when the
+        caller already reads from several nodes at once)."""
         n = len(keys) // KEY_BYTES
         codes: list[int] = [pb.NOT_FOUND] * n
         sizes = [0] * n
@@ -265,7 +267,7 @@ class DataSession:
                 epochs.append(resp.epoch)
             self._call(run)
 
-        self._parallel(split_parts(n, self.connections), part)
+        self._parallel(split_parts(n, min(streams or self.connections, self.connections)), part)
         return ReadResult(codes, sizes, sums, max(epochs))
 
     @staticmethod

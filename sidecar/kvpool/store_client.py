@@ -347,15 +347,16 @@ class StoreClient:
             self.release_async([plan.lease_id])
 
     def read(self, keys: Sequence[bytes] | bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0,
-             lease_ms: int = 0) -> ReadResult:
+             lease_ms: int = 0, streams: int | None = None) -> ReadResult:
         """Read objects into the memory ``dest(i, size)`` hands out once each size is known (None:
         skip it, the item's code is then INVALID); per-item codes, sizes and checksums.
-        ``lease_id``: a match lease of this node the read supersedes (dropped by it)."""
+        ``lease_id``: a match lease of this node the read supersedes (dropped by it); ``streams``:
+        data connections to cut the batch over (:meth:`DataSession.read`)."""
         blob = keys if isinstance(keys, bytes) else pack_keys(keys)
         ds = self.session()
         if ds is not None:
             with self._session_call(ds):
-                r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen)
+                r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen, streams)
             self._seen(r.epoch)
             return r
         plan = self.get_plan(unpack_keys(blob), lease_ms, lease_id, kind)

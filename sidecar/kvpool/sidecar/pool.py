@@ -443,16 +443,17 @@ class Pool:
             pass
 
     def read(self, nid: str, key_array: npt.NDArray[Any], dest: Dest, kind: int, lease_ms: int = 0,
-             drop_lease: int = 0) -> ReadResult | None:
+             drop_lease: int = 0, streams: int | None = None) -> ReadResult | None:
         """Read ``key_array`` from node ``nid`` into the memory ``dest`` hands out as each size
         becomes known (one round trip on the data session); None when the node is down or failed
         (its keys are misses: the engine never sees a pool error).  ``drop_lease``: a match lease
-        at that node the read supersedes (dropped in the same round trip)."""
+        at that node the read supersedes (dropped in the same round trip); ``streams``: data
+        connections to cut it over (:meth:`StoreClient.read`)."""
         node = self._up(nid)
         if node is None or len(key_array) == 0:
             return None
         try:
-            r = node.client.read(key_array.tobytes(), dest, kind, drop_lease, lease_ms)
+            r = node.client.read(key_array.tobytes(), dest, kind, drop_lease, lease_ms, streams)
         except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
             return None

