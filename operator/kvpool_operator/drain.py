@@ -11,29 +11,15 @@ for one epoch, so an operator restarted in the middle re-reads ``status.drain`` 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .membership import StorePod
+from .push_jobs import follow, status_counters, sum_counters
 from .units import format_bytes, format_time
 
 COUNTERS = ("movedObjects", "movedBytes", "droppedObjects", "droppedBytes", "remainingObjects")
-
-
-def sum_counters(nodes: Iterable[Mapping[str, Any]], names: Sequence[str]) -> dict[str, int]:
-    """The counters ``names`` summed over the nodes' status rows."""
-    out = dict.fromkeys(names, 0)
-    for n in nodes:
-        for k in names:
-            out[k] += int(n.get(k, 0))
-    return out
-
-
-def status_counters(status: Any, names: Sequence[str]) -> dict[str, int]:
-    """The camelCase status counters ``names`` of a node's status dataclass (its snake_case fields)."""
-    return {n: int(getattr(status, re.sub(r"([A-Z])", r"_\1", n).lower())) for n in names}
 
 
 @dataclass(frozen=True)
@@ -150,30 +136,7 @@ def step(state: DrainState, ring_epoch: int, pods: Iterable[StorePod],
                                               f"{wanted_replicas} store nodes wanted"),),
             finished={**state.totals(), "result": "Cancelled", "leaving": list(state.leaving)})
     usable = {p.name for p in pods if p.usable}
-    nodes: dict[str, dict[str, Any]] = {}
-    calls: list[str] = []
-    pending = 0
-    for node in state.leaving:
-        prev = dict(state.nodes.get(node, {}))
-        st = statuses.get(node)
-        if node not in usable:
-            # Gone or not serving: whatever it still held is lost; nothing to wait for.
-            prev["state"] = "gone"
-        elif st is None:
-            if prev.get("state") != "done":  # a node that finished may stop answering; others we wait for
-                prev["state"] = "unreachable"
-                pending += 1
-        elif st.state == "done" and st.epoch == ring_epoch:
-            prev.update(st.counters(), state="done")
-        elif st.state == "running" and st.epoch == ring_epoch:
-            prev.update(st.counters(), state="running")
-            pending += 1
-        else:
-            # idle, or a drain of another epoch (node restarted, or a ring we have since replaced).
-            prev["state"] = "pending"
-            calls.append(node)
-            pending += 1
-        nodes[node] = prev
+    nodes, calls, pending = follow(state.leaving, state.nodes, statuses, usable, ring_epoch)
     new = replace(state, nodes=nodes, epoch=ring_epoch)
     overrun = now_ms > state.deadline_unix_ms + int(overrun_seconds * 1000)
     if pending and not overrun:

@@ -19,8 +19,9 @@ from typing import Any
 
 from kvpool.ring import Ring
 
-from .drain import Event, status_counters, sum_counters
+from .drain import Event
 from .membership import StorePod
+from .push_jobs import follow, status_counters, sum_counters
 from .units import format_bytes, format_time
 
 COUNTERS = ("plannedObjects", "plannedBytes", "movedObjects", "movedBytes", "skippedObjects", "skippedBytes",
@@ -171,28 +172,7 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
                 return _end(state, now_ms, "DeadlineExceeded", "the ring never reached every store node")
             return RebalanceStep(state)
         state = replace(state, stage="Warming")
-    nodes: dict[str, dict[str, Any]] = {}
-    calls: list[str] = []
-    pending = 0
-    for src in state.sources:
-        prev = dict(state.nodes.get(src, {}))
-        st = statuses.get(src)
-        if src not in usable:
-            prev["state"] = "gone"  # its moved objects are read through fallbacks or recomputed
-        elif st is None:
-            if prev.get("state") != "done":
-                prev["state"] = "unreachable"
-                pending += 1
-        elif st.epoch == state.epoch and st.state == "done":
-            prev.update(st.counters(), state="done")
-        elif st.epoch == state.epoch and st.state == "running":
-            prev.update(st.counters(), state="running")
-            pending += 1
-        else:  # idle, or a warm-up of another epoch (node restarted, or never asked yet)
-            prev["state"] = "pending"
-            calls.append(src)
-            pending += 1
-        nodes[src] = prev
+    nodes, calls, pending = follow(state.sources, state.nodes, statuses, usable, state.epoch)
     state = replace(state, nodes=nodes)
     overrun = now_ms > state.deadline_unix_ms + int(overrun_seconds * 1000)
     if pending and not overrun:
