@@ -1,6 +1,7 @@
 """Test helpers for code that uses the transfer engine (kept in the package so store and
 sidecar tests can use them too): a recording :class:`Guard`, a server+engine pair, a TCP proxy
-that cuts connections mid-stream, and a simulated RDMA device (one-sided copies by address,
+that cuts connections mid-stream, a hand-driven raw connection for frame-level tests, and a
+simulated RDMA device (one-sided copies by address,
 rkey and bounds checked like a NIC) so the RDMA path runs on hosts without one.
 
 Nothing here is used on the data path.
@@ -28,6 +29,55 @@ from kvpool.transfer.status import TransferCode, TransferStatus
 def random_bytes(n: int, seed: int) -> npt.NDArray[np.uint8]:
     """``n`` reproducible pseudo-random bytes."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def tcp_socket(address: str, timeout: float = 10.0) -> socket.socket:
+    """A connected TCP socket to ``host:port``."""
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def unix_socket(path: str, timeout: float = 10.0) -> socket.socket:
+    """A connected unix stream socket to ``path``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(path)
+    return sock
+
+
+class RawConnection:
+    """A blocking socket driven by hand, for tests that send frames (good or malformed) and read
+    exact answers: ``send`` writes everything, ``recv`` reads exactly ``n`` bytes or raises."""
+
+    def __init__(self, sock: socket.socket, timeout: float = 10.0) -> None:
+        self.sock = sock
+        self.sock.settimeout(timeout)
+        self.rid = 0
+
+    def send(self, frame: list[bytes] | bytes) -> None:
+        self.sock.sendall(frame if isinstance(frame, bytes) else b"".join(frame))
+
+    def recv(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+            data += chunk
+        return bytes(data)
+
+    def closed_by_peer(self) -> bool:
+        """Read until the peer closes (True), a reset counting as closed; a peer that never
+        closes fails the test with the socket's timeout."""
+        try:
+            while self.sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 @dataclass

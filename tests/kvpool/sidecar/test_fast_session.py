@@ -4,7 +4,6 @@ check, one-way releases, and malformed or truncated frames that close only their
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from kvpool.client import Client
 from kvpool.fast_client import FastSession
 from kvpool.proto import store_pb2 as pb
 from kvpool.sidecar import fast_protocol as fp
+from kvpool.transfer.testing import RawConnection, unix_socket
 
 MiB = 1 << 20
 CLUSTER = {"stores": 1, "sidecars": 1, "store_bytes": 64 * MiB, "local_bytes": 32 * MiB}
@@ -26,26 +26,11 @@ def _path(cluster: Any) -> str:
     return fp.socket_path(cluster.sidecars[0][len("unix://"):])
 
 
-class Raw:
+class Raw(RawConnection):
     """A hand-driven fast-session connection."""
 
     def __init__(self, cluster: Any) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(_path(cluster))
-        self.rid = 0
-
-    def send(self, frame: list[bytes] | bytes) -> None:
-        self.sock.sendall(frame if isinstance(frame, bytes) else b"".join(frame))
-
-    def recv(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-            data += chunk
-        return data
+        super().__init__(unix_socket(_path(cluster)))
 
     def call(self, op: int, **kw: Any) -> tuple[fp.Response, str, bytes]:
         self.rid += 1
@@ -53,17 +38,6 @@ class Raw:
         resp = fp.decode_response(self.recv(fp.RESPONSE_SIZE))
         msg = self.recv(resp.msg_len).decode() if resp.msg_len else ""
         return resp, msg, self.recv(resp.body_bytes()) if resp.body_bytes() else b""
-
-    def closed_by_peer(self) -> bool:
-        try:
-            while self.sock.recv(65536):
-                pass
-        except ConnectionResetError:
-            pass
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture

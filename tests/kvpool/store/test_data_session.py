@@ -18,6 +18,7 @@ from kvpool.proto import store_pb2 as pb
 from kvpool.store import data_protocol as dp
 from kvpool.store.tiers import checksum
 from kvpool.store_client import StoreClient
+from kvpool.transfer.testing import RawConnection, tcp_socket
 
 KiB, MiB = 1 << 10, 1 << 20
 TENANTS = [
@@ -35,25 +36,11 @@ def nodes(module_stores: Any) -> Any:
     })
 
 
-class Raw:
+class Raw(RawConnection):
     """A hand-driven data-session connection (frames built with the protocol module)."""
 
     def __init__(self, node: Any) -> None:
-        host, _, port = node.transfer_address.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.rid = 0
-
-    def send(self, frame: list[bytes] | bytes) -> None:
-        self.sock.sendall(frame if isinstance(frame, bytes) else b"".join(frame))
-
-    def recv(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-            data += chunk
-        return data
+        super().__init__(tcp_socket(node.transfer_address))
 
     def response(self) -> tuple[dp.Response, str, bytes]:
         resp = dp.decode_response(self.recv(dp.RESPONSE_SIZE))
@@ -67,18 +54,6 @@ class Raw:
     def hello_ok(self) -> bool:
         self.request(dp.OP_HELLO, dp.HELLO_PADDING, b"")
         return self.response()[0].status == 0
-
-    def closed_by_peer(self) -> bool:
-        self.sock.settimeout(10)
-        try:
-            while self.sock.recv(65536):
-                pass
-        except ConnectionResetError:
-            pass
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.mark.parametrize("path", [True, False], ids=["session", "grpc"])

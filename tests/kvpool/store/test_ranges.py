@@ -17,6 +17,7 @@ from kvpool import errors, ranges
 from kvpool.proto import store_pb2 as pb
 from kvpool.store import data_protocol as dp
 from kvpool.store.tiers import checksum
+from kvpool.transfer.testing import RawConnection, tcp_socket
 
 KiB, MiB = 1 << 10, 1 << 20
 TENANTS = [
@@ -35,25 +36,11 @@ def nodes(module_stores: Any) -> Any:
     })
 
 
-class Raw:
+class Raw(RawConnection):
     """A hand-driven data-session connection."""
 
     def __init__(self, node: Any) -> None:
-        host, _, port = node.transfer_address.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.rid = 0
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def recv(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-            data += chunk
-        return data
+        super().__init__(tcp_socket(node.transfer_address))
 
     def get_ranges(self, keys: list[bytes], per_key: list[Any], token: bytes = b"",
                    flags: int = 0) -> tuple[dp.Response, str, dp.RangeTable | None, bytes]:
@@ -74,21 +61,11 @@ class Raw:
         table = dp.decode_range_table(resp, body, sums, counts, flat)
         return resp, msg, table, self.recv(resp.payload_len)
 
-    def closed_by_peer(self) -> bool:
-        try:
-            while self.sock.recv(65536):
-                pass
-        except ConnectionResetError:
-            pass
-        return True
-
     def hello_ok(self) -> bool:
         self.rid += 1
         self.send(b"".join(dp.encode_request(dp.OP_HELLO, self.rid, dp.HELLO_PADDING, b"")))
         return dp.decode_response(self.recv(dp.RESPONSE_SIZE)).status == 0
 
-    def close(self) -> None:
-        self.sock.close()
 
 
 def expected(value: bytes, pairs: Any) -> bytes:
