@@ -146,7 +146,7 @@ def session_status_for(exc: KvpoolError) -> int:
     """The data-session call status of a whole-call failure (the nearest listed ancestor)."""
     for cls in type(exc).__mro__:
         if cls in SESSION_STATUS:
-            return SESSION_STATUS[cls]  # type: ignore[index]
+            return SESSION_STATUS[cls]
     return SESSION_STATUS[KvpoolError]
 
 
@@ -169,7 +169,7 @@ def error_for_code(code: int, message: str = "") -> KvpoolError:
 def grpc_status_for(exc: KvpoolError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in GRPC_STATUS:
-            return GRPC_STATUS[cls]  # type: ignore[index]
+            return GRPC_STATUS[cls]
     return grpc.StatusCode.INTERNAL
 
 
