@@ -358,7 +358,7 @@ class Client:
         norm = [ranges.normalize(r)[0] for r in per_key]
         small = [dsts[i].nbytes < ranges.total_bytes(p) for i, p in enumerate(norm)]
         ask = [i for i in range(len(keys)) if not small[i]]
-        codes = [pb.INVALID] * len(keys)
+        codes: list[int] = [pb.INVALID] * len(keys)
         if not ask:
             return codes
         r, merged, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)

@@ -36,7 +36,7 @@ Dest = Callable[[int, int], memoryview | None]
 
 
 class ReadResult(NamedTuple):
-    codes: list[int]
+    codes: list[pb.Code]
     sizes: list[int]
     checksums: list[int]
     epoch: int
@@ -243,7 +243,7 @@ class DataSession:
         """Read objects into the memory ``dest`` names for each (verified against their checksums:
         a mismatch is the item's CHECKSUM code, a too-small or missing buffer INVALID)."""
         n = len(keys) // KEY_BYTES
-        codes: list[int] = [pb.NOT_FOUND] * n
+        codes: list[pb.Code] = [pb.NOT_FOUND] * n
         sizes = [0] * n
         sums = [0] * n
         epochs = [0]
@@ -268,7 +268,7 @@ class DataSession:
         return ReadResult(codes, sizes, sums, max(epochs))
 
     @staticmethod
-    def _land(stream: Stream, r: range, table: dp.GetTable, dest: Dest, codes: list[int], sizes: list[int],
+    def _land(stream: Stream, r: range, table: dp.GetTable, dest: Dest, codes: list[pb.Code], sizes: list[int],
               sums: list[int], verify: bool) -> None:
         """Receive a GET payload into the callers' buffers (one scatter receive when every
         object has a buffer), then verify it."""
@@ -310,7 +310,7 @@ class DataSession:
         n = len(keys) // KEY_BYTES
         if len(per_key) != n or len(buffers) != n:
             raise errors.InvalidArgument(f"{n} keys, {len(per_key)} range lists, {len(buffers)} buffers")
-        codes: list[int] = [pb.INVALID] * n
+        codes: list[pb.Code] = [pb.INVALID] * n
         sizes = [0] * n
         epochs = [0]
         ask = [i for i in range(n) if buffers[i] is not None

@@ -60,7 +60,7 @@ class ExistsResult:
 class GetPlan:
     """What a node answered to Get: where each object is and the lease pinning them."""
 
-    codes: list[int]
+    codes: list[pb.Code]
     offsets: list[int]
     sizes: list[int]
     checksums: list[int]
@@ -304,7 +304,7 @@ class StoreClient:
         return GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums), list(r.tokens),
                        r.lease_id, r.location, r.epoch)
 
-    def fetch_into(self, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[int]:
+    def fetch_into(self, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[pb.Code]:
         """Move the bytes of a :class:`GetPlan` into ``buffers`` (sized to ``plan.sizes``); verify."""
         codes = list(plan.codes)
         todo = [i for i, c in enumerate(codes) if c == pb.OK and buffers[i] is not None]
@@ -335,7 +335,7 @@ class StoreClient:
         return codes
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], lease_ms: int = 0,
-                 kind: int = pb.BLOCK) -> list[int]:
+                 kind: int = pb.BLOCK) -> list[pb.Code]:
         """Read objects into caller-owned buffers; per-item codes (NOT_FOUND, CHECKSUM, ...)."""
         views = [as_bytes_view(b) for b in buffers]
         if self.session() is not None:
