@@ -288,8 +288,8 @@ class Client:
         with self._lock:
             done, self._done_range_leases = self._done_range_leases, []
         r = self._rpc(self._stub.ReadRanges, spb.ReadRangesRequest(
-            keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=kind, lease_ms=self.lease_ms,
-            verify_object=verify_object, release_lease_ids=done))
+            keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=errors.as_kind(kind),
+            lease_ms=self.lease_ms, verify_object=verify_object, release_lease_ids=done))
         return r, merged, pairs
 
     def _range_lease_done(self, lease_id: int) -> None:
@@ -385,7 +385,7 @@ class Client:
         """One Read (fast session or gRPC): codes, offsets, sizes, lease_id."""
         if self._fast is not None:
             return self._fast.read(keys, kind, self.lease_ms, lease_id)
-        return self._rpc(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id, kind=kind,
+        return self._rpc(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id, kind=errors.as_kind(kind),
                                                           lease_ms=self.lease_ms))
 
     def _release_async(self, lease_id: int) -> None:
@@ -433,7 +433,7 @@ class Client:
             codes, offsets, rid = self._fast.write_start(blob, sizes, kind, traffic_class)
         else:
             start = self._rpc(self._stub.WriteStart, spb.WriteStartRequest(
-                keys=blob, sizes=sizes, traffic_class=traffic_class, kind=kind))
+                keys=blob, sizes=sizes, traffic_class=traffic_class, kind=errors.as_kind(kind)))
             codes, offsets, rid = list(start.codes), list(start.offsets), start.reservation_id
         if not rid:
             return codes
@@ -455,7 +455,8 @@ class Client:
         return codes
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
-        return list(self._rpc(self._stub.Remove, pb.RemoveRequest(keys=pack_keys(keys), kind=kind)).codes)
+        request = pb.RemoveRequest(keys=pack_keys(keys), kind=errors.as_kind(kind))
+        return list(self._rpc(self._stub.Remove, request).codes)
 
     # -- state objects ------------------------------------------------------------------------
 

@@ -175,7 +175,8 @@ class StoreClient:
             r = self.exists_array(pack_keys(keys), pin, lease_ms, prefix_only, kind, epoch)
             return ExistsResult(r.prefix, r.present.tolist(), r.lease_id, r.epoch)
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
-            keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
+            keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=errors.as_kind(kind),
+            epoch=epoch))
         return ExistsResult(reply.prefix, list(map(bool, reply.present)), reply.lease_id, reply.epoch)
 
     def exists_array(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
@@ -188,7 +189,8 @@ class StoreClient:
             self._seen(r.epoch)
             return r
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
-            keys=keys, pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
+            keys=keys, pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=errors.as_kind(kind),
+            epoch=epoch))
         return ExistsReply(reply.prefix, np.frombuffer(reply.present, np.uint8).astype(bool), reply.lease_id,
                            reply.epoch)
 
@@ -237,7 +239,8 @@ class StoreClient:
             self._inflight.discard(fut)
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
-        return list(self._rpc(self.stub.Remove, pb.RemoveRequest(keys=pack_keys(keys), kind=kind)).codes)
+        request = pb.RemoveRequest(keys=pack_keys(keys), kind=errors.as_kind(kind))
+        return list(self._rpc(self.stub.Remove, request).codes)
 
     def stats(self) -> pb.StatsReply:
         return self._rpc(self.stub.Stats, pb.Empty())
@@ -265,7 +268,7 @@ class StoreClient:
             self._seen(seen)
             return codes
         start = self._rpc(self.stub.PutStart, pb.PutStartRequest(
-            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=kind,
+            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=errors.as_kind(kind),
             epoch=epoch, timeout_ms=timeout_ms))
         codes = list(start.codes)
         todo = [i for i, c in enumerate(codes) if c == pb.OK]
@@ -300,7 +303,7 @@ class StoreClient:
     def get_plan(self, keys: Sequence[bytes], lease_ms: int = 0, lease_id: int = 0, kind: int = pb.BLOCK,
                  epoch: int = 0) -> GetPlan:
         r = self._rpc(self.stub.Get, pb.GetRequest(keys=pack_keys(keys), lease_ms=lease_ms, lease_id=lease_id,
-                                                   kind=kind, epoch=epoch))
+                                                   kind=errors.as_kind(kind), epoch=epoch))
         return GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums), list(r.tokens),
                        r.lease_id, r.location, r.epoch)
 
