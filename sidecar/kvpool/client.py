@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import grpc
 import numpy as np
@@ -189,6 +189,7 @@ class Client:
         return self._fast is not None
 
     def _rpc(self, method: Any, request: Any) -> Any:
+        # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as err:
@@ -563,10 +564,10 @@ class Client:
     # -- misc ---------------------------------------------------------------------------------
 
     def stats(self) -> spb.SidecarStats:
-        return self._rpc(self._stub.Stats, pb.Empty())
+        return cast(spb.SidecarStats, self._rpc(self._stub.Stats, pb.Empty()))
 
     def flush(self, timeout_ms: int = 10000) -> spb.FlushReply:
-        return self._rpc(self._stub.Flush, spb.FlushRequest(timeout_ms=timeout_ms))
+        return cast(spb.FlushReply, self._rpc(self._stub.Flush, spb.FlushRequest(timeout_ms=timeout_ms)))
 
     def close(self) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -99,6 +99,7 @@ class StoreClient:
     # -- plumbing ---------------------------------------------------------------------------
 
     def _rpc(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
         try:
             reply = method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
@@ -243,10 +244,10 @@ class StoreClient:
         return list(self._rpc(self.stub.Remove, request).codes)
 
     def stats(self) -> pb.StatsReply:
-        return self._rpc(self.stub.Stats, pb.Empty())
+        return cast(pb.StatsReply, self._rpc(self.stub.Stats, pb.Empty()))
 
     def health(self, timeout: float = 2.0) -> pb.HealthReply:
-        return self._rpc(self.stub.Health, pb.Empty(), timeout)
+        return cast(pb.HealthReply, self._rpc(self.stub.Health, pb.Empty(), timeout))
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -438,27 +439,29 @@ class StoreClient:
     # -- admin ------------------------------------------------------------------------------
 
     def set_ring(self, ring: pb.Ring) -> pb.Ring:
-        return self._rpc(self.stub.SetRing, ring)
+        return cast(pb.Ring, self._rpc(self.stub.SetRing, ring))
 
     def get_ring(self) -> pb.Ring:
-        return self._rpc(self.stub.GetRing, pb.Empty())
+        return cast(pb.Ring, self._rpc(self.stub.GetRing, pb.Empty()))
 
     def drain(self, ring: pb.Ring, deadline_unix_ms: int, max_bytes_per_second: int = 0) -> pb.DrainStatus:
         """Start (or resume, for the same epoch) pushing this node's objects to ``ring``'s owners."""
-        return self._rpc(self.stub.Drain, pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms,
-                                                          max_bytes_per_second=max_bytes_per_second))
+        request = pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms,
+                                  max_bytes_per_second=max_bytes_per_second)
+        return cast(pb.DrainStatus, self._rpc(self.stub.Drain, request))
 
     def drain_status(self) -> pb.DrainStatus:
-        return self._rpc(self.stub.GetDrainStatus, pb.Empty())
+        return cast(pb.DrainStatus, self._rpc(self.stub.GetDrainStatus, pb.Empty()))
 
     def warm(self, ring: pb.Ring, added: Sequence[str], deadline_unix_ms: int = 0, max_bytes_per_second: int = 0,
              fraction: float = 0.0) -> pb.WarmStatus:
         """Start (idempotent per epoch) pushing the hottest objects now owned by ``added`` to them."""
-        return self._rpc(self.stub.Warm, pb.WarmRequest(ring=ring, added=list(added), deadline_unix_ms=deadline_unix_ms,
-                                                        max_bytes_per_second=max_bytes_per_second, fraction=fraction))
+        request = pb.WarmRequest(ring=ring, added=list(added), deadline_unix_ms=deadline_unix_ms,
+                                 max_bytes_per_second=max_bytes_per_second, fraction=fraction)
+        return cast(pb.WarmStatus, self._rpc(self.stub.Warm, request))
 
     def warm_status(self) -> pb.WarmStatus:
-        return self._rpc(self.stub.GetWarmStatus, pb.Empty())
+        return cast(pb.WarmStatus, self._rpc(self.stub.GetWarmStatus, pb.Empty()))
 
     def set_tenants(self, tenants: Sequence[pb.TenantConfig], replace: bool = False) -> None:
         self._rpc(self.stub.SetTenants, pb.SetTenantsRequest(tenants=list(tenants), replace=replace))
