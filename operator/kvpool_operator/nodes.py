@@ -46,7 +46,7 @@ class Nodes:
             got = self._channels.get(address)
             if got is None:
                 ch = grpc.insecure_channel(address, options=_OPTIONS)
-                got = self._channels[address] = (ch, pbg.StoreStub(ch))  # type: ignore[no-untyped-call]
+                got = self._channels[address] = (ch, pbg.StoreStub(ch))
             return got[1]
 
     def forget(self, keep: Iterable[str]) -> None:

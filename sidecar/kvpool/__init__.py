@@ -6,7 +6,7 @@ Engines import this package: keys (:class:`KeySpace`), hit planning (:func:`plan
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _deps
 from .keys import KeySpace, chain_keys
@@ -20,6 +20,10 @@ from .planning import (
     state_store_position,
 )
 from .ring import Member, Ring, owners
+
+if TYPE_CHECKING:  # the lazy names of __getattr__, typed for type checkers (no import at runtime)
+    from .client import connect
+    from .local import LocalCluster
 
 __all__ = [
     "FetchDecision", "HitPlan", "KeySpace", "LocalCluster", "Member", "Ring", "chain_keys",

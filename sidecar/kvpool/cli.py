@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     name, mod = args.delegate
     if name == "operator":
-        from kvpool_operator.main import main as op_main  # type: ignore[import-not-found]
+        from kvpool_operator.main import main as op_main
         return int(op_main(rest))
     import importlib
     module = importlib.import_module(f"kvpool.{mod}")

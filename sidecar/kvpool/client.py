@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import grpc
 import numpy as np
@@ -189,6 +189,7 @@ class Client:
         return self._fast is not None
 
     def _rpc(self, method: Any, request: Any) -> Any:
+        # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as err:
@@ -288,8 +289,8 @@ class Client:
         with self._lock:
             done, self._done_range_leases = self._done_range_leases, []
         r = self._rpc(self._stub.ReadRanges, spb.ReadRangesRequest(
-            keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=kind, lease_ms=self.lease_ms,
-            verify_object=verify_object, release_lease_ids=done))
+            keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=errors.as_kind(kind),
+            lease_ms=self.lease_ms, verify_object=verify_object, release_lease_ids=done))
         return r, merged, pairs
 
     def _range_lease_done(self, lease_id: int) -> None:
@@ -358,7 +359,7 @@ class Client:
         norm = [ranges.normalize(r)[0] for r in per_key]
         small = [dsts[i].nbytes < ranges.total_bytes(p) for i, p in enumerate(norm)]
         ask = [i for i in range(len(keys)) if not small[i]]
-        codes = [pb.INVALID] * len(keys)
+        codes: list[int] = [pb.INVALID] * len(keys)
         if not ask:
             return codes
         r, merged, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
@@ -385,7 +386,7 @@ class Client:
         """One Read (fast session or gRPC): codes, offsets, sizes, lease_id."""
         if self._fast is not None:
             return self._fast.read(keys, kind, self.lease_ms, lease_id)
-        return self._rpc(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id, kind=kind,
+        return self._rpc(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id, kind=errors.as_kind(kind),
                                                           lease_ms=self.lease_ms))
 
     def _release_async(self, lease_id: int) -> None:
@@ -433,7 +434,7 @@ class Client:
             codes, offsets, rid = self._fast.write_start(blob, sizes, kind, traffic_class)
         else:
             start = self._rpc(self._stub.WriteStart, spb.WriteStartRequest(
-                keys=blob, sizes=sizes, traffic_class=traffic_class, kind=kind))
+                keys=blob, sizes=sizes, traffic_class=traffic_class, kind=errors.as_kind(kind)))
             codes, offsets, rid = list(start.codes), list(start.offsets), start.reservation_id
         if not rid:
             return codes
@@ -455,7 +456,8 @@ class Client:
         return codes
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
-        return list(self._rpc(self._stub.Remove, pb.RemoveRequest(keys=pack_keys(keys), kind=kind)).codes)
+        request = pb.RemoveRequest(keys=pack_keys(keys), kind=errors.as_kind(kind))
+        return list(self._rpc(self._stub.Remove, request).codes)
 
     # -- state objects ------------------------------------------------------------------------
 
@@ -562,10 +564,10 @@ class Client:
     # -- misc ---------------------------------------------------------------------------------
 
     def stats(self) -> spb.SidecarStats:
-        return self._rpc(self._stub.Stats, pb.Empty())
+        return cast(spb.SidecarStats, self._rpc(self._stub.Stats, pb.Empty()))
 
     def flush(self, timeout_ms: int = 10000) -> spb.FlushReply:
-        return self._rpc(self._stub.Flush, spb.FlushRequest(timeout_ms=timeout_ms))
+        return cast(spb.FlushReply, self._rpc(self._stub.Flush, spb.FlushRequest(timeout_ms=timeout_ms)))
 
     def close(self) -> None:
         with self._lock:

@@ -37,7 +37,7 @@ Dest = Callable[[int, int], memoryview | None]
 
 
 class ReadResult(NamedTuple):
-    codes: list[int]
+    codes: list[pb.Code]
     sizes: list[int]
     checksums: list[int]
     epoch: int
@@ -205,7 +205,10 @@ class DataSession:
         the node answered is retried once with the whole call."""
         flags = (dp.FLAG_PREFIX_ONLY if prefix_only else 0) | (dp.FLAG_PIN if pin else 0)
         n = len(keys) // KEY_BYTES
-        again = lambda: self.exists(keys, kind, prefix_only, pin, lease_ms, epoch)  # noqa: E731
+
+        def again() -> ExistsReply:  # a def: strict mypy refuses calls of an (untyped) lambda
+            return self.exists(keys, kind, prefix_only, pin, lease_ms, epoch)
+
         stream, reused = self._take()
         rid = next(self._ids) & 0xFFFFFFFF
         mark = stream.received
@@ -246,7 +249,7 @@ class DataSession:
         ``streams``: connections to cut the batch over (default ``connections``; 1 when the
         caller already reads from several nodes at once)."""
         n = len(keys) // KEY_BYTES
-        codes: list[int] = [pb.NOT_FOUND] * n
+        codes: list[pb.Code] = [pb.NOT_FOUND] * n
         sizes = [0] * n
         sums = [0] * n
         epochs = [0]
@@ -271,7 +274,7 @@ class DataSession:
         return ReadResult(codes, sizes, sums, max(epochs))
 
     @staticmethod
-    def _land(stream: Stream, r: range, table: dp.GetTable, dest: Dest, codes: list[int], sizes: list[int],
+    def _land(stream: Stream, r: range, table: dp.GetTable, dest: Dest, codes: list[pb.Code], sizes: list[int],
               sums: list[int], verify: bool) -> None:
         """Receive a GET payload into the callers' buffers (one scatter receive when every
         object has a buffer), then verify it."""
@@ -313,7 +316,7 @@ class DataSession:
         n = len(keys) // KEY_BYTES
         if len(per_key) != n or len(buffers) != n:
             raise errors.InvalidArgument(f"{n} keys, {len(per_key)} range lists, {len(buffers)} buffers")
-        codes: list[int] = [pb.INVALID] * n
+        codes: list[pb.Code] = [pb.INVALID] * n
         sizes = [0] * n
         epochs = [0]
         ask = [i for i in range(n) if buffers[i] is not None

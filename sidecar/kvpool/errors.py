@@ -8,11 +8,28 @@ only translations between the forms.
 
 from __future__ import annotations
 
+from typing import cast
+
 import grpc
 
 from .proto import store_pb2 as pb
 
 Code = pb.Code
+Kind = pb.Kind
+
+
+# Codes and kinds travel as plain ints (the data sessions' bytes, the client APIs' arguments, the
+# pool's UNREACHABLE beside the node's codes); the generated stubs type message fields as the enum
+# classes, whose values are those same ints at runtime (pb.Code is not even callable).  These two
+# are the typed views at that boundary: no conversion and no check (the receiver validates).
+def as_code(code: int) -> Code:
+    """``code``, an answer of a node or sidecar, as a ``Code`` message field."""
+    return cast(Code, code)
+
+
+def as_kind(kind: int) -> Kind:
+    """``kind``, an object kind a caller passed, as a ``Kind`` message field."""
+    return cast(Kind, kind)
 
 
 class KvpoolError(Exception):
@@ -146,7 +163,7 @@ def session_status_for(exc: KvpoolError) -> int:
     """The data-session call status of a whole-call failure (the nearest listed ancestor)."""
     for cls in type(exc).__mro__:
         if cls in SESSION_STATUS:
-            return SESSION_STATUS[cls]  # type: ignore[index]
+            return SESSION_STATUS[cls]
     return SESSION_STATUS[KvpoolError]
 
 
@@ -169,7 +186,7 @@ def error_for_code(code: int, message: str = "") -> KvpoolError:
 def grpc_status_for(exc: KvpoolError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in GRPC_STATUS:
-            return GRPC_STATUS[cls]  # type: ignore[index]
+            return GRPC_STATUS[cls]
     return grpc.StatusCode.INTERNAL
 
 

@@ -224,7 +224,7 @@ def validate(rec: HandoffRecord) -> None:
         raise HandoffInvalid(f"unknown record flags {rec.flags:#x}")
 
 
-def check(rec: HandoffRecord, key: bytes, tenant: str, now_unix_ms: int) -> tuple[int, str]:
+def check(rec: HandoffRecord, key: bytes, tenant: str, now_unix_ms: int) -> tuple[pb.Code, str]:
     """Whether the decode side (of ``tenant``, holding ``key``) may act on ``rec``: (code, why).
 
     The tenant first (a clearer answer than the tag, which another tenant's key fails anyway),

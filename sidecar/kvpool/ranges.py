@@ -133,8 +133,8 @@ def coalesce(pairs: Pairs) -> tuple[Pairs, npt.NDArray[np.intp]]:
     return merged, np.cumsum(brk, dtype=np.intp) - 1
 
 
-def plan(codes: Sequence[int], sizes: Sequence[int], per_key: Sequence[Pairs],
-         max_ranges: int = MAX_RANGES_PER_KEY, max_bytes: int = DEFAULT_MAX_BYTES) -> list[int]:
+def plan(codes: Sequence[pb.Code], sizes: Sequence[int], per_key: Sequence[Pairs],
+         max_ranges: int = MAX_RANGES_PER_KEY, max_bytes: int = DEFAULT_MAX_BYTES) -> list[pb.Code]:
     """Per-key codes of a ranged read: the lookup's code where it failed (NOT_FOUND, ...), else
     INVALID for ranges that break a rule or do not fit the byte budget, else OK."""
     out = list(codes)

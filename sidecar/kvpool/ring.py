@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -60,7 +60,8 @@ def owners(keys: Sequence[bytes] | bytes, member_ids: Sequence[str], replicas: i
     r = max(1, min(replicas, len(member_ids)))
     w = weights(keys, member_ids)
     if r == 1:
-        return np.argmax(w, axis=1)[:, None]
+        # numpy types this indexing as Any; it is argmax's intp array with a column axis added.
+        return cast("npt.NDArray[np.intp]", np.argmax(w, axis=1)[:, None])
     # argsort descending on the weights; stable tie-break by member order (ties are ~impossible).
     return np.argsort(_desc(w), axis=1, kind="stable")[:, :r]
 

@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     service = MatchService([a.strip() for a in args.pool.split(",") if a.strip()])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-rpc"))
-    rpbg.add_RouterServicer_to_server(RouterServicer(service), server)  # type: ignore[no-untyped-call]
+    rpbg.add_RouterServicer_to_server(RouterServicer(service), server)
     host, port = _split(args.listen)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -60,7 +60,7 @@ class ExistsResult:
 class GetPlan:
     """What a node answered to Get: where each object is and the lease pinning them."""
 
-    codes: list[int]
+    codes: list[pb.Code]
     offsets: list[int]
     sizes: list[int]
     checksums: list[int]
@@ -99,6 +99,7 @@ class StoreClient:
     # -- plumbing ---------------------------------------------------------------------------
 
     def _rpc(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
         try:
             reply = method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
@@ -175,7 +176,8 @@ class StoreClient:
             r = self.exists_array(pack_keys(keys), pin, lease_ms, prefix_only, kind, epoch)
             return ExistsResult(r.prefix, r.present.tolist(), r.lease_id, r.epoch)
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
-            keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
+            keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=errors.as_kind(kind),
+            epoch=epoch))
         return ExistsResult(reply.prefix, list(map(bool, reply.present)), reply.lease_id, reply.epoch)
 
     def exists_array(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
@@ -188,7 +190,8 @@ class StoreClient:
             self._seen(r.epoch)
             return r
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
-            keys=keys, pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=kind, epoch=epoch))
+            keys=keys, pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=errors.as_kind(kind),
+            epoch=epoch))
         return ExistsReply(reply.prefix, np.frombuffer(reply.present, np.uint8).astype(bool), reply.lease_id,
                            reply.epoch)
 
@@ -237,13 +240,14 @@ class StoreClient:
             self._inflight.discard(fut)
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
-        return list(self._rpc(self.stub.Remove, pb.RemoveRequest(keys=pack_keys(keys), kind=kind)).codes)
+        request = pb.RemoveRequest(keys=pack_keys(keys), kind=errors.as_kind(kind))
+        return list(self._rpc(self.stub.Remove, request).codes)
 
     def stats(self) -> pb.StatsReply:
-        return self._rpc(self.stub.Stats, pb.Empty())
+        return cast(pb.StatsReply, self._rpc(self.stub.Stats, pb.Empty()))
 
     def health(self, timeout: float = 2.0) -> pb.HealthReply:
-        return self._rpc(self.stub.Health, pb.Empty(), timeout)
+        return cast(pb.HealthReply, self._rpc(self.stub.Health, pb.Empty(), timeout))
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -265,7 +269,7 @@ class StoreClient:
             self._seen(seen)
             return codes
         start = self._rpc(self.stub.PutStart, pb.PutStartRequest(
-            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=kind,
+            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class, kind=errors.as_kind(kind),
             epoch=epoch, timeout_ms=timeout_ms))
         codes = list(start.codes)
         todo = [i for i, c in enumerate(codes) if c == pb.OK]
@@ -300,11 +304,11 @@ class StoreClient:
     def get_plan(self, keys: Sequence[bytes], lease_ms: int = 0, lease_id: int = 0, kind: int = pb.BLOCK,
                  epoch: int = 0) -> GetPlan:
         r = self._rpc(self.stub.Get, pb.GetRequest(keys=pack_keys(keys), lease_ms=lease_ms, lease_id=lease_id,
-                                                   kind=kind, epoch=epoch))
+                                                   kind=errors.as_kind(kind), epoch=epoch))
         return GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums), list(r.tokens),
                        r.lease_id, r.location, r.epoch)
 
-    def fetch_into(self, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[int]:
+    def fetch_into(self, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[pb.Code]:
         """Move the bytes of a :class:`GetPlan` into ``buffers`` (sized to ``plan.sizes``); verify."""
         codes = list(plan.codes)
         todo = [i for i, c in enumerate(codes) if c == pb.OK and buffers[i] is not None]
@@ -335,7 +339,7 @@ class StoreClient:
         return codes
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], lease_ms: int = 0,
-                 kind: int = pb.BLOCK) -> list[int]:
+                 kind: int = pb.BLOCK) -> list[pb.Code]:
         """Read objects into caller-owned buffers; per-item codes (NOT_FOUND, CHECKSUM, ...)."""
         views = [as_bytes_view(b) for b in buffers]
         if self.session() is not None:
@@ -436,27 +440,29 @@ class StoreClient:
     # -- admin ------------------------------------------------------------------------------
 
     def set_ring(self, ring: pb.Ring) -> pb.Ring:
-        return self._rpc(self.stub.SetRing, ring)
+        return cast(pb.Ring, self._rpc(self.stub.SetRing, ring))
 
     def get_ring(self) -> pb.Ring:
-        return self._rpc(self.stub.GetRing, pb.Empty())
+        return cast(pb.Ring, self._rpc(self.stub.GetRing, pb.Empty()))
 
     def drain(self, ring: pb.Ring, deadline_unix_ms: int, max_bytes_per_second: int = 0) -> pb.DrainStatus:
         """Start (or resume, for the same epoch) pushing this node's objects to ``ring``'s owners."""
-        return self._rpc(self.stub.Drain, pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms,
-                                                          max_bytes_per_second=max_bytes_per_second))
+        request = pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms,
+                                  max_bytes_per_second=max_bytes_per_second)
+        return cast(pb.DrainStatus, self._rpc(self.stub.Drain, request))
 
     def drain_status(self) -> pb.DrainStatus:
-        return self._rpc(self.stub.GetDrainStatus, pb.Empty())
+        return cast(pb.DrainStatus, self._rpc(self.stub.GetDrainStatus, pb.Empty()))
 
     def warm(self, ring: pb.Ring, added: Sequence[str], deadline_unix_ms: int = 0, max_bytes_per_second: int = 0,
              fraction: float = 0.0) -> pb.WarmStatus:
         """Start (idempotent per epoch) pushing the hottest objects now owned by ``added`` to them."""
-        return self._rpc(self.stub.Warm, pb.WarmRequest(ring=ring, added=list(added), deadline_unix_ms=deadline_unix_ms,
-                                                        max_bytes_per_second=max_bytes_per_second, fraction=fraction))
+        request = pb.WarmRequest(ring=ring, added=list(added), deadline_unix_ms=deadline_unix_ms,
+                                 max_bytes_per_second=max_bytes_per_second, fraction=fraction)
+        return cast(pb.WarmStatus, self._rpc(self.stub.Warm, request))
 
     def warm_status(self) -> pb.WarmStatus:
-        return self._rpc(self.stub.GetWarmStatus, pb.Empty())
+        return cast(pb.WarmStatus, self._rpc(self.stub.GetWarmStatus, pb.Empty()))
 
     def set_tenants(self, tenants: Sequence[pb.TenantConfig], replace: bool = False) -> None:
         self._rpc(self.stub.SetTenants, pb.SetTenantsRequest(tenants=list(tenants), replace=replace))

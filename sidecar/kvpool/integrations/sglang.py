@@ -141,7 +141,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     # -- the v0 interface (tensors in and out) -------------------------------------------------
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        return self.batch_get([key], [target_location])[0]  # type: ignore[index]
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:

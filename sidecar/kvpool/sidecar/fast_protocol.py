@@ -41,6 +41,7 @@ op, limits) means the stream can no longer be trusted: the receiver raises
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -220,7 +221,7 @@ def decode_response(data: bytes | bytearray | memoryview) -> Response:
     return Response(op, status, flags, rid, count, msg_len, prefix, local, ref)
 
 
-def encode_table(codes: list[int] | npt.NDArray[np.uint8], *columns: list[int] | npt.NDArray[np.uint64]) -> bytes:
+def encode_table(codes: Sequence[int] | npt.NDArray[np.uint8], *columns: list[int] | npt.NDArray[np.uint64]) -> bytes:
     """Codes u8 × n, then each u64 column (offsets, sizes) × n."""
     return np.asarray(codes, np.uint8).tobytes() + b"".join(np.asarray(c, _U64).tobytes() for c in columns)
 

@@ -24,11 +24,12 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
 
+from .. import errors
 from .. import handoff as ho
 from ..keys import KEY_BYTES
 from ..proto import sidecar_pb2 as spb
@@ -182,7 +183,7 @@ class HandoffService:
                                        publish_us=int((time.perf_counter() - t0) * 1e6),
                                        state_exported=bool(flags & ho.FLAG_PEER))
 
-    def _to_pool(self, keys: list[bytes], arr: np.ndarray, deadline: float) -> tuple[list[int], int]:
+    def _to_pool(self, keys: list[bytes], arr: np.ndarray, deadline: float) -> tuple[list[pb.Code], int]:
         """Per-key codes once every block is in the pool (or the deadline passed) and how many
         this call wrote.  Local blocks the pool does not hold yet are written now; a write that
         may succeed later (the write-through writer holds the key at its owner: IN_FLIGHT; an
@@ -212,7 +213,7 @@ class HandoffService:
                 retry = []
                 for i, e in zip(todo, ents, strict=True):
                     c = pb.OK if e.pooled else got.get(id(e), pb.OK)
-                    codes[i] = pb.NOT_FOUND if c == UNREACHABLE else c
+                    codes[i] = pb.NOT_FOUND if c == UNREACHABLE else errors.as_code(c)
                     if c in _RETRY and not e.pooled:
                         retry.append(i)
                 todo = retry
@@ -250,7 +251,8 @@ class HandoffService:
         reply.blocks_us = int((time.perf_counter() - t0) * 1e6)
         if state_fut is not None:
             outcome, where, lease_id, detail, us = state_fut.result()
-            reply.state = int(outcome)
+            # StateOutcome's values are HandoffState's; the stub's enum class is a plain int at runtime.
+            reply.state = cast(spb.HandoffState, int(outcome))
             reply.state_detail = detail
             reply.state_us = us
             if where is not None:

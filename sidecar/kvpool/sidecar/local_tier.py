@@ -177,7 +177,7 @@ class LocalTier:
     # -- writes -------------------------------------------------------------------------------
 
     def reserve(self, keys: list[bytes], sizes: Sequence[int], kind: int, traffic_class: str,
-                ) -> tuple[list[int], list[LocalEntry | None], int]:
+                ) -> tuple[list[pb.Code], list[LocalEntry | None], int]:
         """Extents for a batch: per-item codes, entries (None where not reserved), reservation id."""
         now = time.time()
         codes = [pb.OK] * len(keys)
@@ -226,7 +226,7 @@ class LocalTier:
         return codes, entries, rid
 
     def commit(self, rid: int, checksums: Sequence[int], dirty: bool, pooled: bool = False, pin_ms: int = 0
-               ) -> tuple[list[int], list[LocalEntry], LocalLease | None]:
+               ) -> tuple[list[pb.Code], list[LocalEntry], LocalLease | None]:
         """Publish a reservation's extents; with ``pin_ms`` the published entries are pinned in
         the same step (the write-through queue holds them until they reach the pool)."""
         with self.lock:
@@ -273,7 +273,7 @@ class LocalTier:
                 lease.entries.append(e)
                 e.pins += 1
 
-    def reserve_one(self, key: bytes, size: int, kind: int) -> tuple[int, LocalEntry | None]:
+    def reserve_one(self, key: bytes, size: int, kind: int) -> tuple[pb.Code, LocalEntry | None]:
         """An extent for one object fetched from the pool (no reservation timer: the fetcher
         publishes or abandons it); the code says why there is none (IN_FLIGHT: being fetched)."""
         codes, entries, rid = self.reserve([key], [size], kind, "")
@@ -358,9 +358,9 @@ class LocalTier:
             if e.state == RESERVED:
                 self._forget(e)
 
-    def remove(self, keys: list[bytes], kind: int) -> list[int]:
+    def remove(self, keys: list[bytes], kind: int) -> list[pb.Code]:
         with self.lock:
-            codes = []
+            codes: list[pb.Code] = []
             for k in keys:
                 e = self.index.get((kind, k))
                 if e is None or e.state != COMMITTED:

@@ -98,7 +98,7 @@ class SidecarConfig:
 
 
 class ReadResult(NamedTuple):
-    codes: list[int]
+    codes: list[pb.Code]
     offsets: list[int]
     sizes: list[int]
     checksums: list[int]
@@ -535,7 +535,7 @@ class Sidecar(spbg.SidecarServicer):
                                    local_hits=local_hits, pool_hits=pool_hits, pool_bytes=pool_bytes)
 
     def _fetch_ranges(self, keys: list[bytes], arr: np.ndarray, todo: list[int], per_key: list[ranges.Pairs],
-                      codes: list[int], sizes: list[int], kind: int, lease: LocalLease,
+                      codes: list[pb.Code], sizes: list[int], kind: int, lease: LocalLease,
                       verify_object: bool) -> dict[int, LocalEntry]:
         """Read the ranges of ``todo``'s objects from their owners (then the fallbacks, as whole
         reads do) into scratch extents; key index → its scratch for those that arrived."""
@@ -598,7 +598,7 @@ class Sidecar(spbg.SidecarServicer):
         return spb.WriteStartReply(codes=codes, offsets=[e.offset if e else 0 for e in entries], reservation_id=rid)
 
     def write_start(self, keys: list[bytes], sizes: list[int], kind: int,
-                    traffic_class: str) -> tuple[list[int], list[LocalEntry | None], int]:
+                    traffic_class: str) -> tuple[list[pb.Code], list[LocalEntry | None], int]:
         """Reserve arena extents for a put: (codes, entries, reservation id)."""
         return self.local.reserve(keys, sizes, kind, traffic_class or "chatbot")
 
@@ -609,7 +609,7 @@ class Sidecar(spbg.SidecarServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # not reached: abort raises
 
-    def write_commit(self, reservation_id: int, sums: list[int]) -> list[int]:
+    def write_commit(self, reservation_id: int, sums: list[int]) -> list[pb.Code]:
         """Make a reservation's objects visible (and queue them for the pool): per-item codes."""
         t0 = time.perf_counter()
         with self.local.lock:

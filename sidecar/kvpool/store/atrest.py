@@ -146,9 +146,12 @@ class AtRest:
     buffer: its users serialise (the store node's lock).
     """
 
+    _ciphers: dict[tuple[bytes, str], AESGCM]
+    """(master key id, tenant id) → the tenant's cipher under that master key."""
+
     def __init__(self, master_key: bytes, previous: Sequence[bytes] = ()) -> None:
         exceptions, _, aead, _ = _crypto()
-        self._aesgcm = aead.AESGCM
+        self._aesgcm: type[AESGCM] = aead.AESGCM
         self._invalid_tag = exceptions.InvalidTag
         self._into = hasattr(aead.AESGCM, "encrypt_into")  # cryptography >= 45: no intermediate copy
         self._scratch = bytearray()

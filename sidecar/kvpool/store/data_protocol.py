@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Container, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -294,7 +294,7 @@ def encode_checksums(checksums: npt.NDArray[np.uint64] | list[int]) -> bytes:
 def decode_checksums(body: bytes | bytearray | memoryview, count: int) -> list[int]:
     if len(body) != 8 * count:
         raise ProtocolError(f"{len(body)} bytes of checksums for {count} items")
-    return np.frombuffer(body, _U64, count).tolist()
+    return cast("list[int]", np.frombuffer(body, _U64, count).tolist())  # tolist() is typed Any
 
 
 # -- responses -----------------------------------------------------------------------------

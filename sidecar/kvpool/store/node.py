@@ -404,7 +404,7 @@ class StoreNode:
     # ------------------------------------------------------------------ writes
 
     def put_start(self, tenant: str, keys: list[bytes], sizes: Sequence[int], traffic_class: str,
-                  kind: int, timeout_ms: int = 0) -> tuple[list[int], list[int], list[int], int]:
+                  kind: int, timeout_ms: int = 0) -> tuple[list[pb.Code], list[int], list[int], int]:
         """Reserve space for each item: per-item codes, offsets, tokens and a reservation id."""
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -477,7 +477,7 @@ class StoreNode:
                 heapq.heappush(self._res_heap, (expires, rid))
             return codes, offsets, tokens, rid
 
-    def _admit_quota(self, t: Tenant, keys: list[bytes], sizes: Sequence[int], codes: list[int],
+    def _admit_quota(self, t: Tenant, keys: list[bytes], sizes: Sequence[int], codes: list[pb.Code],
                      now: float) -> None:
         if not t.quota_bytes:
             return
@@ -519,7 +519,7 @@ class StoreNode:
         return bool(self.token_to_tenant) if v is None else v
 
     def put_commit(self, tenant: str, reservation_id: int, checksums: Sequence[int],
-                   revoke: bytes = b"") -> list[int]:
+                   revoke: bytes = b"") -> list[pb.Code]:
         now = time.time()
         with self.lock:
             self._sweep(now)
@@ -585,7 +585,7 @@ class StoreNode:
             self._finish_commits(res, todo, checksums, codes, sums, time.time())
         return codes
 
-    def _finish_commits(self, res: Reservation, todo: list[int], checksums: Sequence[int], codes: list[int],
+    def _finish_commits(self, res: Reservation, todo: list[int], checksums: Sequence[int], codes: list[pb.Code],
                         sums: dict[int, int] | None, now: float) -> None:
         for i in todo:
             e = res.entries[i]
@@ -661,7 +661,7 @@ class StoreNode:
     # ------------------------------------------------------------------ reads
 
     def get(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-            lease_id: int = 0) -> tuple[list[int], list[Entry | None], Lease | None]:
+            lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None], Lease | None]:
         """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer.
 
         Each object is pinned as soon as it is found, so promoting a later object of the same
@@ -686,7 +686,7 @@ class StoreNode:
             return codes, found, lease
 
     def _pin_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
-                   now: float) -> tuple[list[int], list[Entry | None]]:
+                   now: float) -> tuple[list[pb.Code], list[Entry | None]]:
         """Look up, promote to DRAM and pin (``pins`` + 1) each object of a read; drop the
         caller's ``drop_lease_id`` (a match lease the read supersedes).  Caller holds the lock."""
         self._sweep(now)
@@ -732,7 +732,7 @@ class StoreNode:
         self.counters["hit_blocks"] += hits
 
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
-                 drop_lease_id: int = 0) -> tuple[list[int], list[Entry | None]]:
+                 drop_lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None]]:
         """:meth:`get` for a transfer that happens right now on the caller's own connection (the
         data session): no lease and no tokens; each found object stays pinned and in flight,
         so neither eviction nor a removal can recycle its extent, until :meth:`read_unpin`.
@@ -768,7 +768,7 @@ class StoreNode:
             self.counters["range_bytes_sent"] += nbytes
 
     def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-                 lease_id: int = 0) -> tuple[list[int], list[int], list[int], list[int], list[int], Lease | None]:
+                 lease_id: int = 0) -> tuple[list[pb.Code], list[int], list[int], list[int], list[int], Lease | None]:
         """:meth:`get` as plain numbers (codes, offsets, sizes, checksums, tokens, lease), taken
         under the lock: a lease that expires right away must not leave a half-read answer."""
         with self.lock:
@@ -793,12 +793,12 @@ class StoreNode:
                 if lease is not None and (tenant is None or lease.tenant == tenant):
                     self._drop_lease(lease)
 
-    def remove(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK) -> list[int]:
+    def remove(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK) -> list[pb.Code]:
         check_kind(kind)
         with self.lock:
             self._sweep(time.time())
             part = self.index.get(tenant, {})
-            codes = []
+            codes: list[pb.Code] = []
             for k in keys:
                 e = part.get(index_key(k, kind))
                 if e is None or e.state != COMMITTED or e.kind != kind:
@@ -988,7 +988,7 @@ class StoreNode:
         e.tier, e.offset, e.on_fs = "sharedfs", -1, True
         return True
 
-    def _promote(self, e: Entry, now: float) -> int:
+    def _promote(self, e: Entry, now: float) -> pb.Code:
         """Bring an SSD/shared-fs object into DRAM, verifying its checksum.
 
         The caller pins ``e`` first (so making room cannot evict the object being promoted).
@@ -1000,7 +1000,7 @@ class StoreNode:
         except OutOfSpace:
             return pb.NO_SPACE
         dst = self.dram.slice(off, e.size)
-        code: int = pb.NOT_FOUND
+        code: pb.Code = pb.NOT_FOUND
         try:
             if e.tier == "ssd" and self.ssd is not None and e.offset >= 0:
                 code = self._read_ssd(e, dst)
@@ -1049,7 +1049,7 @@ class StoreNode:
         else:
             self.sharedfs.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=e.gen)
 
-    def _read_ssd(self, e: Entry, dst: memoryview) -> int:
+    def _read_ssd(self, e: Entry, dst: memoryview) -> pb.Code:
         assert self.ssd is not None
         if self.at_rest is None:
             self.ssd.read_into(e.offset, dst)
@@ -1061,7 +1061,7 @@ class StoreNode:
             return pb.OK
         return self._at_rest_failure(e)
 
-    def _read_sharedfs(self, e: Entry, dst: memoryview) -> int:
+    def _read_sharedfs(self, e: Entry, dst: memoryview) -> pb.Code:
         assert self.sharedfs is not None
         salt = self._fs_salt(e.tenant)
         if self.at_rest is None:
@@ -1094,7 +1094,7 @@ class StoreNode:
             # Still sealed under a previous key: when this stays at 0, the old key can go.
             self.counters["at_rest_previous_key_opens"] += 1
 
-    def _at_rest_failure(self, e: Entry) -> int:
+    def _at_rest_failure(self, e: Entry) -> pb.Code:
         """A copy below DRAM that does not authenticate (tampered, truncated, sealed for another
         tenant or under another master key): counted, never served; the caller drops it."""
         self.counters["at_rest_auth_failures"] += 1

@@ -48,7 +48,7 @@ def ring_from_pb(msg: pb.Ring) -> Ring:
     for m in msg.members:
         if m.state not in ("active", "draining", ""):
             raise errors.InvalidArgument(f"member {m.id}: state must be active or draining")
-        members.append(Member(m.id, m.address, m.state or "active", m.transfer_address))  # type: ignore[arg-type]
+        members.append(Member(m.id, m.address, m.state or "active", m.transfer_address))
     return Ring(epoch=msg.epoch, members=tuple(members), replicas=msg.replicas or 1)
 
 

@@ -215,7 +215,7 @@ class SharedFsTier:
                     header = _SFS_HEADER.pack(_SFS_MAGIC, SFS_PLAIN, kind, len(src), csum)
                 else:
                     header = _SFS_HEADER.pack(_SFS_MAGIC, SFS_SEALED, kind, sealed_size, generation)
-                data = [header, src]
+                data: list[bytes | memoryview] = [header, src]
                 while data:
                     n = os.writev(fd, data)
                     data = _advance(data, n)
