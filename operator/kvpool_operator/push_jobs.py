@@ -16,8 +16,11 @@ from typing import Any, Protocol
 class JobStatus(Protocol):
     """A node's answer about its push job (store.proto DrainStatus / WarmStatus)."""
 
-    state: str  # idle | running | done
-    epoch: int
+    @property
+    def state(self) -> str: ...  # idle | running | done
+
+    @property
+    def epoch(self) -> int: ...
 
     def counters(self) -> dict[str, int]: ...
 
