@@ -120,11 +120,20 @@ def pool_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
 
 def wait_status(kube: Kube, ns: str, name: str, pred: Callable[[dict[str, Any]], bool], timeout: float,
                 what: str) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+
     def check() -> dict[str, Any] | None:
         st = pool_status(kube, ns, name)
+        last.update(st)
         return st if st and pred(st) else None
 
-    return wait_for(check, timeout, what)
+    try:
+        return wait_for(check, timeout, what)
+    except AssertionError as exc:
+        # What the operator last said, for a post-mortem of a run that cannot be repeated.
+        seen = {k: last.get(k) for k in ("phase", "message", "conditions", "ring", "rebalance", "lastRebalance",
+                                         "drain", "usedBytes", "readyReplicas")}
+        raise AssertionError(f"{exc}; last status: {json.dumps(seen, default=str)}") from None
 
 
 def cond(status: dict[str, Any], ctype: str) -> tuple[str, str] | None:

@@ -136,15 +136,17 @@ def _start(previous: Ring, ring: Ring, now_ms: int, warm: WarmSettings,
 def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epochs: Mapping[str, int | None],
             pods: Iterable[StorePod], statuses: Mapping[str, NodeWarmStatus | None], now_ms: int,
             warm: WarmSettings, overrun_seconds: float = 30.0, draining: bool = False,
-            held_bytes: Mapping[str, int] | None = None) -> RebalanceStep:
+            held_bytes: Mapping[str, int | None] | None = None) -> RebalanceStep:
     """The next step of the scale-up rebalance.
 
     ``previous`` is the ring of the last status (None on a new pool), ``ring`` the one this
     reconcile publishes; ``epochs`` each usable member's reported ring epoch (None: no answer);
     ``statuses`` the sources' GetWarmStatus answers. ``draining``: a scale-down is in progress
     (its own drain moves the objects; no warm-up then). ``held_bytes``: what each node reported
-    holding; a scale-up whose previous owners hold nothing (a new pool coming up) has nothing to
-    warm and starts no rebalance.
+    holding (None or absent: no answer); a scale-up whose previous owners all said they hold
+    nothing (a new pool coming up) has nothing to warm and starts no rebalance.  A previous owner
+    that did not answer may hold data: the rebalance starts (this reconcile publishes the ring, so
+    there is no later one to catch up), and a source that turns out empty is done at once.
     """
     if draining:
         if state is None:
@@ -160,7 +162,7 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
     if state is None:
         if previous is None or ring.epoch == previous.epoch:
             return RebalanceStep(None)
-        if held_bytes is not None and not any(held_bytes.get(m.id, 0) for m in previous.active):
+        if held_bytes is not None and all(held_bytes.get(m.id) == 0 for m in previous.active):
             return RebalanceStep(None)
         return _start(previous, ring, now_ms, warm)
 

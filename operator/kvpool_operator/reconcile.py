@@ -219,7 +219,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         {k: (v.epoch if v is not None else None) for k, v in obs.stats.items()}, obs.pods, obs.warm_statuses,
         obs.now_ms, warm := WarmSettings(pool.warm_fraction, pool.warm_seconds, pool.warm_bytes_per_second),
         settings.drain_overrun_seconds, draining=state is not None,
-        held_bytes={k: v.used_bytes for k, v in obs.stats.items() if v is not None})
+        held_bytes={k: (v.used_bytes if v is not None else None) for k, v in obs.stats.items()})
     events += rb.events
     by_id = {m.id: m for m in ring.members}
     push = tuple(m for m in ring.members

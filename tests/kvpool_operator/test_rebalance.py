@@ -152,3 +152,24 @@ def test_scale_up_through_plan_pool_shows_rebalancing_then_done() -> None:
     assert last["result"] == "Completed" and last["movedObjects"] == 10 and last["added"] == ["p-store-2"]
     reasons = [e.reason for e in plan.events]
     assert "RebalanceCompleted" in reasons and "Balanced" in reasons  # the condition's transition Event
+
+
+def test_a_previous_owner_silent_when_the_ring_grows_still_gets_its_rebalance() -> None:
+    """The reconcile that publishes the grown ring is the only one that can start the warm-up: a
+    previous owner that missed that one Stats call (a loaded node) may hold data, so it starts
+    (CI saw a scale-up whose Rebalancing never came).  Only owners that all said 0 bytes skip it."""
+    body = pool_body(storage={"replicas": 1}, scaleUp={"warmBandwidth": "1Mi"})
+    _, body = _run(body, pods=_pods(1), sts_replicas=1, stats=_stats(1, 0))
+    _, body = _run(body, pods=_pods(1), sts_replicas=1, stats=_stats(1, 1))
+    body["spec"]["storage"]["replicas"] = 2
+    _, body = _run(body, pods=_pods(1), sts_replicas=1, stats=_stats(1, 1))
+    silent: dict[str, NodeStats | None] = {**_stats(2, 0, 0), "p-store-0": None}
+    plan, body = _run(body, pods=_pods(2), sts_replicas=2, stats=silent)
+    assert plan.ring is not None and plan.ring.epoch == 2
+    assert plan.rebalance is not None and plan.rebalance.sources == ("p-store-0",)
+    assert _conds(plan)["Rebalancing"] == ("True", "WaitingForRing")
+    # The same step with every previous owner saying "empty" has nothing to warm.
+    assert advance(None, _ring(1, 1), _ring(2, 2), {}, _pods(2), {}, NOW, W,
+                   held_bytes={"p-store-0": 0, "p-store-1": None}).state is None
+    assert advance(None, _ring(1, 1), _ring(2, 2), {}, _pods(2), {}, NOW, W,
+                   held_bytes={"p-store-1": 0}).state is not None
