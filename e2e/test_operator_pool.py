@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -610,3 +611,49 @@ def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator
     reasons = {e["reason"] for e in kube.list("v1", "Event", namespace)
                if e["involvedObject"]["kind"] == "KVPool" and e["involvedObject"]["name"] == "u"}
     assert {"RebalanceStarted", "RebalanceCompleted"} <= reasons, reasons
+
+
+def _store_pids(node_id: str) -> list[int]:
+    """The processes of the store container running as ``node_id`` (its --node-id argument)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"--node-id" in argv and argv[argv.index(b"--node-id") + 1:][:1] == [node_id.encode()]:
+            pids.append(int(d))
+    return pids
+
+
+def test_a_store_container_restart_keeps_its_ring_place(operator: Operator, kube: Kube, namespace: str) -> None:
+    """A crashed store container comes back in the same pod (same IP) within the operator's
+    member grace: the pod is not ready for a while, yet the ring keeps its epoch and members (no
+    keys moved twice); the pool shows Degraded meanwhile, then Ready."""
+    create(kube, kvpool("flap", storage={"replicas": 2}), namespace)
+    st = wait_status(kube, namespace, "flap", lambda s: s.get("readyReplicas") == 2 and s.get("phase") == "Ready",
+                     120, "two ready store nodes")
+    ring = st["ring"]
+    pids = _store_pids("flap-store-1")
+    assert pids, "the store process of flap-store-1 was not found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    seen_unready = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pod = kube.get("v1", "Pod", "flap-store-1", namespace) or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (pod.get("status") or {}).get("conditions") or [])
+        restarts = sum(c.get("restartCount", 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+        seen_unready = seen_unready or not ready
+        assert pool_status(kube, namespace, "flap")["ring"] == ring, "the ring changed during the restart"
+        if ready and restarts >= 1 and seen_unready:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"flap-store-1 did not come back ready after a restart (seen unready: {seen_unready})")
+    st = wait_status(kube, namespace, "flap", lambda s: s.get("phase") == "Ready", 60, "Ready again")
+    assert st["ring"] == ring

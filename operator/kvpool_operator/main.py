@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DRAM per node of a pool that lists no KVTier (bytes or e.g. 1Gi)")
     ap.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_seconds)
     ap.add_argument("--tenant-interval", type=float, default=d.tenant_interval_seconds)
+    ap.add_argument("--member-unready-grace", type=float, default=d.member_unready_grace_seconds,
+                    help="seconds a store pod that went not-ready stays in the ring (0: leaves at once)")
     ap.add_argument("--sidecar-metrics-port", type=int, default=d.sidecar_metrics_port)
     ap.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
                     help="pod port of injected sidecars' prefill -> decode state exports (0 off)")
@@ -78,6 +80,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(image=args.image, image_pull_policy=args.image_pull_policy, command=tuple(args.command.split()),
                     namespace=args.namespace, default_dram_bytes=dram,
                     reconcile_interval_seconds=args.reconcile_interval, tenant_interval_seconds=args.tenant_interval,
+                    member_unready_grace_seconds=args.member_unready_grace,
                     sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port)
 
 

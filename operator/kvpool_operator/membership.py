@@ -1,5 +1,8 @@
 """The ring from the store pods that are ready (DESIGN §6): who is a member, in which state.
 
+A member whose pod just went not-ready keeps its place for a grace period (a readiness flap is
+not a membership change); a deleted pod leaves at once.
+
 Pure. Members come from the pods' own IPs (not Service endpoints, which lag and hide draining
 pods); the epoch moves by one exactly when the membership changes, so nodes and sidecars can tell
 a stale ring from the current one.
@@ -10,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from kvpool.ring import Member, Ring
@@ -26,6 +30,8 @@ class StorePod:
     ip: str = ""
     ready: bool = False
     terminating: bool = False
+    unready_since_ms: int = 0
+    """When a not-ready pod's Ready condition last changed (0: unknown or ready)."""
 
     @property
     def usable(self) -> bool:
@@ -39,10 +45,22 @@ def ordinal_of(name: str) -> int:
 
 def observe_pod(pod: Mapping[str, Any]) -> StorePod:
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    cond: Mapping[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready = cond.get("status") == "True"
     name = str(meta.get("name", ""))
     return StorePod(name=name, ordinal=ordinal_of(name), ip=str(status.get("podIP") or ""), ready=ready,
-                    terminating=bool(meta.get("deletionTimestamp")))
+                    terminating=bool(meta.get("deletionTimestamp")),
+                    unready_since_ms=0 if ready else _unix_ms(cond.get("lastTransitionTime")))
+
+
+def _unix_ms(stamp: Any) -> int:
+    """An RFC 3339 time of the API (``2026-12-04T10:00:00Z``) in Unix ms; 0 if absent or unreadable."""
+    if not isinstance(stamp, str) or not stamp:
+        return 0
+    try:
+        return int(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        return 0
 
 
 def observe_pods(pods: Iterable[Mapping[str, Any]]) -> list[StorePod]:
@@ -57,16 +75,36 @@ def same_membership(a: Ring, b: Ring) -> bool:
     return _identity(a) == _identity(b)
 
 
+def held_through_unready(pod: StorePod, previous: Ring | None, port: int, now_ms: int, grace_ms: int) -> bool:
+    """A member of ``previous`` whose pod went not-ready less than ``grace_ms`` ago and is otherwise
+    the same pod (same IP, not being deleted) keeps its place in the ring.
+
+    Why: a readiness flap (a slow probe on a loaded node, a container restart that keeps the pod
+    and its SSD tier) would otherwise move every key it owns twice in seconds (two ring epochs,
+    two rebalances) and send its clients to owners that hold nothing.  Its clients meanwhile see
+    a down node, whose keys are misses.  A pod unready for longer, or without a known transition
+    time, leaves the ring as before.
+    """
+    if pod.usable or pod.terminating or not pod.ip or grace_ms <= 0 or not pod.unready_since_ms or previous is None:
+        return False
+    member = next((m for m in previous.members if m.id == pod.name), None)
+    return (member is not None and member.address == f"{pod.ip}:{port}"
+            and 0 <= now_ms - pod.unready_since_ms < grace_ms)
+
+
 def plan_ring(previous: Ring | None, pods: Iterable[StorePod], draining: Collection[str], port: int,
-              replication: int = 1) -> Ring:
+              replication: int = 1, now_ms: int = 0, unready_grace_ms: int = 0) -> Ring:
     """The ring for the usable pods: ``draining`` ids are members in state draining, the rest active.
 
-    Returns ``previous`` itself when nothing changed, else a ring at ``previous.epoch + 1``.
+    Members of ``previous`` that went not-ready less than ``unready_grace_ms`` before ``now_ms``
+    stay (:func:`held_through_unready`).  Returns ``previous`` itself when nothing changed, else a
+    ring at ``previous.epoch + 1``.
     """
     members = tuple(
         Member(id=p.name, address=f"{p.ip}:{port}", transfer_address=f"{p.ip}:{port + 1}",
                state="draining" if p.name in draining else "active")
-        for p in sorted(pods, key=lambda p: (p.ordinal, p.name)) if p.usable)
+        for p in sorted(pods, key=lambda p: (p.ordinal, p.name))
+        if p.usable or held_through_unready(p, previous, port, now_ms, unready_grace_ms))
     epoch = previous.epoch if previous is not None else 0
     candidate = Ring(epoch=epoch, members=members, replicas=replication)
     if previous is not None and same_membership(previous, candidate):

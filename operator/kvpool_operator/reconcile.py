@@ -160,6 +160,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     layout, live_claims, claim_problem = fit_claims(pool, layout, obs.sts_claims)
 
     previous = membership.ring_from_status(st)
+    grace = (obs.now_ms, int(settings.member_unready_grace_seconds * 1000))
     node_capacity = layout.capacity_bytes
     answered = [s for s in obs.stats.values() if s is not None]
     usage = status.aggregate(answered)
@@ -174,14 +175,14 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     if state is not None:
         wanted = scaling.wanted_replicas(pool, state.from_replicas, usage.used_bytes, node_capacity)
         pods_in = [p for p in obs.pods if p.ordinal < state.from_replicas]
-        ring = membership.plan_ring(previous, pods_in, state.leaving, pool.port, pool.replication)
+        ring = membership.plan_ring(previous, pods_in, state.leaving, pool.port, pool.replication, *grace)
         step = drain.step(state, ring.epoch, obs.pods, obs.drain_statuses, obs.now_ms, wanted,
                           settings.drain_overrun_seconds)
         events += step.events
         finished = step.finished
         if step.state is None:
             ring = membership.plan_ring(ring, [p for p in obs.pods if p.ordinal < step.member_limit], (), pool.port,
-                                        pool.replication)
+                                        pool.replication, *grace)
         calls, deadline, state, replicas = step.calls, state.deadline_unix_ms, step.state, step.replicas
     else:
         decision = scaling.decide(pool, current, usage.used_bytes, node_capacity)
@@ -202,14 +203,14 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
             state, calls, replicas = step.state, step.calls, step.replicas
             deadline = state.deadline_unix_ms if state else 0
             ring = membership.plan_ring(previous, [p for p in obs.pods if p.ordinal < step.member_limit],
-                                        step.draining, pool.port, pool.replication)
+                                        step.draining, pool.port, pool.replication, *grace)
             if state is not None:
                 state = replace(state, epoch=ring.epoch)
         else:
             replicas = decision.target
             limit = max(current, replicas) if decision.action == "blocked" else replicas
             ring = membership.plan_ring(previous, [p for p in obs.pods if p.ordinal < limit], (), pool.port,
-                                        pool.replication)
+                                        pool.replication, *grace)
     if previous is not None and ring.epoch != previous.epoch:
         events.append(Event("Normal", "RingUpdated", f"ring epoch {ring.epoch}: {len(ring.active)} active, "
                                                      f"{len(ring.draining)} draining"))

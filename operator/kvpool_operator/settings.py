@@ -46,6 +46,9 @@ class Settings:
     """Deadline of one admin call to a store node."""
     drain_overrun_seconds: float = 30.0
     """A drain still running this long after its deadline is ended by the operator."""
+    member_unready_grace_seconds: float = 15.0
+    """A ring member whose pod went not-ready stays a member this long (a readiness flap or a
+    container restart does not move its keys twice); a deleted pod leaves at once.  0: at once."""
     autoscale_cooldown_seconds: float = 60.0
     """The autoscaler changes a pool's size at most this often (user changes are not delayed)."""
     store_labels: dict[str, str] = field(default_factory=dict)

@@ -191,3 +191,18 @@ def test_an_unusable_master_key_degrades_and_holds_back_new_store_nodes() -> Non
     # Fixed: the condition clears.
     plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2))
     assert _conds(plan)["Degraded"] == ("False", "AsExpected")
+
+
+def test_a_readiness_flap_keeps_the_ring_and_a_long_outage_leaves_it() -> None:
+    body = pool_body(storage={"replicas": 3})
+    _, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
+    ring = body["status"]["ring"]
+    flapping = [*_pods(2), StorePod("p-store-2", 2, "127.0.0.12", ready=False, unready_since_ms=NOW - 2000)]
+    stats = _stats(3)
+    stats["p-store-2"] = None
+    plan, body = _run(body, pods=flapping, sts_replicas=3, stats=stats)
+    assert plan.status["ring"] == ring and _conds(plan)["Degraded"][0] == "True"  # degraded, no new epoch
+    later = NOW + int(S.member_unready_grace_seconds * 1000)
+    plan, _ = _run(body, pods=flapping, sts_replicas=3, stats=stats, now_ms=later)
+    assert plan.ring is not None and [m.id for m in plan.ring.members] == ["p-store-0", "p-store-1"]
+    assert plan.ring.epoch == ring["epoch"] + 1
