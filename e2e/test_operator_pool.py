@@ -137,6 +137,21 @@ def wait_status(kube: Kube, ns: str, name: str, pred: Callable[[dict[str, Any]],
         raise AssertionError(f"{exc}; last status: {json.dumps(seen, default=str)}") from None
 
 
+def wait_events(kube: Kube, ns: str, reasons: set[str], name: str | None = None, kind: str = "KVPool",
+                timeout: float = 15) -> set[str]:
+    """Wait until Events with all of ``reasons`` exist for the object; returns the reasons seen.
+
+    The operator posts a reconcile's Events after patching its status, so a status that shows
+    the change can be read before its Events are listed."""
+    def seen() -> set[str]:
+        return {e["reason"] for e in kube.list("v1", "Event", ns)
+                if e["involvedObject"]["kind"] == kind and (name is None or e["involvedObject"]["name"] == name)}
+    try:
+        return wait_for(lambda: got if (got := seen()) >= reasons else None, timeout, f"events {sorted(reasons)}")
+    except AssertionError:
+        raise AssertionError(f"events {sorted(reasons)} not all posted; seen {sorted(seen())}") from None
+
+
 def cond(status: dict[str, Any], ctype: str) -> tuple[str, str] | None:
     for c in status.get("conditions") or []:
         if c["type"] == ctype:
@@ -190,8 +205,7 @@ def test_pool_children_and_conditions(operator: Operator, kube: Kube, namespace:
     for m in members:  # the ring names the pods' own IPs
         assert m["address"] == f"{pods[m['id']]['status']['podIP']}:7400" and m["state"] == "active"
     assert st["capacityBytes"] > 0 and st["capacity"].endswith("Gi")
-    reasons = {e["reason"] for e in kube.list("v1", "Event", namespace) if e["involvedObject"]["kind"] == "KVPool"}
-    assert {"NodesReady", "RingUpdated"} <= reasons
+    wait_events(kube, namespace, {"NodesReady", "RingUpdated"})
 
     # Drift repair: a deleted child comes back.
     kube.delete("v1", "ConfigMap", "p-store-config", namespace)
@@ -302,8 +316,7 @@ def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespac
     assert st["lastDrain"]["leaving"] == ["s-store-1"] and st["lastDrain"]["result"] in ("Completed",
                                                                                          "DeadlineExceeded")
     assert [m["id"] for m in st["ring"]["members"]] == ["s-store-0"]
-    reasons = {e["reason"] for e in kube.list("v1", "Event", namespace) if e["involvedObject"]["kind"] == "KVPool"}
-    assert {"UtilizationTooHigh", "DrainStarted"} <= reasons
+    wait_events(kube, namespace, {"UtilizationTooHigh", "DrainStarted"})
     kube.delete(API, "KVTier", f"small-{namespace}")
 
 
@@ -608,9 +621,7 @@ def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator
     new = next(m["address"] for m in st["ring"]["members"] if m["id"] == "u-store-1")
     with StoreClient(new) as c:
         assert c.exists(moved, prefix_only=False).present == [True] * len(moved)
-    reasons = {e["reason"] for e in kube.list("v1", "Event", namespace)
-               if e["involvedObject"]["kind"] == "KVPool" and e["involvedObject"]["name"] == "u"}
-    assert {"RebalanceStarted", "RebalanceCompleted"} <= reasons, reasons
+    wait_events(kube, namespace, {"RebalanceStarted", "RebalanceCompleted"}, "u")
 
 
 def _store_pids(node_id: str) -> list[int]:
