@@ -12,7 +12,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,9 @@ from typing import Any
 
 import pytest
 
+from e2e import procs
 from e2e.cluster import Cluster, free_port
+from e2e.nodeagent import POD_MARKER_ENV
 from e2e.test_operator_crds import install_crds
 from e2e.testutil import wait_for
 from kvpool_operator.kube import Kube
@@ -624,22 +625,6 @@ def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator
     wait_events(kube, namespace, {"RebalanceStarted", "RebalanceCompleted"}, "u")
 
 
-def _store_pids(node_id: str) -> list[int]:
-    """The processes of the store container running as ``node_id`` (its --node-id argument)."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"--node-id" in argv and argv[argv.index(b"--node-id") + 1:][:1] == [node_id.encode()]:
-            pids.append(int(d))
-    return pids
-
-
 def test_a_store_container_restart_keeps_its_ring_place(operator: Operator, kube: Kube, namespace: str) -> None:
     """A crashed store container comes back in the same pod (same IP) within the operator's
     member grace: the pod is not ready for a while, yet the ring keeps its epoch and members (no
@@ -648,10 +633,9 @@ def test_a_store_container_restart_keeps_its_ring_place(operator: Operator, kube
     st = wait_status(kube, namespace, "flap", lambda s: s.get("readyReplicas") == 2 and s.get("phase") == "Ready",
                      120, "two ready store nodes")
     ring = st["ring"]
-    pids = _store_pids("flap-store-1")
-    assert pids, "the store process of flap-store-1 was not found"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    uid = (kube.get("v1", "Pod", "flap-store-1", namespace) or {})["metadata"]["uid"]
+    # The pod's one container (the store) dies; the node agent restarts it in the same pod.
+    assert procs.kill_marked(POD_MARKER_ENV, uid) > 0, "no process of flap-store-1 was found"
     seen_unready = False
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

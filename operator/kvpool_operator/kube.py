@@ -9,14 +9,15 @@ exists", a 404 on get means None; anything else is a :class:`KubeError` the hand
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlencode
 
 from .model import API_VERSION
+from .units import format_time
 
 FIELD_MANAGER = "kvpool-operator"
 
@@ -173,7 +174,7 @@ class Kube:
         """A core/v1 Event about ``obj`` (in its namespace, or ``default`` for cluster objects)."""
         meta = obj.get("metadata") or {}
         ns = meta.get("namespace") or "default"
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = format_time(int(time.time() * 1000))
         ev = {"apiVersion": "v1", "kind": "Event",
               "metadata": {"generateName": f"{meta.get('name', 'kvpool')}.", "namespace": ns},
               "involvedObject": {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),

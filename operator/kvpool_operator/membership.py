@@ -13,10 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from kvpool.ring import Member, Ring
+
+from .units import parse_time
 
 _ORDINAL = re.compile(r"-(\d+)$")
 
@@ -50,17 +51,8 @@ def observe_pod(pod: Mapping[str, Any]) -> StorePod:
     name = str(meta.get("name", ""))
     return StorePod(name=name, ordinal=ordinal_of(name), ip=str(status.get("podIP") or ""), ready=ready,
                     terminating=bool(meta.get("deletionTimestamp")),
-                    unready_since_ms=0 if ready else _unix_ms(cond.get("lastTransitionTime")))
+                    unready_since_ms=0 if ready else parse_time(cond.get("lastTransitionTime")))
 
-
-def _unix_ms(stamp: Any) -> int:
-    """An RFC 3339 time of the API (``2026-12-04T10:00:00Z``) in Unix ms; 0 if absent or unreadable."""
-    if not isinstance(stamp, str) or not stamp:
-        return 0
-    try:
-        return int(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1000)
-    except ValueError:
-        return 0
 
 
 def observe_pods(pods: Iterable[Mapping[str, Any]]) -> list[StorePod]:

@@ -9,7 +9,7 @@ plan twice, or half of one before a crash, is harmless.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -160,7 +160,14 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     layout, live_claims, claim_problem = fit_claims(pool, layout, obs.sts_claims)
 
     previous = membership.ring_from_status(st)
-    grace = (obs.now_ms, int(settings.member_unready_grace_seconds * 1000))
+    port, replication = pool.port, pool.replication
+    unready_grace_ms = int(settings.member_unready_grace_seconds * 1000)
+
+    def ring_of(base: Ring | None, pods: Iterable[StorePod], draining: Collection[str]) -> Ring:
+        """The ring for ``pods``; members that went not-ready within the grace stay (membership)."""
+        return membership.plan_ring(base, pods, draining, port, replication,
+                                    now_ms=obs.now_ms, unready_grace_ms=unready_grace_ms)
+
     node_capacity = layout.capacity_bytes
     answered = [s for s in obs.stats.values() if s is not None]
     usage = status.aggregate(answered)
@@ -175,14 +182,13 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     if state is not None:
         wanted = scaling.wanted_replicas(pool, state.from_replicas, usage.used_bytes, node_capacity)
         pods_in = [p for p in obs.pods if p.ordinal < state.from_replicas]
-        ring = membership.plan_ring(previous, pods_in, state.leaving, pool.port, pool.replication, *grace)
+        ring = ring_of(previous, pods_in, state.leaving)
         step = drain.step(state, ring.epoch, obs.pods, obs.drain_statuses, obs.now_ms, wanted,
                           settings.drain_overrun_seconds)
         events += step.events
         finished = step.finished
         if step.state is None:
-            ring = membership.plan_ring(ring, [p for p in obs.pods if p.ordinal < step.member_limit], (), pool.port,
-                                        pool.replication, *grace)
+            ring = ring_of(ring, [p for p in obs.pods if p.ordinal < step.member_limit], ())
         calls, deadline, state, replicas = step.calls, state.deadline_unix_ms, step.state, step.replicas
     else:
         decision = scaling.decide(pool, current, usage.used_bytes, node_capacity)
@@ -202,15 +208,13 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
             events += step.events
             state, calls, replicas = step.state, step.calls, step.replicas
             deadline = state.deadline_unix_ms if state else 0
-            ring = membership.plan_ring(previous, [p for p in obs.pods if p.ordinal < step.member_limit],
-                                        step.draining, pool.port, pool.replication, *grace)
+            ring = ring_of(previous, [p for p in obs.pods if p.ordinal < step.member_limit], step.draining)
             if state is not None:
                 state = replace(state, epoch=ring.epoch)
         else:
             replicas = decision.target
             limit = max(current, replicas) if decision.action == "blocked" else replicas
-            ring = membership.plan_ring(previous, [p for p in obs.pods if p.ordinal < limit], (), pool.port,
-                                        pool.replication, *grace)
+            ring = ring_of(previous, [p for p in obs.pods if p.ordinal < limit], ())
     if previous is not None and ring.epoch != previous.epoch:
         events.append(Event("Normal", "RingUpdated", f"ring epoch {ring.epoch}: {len(ring.active)} active, "
                                                      f"{len(ring.draining)} draining"))

@@ -5,7 +5,6 @@ Decisions come from :mod:`kvpool_operator.tenancy`; this module reads and writes
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import time
 from collections.abc import Mapping
@@ -18,12 +17,13 @@ from .model import API_VERSION, SpecError, TenantSpec, parse_pool_ref, parse_ten
 from .runtime import Runtime
 from .status import Condition, merge_conditions
 from .tenancy import OWNER_LABEL, choose_credentials, new_credentials, plan_secrets, tenant_pool_status, tenant_secret
+from .units import format_time
 
 log = logging.getLogger("kvpool.operator.tenants")
 
 
 def _now_iso() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return format_time(int(time.time() * 1000))
 
 
 def _conflicts(kube: Kube, tn: TenantSpec) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 _BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
 _DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
@@ -91,3 +92,13 @@ def format_percent(fraction: float) -> str:
 def format_time(unix_ms: int) -> str:
     """An instant as Kubernetes writes one in status (RFC 3339, UTC, whole seconds)."""
     return dt.datetime.fromtimestamp(unix_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(stamp: Any) -> int:
+    """An RFC 3339 time of the API (``2026-12-04T10:00:00Z``) in Unix ms; 0 if absent or unreadable."""
+    if not isinstance(stamp, str) or not stamp:
+        return 0
+    try:
+        return int(dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        return 0

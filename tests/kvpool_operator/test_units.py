@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpool_operator.units import format_bytes, format_quantity, parse_bytes, parse_duration
+from kvpool_operator.units import format_bytes, format_quantity, format_time, parse_bytes, parse_duration, parse_time
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -38,3 +38,10 @@ def test_formatting() -> None:
     assert format_quantity(1 << 30) == "1Gi"
     assert format_quantity(1000) == "1000"
     assert format_quantity(1536 << 20) == "1536Mi"
+
+
+def test_parse_time_reads_what_format_time_writes_and_zero_for_anything_else() -> None:
+    assert parse_time(format_time(1_796_392_800_000)) == 1_796_392_800_000
+    assert parse_time("2026-12-04T10:00:00.5+00:00") == 1_796_378_400_500
+    for bad in (None, "", "yesterday", 17, "2026-13-01T00:00:00Z"):
+        assert parse_time(bad) == 0

@@ -8,7 +8,7 @@ repairs anything missed (a pool edited while the operator was down).
 
 from __future__ import annotations
 
-import datetime as dt
+import time
 from typing import Any
 
 import kopf
@@ -18,6 +18,7 @@ from ..kube import KubeError
 from ..model import API_VERSION, GROUP, VERSION, SpecError, parse_pool, parse_tier
 from ..runtime import Runtime
 from ..status import Condition, merge_conditions
+from ..units import format_time
 
 
 def users(rt: Runtime, tier: str) -> list[tuple[str, str]]:
@@ -61,7 +62,7 @@ def publish(rt: Runtime, name: str, body: Any = None) -> list[tuple[str, str]]:
     using = users(rt, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return using
-    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = format_time(int(time.time() * 1000))
     new = tier_status(body, using, now)
     if not _same(body.get("status") or {}, new):
         rt.kube.merge_patch(API_VERSION, "KVTier", name, None, {"status": new}, "status")
