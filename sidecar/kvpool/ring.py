@@ -8,6 +8,7 @@ for all keys × members at once: no Python loop over keys.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,30 +25,53 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
+@functools.lru_cache(maxsize=1024)
 def member_hash(member_id: str) -> int:
     return int.from_bytes(hashlib.sha256(b"kvpool.member\x00" + member_id.encode()).digest()[:8], "little")
 
 
-def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    # splitmix64 finalizer; uint64 arithmetic wraps in numpy, which is what we want.
+@functools.lru_cache(maxsize=64)
+def _member_hashes(member_ids: tuple[str, ...]) -> npt.NDArray[np.uint64]:
+    return np.fromiter(map(member_hash, member_ids), np.uint64, len(member_ids))
+
+
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _mix_inplace(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    # splitmix64 finalizer; uint64 arithmetic wraps in numpy, which is what we want.  In place,
+    # with one scratch array: the naive expression allocates ten temporaries of the full
+    # keys x members shape, which was half the time of routing a match of 8192 keys.
+    t = np.empty_like(x)
     with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
+        np.right_shift(x, _S30, out=t)
+        x ^= t
+        x *= _M1
+        np.right_shift(x, _S27, out=t)
+        x ^= t
+        x *= _M2
+        np.right_shift(x, _S31, out=t)
+        x ^= t
+    return x
 
 
 def key_prefixes(keys: Sequence[bytes] | bytes) -> npt.NDArray[np.uint64]:
-    """The first 8 bytes of each key as little-endian uint64 (vectorized)."""
+    """The first 8 bytes of each key as little-endian uint64 (vectorized; a strided view of the
+    key blob, no copy)."""
     blob = keys if isinstance(keys, bytes | bytearray | memoryview) else pack_keys(keys)
-    arr = np.frombuffer(blob, dtype="<u8")
-    return arr.reshape(-1, KEY_BYTES // 8)[:, 0].astype(np.uint64)
+    return np.frombuffer(blob, dtype="<u8")[::KEY_BYTES // 8]
 
 
 def weights(keys: Sequence[bytes] | bytes, member_ids: Sequence[str]) -> npt.NDArray[np.uint64]:
     """Rendezvous weights, shape (n_keys, n_members)."""
-    k = key_prefixes(keys)
-    m = np.array([member_hash(i) for i in member_ids], dtype=np.uint64)
-    return _mix(k[:, None] ^ m[None, :])
+    return _weights_by_member(key_prefixes(keys), member_ids).T
+
+
+def _weights_by_member(k: npt.NDArray[np.uint64], member_ids: Sequence[str]) -> npt.NDArray[np.uint64]:
+    # Members x keys: each member's row is contiguous, which the mix and the argmax over the
+    # (few) members run through faster than keys x members.
+    m = _member_hashes(tuple(member_ids))
+    return _mix_inplace(np.bitwise_xor(m[:, None], k[None, :]))
 
 
 def owners(keys: Sequence[bytes] | bytes, member_ids: Sequence[str], replicas: int = 1) -> npt.NDArray[np.intp]:
@@ -58,10 +82,11 @@ def owners(keys: Sequence[bytes] | bytes, member_ids: Sequence[str], replicas: i
     if not member_ids:
         raise ValueError("no members to own keys")
     r = max(1, min(replicas, len(member_ids)))
-    w = weights(keys, member_ids)
     if r == 1:
         # numpy types this indexing as Any; it is argmax's intp array with a column axis added.
-        return cast("npt.NDArray[np.intp]", np.argmax(w, axis=1)[:, None])
+        by_member = _weights_by_member(key_prefixes(keys), member_ids)
+        return cast("npt.NDArray[np.intp]", np.argmax(by_member, axis=0)[:, None])
+    w = weights(keys, member_ids)
     # argsort descending on the weights; stable tie-break by member order (ties are ~impossible).
     return np.argsort(_desc(w), axis=1, kind="stable")[:, :r]
 

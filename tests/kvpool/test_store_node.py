@@ -338,3 +338,25 @@ def test_reads_count_in_the_hit_rate_once_per_block(make_node) -> None:  # type:
     codes, found = node.read_pin(T, keys[:3], drop_lease_id=lease.lease_id)
     node.read_unpin(found)
     assert codes == [pb.OK] * 3 and rate() == (8, 11)
+
+
+def test_a_match_lease_pins_whatever_decides_on_pins_even_though_it_counts_them_lazily(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=256 * KiB)
+    keys = [bytes([0xC0, i]) * 16 for i in range(4)]
+    assert put(node, keys, [b"m" * (40 * KiB)] * 4) == [pb.OK] * 4
+    _, _, lease = node.exists(T, keys, pin=True, lease_ms=60_000)
+    assert lease is not None
+    assert node.remove(T, keys[:1]) == [pb.IN_FLIGHT]  # removal settles the pins first
+    _, _, second = node.exists(T, keys, pin=True, lease_ms=60_000)
+    assert second is not None
+    for i in range(20):  # write pressure: 3x the arena; the pinned objects stay
+        put(node, [bytes([0xD0, i]) * 16], [b"w" * (40 * KiB)])
+    assert get(node, keys) == [b"m" * (40 * KiB)] * 4
+    assert {node.blocks[T][k].pins for k in keys} == {2}
+    node.release([lease.lease_id, second.lease_id], T)
+    assert {node.blocks[T][k].pins for k in keys} == {0}
+    # A lease released before anything settled leaves no pin behind.
+    _, _, third = node.exists(T, keys, pin=True, lease_ms=60_000)
+    assert third is not None
+    node.release([third.lease_id], T)
+    assert node.remove(T, keys) == [pb.OK] * 4

@@ -169,7 +169,7 @@ class _Connection:
             lease_ms = min(req.lease_ms or sc.cfg.lease_ms, sc.cfg.max_lease_ms)
             if req.op == fp.OP_MATCH:
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
-                prefix, local, lease_id = sc.match_keys(arr.tolist(), arr, lease_ms,
+                prefix, local, lease_id = sc.match_keys(arr, lease_ms,
                                                         bool(req.flags & fp.FLAG_LOCAL_ONLY))
                 return [fp.encode_response(fp.OP_MATCH, req.request_id, req.items, prefix=prefix, local=local,
                                            ref=lease_id)]

@@ -203,18 +203,18 @@ class Sidecar(spbg.SidecarServicer):
         lease_ms = min(request.lease_ms or self.cfg.lease_ms, self.cfg.max_lease_ms)
         if request.per_key:
             return self._probe(keys, arr, self._kind(request.kind, context))
-        prefix, n_local, lease_id = self.match_keys(keys, arr, lease_ms, request.local_only)
+        prefix, n_local, lease_id = self.match_keys(arr, lease_ms, request.local_only)
         return spb.MatchReply(prefix=prefix, local_prefix=n_local, lease_id=lease_id)
 
-    def match_keys(self, keys: list[bytes], arr: np.ndarray, lease_ms: int,
-                   local_only: bool = False) -> tuple[int, int, int]:
-        """The longest present prefix of ``keys`` (local tier, then pool), pinned under one
-        lease: (prefix, local prefix, lease id or 0).  Shared by gRPC and the fast session."""
+    def match_keys(self, arr: np.ndarray, lease_ms: int, local_only: bool = False) -> tuple[int, int, int]:
+        """The longest present prefix of the keys ``arr`` (32-byte voids; local tier, then
+        pool), pinned under one lease: (prefix, local prefix, lease id or 0).  Shared by gRPC
+        and the fast session."""
         t0 = time.perf_counter()
-        n_local, local_lease = self.local.match_prefix(keys, lease_ms)
+        n_local, local_lease = self.local.match_prefix(arr, lease_ms)
         prefix = n_local
         pool_leases: list[tuple[str, int]] = []
-        if n_local < len(keys) and self.pool.enabled and not local_only:
+        if n_local < len(arr) and self.pool.enabled and not local_only:
             pm = self.pool.match(arr[n_local:], lease_ms)
             prefix += pm.prefix
             pool_leases = pm.leases
@@ -226,9 +226,9 @@ class Sidecar(spbg.SidecarServicer):
                                                           time.time() + lease_ms / 1000.0)
         elif pool_leases:
             self.pool.release(pool_leases)
-        metrics.record_match(self.cfg.tenant_id, len(keys), n_local, prefix - n_local, time.perf_counter() - t0)
+        metrics.record_match(self.cfg.tenant_id, len(arr), n_local, prefix - n_local, time.perf_counter() - t0)
         self.counters["match_calls"] += 1
-        self.counters["lookup_blocks"] += len(keys)
+        self.counters["lookup_blocks"] += len(arr)
         self.counters["hit_blocks_local"] += n_local
         self.counters["hit_blocks_pool"] += prefix - n_local
         return prefix, n_local, lease_id

@@ -107,6 +107,8 @@ class Lease:
     read_tokens: list[int] = field(default_factory=list)
     """Transfer tokens issued under this lease (Get): they die with it, so a read after the
     lease expired is refused by the guard even when the object is still in place."""
+    counted: bool = True
+    """Whether ``entries``' ``pins`` include this lease (see :meth:`StoreNode._settle_pins`)."""
 
 
 @dataclass
@@ -197,6 +199,8 @@ class StoreNode:
         self.by_token: dict[int, Entry] = {}  # write/generation token → entry
         self.read_tokens: dict[int, tuple[Entry, Lease]] = {}  # lease-scoped read token → entry
         self.leases: dict[int, Lease] = {}
+        # Match leases whose pins are not yet counted into their entries: see _settle_pins.
+        self._uncounted: dict[int, Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self.reservations: dict[int, Reservation] = {}
         self._res_heap: list[tuple[float, int]] = []
@@ -306,8 +310,11 @@ class StoreNode:
     def _drop_lease(self, lease: Lease) -> None:
         if self.leases.pop(lease.lease_id, None) is None:
             return
-        for e in lease.entries:
-            e.pins -= 1
+        if lease.counted:
+            for e in lease.entries:
+                e.pins -= 1
+        else:
+            del self._uncounted[lease.lease_id]
         for t in lease.read_tokens:
             self.read_tokens.pop(t, None)
         # lease.read_tokens stays as it is: a Get reply may still be assembled from it (outside
@@ -322,10 +329,26 @@ class StoreNode:
         return lease
 
     def _new_lease(self, entries: list[Entry], lease_ms: int, now: float, tenant: str = DEFAULT_TENANT) -> Lease:
-        lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), entries, tenant)
-        for e in entries:
-            e.pins += 1
+        """A match lease over ``entries``, its pins counted lazily (:meth:`_settle_pins`)."""
+        lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), entries, tenant, counted=False)
+        self._uncounted[lease.lease_id] = lease
         return self._register_lease(lease)
+
+    def _settle_pins(self) -> None:
+        """Count the pins of the match leases not counted yet.  Caller holds the lock.
+
+        A match pins thousands of objects and is usually released within milliseconds, before
+        anything asks whether an object is pinned: counting its pins on creation and again on
+        release was two thirds of an Exists of 2048 keys.  So a match lease is only recorded,
+        and whatever decides on ``pins`` (eviction, expiry, removal) settles first: ``pins`` is
+        exact whenever it is read."""
+        if not self._uncounted:
+            return
+        for lease in self._uncounted.values():
+            for e in lease.entries:
+                e.pins += 1
+            lease.counted = True
+        self._uncounted.clear()
 
     # ------------------------------------------------------------------ lookups
 
@@ -797,6 +820,7 @@ class StoreNode:
         check_kind(kind)
         with self.lock:
             self._sweep(time.time())
+            self._settle_pins()
             part = self.index.get(tenant, {})
             codes: list[pb.Code] = []
             for k in keys:
@@ -855,6 +879,7 @@ class StoreNode:
     # ------------------------------------------------------------------ eviction and tiers
 
     def _dram_victims(self, need: int, now: float, expire_all: bool) -> list[Entry]:
+        self._settle_pins()
         entries = list(self.lru_dram.values())
         if not any(t.ttl_seconds for t in self.tenants.values()):
             plan = choose_victims(entries, need, now, self._ttl_map(), self.cfg.default_ttl, expire_all=expire_all)
@@ -900,6 +925,7 @@ class StoreNode:
 
     def _evict_tenant(self, t: Tenant, need: int, now: float) -> int:
         """Quota with eviction: drop the tenant's own least recently used objects; bytes freed."""
+        self._settle_pins()
         own = [e for e in itertools.chain(self.lru_ssd.values(), self.lru_dram.values()) if e.tenant == t.tenant_id]
         own.sort(key=lambda e: e.last_access)
         plan = choose_victims(own, need, now, {}, 0.0, expire_all=False)
@@ -957,6 +983,7 @@ class StoreNode:
 
     def _evict_ssd(self, need: int) -> None:
         assert self.ssd is not None
+        self._settle_pins()
         freed = 0
         for e in list(self.lru_ssd.values()):
             if freed >= need:
@@ -1107,6 +1134,7 @@ class StoreNode:
         n = 0
         with self.lock:
             self._sweep(now)
+            self._settle_pins()
             for lru in (self.lru_dram, self.lru_ssd):
                 for e in list(lru.values()):
                     if not e.pins and not e.inflight and is_expired(e, now, {e.traffic_class: self._ttl_for(e)}, 0):
