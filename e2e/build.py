@@ -285,7 +285,7 @@ def ensure_binaries(log: bool = False) -> Binaries:
     Missing components build concurrently: the kubernetes build keeps both cores busy only
     while compiling, and its long single-threaded link steps leave room for etcd and helm.
     """
-    steps = {"kubernetes": build_kubernetes, "etcd": build_etcd, "helm": build_helm}
+    steps: dict[str, Callable[[], Path]] = {"kubernetes": build_kubernetes, "etcd": build_etcd, "helm": build_helm}
     with build_lock():
         return _ensure(steps, log)
 

@@ -95,6 +95,7 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     (pool("bad-drain-rate2", scaleDown={"drainBandwidth": -1}), "drainBandwidth must be a quantity"),
     (pool("bad-events", router={"events": {"enabled": True}}), "router.events needs a tenant"),
     (pool("bad-router", router={"replicas": 0}), "spec.router.replicas"),
+    (pool("bad-grace", storage={"memberUnreadyGraceSeconds": -1}), "spec.storage.memberUnreadyGraceSeconds"),
     (pool("bad-events2", router={"events": {"enabled": True, "tenant": "Not_A_Tenant"}}), "spec.router.events.tenant"),
     (pool("bad-warm-rate", scaleUp={"warmBandwidth": "fast"}), "warmBandwidth must be a quantity"),
     (pool("bad-warm-frac", scaleUp={"warmFraction": 1.5}), "scaleUp.warmFraction must be in [0, 1]"),

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_seconds)
     ap.add_argument("--tenant-interval", type=float, default=d.tenant_interval_seconds)
     ap.add_argument("--member-unready-grace", type=float, default=d.member_unready_grace_seconds,
-                    help="seconds a store pod that went not-ready stays in the ring (0: leaves at once)")
+                    help="seconds a store pod that went not-ready stays in the ring (0: leaves at once); "
+                         "a KVPool's spec.storage.memberUnreadyGraceSeconds overrides it")
     ap.add_argument("--sidecar-metrics-port", type=int, default=d.sidecar_metrics_port)
     ap.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
                     help="pod port of injected sidecars' prefill -> decode state exports (0 off)")

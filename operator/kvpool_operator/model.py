@@ -207,6 +207,9 @@ class PoolSpec:
     rollback: int = 6
     autoscaling: Autoscaling = Autoscaling()
     grace_period_seconds: int = 60
+    member_unready_grace_seconds: int | None = None
+    """spec.storage.memberUnreadyGraceSeconds: how long a not-ready store pod keeps its ring
+    place (None: the operator-wide setting)."""
     utilization_limit: float = 0.8
     drain_bytes_per_second: int = 0
     """Bound on each leaving node's push rate during a scale-down drain (0: unbounded)."""
@@ -319,6 +322,9 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         autoscaling=auto,
         grace_period_seconds=_int(_get(sd, "gracePeriodSeconds", default=60), "spec.scaleDown.gracePeriodSeconds",
                                   0, 86400),
+        member_unready_grace_seconds=(_int(_get(st, "memberUnreadyGraceSeconds"),
+                                           "spec.storage.memberUnreadyGraceSeconds", 0, 3600)
+                                      if _get(st, "memberUnreadyGraceSeconds") is not None else None),
         utilization_limit=limit,
         drain_bytes_per_second=(_bytes(_get(sd, "drainBandwidth"), "spec.scaleDown.drainBandwidth", positive=False)
                                 if _get(sd, "drainBandwidth") is not None else 0),

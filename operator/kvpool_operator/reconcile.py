@@ -161,7 +161,9 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
 
     previous = membership.ring_from_status(st)
     port, replication = pool.port, pool.replication
-    unready_grace_ms = int(settings.member_unready_grace_seconds * 1000)
+    grace_s = (pool.member_unready_grace_seconds if pool.member_unready_grace_seconds is not None
+               else settings.member_unready_grace_seconds)
+    unready_grace_ms = int(grace_s * 1000)
 
     def ring_of(base: Ring | None, pods: Iterable[StorePod], draining: Collection[str]) -> Ring:
         """The ring for ``pods``; members that went not-ready within the grace stay (membership)."""

@@ -76,7 +76,7 @@ def test_kvpool_printer_columns() -> None:
     "status.conditions.[].type", "status.conditions.[].status", "status.conditions.[].reason",
     "status.conditions.[].message", "status.ring", "status.drain", "status.hitRate", "status.phase",
     "spec.scaleUp.warmBandwidth", "spec.scaleUp.warmFraction", "spec.scaleUp.warmDeadlineSeconds",
-    "status.rebalance", "status.lastRebalance",
+    "status.rebalance", "status.lastRebalance", "spec.storage.memberUnreadyGraceSeconds",
 ])
 def test_kvpool_fields(path: str) -> None:
     assert _at(_schema("kvpool"), path)

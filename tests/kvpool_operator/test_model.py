@@ -26,6 +26,8 @@ def test_pool_defaults() -> None:
     assert (up.warm_fraction, up.warm_seconds, up.warm_bytes_per_second) == (0.25, 90, 32 << 20)
     assert parse_pool(pool_body(scaleUp={"warmFraction": 0, "warmDeadlineSeconds": 0})).warm_fraction == 0
     assert p.local_bytes == 256 << 20 and p.default_tenant is None and not p.force_scale_down
+    assert p.member_unready_grace_seconds is None  # the operator's setting applies
+    assert parse_pool(pool_body(storage={"memberUnreadyGraceSeconds": 0})).member_unready_grace_seconds == 0
     assert p.key == "ns.p"
 
 
@@ -50,6 +52,8 @@ def test_pool_ttl_override_and_annotation() -> None:
     ({"scaleUp": {"warmFraction": 1.5}}, "warmFraction"),
     ({"scaleUp": {"warmDeadlineSeconds": 0}}, "warmDeadlineSeconds"),
     ({"scaleUp": {"warmBandwidth": "fast"}}, "warmBandwidth"),
+    ({"storage": {"memberUnreadyGraceSeconds": -1}}, "memberUnreadyGraceSeconds"),
+    ({"storage": {"memberUnreadyGraceSeconds": "15s"}}, "memberUnreadyGraceSeconds"),
 ])
 def test_pool_invalid(spec: dict[str, Any], match: str) -> None:
     with pytest.raises(SpecError, match=match):

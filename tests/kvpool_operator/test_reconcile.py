@@ -206,3 +206,17 @@ def test_a_readiness_flap_keeps_the_ring_and_a_long_outage_leaves_it() -> None:
     plan, _ = _run(body, pods=flapping, sts_replicas=3, stats=stats, now_ms=later)
     assert plan.ring is not None and [m.id for m in plan.ring.members] == ["p-store-0", "p-store-1"]
     assert plan.ring.epoch == ring["epoch"] + 1
+
+
+def test_a_pool_sets_its_own_unready_grace() -> None:
+    # The same flap as above, 2 s old: a pool whose grace is 1 s drops the member, one whose
+    # grace is an hour keeps it after the operator's 15 s too.
+    flapping = [*_pods(2), StorePod("p-store-2", 2, "127.0.0.12", ready=False, unready_since_ms=NOW - 2000)]
+    stats = _stats(3)
+    stats["p-store-2"] = None
+    for grace, later, kept in ((1, NOW, False), (3600, NOW + 60_000, True)):
+        body = pool_body(storage={"replicas": 3, "memberUnreadyGraceSeconds": grace})
+        _, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
+        ring = body["status"]["ring"]
+        plan, _ = _run(body, pods=flapping, sts_replicas=3, stats=stats, now_ms=later)
+        assert (plan.status["ring"] == ring) is kept, grace
