@@ -10,6 +10,8 @@ and 2 sidecars (A and B):
   nodes, read into caller buffers the same way; before each repetition A puts a fresh key set
   (untimed) and B.match waits until the pool has all of it;
 - remote_get_zero_copy: the same, `B.get` returning views of B's arena, released untimed;
+- remote_get_1node: remote_get (1 MiB x 16) on a second LocalCluster of one store node, the
+  storage process count of Mooncake's TCP peer (one segment owner);
 - match: `B.match(keys)` of 8192 keys spread over the 4 store nodes and not in B's local tier
   (each match's lease released, untimed, where the client returns one).
 
@@ -65,10 +67,29 @@ def measure(ctx: Context) -> list[Row]:
             a = kvpool.connect(cluster.sidecars[0])
             b = kvpool.connect(cluster.sidecars[1])
             try:
-                return _measure(ctx, a, b)
+                rows = _measure(ctx, a, b)
             finally:
                 a.close()
                 b.close()
+        # The same remote get from one store node: Mooncake's TCP peer has one segment owner,
+        # and 4 store processes on a small machine share its cores with the sidecar.
+        with kvpool.LocalCluster(stores=1, sidecars=2, store_bytes=store_bytes,
+                                 local_bytes=local_bytes) as cluster:
+            a = kvpool.connect(cluster.sidecars[0])
+            b = kvpool.connect(cluster.sidecars[1])
+            try:
+                v, nb = MiB, 16
+                src = touched(v * nb, 1)
+                pattern(src, nb + 1)
+                row = _remote_get(plan, a, b, [src[j * v:(j + 1) * v].data for j in range(nb)], src,
+                                  touched(v * nb, 0), v, nb, "remote_get_1node")
+                row.note += ", 1 store node"
+                rows.append(row)
+                ctx.log(f"[kvpool_sidecar] 1 MiB x 16 remote get from 1 store node: {row.gbps:.2f} GB/s")
+            finally:
+                a.close()
+                b.close()
+        return rows
     except Exception as e:
         return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
 
@@ -128,6 +149,30 @@ def _read_into(client: Any, keys: list[bytes], outs: list[np.ndarray]) -> int:
     finally:
         _release_views(views)
     return 0
+
+
+def _remote_get(plan: Any, a: Any, b: Any, vals: list[Any], src: np.ndarray, dst: np.ndarray,
+                v: int, nb: int, op: str) -> Row:
+    """remote_get: keys A put (a fresh set per repetition, untimed, and B.match waits until the
+    pool has all of it) read by B into caller buffers."""
+    outs = [dst[j * v:(j + 1) * v] for j in range(nb)]
+    read_how = "get_into" if hasattr(b, "get_into") else "get + copy into caller buffers"
+    times: list[float] = []
+    failures = 0
+    dst[:v * nb].fill(0)
+    for i in range(plan.warmup + plan.reps(v, nb)):
+        rkeys = keys32(f"sc-{op}-{v}-{nb}-{i}", nb)
+        a.put(rkeys, vals)
+        _wait_match(b, rkeys)
+        t0 = time.perf_counter()
+        failures += _read_into(b, rkeys, outs)
+        dt = time.perf_counter() - t0
+        if i >= plan.warmup:
+            times.append(dt)
+    note = f"B.{read_how} from the pool" + (f"; {failures} item failures" if failures else "")
+    if not np.array_equal(dst[:v * nb], src[:v * nb]):
+        note += "; VERIFY FAILED"
+    return row_from_times(SYSTEM, op, v, nb, times, note=note)
 
 
 def _remote_zero_copy(plan: Any, a: Any, b: Any, vals: list[Any], v: int, nb: int) -> Row:
@@ -213,22 +258,7 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
                                    note="A.get (views, released untimed)"
                                    + (f"; {bad} WRONG SIZES" if bad else "")))
 
-        times = []
-        failures = 0
-        dst[:v * nb].fill(0)
-        for i in range(total):
-            rkeys = keys32(f"sc-remote-{v}-{nb}-{i}", nb)
-            a.put(rkeys, vals)
-            _wait_match(b, rkeys)
-            t0 = time.perf_counter()
-            failures += _read_into(b, rkeys, outs)
-            dt = time.perf_counter() - t0
-            if i >= plan.warmup:
-                times.append(dt)
-        note = f"B.{read_how} from the pool" + (f"; {failures} item failures" if failures else "")
-        if not np.array_equal(dst[:v * nb], src[:v * nb]):
-            note += "; VERIFY FAILED"
-        rows.append(row_from_times(SYSTEM, "remote_get", v, nb, times, note=note))
+        rows.append(_remote_get(plan, a, b, vals, src, dst, v, nb, "remote_get"))
         remote = rows[-1]
         rows.append(_remote_zero_copy(plan, a, b, vals, v, nb))
         ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {rows[-5].gbps:.2f} local "

@@ -103,6 +103,10 @@ SIDECAR_RATIOS: dict[str, R] = {
                                              ("mooncake_tcp", "get"), "",
                                              "kvpool remote get returning views of the sidecar's arena "
                                              "(no copy into caller buffers) / Mooncake over TCP"),
+    "remote_get_1node_vs_mooncake_tcp": ("throughput", ("kvpool_sidecar", "remote_get_1node"),
+                                         ("mooncake_tcp", "get"), "",
+                                         "the remote get from a pool of one store node (Mooncake's "
+                                         "peer has one segment owner) / Mooncake over TCP"),
     "local_get_vs_memcpy": ("throughput", ("kvpool_sidecar", "local_get"), ("memcpy", "copy"),
                             "", "kvpool local-hit get / numpy memcpy of the same batch"),
     "remote_get_vs_redis": ("throughput", ("kvpool_sidecar", "remote_get"), ("redis", "get"),
