@@ -149,10 +149,7 @@ class LocalTier:
                 # keys are not even split into bytes objects (~15 us per 1000 keys).
                 return 0, None
             found = list(map(self.blocks.get, key_array.tolist()))
-            try:
-                n = found.index(None)
-            except ValueError:
-                n = len(found)
+            n = len(found) if all(found) else found.index(None)  # all(): see StoreNode.exists
             hits: list[LocalEntry] = found[:n]  # type: ignore[assignment]
             now = time.time()
             for e in hits:

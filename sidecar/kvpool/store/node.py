@@ -391,10 +391,9 @@ class StoreNode:
                 # None.  No per-key Python: matching reads metadata only and does not touch the
                 # LRU (the Get that follows a match does).
                 found: list[Entry | None] = list(map(self.blocks.get(tenant, {}).get, keys))
-                try:
-                    prefix = found.index(None)
-                except ValueError:
-                    prefix = len(found)
+                # all() tests truthiness (an Entry is always true), ~3x cheaper than index(None)'s
+                # rich comparison per item; the usual answer is "all present".
+                prefix = len(found) if all(found) else found.index(None)
                 if prefix_only:
                     present = bytearray(b"\x01" * prefix + b"\x00" * (len(keys) - prefix))
                 else:
