@@ -32,7 +32,9 @@ def member_hash(member_id: str) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _member_hashes(member_ids: tuple[str, ...]) -> npt.NDArray[np.uint64]:
-    return np.fromiter(map(member_hash, member_ids), np.uint64, len(member_ids))
+    m = np.fromiter(map(member_hash, member_ids), np.uint64, len(member_ids))
+    m.flags.writeable = False  # cached and shared by every caller
+    return m
 
 
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)

@@ -107,8 +107,6 @@ class Lease:
     read_tokens: list[int] = field(default_factory=list)
     """Transfer tokens issued under this lease (Get): they die with it, so a read after the
     lease expired is refused by the guard even when the object is still in place."""
-    counted: bool = True
-    """Whether ``entries``' ``pins`` include this lease (see :meth:`StoreNode._settle_pins`)."""
 
 
 @dataclass
@@ -199,7 +197,8 @@ class StoreNode:
         self.by_token: dict[int, Entry] = {}  # write/generation token → entry
         self.read_tokens: dict[int, tuple[Entry, Lease]] = {}  # lease-scoped read token → entry
         self.leases: dict[int, Lease] = {}
-        # Match leases whose pins are not yet counted into their entries: see _settle_pins.
+        # Match leases whose pins are not yet counted into their entries (every other lease's
+        # are): see _settle_pins.
         self._uncounted: dict[int, Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self.reservations: dict[int, Reservation] = {}
@@ -310,11 +309,9 @@ class StoreNode:
     def _drop_lease(self, lease: Lease) -> None:
         if self.leases.pop(lease.lease_id, None) is None:
             return
-        if lease.counted:
+        if self._uncounted.pop(lease.lease_id, None) is None:
             for e in lease.entries:
                 e.pins -= 1
-        else:
-            del self._uncounted[lease.lease_id]
         for t in lease.read_tokens:
             self.read_tokens.pop(t, None)
         # lease.read_tokens stays as it is: a Get reply may still be assembled from it (outside
@@ -330,7 +327,7 @@ class StoreNode:
 
     def _new_lease(self, entries: list[Entry], lease_ms: int, now: float, tenant: str = DEFAULT_TENANT) -> Lease:
         """A match lease over ``entries``, its pins counted lazily (:meth:`_settle_pins`)."""
-        lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), entries, tenant, counted=False)
+        lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), entries, tenant)
         self._uncounted[lease.lease_id] = lease
         return self._register_lease(lease)
 
@@ -347,7 +344,6 @@ class StoreNode:
         for lease in self._uncounted.values():
             for e in lease.entries:
                 e.pins += 1
-            lease.counted = True
         self._uncounted.clear()
 
     # ------------------------------------------------------------------ lookups
