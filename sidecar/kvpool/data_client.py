@@ -198,7 +198,7 @@ class DataSession:
         return self._call(run)  # type: ignore[no-any-return]
 
     def exists_begin(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,
-                     lease_ms: int = 0, epoch: int = 0) -> Callable[[], ExistsReply]:
+                     lease_ms: int = 0, epoch: int = 0, drop_lease: int = 0) -> Callable[[], ExistsReply]:
         """:meth:`exists` in two halves: the request is sent now, the returned function waits
         for the answer.  A caller asking several nodes sends to all of them first and then
         collects, on one thread (no thread handoff per node).  A connection that fails before
@@ -207,14 +207,14 @@ class DataSession:
         n = len(keys) // KEY_BYTES
 
         def again() -> ExistsReply:  # a def: strict mypy refuses calls of an (untyped) lambda
-            return self.exists(keys, kind, prefix_only, pin, lease_ms, epoch)
+            return self.exists(keys, kind, prefix_only, pin, lease_ms, epoch, drop_lease)
 
         stream, reused = self._take()
         rid = next(self._ids) & 0xFFFFFFFF
         mark = stream.received
         try:
             stream.send(dp.encode_request(dp.OP_EXISTS, rid, self._token, keys, kind=kind, flags=flags,
-                                          lease_ms=lease_ms, epoch=epoch))
+                                          lease_ms=lease_ms, epoch=epoch, lease_id=drop_lease))
         except OSError as exc:
             stream.close()
             if reused:

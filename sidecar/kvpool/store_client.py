@@ -196,14 +196,16 @@ class StoreClient:
                            reply.epoch)
 
     def exists_array_begin(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
-                           kind: int = pb.BLOCK, epoch: int = 0) -> Callable[[], ExistsReply] | None:
+                           kind: int = pb.BLOCK, epoch: int = 0, drop_lease: int = 0
+                           ) -> Callable[[], ExistsReply] | None:
         """:meth:`exists_array` in two halves over the data session (the request sent now, the
-        answer collected by the returned function); None when the node has no data session."""
+        answer collected by the returned function); None when the node has no data session.
+        ``drop_lease``: a lease of this node dropped before the lookup, in the same frame."""
         ds = self.session()
         if ds is None:
             return None
         with self._session_call(ds):
-            finish = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch)
+            finish = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, drop_lease)
 
         def done() -> ExistsReply:
             with self._session_call(ds):

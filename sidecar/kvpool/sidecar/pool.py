@@ -174,6 +174,15 @@ class Pool:
         self.on_ring_change: Callable[[Ring], None] | None = None
         """Called (outside the lock) after the ring moved to a newer epoch."""
         self._refresh_lock = threading.Lock()
+        self._deferred: dict[str, tuple[int, float]] = {}
+        """Node id -> (a released match lease, when): it is dropped by the next frame to that
+        node (an EXISTS or a GET carries one lease to drop), or by :meth:`flush_deferred`; a
+        match released without a read costs no round trip of its own."""
+        self._deferred_lock = threading.Lock()
+        self.releases_sent = 0
+        """Match leases dropped by a release frame of their own."""
+        self.releases_carried = 0
+        """Match leases dropped by a later exists or read frame to their node (no round trip)."""
         if self.seeds:
             self.refresh_ring()
 
@@ -321,7 +330,7 @@ class Pool:
                 continue
             args = (key_array[idx].tobytes(), pin, lease_ms if pin else 0, prefix_only, kind, self.ring.epoch)
             try:
-                finish = node.client.exists_array_begin(*args)
+                finish = node.client.exists_array_begin(*args, drop_lease=self._take_deferred(nid))
             except (grpc.RpcError, errors.KvpoolError, OSError) as exc:
                 self._failed(node, exc)
                 pending.append((nid, idx, None))
@@ -420,20 +429,59 @@ class Pool:
         return present
 
     def release(self, leases: Sequence[tuple[str, int]]) -> None:
-        """Drop match leases, without waiting (best effort: leases expire by themselves)."""
+        """Drop match leases, without waiting (best effort: leases expire by themselves).
+
+        At a node with a data session the newest lease waits for the next frame to that node
+        (see ``_deferred``); the one it replaces, and any more, are sent now."""
         by_node: dict[str, list[int]] = {}
         for nid, lid in leases:
             if lid:
                 by_node.setdefault(nid, []).append(lid)
+        now = time.monotonic()
         for nid, lids in by_node.items():
             node = self._up(nid)
             if node is None:
                 continue
-            try:
-                # On the pool's threads: a gRPC future would start a thread per call.
-                self._executor.submit(self._release_quietly, node, lids)
-            except RuntimeError:  # shut down
-                pass
+            if node.client.session() is not None:
+                with self._deferred_lock:
+                    before = self._deferred.get(nid)
+                    self._deferred[nid] = (lids[-1], now)
+                lids = lids[:-1] + ([before[0]] if before else [])
+                if not lids:
+                    continue
+            self._send_release(node, lids)
+
+    def _take_deferred(self, nid: str) -> int:
+        """The lease waiting to be dropped at ``nid`` (0: none), handed to a frame going there."""
+        with self._deferred_lock:
+            d = self._deferred.pop(nid, None)
+            if d is None:
+                return 0
+            self.releases_carried += 1
+        return d[0]
+
+    def flush_deferred(self, older_than: float = 0.0) -> int:
+        """Send the deferred drops waiting longer than ``older_than`` seconds (the sidecar's
+        background loop: a node no frame goes to still has its pins dropped soon); how many."""
+        now = time.monotonic()
+        with self._deferred_lock:
+            due = [(nid, lid) for nid, (lid, at) in self._deferred.items() if now - at >= older_than]
+            for nid, _ in due:
+                del self._deferred[nid]
+        for nid, lid in due:
+            node = self._up(nid)
+            if node is not None:
+                self._send_release(node, [lid])
+        return len(due)
+
+    def _send_release(self, node: NodeHandle, lids: list[int]) -> None:
+        with self._deferred_lock:
+            self.releases_sent += len(lids)
+        try:
+            # On the pool's threads: a gRPC future would start a thread per call.
+            self._executor.submit(self._release_quietly, node, lids)
+        except RuntimeError:  # shut down
+            pass
 
     @staticmethod
     def _release_quietly(node: NodeHandle, lids: list[int]) -> None:
@@ -453,7 +501,8 @@ class Pool:
         if node is None or len(key_array) == 0:
             return None
         try:
-            r = node.client.read(key_array.tobytes(), dest, kind, drop_lease, lease_ms, streams)
+            r = node.client.read(key_array.tobytes(), dest, kind, drop_lease or self._take_deferred(nid), lease_ms,
+                                 streams)
         except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
             return None

@@ -174,6 +174,9 @@ class Sidecar(spbg.SidecarServicer):
     def _refresh_loop(self) -> None:
         last = time.monotonic()
         while not self._stop.is_set():
+            # Match leases released with no frame to their node since: dropped now (their pins
+            # hold objects against eviction until then).
+            self.pool.flush_deferred(older_than=0.5)
             if self.pool.refresh_needed.wait(1.0) and not self._stop.is_set():
                 try:
                     self.pool.refresh_ring()
@@ -917,6 +920,8 @@ class Sidecar(spbg.SidecarServicer):
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.SidecarStats:
         counters = dict(self.counters)
         counters["pool_errors"] = self.pool.errors
+        counters["pool_match_releases_sent"] = self.pool.releases_sent
+        counters["pool_match_releases_carried"] = self.pool.releases_carried
         counters["local_only_objects"] = len(self.local.local_only())
         counters["ring_transition"] = int(self.pool.in_transition)
         if self.copy_over is not None:

@@ -76,6 +76,52 @@ def test_a_read_after_a_match_drops_its_pins_at_the_nodes(cluster: Any, h: Any, 
                 assert node.remove(ks) == [pb.OK] * len(ks)
 
 
+def test_a_released_match_drops_its_pins_with_the_next_frame_to_each_node(
+        cluster: Any, h: Any, rng: random.Random, request: pytest.FixtureRequest) -> None:
+    """A match released without a read: over the data session its pool leases ride on the next
+    frame to their nodes (no release round trip); over gRPC each is a release call of its own.
+    Either way no pin is left behind."""
+    session = "session" in request.node.callspec.id
+    with cluster.connect(0) as a, cluster.connect(1) as b:
+        keys = h.keys(rng, 12)
+        assert a.put(keys, h.values(rng, [8 * KiB] * 12)) == [pb.OK] * 12
+        _settled(h, a)
+        groups = _by_node(cluster, keys)
+        assert len(groups) == 2  # both nodes hold some: the next match asks both
+        n, lease = b.match_lease(keys)
+        assert n == 12 and lease
+        before = h.counters(b)
+        b.release(lease)
+        assert b.match(keys) == 12  # carries the first match's drops; pins its own lease
+        with b.get(keys) as got:    # the read drops the second match's pins
+            assert len(got) == 12
+        after = h.counters(b)
+        sent = after["pool_match_releases_sent"] - before["pool_match_releases_sent"]
+        carried = after["pool_match_releases_carried"] - before["pool_match_releases_carried"]
+        assert (sent, carried) == ((0, len(groups)) if session else (len(groups), 0))
+        for address, ks in groups.items():
+            with StoreClient(address) as node:
+                h.wait_for(lambda node=node, ks=ks: node.remove(ks) == [pb.OK] * len(ks),  # type: ignore[misc]
+                           timeout=10, what="the released match's pins to go")
+
+
+def test_a_released_match_that_no_frame_follows_still_drops_its_pins(cluster: Any, h: Any,
+                                                                     rng: random.Random) -> None:
+    """A drop waiting for a frame that never comes is sent by the sidecar's background loop
+    within about a second, long before the lease (a minute here) would run out."""
+    with cluster.connect(0) as a, cluster.connect(1) as b:
+        keys = h.keys(rng, 6)
+        assert a.put(keys, h.values(rng, [4 * KiB] * 6)) == [pb.OK] * 6
+        _settled(h, a)
+        n, lease = b.match_lease(keys, lease_ms=60_000)
+        assert n == 6
+        b.release(lease)
+        for address, ks in _by_node(cluster, keys).items():
+            with StoreClient(address) as node:
+                h.wait_for(lambda node=node, ks=ks: pb.IN_FLIGHT not in node.remove(ks),  # type: ignore[misc]
+                           timeout=5, what="the deferred drop to be flushed")
+
+
 def test_ranged_reads_of_nodes_without_the_session_are_unsupported(module_cluster: Any, h: Any,
                                                                    rng: random.Random) -> None:
     """The gRPC path has no ranged read: a sidecar says UNSUPPORTED for pool objects (and never
