@@ -12,7 +12,7 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +76,20 @@ def _weights_by_member(k: npt.NDArray[np.uint64], member_ids: Sequence[str]) -> 
     return _mix_inplace(np.bitwise_xor(m[:, None], k[None, :]))
 
 
+def _first_max_row(w: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp]:
+    """Per column of ``w`` (members x keys), the row of its largest value, the first on a tie:
+    ``argmax(w, axis=0)``.  A running maximum over the rows, each pass contiguous: argmax along
+    the member axis copies the array to key-major order first and then calls its kernel once
+    per key (4 members x 8192 keys: 77 -> 48 us; still faster at 32 members)."""
+    best = w[0].copy()
+    row = np.zeros(w.shape[1], dtype=np.intp)
+    for j in range(1, w.shape[0]):
+        ahead = w[j] > best  # strictly: an equal weight keeps the earlier member, as argmax does
+        np.maximum(best, w[j], out=best)
+        row[ahead] = j
+    return row
+
+
 def owners(keys: Sequence[bytes] | bytes, member_ids: Sequence[str], replicas: int = 1) -> npt.NDArray[np.intp]:
     """Indices into ``member_ids`` of each key's owners, shape (n_keys, min(replicas, n)).
 
@@ -85,9 +99,7 @@ def owners(keys: Sequence[bytes] | bytes, member_ids: Sequence[str], replicas: i
         raise ValueError("no members to own keys")
     r = max(1, min(replicas, len(member_ids)))
     if r == 1:
-        # numpy types this indexing as Any; it is argmax's intp array with a column axis added.
-        by_member = _weights_by_member(key_prefixes(keys), member_ids)
-        return cast("npt.NDArray[np.intp]", np.argmax(by_member, axis=0)[:, None])
+        return _first_max_row(_weights_by_member(key_prefixes(keys), member_ids))[:, None]
     w = weights(keys, member_ids)
     # argsort descending on the weights; stable tie-break by member order (ties are ~impossible).
     return np.argsort(_desc(w), axis=1, kind="stable")[:, :r]

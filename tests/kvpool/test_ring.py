@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from kvpool.ring import Member, Ring, member_hash, owners
+from kvpool.ring import Member, Ring, _first_max_row, member_hash, owners
 
 
 def _scalar_owner(key: bytes, ids: list[str]) -> int:
@@ -27,6 +27,16 @@ def test_matches_scalar_reference() -> None:
     keys = _keys(500)
     vec = owners(keys, ids)[:, 0]
     assert [int(x) for x in vec] == [_scalar_owner(k, ids) for k in keys]
+
+
+def test_the_owner_is_the_first_member_of_largest_weight_at_any_member_count() -> None:
+    keys = _keys(300, seed=7)
+    for n in (1, 2, 3, 9, 33):
+        ids = [f"m-{i}" for i in range(n)]
+        assert [int(x) for x in owners(keys, ids)[:, 0]] == [_scalar_owner(k, ids) for k in keys]
+    top = np.iinfo(np.uint64).max
+    w = np.array([[5, 7, top, 1], [5, 9, top, 0], [4, 9, 3, 1]], dtype=np.uint64)
+    assert _first_max_row(w).tolist() == [0, 1, 0, 0] == np.argmax(w, axis=0).tolist()
 
 
 def test_balance_and_minimal_movement() -> None:
