@@ -134,9 +134,9 @@ def node_round(procs: Procs, work: Path, size: int, total: int, encrypted: bool)
             t0 = time.perf_counter()
             for i in range(0, n, batch):
                 ks = keys[i:i + batch]
-                codes = c.get_into(ks, bufs[:len(ks)])
-                if any(code != pb.OK for code in codes):
-                    raise AssertionError(f"get failed: {codes}")
+                got = c.get_into(ks, bufs[:len(ks)])
+                if any(code != pb.OK for code in got):
+                    raise AssertionError(f"get failed: {got}")
             t_get = time.perf_counter() - t0
             st = c.stats().counters
             if bytes(bufs[0]) != val:

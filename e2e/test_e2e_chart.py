@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -173,8 +173,10 @@ def deployment_pods(rel: Release, app: str) -> list[dict[str, Any]]:
 
 
 def wait_report(rel: Release, pod: str, timeout: float = 120) -> dict[str, Any]:
-    return wait_for(lambda: (loadgen_reports(rel, pod) or [None])[-1], timeout, f"the loadgen summary of {pod}",
-                    interval=0.5)
+    def last() -> dict[str, Any] | None:
+        reports = loadgen_reports(rel, pod)
+        return reports[-1] if reports else None
+    return wait_for(last, timeout, f"the loadgen summary of {pod}", interval=0.5)
 
 
 # ------------------------------------------------------------------------------------ scenarios
@@ -504,8 +506,8 @@ def test_7_operator_pod_killed_mid_drain_the_new_one_resumes(release: Release) -
     with rel.cluster.api_client() as api:
         custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
         try:
-            wait_for(lambda: (custom.get_namespaced_custom_object("kvpool.io", "v1alpha1", rel.apps, "kvpools",
-                                                                  "resume").get("status") or {}).get("drain"),
+            wait_for(lambda: (cast(dict[str, Any], custom.get_namespaced_custom_object(
+                         "kvpool.io", "v1alpha1", rel.apps, "kvpools", "resume")).get("status") or {}).get("drain"),
                      60, "the drain recorded in status", interval=0.05)
         except AssertionError as exc:
             raise AssertionError(f"{exc}; status: {json.dumps(rel.pool_status('resume'))}") from None

@@ -50,3 +50,13 @@ def test_packages_type_check_clean_under_mypy_strict() -> None:
                         "-p", "kvpool", "-p", "kvpool_operator"],
                        capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def test_benchmarks_and_end_to_end_harness_type_check_clean() -> None:
+    """`mypy e2e bench` under the same configuration: the code outside the packages that CI
+    runs (the e2e tests) or that the closing notes quote (the benchmarks) stays typed too."""
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed here (it comes with the dev extra: pip install -e '.[dev]')")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(ROOT / ".mypy_cache"), "e2e", "bench"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
