@@ -20,7 +20,9 @@ If `kvpool.LocalCluster` / `kvpool.connect` are not there yet, the rows say "not
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -62,36 +64,38 @@ def measure(ctx: Context) -> list[Row]:
     local_bytes = (256 * MiB if plan.quick else GiB) + 2 * plan.max_batch_bytes
     store_bytes = 256 * MiB if plan.quick else GiB
     try:
-        with kvpool.LocalCluster(stores=STORES, sidecars=2, store_bytes=store_bytes,
-                                 local_bytes=local_bytes) as cluster:
-            a = kvpool.connect(cluster.sidecars[0])
-            b = kvpool.connect(cluster.sidecars[1])
-            try:
-                rows = _measure(ctx, a, b)
-            finally:
-                a.close()
-                b.close()
+        with _two_clients(kvpool, STORES, store_bytes, local_bytes) as (a, b):
+            rows = _measure(ctx, a, b)
         # The same remote get from one store node: Mooncake's TCP peer has one segment owner,
         # and 4 store processes on a small machine share its cores with the sidecar.
-        with kvpool.LocalCluster(stores=1, sidecars=2, store_bytes=store_bytes,
-                                 local_bytes=local_bytes) as cluster:
-            a = kvpool.connect(cluster.sidecars[0])
-            b = kvpool.connect(cluster.sidecars[1])
-            try:
-                v, nb = MiB, 16
-                src = touched(v * nb, 1)
-                pattern(src, nb + 1)
-                row = _remote_get(plan, a, b, [src[j * v:(j + 1) * v].data for j in range(nb)], src,
-                                  touched(v * nb, 0), v, nb, "remote_get_1node")
-                row.note += ", 1 store node"
-                rows.append(row)
-                ctx.log(f"[kvpool_sidecar] 1 MiB x 16 remote get from 1 store node: {row.gbps:.2f} GB/s")
-            finally:
-                a.close()
-                b.close()
+        with _two_clients(kvpool, 1, store_bytes, local_bytes) as (a, b):
+            v, nb = MiB, 16
+            src = touched(v * nb, 1)
+            pattern(src, nb + 1)
+            row = _remote_get(plan, a, b, [src[j * v:(j + 1) * v].data for j in range(nb)], src,
+                              touched(v * nb, 0), v, nb, "remote_get_1node")
+            row.note += ", 1 store node"
+            rows.append(row)
+            ctx.log(f"[kvpool_sidecar] 1 MiB x 16 remote get from 1 store node: {row.gbps:.2f} GB/s")
         return rows
     except Exception as e:
         return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
+
+
+@contextlib.contextmanager
+def _two_clients(kvpool: Any, stores: int, store_bytes: int, local_bytes: int) -> Iterator[tuple[Any, Any]]:
+    """Clients of the two sidecars (A, B) of a fresh LocalCluster of ``stores`` store nodes."""
+    with kvpool.LocalCluster(stores=stores, sidecars=2, store_bytes=store_bytes,
+                             local_bytes=local_bytes) as cluster:
+        a = kvpool.connect(cluster.sidecars[0])
+        try:
+            b = kvpool.connect(cluster.sidecars[1])
+            try:
+                yield a, b
+            finally:
+                b.close()
+        finally:
+            a.close()
 
 
 def _match(client: Any, keys: list[bytes]) -> tuple[int, int]:
