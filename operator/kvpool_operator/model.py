@@ -8,9 +8,9 @@ and a sentence, which the handlers turn into a Degraded condition instead of a r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .units import parse_bytes, parse_duration
 
@@ -18,6 +18,8 @@ GROUP = "kvpool.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 STORE_DEFAULT_TENANT = "default"
+
+T = TypeVar("T")
 """The partition a store node keeps tokenless (open-tenancy) callers in."""
 
 POOL_LABEL = "kvpool.io/pool"
@@ -48,6 +50,12 @@ def _get(d: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
             return default
         cur = cur[p]
     return cur
+
+
+def _optional(d: Mapping[str, Any] | None, key: str, parse: Callable[[Any], T]) -> T | None:
+    """``parse`` of the field ``key`` of ``d``, or None when it is absent (or null)."""
+    v = _get(d, key)
+    return None if v is None else parse(v)
 
 
 def _int(v: Any, what: str, lo: int | None = None, hi: int | None = None) -> int:
@@ -322,14 +330,13 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         autoscaling=auto,
         grace_period_seconds=_int(_get(sd, "gracePeriodSeconds", default=60), "spec.scaleDown.gracePeriodSeconds",
                                   0, 86400),
-        member_unready_grace_seconds=(_int(_get(st, "memberUnreadyGraceSeconds"),
-                                           "spec.storage.memberUnreadyGraceSeconds", 0, 3600)
-                                      if _get(st, "memberUnreadyGraceSeconds") is not None else None),
+        member_unready_grace_seconds=_optional(
+            st, "memberUnreadyGraceSeconds", lambda v: _int(v, "spec.storage.memberUnreadyGraceSeconds", 0, 3600)),
         utilization_limit=limit,
-        drain_bytes_per_second=(_bytes(_get(sd, "drainBandwidth"), "spec.scaleDown.drainBandwidth", positive=False)
-                                if _get(sd, "drainBandwidth") is not None else 0),
-        warm_bytes_per_second=(_bytes(_get(su, "warmBandwidth"), "spec.scaleUp.warmBandwidth", positive=False)
-                               if _get(su, "warmBandwidth") is not None else 0),
+        drain_bytes_per_second=_optional(
+            sd, "drainBandwidth", lambda v: _bytes(v, "spec.scaleDown.drainBandwidth", positive=False)) or 0,
+        warm_bytes_per_second=_optional(
+            su, "warmBandwidth", lambda v: _bytes(v, "spec.scaleUp.warmBandwidth", positive=False)) or 0,
         warm_fraction=warm_fraction, warm_seconds=warm_seconds,
         default_tenant=default_tenant,
         force_scale_down=_truthy(_get(meta, "annotations", FORCE_SCALE_DOWN_ANNOTATION, default="")),
