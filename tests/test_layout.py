@@ -40,23 +40,16 @@ def test_ci_entry_point_runs_the_suite_under_plain_sh() -> None:
     assert "test_layout.py::test_source_roots_are_not_packages" in r.stdout
 
 
-def test_packages_type_check_clean_under_mypy_strict() -> None:
-    """`mypy -p kvpool -p kvpool_operator` (strict, [tool.mypy] of pyproject.toml) reports no error;
-    a failure shows mypy's report.  The cache is the checkout's .mypy_cache (git-ignored): a rerun
-    checks only what changed, seconds instead of the half minute of a cold run."""
+@pytest.mark.parametrize("targets", [("-p", "kvpool", "-p", "kvpool_operator"), ("e2e", "bench")],
+                         ids=["packages", "e2e-and-bench"])
+def test_the_code_type_checks_clean_under_mypy_strict(targets: tuple[str, ...]) -> None:
+    """`mypy -p kvpool -p kvpool_operator`, and `mypy e2e bench` (the code outside the packages
+    that CI runs or that the closing notes quote), strict per [tool.mypy] of pyproject.toml,
+    report no error; a failure shows mypy's report.  The cache is the checkout's .mypy_cache
+    (git-ignored): a rerun checks only what changed, seconds instead of the half minute of a
+    cold run."""
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed here (it comes with the dev extra: pip install -e '.[dev]')")
-    r = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(ROOT / ".mypy_cache"),
-                        "-p", "kvpool", "-p", "kvpool_operator"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=240)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
-
-
-def test_benchmarks_and_end_to_end_harness_type_check_clean() -> None:
-    """`mypy e2e bench` under the same configuration: the code outside the packages that CI
-    runs (the e2e tests) or that the closing notes quote (the benchmarks) stays typed too."""
-    if importlib.util.find_spec("mypy") is None:
-        pytest.skip("mypy is not installed here (it comes with the dev extra: pip install -e '.[dev]')")
-    r = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(ROOT / ".mypy_cache"), "e2e", "bench"],
+    r = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(ROOT / ".mypy_cache"), *targets],
                        capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]

@@ -18,8 +18,6 @@ GROUP = "kvpool.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 STORE_DEFAULT_TENANT = "default"
-
-T = TypeVar("T")
 """The partition a store node keeps tokenless (open-tenancy) callers in."""
 
 POOL_LABEL = "kvpool.io/pool"
@@ -50,6 +48,9 @@ def _get(d: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
             return default
         cur = cur[p]
     return cur
+
+
+T = TypeVar("T")
 
 
 def _optional(d: Mapping[str, Any] | None, key: str, parse: Callable[[Any], T]) -> T | None:

@@ -119,7 +119,7 @@ def test_a_released_match_that_no_frame_follows_still_drops_its_pins(cluster: An
         for address, ks in _by_node(cluster, keys).items():
             with StoreClient(address) as node:
                 h.wait_for(lambda node=node, ks=ks: pb.IN_FLIGHT not in node.remove(ks),  # type: ignore[misc]
-                           timeout=5, what="the deferred drop to be flushed")
+                           timeout=30, what="the deferred drop to be flushed")  # < the 60 s lease
 
 
 def test_ranged_reads_of_nodes_without_the_session_are_unsupported(module_cluster: Any, h: Any,
