@@ -7,8 +7,12 @@ and 2 sidecars (A and B):
   the client has it, else `A.get` with each view copied out: the same work as Mooncake's
   batch_get_into; local_get_zero_copy: `A.get` returning views, not copied (then released);
 - remote_get: keys A put, which B's local tier does not hold, so they come from the store
-  nodes, read into caller buffers the same way; before each repetition A puts a fresh key set
-  (untimed) and B.match waits until the pool has all of it;
+  nodes, read by `B.get_into` into buffers from `B.alloc_buffer` (registered memory: the store
+  nodes' bytes land there directly, the local tier is left as it was — what Mooncake's
+  batch_get_into into its registered buffers does); before each repetition A puts a fresh key
+  set (untimed) and B.match waits until the pool has all of it;
+- remote_get_promote: the same into plain caller buffers: the fetch lands in B's arena
+  (promotion into its local tier) and is copied out;
 - remote_get_zero_copy: the same, `B.get` returning views of B's arena, released untimed;
 - remote_get_1node: remote_get (1 MiB x 16) on a second LocalCluster of one store node, the
   storage process count of Mooncake's TCP peer (one segment owner);
@@ -73,7 +77,7 @@ def measure(ctx: Context) -> list[Row]:
             src = touched(v * nb, 1)
             pattern(src, nb + 1)
             row = _remote_get(plan, a, b, [src[j * v:(j + 1) * v].data for j in range(nb)], src,
-                              touched(v * nb, 0), v, nb, "remote_get_1node")
+                              registered(b, v * nb), v, nb, "remote_get_1node")
             row.note += ", 1 store node"
             rows.append(row)
             ctx.log(f"[kvpool_sidecar] 1 MiB x 16 remote get from 1 store node: {row.gbps:.2f} GB/s")
@@ -104,6 +108,10 @@ def _match(client: Any, keys: list[bytes]) -> tuple[int, int]:
         n, lease = client.match_lease(keys)
         return int(n), int(lease)
     return int(client.match(keys)), 0
+
+
+def _is_registered(client: Any, buf: np.ndarray) -> bool:
+    return hasattr(client, "is_registered") and bool(client.is_registered(buf))
 
 
 def _release(client: Any, lease: int) -> None:
@@ -141,6 +149,13 @@ def _wait_written_through(client: Any, timeout: float = 60.0) -> bool:
     return True
 
 
+def registered(client: Any, nbytes: int) -> np.ndarray:
+    """Caller buffers the sidecar lands reads in directly (``alloc_buffer``), pages written once."""
+    buf = client.alloc_buffer(nbytes)
+    buf.fill(0)
+    return np.asarray(buf)
+
+
 def _read_into(client: Any, keys: list[bytes], outs: list[np.ndarray]) -> int:
     """Read keys into caller buffers; returns the number of items that failed."""
     if hasattr(client, "get_into"):
@@ -160,7 +175,7 @@ def _remote_get(plan: Any, a: Any, b: Any, vals: list[Any], src: np.ndarray, dst
     """remote_get: keys A put (a fresh set per repetition, untimed, and B.match waits until the
     pool has all of it) read by B into caller buffers."""
     outs = [dst[j * v:(j + 1) * v] for j in range(nb)]
-    read_how = "get_into" if hasattr(b, "get_into") else "get + copy into caller buffers"
+    read_how = "get_into registered buffers" if _is_registered(b, dst) else "get_into"
     times: list[float] = []
     failures = 0
     dst[:v * nb].fill(0)
@@ -208,6 +223,7 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
     rows: list[Row] = []
     src = touched(plan.max_batch_bytes, 1)
     dst = touched(plan.max_batch_bytes, 0)
+    reg_b = registered(b, plan.max_batch_bytes)
     for v, nb in plan.cells():
         reps = plan.reps(v, nb)
         total = plan.warmup + reps
@@ -262,11 +278,13 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
                                    note="A.get (views, released untimed)"
                                    + (f"; {bad} WRONG SIZES" if bad else "")))
 
-        rows.append(_remote_get(plan, a, b, vals, src, dst, v, nb, "remote_get"))
+        rows.append(_remote_get(plan, a, b, vals, src, reg_b, v, nb, "remote_get"))
         remote = rows[-1]
+        rows.append(_remote_get(plan, a, b, vals, src, dst, v, nb, "remote_get_promote"))
         rows.append(_remote_zero_copy(plan, a, b, vals, v, nb))
-        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {rows[-5].gbps:.2f} local "
-                f"{rows[-4].gbps:.2f} remote {remote.gbps:.2f} (views {rows[-1].gbps:.2f}) GB/s")
+        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {rows[-6].gbps:.2f} local "
+                f"{rows[-5].gbps:.2f} remote {remote.gbps:.2f} (promoting {rows[-2].gbps:.2f}, views "
+                f"{rows[-1].gbps:.2f}) GB/s")
 
     keys = keys32("sc-match", EXISTS_KEYS)
     ev, eb = 4096, 512

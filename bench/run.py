@@ -87,9 +87,9 @@ SIDECAR_RATIOS: dict[str, R] = {
                                   "Mooncake shared-memory client batch_get_into"),
     "remote_get_vs_mooncake_tcp": ("throughput", ("kvpool_sidecar", "remote_get"),
                                    ("mooncake_tcp", "get"), ">= 2",
-                                   "kvpool get through a sidecar whose local tier lacks the "
-                                   "keys (copied into caller buffers) / Mooncake over TCP "
-                                   "batch_get_into"),
+                                   "kvpool get_into through a sidecar whose local tier lacks the "
+                                   "keys, into registered caller buffers (alloc_buffer) / Mooncake "
+                                   "over TCP batch_get_into into registered buffers"),
     "match8192_4nodes_vs_mooncake": ("time", ("kvpool_sidecar", "match"),
                                      ("mooncake_tcp", "exists"), "<= 0.25",
                                      "kvpool match(8192 keys held by 4 store nodes) / "
@@ -103,6 +103,11 @@ SIDECAR_RATIOS: dict[str, R] = {
                                              ("mooncake_tcp", "get"), "",
                                              "kvpool remote get returning views of the sidecar's arena "
                                              "(no copy into caller buffers) / Mooncake over TCP"),
+    "remote_get_promote_vs_mooncake_tcp": ("throughput", ("kvpool_sidecar", "remote_get_promote"),
+                                           ("mooncake_tcp", "get"), "",
+                                           "kvpool remote get_into of plain caller buffers: the fetch "
+                                           "lands in the sidecar's arena (promoted to its local tier) "
+                                           "and is copied out / Mooncake over TCP"),
     "remote_get_1node_vs_mooncake_tcp": ("throughput", ("kvpool_sidecar", "remote_get_1node"),
                                          ("mooncake_tcp", "get"), "",
                                          "the remote get from a pool of one store node (Mooncake's "

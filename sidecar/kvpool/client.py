@@ -10,6 +10,9 @@ without the rest of it moving anywhere.  Thread-safe; a context manager.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
 import mmap
 import os
 import threading
@@ -23,7 +26,7 @@ import numpy as np
 
 from . import errors, ranges
 from . import handoff as _ho
-from .fast_client import Copier, FastSession
+from .fast_client import FastSession, RegistrationRefused
 from .keys import pack_keys as _pack_keys
 from .planning import HitPlan, plan_hit, state_store_position
 from .proto import sidecar_pb2 as spb
@@ -32,8 +35,11 @@ from .proto import store_pb2 as pb
 from .sidecar.fast_protocol import socket_path as fast_socket_path
 from .store.tiers import checksum
 from .store_client import as_bytes_view
+from .transfer import memfd
+from .transfer.copier import Copier
 
 Buffer = Any
+log = logging.getLogger("kvpool.client")
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:
@@ -173,7 +179,13 @@ class Client:
         self._inflight: set[Any] = set()
         self._done_range_leases: list[int] = []  # see _range_lease_done
         self._copier = Copier()
+        self._regions: dict[int, memfd.Region] = {}  # alloc_buffer's memory, by region id
+        self._region_starts: list[tuple[int, int]] = []  # (address, region id), sorted
+        self._region_ids = itertools.count(1)
+        self._unregistrable: set[int] = set()  # regions the sidecar refused to map
         self._fast: FastSession | None = None
+        self._read_into_ok = True
+        """Whether the sidecar takes READ_INTO (an older one does not: get_into then copies)."""
         if fast is None:
             fast = os.environ.get("KVPOOL_FAST_SESSION", "1") != "0"
         if fast:
@@ -249,12 +261,92 @@ class Client:
         views = [ro[o:o + s] for o, s in zip(r.offsets, r.sizes, strict=True)]
         return Blocks(views, self, r.lease_id)
 
+    def alloc_buffer(self, nbytes: int) -> np.ndarray:
+        """Memory the sidecar can write into: ``get_into`` of buffers inside it lands the pool's
+        bytes there directly, as Mooncake's registered buffers do (no arena→caller copy; the
+        local tier is left as it was — a read-through, for engines with a host cache of their
+        own), and copies local hits into it in the sidecar.  A uint8 array of ``nbytes``
+        (zero-filled, its pages populated), shareable by slicing; :meth:`free_buffer` returns it.
+        The memory is a sealed memfd the sidecar maps when first used (``kvpool.transfer.memfd``)."""
+        region = memfd.create(nbytes, "kvpool-client-buffer")
+        with self._lock:
+            rid = next(self._region_ids)
+            self._regions[rid] = region
+            self._region_starts = sorted(self._region_starts + [(region.address, rid)])
+        return np.frombuffer(region.mapping, np.uint8)
+
+    def free_buffer(self, buffer: Buffer) -> None:
+        """Give back memory from :meth:`alloc_buffer` (the sidecar unmaps it; arrays of it that
+        are still alive keep it mapped here until they go)."""
+        rid = self._region_of(as_bytes_view(buffer))
+        if rid is None:
+            raise errors.InvalidArgument("not a buffer from alloc_buffer of this client")
+        with self._lock:
+            region = self._regions.pop(rid)
+            self._region_starts = [(a, r) for a, r in self._region_starts if r != rid]
+            self._unregistrable.discard(rid)
+        if self._fast is not None:
+            self._fast.forget_region(rid)
+        region.close()
+
+    def is_registered(self, buffer: Buffer) -> bool:
+        """Whether ``get_into`` lands pool bytes in ``buffer`` directly (it lies in memory from
+        :meth:`alloc_buffer` that the sidecar has not refused)."""
+        view = as_bytes_view(buffer)
+        rid = self._region_of(view)
+        return rid is not None and not view.readonly and rid not in self._unregistrable
+
+    def _region_of(self, view: memoryview) -> int | None:
+        """The id of the registered region that holds all of ``view``, or None."""
+        if view.nbytes == 0:
+            return None
+        addr = int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+        starts = self._region_starts
+        at = bisect.bisect_right(starts, (addr, 1 << 62)) - 1
+        if at < 0:
+            return None
+        base, rid = starts[at]
+        region = self._regions.get(rid)
+        if region is None or addr + view.nbytes > base + region.size:
+            return None
+        return rid
+
+    def _registered_spans(self, buffers: Sequence[Buffer]) -> np.ndarray | None:
+        """READ_INTO targets (region ids, offsets, lengths: u64 × n each) when every buffer lies
+        inside memory from :meth:`alloc_buffer`; None otherwise."""
+        n = len(buffers)
+        spans = np.zeros(3 * n, np.uint64)
+        for i, b in enumerate(buffers):
+            view = as_bytes_view(b)
+            rid = self._region_of(view) if not view.readonly else None
+            if rid is None or rid in self._unregistrable:
+                return None
+            addr = int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
+            spans[i], spans[n + i], spans[2 * n + i] = rid, addr - self._regions[rid].address, view.nbytes
+        return spans
+
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
-        """Copy objects into caller buffers; per-item sizes, -1 where absent (no exception)."""
+        """Copy objects into caller buffers; per-item sizes, -1 where absent (no exception).
+        Buffers inside memory from :meth:`alloc_buffer` get the pool's bytes directly."""
         if len(keys) != len(buffers):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
+        if self._fast is not None and self._regions and self._read_into_ok:
+            spans = self._registered_spans(buffers)
+            if spans is not None:
+                try:
+                    return self._get_into_registered(keys, buffers, spans)
+                except RegistrationRefused as exc:
+                    # The sidecar keeps its memory limits: this region is read into through
+                    # the arena from now on (one copy more), not refused on every call.
+                    log.warning("kvpool: %s; reads into it go through the arena", exc)
+                    with self._lock:
+                        self._unregistrable.add(exc.region_id)
+                except errors.Unavailable:
+                    # An older sidecar (no READ_INTO) or a broken connection: the arena path
+                    # below says which; an older sidecar is not asked again.
+                    self._read_into_ok = self._fast_session_supports_read_into()
         r = self._read(pack_keys(keys), self._consume_match(keys), pb.BLOCK)
         out = []
         try:
@@ -273,6 +365,28 @@ class Client:
             if r.lease_id:
                 self._release_async(r.lease_id)
         return out
+
+    def _get_into_registered(self, keys: Sequence[bytes], buffers: Sequence[Buffer], spans: np.ndarray) -> list[int]:
+        assert self._fast is not None
+        with self._lock:
+            regions = dict(self._regions)
+        codes, sizes = self._fast.read_into(pack_keys(keys), pb.BLOCK, spans, regions, self._consume_match(keys))
+        out = []
+        for i, (c, size) in enumerate(zip(codes, sizes, strict=True)):
+            if c == pb.INVALID:
+                raise errors.InvalidArgument(f"buffer of {as_bytes_view(buffers[i]).nbytes} bytes for an object "
+                                             f"of {size}")
+            out.append(size if c == pb.OK else -1)
+        return out
+
+    def _fast_session_supports_read_into(self) -> bool:
+        """Whether the sidecar answers READ_INTO (an older one closes the connection on it)."""
+        assert self._fast is not None
+        try:
+            self._fast.read_into(b"", pb.BLOCK, np.zeros(0, np.uint64), {})
+        except errors.Unavailable:
+            return False
+        return True
 
     # -- sparse reading -----------------------------------------------------------------------
 
@@ -584,6 +698,10 @@ class Client:
         if self._fast is not None:
             self._fast.close()
         self._copier.close()
+        with self._lock:
+            regions, self._regions, self._region_starts = list(self._regions.values()), {}, []
+        for region in regions:
+            region.close()
         self._channel.close()
         try:
             self._arena_ro.release()

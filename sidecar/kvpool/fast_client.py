@@ -1,5 +1,4 @@
-"""Client side of the sidecar fast session (:mod:`kvpool.sidecar.fast_protocol`), and the
-arena→caller copy of ``get_into``.
+"""Client side of the sidecar fast session (:mod:`kvpool.sidecar.fast_protocol`).
 
 :class:`FastSession` keeps a few unix-socket connections to the sidecar's ``<socket>.fast``
 (one per thread calling at the same time, at most ``max_connections``; more callers wait for
@@ -11,18 +10,29 @@ breaks or sends a frame that does not parse is closed and the call raises
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import threading
-from concurrent import futures
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from . import errors
 from .sidecar import fast_protocol as fp
-from .transfer._sockio import recv_exact, send_buffers
+from .transfer import memfd
+from .transfer._sockio import recv_exact, send_buffers, send_with_fd
+
+T = TypeVar("T")
+
+
+class RegistrationRefused(errors.KvpoolError):
+    """The sidecar would not map a region (over its limit, or not a sealed memfd): ``cause``."""
+
+    def __init__(self, region_id: int, cause: errors.KvpoolError) -> None:
+        super().__init__(f"region {region_id} not registered: {cause}")
+        self.region_id = region_id
+        self.cause = cause
 
 
 class ReadReply(NamedTuple):
@@ -41,11 +51,17 @@ class _Conn:
         self.sock.connect(path)
         self.header = bytearray(fp.RESPONSE_SIZE)
         self.next_id = 1
+        self.registered: set[int] = set()
+        """Ids of the client's regions this connection's sidecar side has mapped."""
 
-    def call(self, op: int, **kw: Any) -> tuple[fp.Response, bytearray]:
+    def call(self, op: int, fd: int | None = None, **kw: Any) -> tuple[fp.Response, bytearray]:
         rid = self.next_id
         self.next_id = (rid + 1) & 0xFFFFFFFF
-        send_buffers(self.sock, fp.encode_request(op, rid, **kw))  # type: ignore[arg-type]
+        frame = fp.encode_request(op, rid, **kw)
+        if fd is None:
+            send_buffers(self.sock, frame)  # type: ignore[arg-type]
+        else:
+            send_with_fd(self.sock, frame, fd)
         if kw.get("flags", 0) & fp.FLAG_NO_REPLY:
             return fp.Response(op, 0, 0, rid, 0, 0, 0, 0, 0), bytearray()
         view = memoryview(self.header)
@@ -84,6 +100,9 @@ class FastSession:
         self.max_connections = max_connections
         self._idle: list[_Conn] = []
         self._open = 0
+        self._forgotten: set[int] = set()
+        """Regions freed while a connection that mapped them was busy: it is dropped when it is
+        put back (the sidecar unmaps a connection's regions when it closes)."""
         self._cond = threading.Condition()
         self._closed = False
         self._pid = os.getpid()
@@ -131,8 +150,25 @@ class FastSession:
             if self._closed:
                 conn.close()
                 return
+            if not conn.registered.isdisjoint(self._forgotten):
+                self._open -= 1
+                self._cond.notify()
+                conn.close()
+                return
             self._idle.append(conn)
             self._cond.notify()
+
+    def forget_region(self, region_id: int) -> None:
+        """A region was freed: close the connections that mapped it (idle ones now, busy ones
+        when they come back), so the sidecar unmaps it."""
+        with self._cond:
+            drop = [c for c in self._idle if region_id in c.registered]
+            self._idle = [c for c in self._idle if region_id not in c.registered]
+            self._open -= len(drop)
+            self._forgotten.add(region_id)
+            self._cond.notify_all()
+        for c in drop:
+            c.close()
 
     def _drop(self, conn: _Conn) -> None:
         conn.close()
@@ -141,12 +177,17 @@ class FastSession:
             self._cond.notify()
 
     def call(self, op: int, **kw: Any) -> tuple[fp.Response, bytearray]:
+        return self._on_connection(lambda conn: conn.call(op, **kw))
+
+    def _on_connection(self, exchange: Callable[[_Conn], T]) -> T:
+        """Run ``exchange`` on a connection of the pool; a connection whose stream may be out of
+        step afterwards is dropped (and the call raises :class:`~kvpool.errors.Unavailable`)."""
         try:
             conn = self._take()
         except OSError as exc:
             raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
         try:
-            out = conn.call(op, **kw)
+            out = exchange(conn)
         except errors.KvpoolError:
             self._put_back(conn)  # a refused call: the stream is still in step
             raise
@@ -176,6 +217,30 @@ class FastSession:
             raise errors.Unavailable("fast session: READ reply for another number of keys")
         return ReadReply(t.codes, t.offsets, t.sizes, r.ref, r.prefix, r.local)
 
+    def read_into(self, keys: bytes, kind: int, targets: np.ndarray, regions: dict[int, memfd.Region],
+                  match_lease: int = 0) -> tuple[list[int], list[int]]:
+        """(codes, sizes) of objects read into spans of registered regions: ``targets`` is the
+        region ids, then the offsets, then the lengths (u64 × n each).  A region this connection
+        has not passed to the sidecar yet is registered first (one more round trip, once)."""
+        n = len(keys) // 32
+
+        def exchange(conn: _Conn) -> tuple[list[int], list[int]]:
+            for rid in set(targets[:n].tolist()) - conn.registered:
+                region = regions[rid]
+                if region.fd is None:
+                    raise errors.InvalidArgument(f"region {rid} was freed")
+                try:
+                    conn.call(fp.OP_REGISTER, fd=region.fd, ref=rid)
+                except errors.KvpoolError as exc:
+                    raise RegistrationRefused(rid, exc) from None
+                conn.registered.add(rid)
+            r, body = conn.call(fp.OP_READ_INTO, keys=keys, kind=kind, ref=match_lease, values=targets)
+            return fp.decode_sizes(r, body)
+        codes, sizes = self._on_connection(exchange)
+        if len(codes) != n:
+            raise errors.Unavailable("fast session: READ_INTO reply for another number of keys")
+        return codes, sizes
+
     def write_start(self, keys: bytes, sizes: list[int], kind: int,
                     traffic_class: str) -> tuple[list[int], list[int], int]:
         """(codes, arena offsets, reservation id)."""
@@ -204,57 +269,3 @@ class FastSession:
             self._cond.notify_all()
         for c in idle:
             c.close()
-
-
-# -- copying out of the arena -----------------------------------------------------------------
-
-PARALLEL_COPY_BYTES = 4 << 20
-"""Batches at least this large are copied by two threads (numpy releases the GIL while it
-copies): one thread's memcpy of cold 1 MiB objects runs at ~6-10 GB/s here, two at ~1.7x."""
-CHUNK_BYTES = 1 << 20
-
-
-class Copier:
-    """Copies (source, destination) view pairs; a big batch is cut into ~1 MiB chunks that the
-    calling thread and one helper thread take in turn.  The caller never waits for a helper
-    that has not started (a busy machine: it copies everything itself, as if alone), only for
-    the one chunk a running helper holds."""
-
-    def __init__(self) -> None:
-        self._helper: futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _take(chunks: list[tuple[memoryview, memoryview]], turn: Any) -> None:
-        n = len(chunks)
-        while True:
-            i = next(turn)  # itertools.count: one atomic step under the GIL
-            if i >= n:
-                return
-            src, dst = chunks[i]
-            np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
-
-    def copy(self, pairs: list[tuple[memoryview, memoryview]]) -> None:
-        total = sum(s.nbytes for s, _ in pairs)
-        if total < PARALLEL_COPY_BYTES:
-            self._take(pairs, itertools.count())  # alone: every pair in turn
-            return
-        chunks = [(src[at:at + CHUNK_BYTES], dst[at:at + CHUNK_BYTES])
-                  for src, dst in pairs for at in range(0, src.nbytes, CHUNK_BYTES)]
-        with self._lock:
-            if self._helper is None:
-                self._helper = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
-            helper = self._helper
-        turn = itertools.count()
-        fut = helper.submit(self._take, chunks, turn)
-        try:
-            self._take(chunks, turn)
-        finally:
-            if not fut.cancel():
-                fut.result()
-
-    def close(self) -> None:
-        with self._lock:
-            helper, self._helper = self._helper, None
-        if helper is not None:
-            helper.shutdown(wait=True)

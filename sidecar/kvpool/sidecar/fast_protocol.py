@@ -11,12 +11,14 @@ every frame is unit-tested without sockets.  All integers are little-endian.
 
 Request header (32 bytes), then ``text_len`` bytes of UTF-8 text (HELLO: the tenant the client
 expects; WRITE_START: the traffic class), ``release_count`` × u64 lease ids to drop before the
-call, then per op: MATCH/READ/WRITE_START ``count`` × 32 key bytes (WRITE_START then ``count`` ×
-u64 sizes), WRITE_COMMIT ``count`` × u64 checksums, RELEASE nothing more::
+call, then per op: MATCH/READ/WRITE_START/READ_INTO ``count`` × 32 key bytes (WRITE_START then
+``count`` × u64 sizes; READ_INTO then the targets: region ids u64 × n, offsets u64 × n, lengths
+u64 × n), WRITE_COMMIT ``count`` × u64 checksums, RELEASE and REGISTER nothing more::
 
     magic "KVFQ" | version u8 | op u8 | kind u8 | flags u8 | request_id u32 | count u32 |
     lease_ms u32 | text_len u16 | release_count u16 |
-    ref u64 (READ: a match lease to drop; WRITE_COMMIT: the reservation id)
+    ref u64 (READ, READ_INTO: a match lease to drop; WRITE_COMMIT: the reservation id;
+             REGISTER: the region id)
 
 Response header (40 bytes), then ``msg_len`` bytes of UTF-8 message, then the body::
 
@@ -31,6 +33,16 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   ``prefix`` = local hits, ``local`` = pool hits).
 * WRITE_START: codes u8 × n, offsets u64 × n (``ref`` = the reservation id).
 * WRITE_COMMIT: codes u8 × n.
+* REGISTER: none.  READ_INTO: codes u8 × n, sizes u64 × n (``prefix`` = local hits, ``local`` =
+  pool hits); OK means the object's bytes are in the caller's buffer.
+
+Registered memory (REGISTER, READ_INTO): the one place bytes land outside the arena.  A client
+allocates a memfd sealed against shrinking (``F_SEAL_SHRINK``: the sidecar writes into its
+mapping, and a file shrunk under it would kill the sidecar with SIGBUS) and passes its descriptor
+with the REGISTER header (``SCM_RIGHTS``); the region lives as long as the connection.  A
+READ_INTO names, per key, a span of a region of that connection; the sidecar copies local hits
+there and lands pool fetches there directly (:class:`kvpool.sidecar.landing.BufferLanding`).
+A descriptor that arrives with any other header, or more than one, breaks the stream.
 
 A request with ``FLAG_NO_REPLY`` (RELEASE only) gets no response: a release after a finished
 copy costs one ``send`` instead of a round trip.  A frame that does not parse (magic, version,
@@ -63,7 +75,9 @@ OP_READ = 3
 OP_WRITE_START = 4
 OP_WRITE_COMMIT = 5
 OP_RELEASE = 6
-OPS = (OP_HELLO, OP_MATCH, OP_READ, OP_WRITE_START, OP_WRITE_COMMIT, OP_RELEASE)
+OP_REGISTER = 7
+OP_READ_INTO = 8
+OPS = (OP_HELLO, OP_MATCH, OP_READ, OP_WRITE_START, OP_WRITE_COMMIT, OP_RELEASE, OP_REGISTER, OP_READ_INTO)
 
 FLAG_NO_REPLY = 1
 FLAG_LOCAL_ONLY = 2
@@ -80,7 +94,9 @@ MAX_RELEASES = 1024
 SOCKET_SUFFIX = ".fast"
 
 _U64 = np.dtype("<u8")
-_KEYED = (OP_MATCH, OP_READ, OP_WRITE_START)
+_KEYED = (OP_MATCH, OP_READ, OP_WRITE_START, OP_READ_INTO)
+_TARGET_COLUMNS = 3
+"""READ_INTO: region ids, offsets, lengths."""
 
 
 def socket_path(grpc_socket: str) -> str:
@@ -102,7 +118,7 @@ class Request(NamedTuple):
     def body_bytes(self) -> int:
         """Bytes that follow the header."""
         per_item = {OP_MATCH: KEY_BYTES, OP_READ: KEY_BYTES, OP_WRITE_START: KEY_BYTES + 8,
-                    OP_WRITE_COMMIT: 8}.get(self.op, 0)
+                    OP_WRITE_COMMIT: 8, OP_READ_INTO: KEY_BYTES + 8 * _TARGET_COLUMNS}.get(self.op, 0)
         return self.text_len + 8 * self.release_count + self.items * per_item
 
 
@@ -111,7 +127,7 @@ class RequestBody(NamedTuple):
     releases: list[int]
     keys: bytes
     values: npt.NDArray[np.uint64] | None
-    """WRITE_START: sizes; WRITE_COMMIT: checksums."""
+    """WRITE_START: sizes; WRITE_COMMIT: checksums; READ_INTO: region ids, offsets, lengths (3 × n)."""
 
 
 class Response(NamedTuple):
@@ -128,7 +144,7 @@ class Response(NamedTuple):
     def body_bytes(self) -> int:
         if self.status:
             return 0
-        return {OP_READ: 17, OP_WRITE_START: 9, OP_WRITE_COMMIT: 1}.get(self.op, 0) * self.items
+        return {OP_READ: 17, OP_WRITE_START: 9, OP_WRITE_COMMIT: 1, OP_READ_INTO: 9}.get(self.op, 0) * self.items
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -137,7 +153,8 @@ def encode_request(op: int, request_id: int, *, keys: bytes = b"", kind: int = 0
                    lease_ms: int = 0, ref: int = 0, text: bytes = b"", releases: list[int] | None = None,
                    values: npt.NDArray[np.uint64] | list[int] | None = None) -> list[bytes]:
     """The buffers of one request frame (header first); ``keys`` is the packed 32-byte keys,
-    ``values`` the sizes (WRITE_START) or checksums (WRITE_COMMIT)."""
+    ``values`` the sizes (WRITE_START), checksums (WRITE_COMMIT) or targets (READ_INTO: region
+    ids, then offsets, then lengths)."""
     if len(keys) % KEY_BYTES:
         raise ValueError(f"key blob of {len(keys)} bytes is not a multiple of {KEY_BYTES}")
     releases = releases or []
@@ -156,9 +173,10 @@ def encode_request(op: int, request_id: int, *, keys: bytes = b"", kind: int = 0
     out = [header, text, np.asarray(releases, _U64).tobytes() if releases else b""]
     if op in _KEYED:
         out.append(keys)
-    if op in (OP_WRITE_START, OP_WRITE_COMMIT):
-        if values is None or len(values) != count:
-            raise ValueError("WRITE_START needs one size and WRITE_COMMIT one checksum per item")
+    if op in (OP_WRITE_START, OP_WRITE_COMMIT, OP_READ_INTO):
+        if values is None or len(values) != count * (_TARGET_COLUMNS if op == OP_READ_INTO else 1):
+            raise ValueError("WRITE_START needs one size, WRITE_COMMIT one checksum and READ_INTO one "
+                             "(region, offset, length) per item")
         out.append(np.asarray(values, _U64).tobytes())
     return [b for b in out if b]
 
@@ -171,8 +189,8 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
         raise ProtocolError(f"{count} items in one frame (at most {MAX_KEYS})")
     if tlen > MAX_TEXT_BYTES or nrel > MAX_RELEASES:
         raise ProtocolError("text or release list over the limit")
-    if count and op in (OP_HELLO, OP_RELEASE):
-        raise ProtocolError("HELLO and RELEASE carry no items")
+    if count and op in (OP_HELLO, OP_RELEASE, OP_REGISTER):
+        raise ProtocolError("HELLO, RELEASE and REGISTER carry no items")
     if flags & FLAG_NO_REPLY and op != OP_RELEASE:
         raise ProtocolError("only RELEASE may go without a reply")
     return Request(op, kind, flags, rid, count, lease_ms, tlen, nrel, ref)
@@ -195,7 +213,9 @@ def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> R
         keys = bytes(mv[at:at + req.items * KEY_BYTES])
         at += req.items * KEY_BYTES
     values = None
-    if req.op in (OP_WRITE_START, OP_WRITE_COMMIT):
+    if req.op == OP_READ_INTO:
+        values = np.frombuffer(mv, _U64, _TARGET_COLUMNS * req.items, at)
+    elif req.op in (OP_WRITE_START, OP_WRITE_COMMIT):
         values = np.frombuffer(mv, _U64, req.items, at)
         if req.op == OP_WRITE_START and req.items and int(values.max()) > MAX_OBJECT_BYTES:
             raise ProtocolError("object size over the protocol limit")
@@ -248,3 +268,11 @@ def decode_table(resp: Response, body: bytes | bytearray | memoryview, arena_byt
               or int((offsets + sizes).max()) > arena_bytes):
         raise ProtocolError("extent outside the arena")
     return Table(list(codes), offsets.tolist(), sizes.tolist())
+
+
+def decode_sizes(resp: Response, body: bytes | bytearray | memoryview) -> tuple[list[int], list[int]]:
+    """The (codes, sizes) of a READ_INTO reply."""
+    n = resp.items
+    if len(body) != resp.body_bytes():
+        raise ProtocolError(f"table of {len(body)} bytes for {n} items of op {resp.op}")
+    return list(bytes(body[:n])), np.frombuffer(body, _U64, n, n).tolist()

@@ -7,6 +7,11 @@ the protocol's limits (no unbounded queue: the next frame is read only after the
 previous one is sent).  The calls are the sidecar's own (:meth:`Sidecar.match_keys`,
 :meth:`Sidecar.read_keys`, …), exactly what the gRPC methods run.
 
+A connection also holds the memory regions its client registered (REGISTER: a sealed memfd
+passed with the header, :mod:`kvpool.transfer.memfd`), for READ_INTO to land objects in; they
+are unmapped when the connection ends.  Their bytes count against the sidecar's
+``max_registered_bytes``.
+
 The tenant is the sidecar's; a connection must say HELLO with the tenant it expects before
 anything else, and a HELLO naming another tenant is refused — a client pointed at the wrong
 pod's socket learns it at once instead of reading another tenant's objects.  A frame that does
@@ -26,7 +31,8 @@ import numpy as np
 from .. import errors
 from ..keys import KEY_BYTES
 from ..proto import store_pb2 as pb
-from ..transfer._sockio import recv_exact, send_buffers
+from ..transfer import memfd
+from ..transfer._sockio import close_fds, recv_exact, recv_with_fds, send_buffers
 from . import fast_protocol as fp
 
 if TYPE_CHECKING:
@@ -53,6 +59,8 @@ class FastSessionServer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self.registered_bytes = 0
+        """Bytes of client memory mapped by all connections (guarded by ``_lock``)."""
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
 
@@ -104,7 +112,7 @@ class FastSessionServer:
 
     def _serve_conn(self, conn: socket.socket) -> None:
         try:
-            _Connection(self.sidecar, conn).run(self._stop)
+            _Connection(self, conn).run(self._stop)
         except (ConnectionError, OSError):
             pass  # the client went away
         except fp.ProtocolError as exc:
@@ -120,10 +128,12 @@ class FastSessionServer:
 class _Connection:
     """One client connection: frames in, sidecar calls, frames out."""
 
-    def __init__(self, sidecar: Sidecar, conn: socket.socket) -> None:
-        self.sidecar = sidecar
+    def __init__(self, server: FastSessionServer, conn: socket.socket) -> None:
+        self.server = server
+        self.sidecar = server.sidecar
         self.conn = conn
         self.greeted = False
+        self.regions: dict[int, memfd.Region] = {}
         self._header = bytearray(fp.REQUEST_SIZE)
         self._body = bytearray(64 * KEY_BYTES)
 
@@ -135,25 +145,88 @@ class _Connection:
         return memoryview(self._body)[:n]
 
     def run(self, stopping: threading.Event) -> None:
+        try:
+            self._run(stopping)
+        finally:
+            self._drop_regions()
+
+    def _run(self, stopping: threading.Event) -> None:
         header = memoryview(self._header)
         while not stopping.is_set():
-            n = self.conn.recv_into(header, fp.REQUEST_SIZE, socket.MSG_WAITALL)
-            if n == 0:
+            fds = recv_with_fds(self.conn, header)
+            if fds is None:
                 return
-            if n < fp.REQUEST_SIZE:
-                recv_exact(self.conn, header[n:])
-            req = fp.decode_request(header)
+            try:
+                req = fp.decode_request(header)
+                if fds and (req.op != fp.OP_REGISTER or len(fds) != 1):
+                    raise fp.ProtocolError("a descriptor came with a frame other than REGISTER")
+            except BaseException:
+                close_fds(fds)
+                raise
             body = self._body_view(req.body_bytes())
             if len(body):
                 recv_exact(self.conn, body)
             parsed = fp.decode_request_body(req, body)
-            reply = self._serve(req, parsed)
+            reply = self._serve(req, parsed, fds[0] if fds else None)
             if reply is not None:
                 send_buffers(self.conn, reply)
 
-    def _serve(self, req: fp.Request, body: fp.RequestBody) -> list[bytes | memoryview] | None:
+    def _register(self, region_id: int, fd: int | None) -> None:
+        """Map a client's region (REGISTER); ``fd`` is consumed in every case."""
+        if fd is None:
+            raise _Refused(errors.InvalidArgument("REGISTER carries the region's descriptor"))
+        server = self.server
+        with server._lock:
+            room = self.sidecar.cfg.max_registered_bytes - server.registered_bytes
+        try:
+            region = memfd.adopt(fd, room)
+        except memfd.TooLarge as exc:
+            raise _Refused(errors.NoSpace(f"client memory over --max-registered-bytes: {exc}")) from None
+        except (ValueError, OSError) as exc:
+            raise _Refused(errors.InvalidArgument(f"cannot register that memory: {exc}")) from None
+        with server._lock:
+            server.registered_bytes += region.size
+        old = self.regions.pop(region_id, None)
+        self.regions[region_id] = region
+        if old is not None:
+            self._unmap(old)
+
+    def _unmap(self, region: memfd.Region) -> None:
+        region.close()
+        with self.server._lock:
+            self.server.registered_bytes -= region.size
+
+    def _drop_regions(self) -> None:
+        regions, self.regions = list(self.regions.values()), {}
+        for r in regions:
+            self._unmap(r)
+
+    def _targets(self, values: np.ndarray, n: int) -> list[memoryview]:
+        """The caller's spans of a READ_INTO, as views of its regions (refused when a span names
+        a region this connection does not hold or reaches past its end)."""
+        ids, offsets, lengths = values[:n].tolist(), values[n:2 * n].tolist(), values[2 * n:].tolist()
+        out = []
+        for rid, off, length in zip(ids, offsets, lengths, strict=True):
+            region = self.regions.get(rid)
+            if region is None:
+                raise _Refused(errors.InvalidArgument(f"region {rid} is not registered on this connection"))
+            if off > region.size or length > region.size - off:
+                raise _Refused(errors.InvalidArgument(
+                    f"span {off}+{length} outside region {rid} of {region.size} bytes"))
+            out.append(region.view[off:off + length])
+        return out
+
+    def _serve(self, req: fp.Request, body: fp.RequestBody, fd: int | None = None) -> list[bytes | memoryview] | None:
         sc = self.sidecar
         try:
+            if req.op == fp.OP_REGISTER:
+                taken, fd = fd, None
+                if not self.greeted:
+                    if taken is not None:
+                        close_fds([taken])
+                    raise _Refused(errors.Unauthenticated("fast session: HELLO first"))
+                self._register(req.ref, taken)
+                return [fp.encode_response(fp.OP_REGISTER, req.request_id)]
             if req.op == fp.OP_HELLO:
                 if body.text and body.text != sc.cfg.tenant_id:
                     raise _Refused(errors.PermissionDenied(
@@ -180,6 +253,16 @@ class _Connection:
                 return [fp.encode_response(fp.OP_READ, req.request_id, req.items, prefix=r.local_hits,
                                            local=r.pool_hits, ref=r.lease_id),
                         fp.encode_table(r.codes, r.offsets, r.sizes)]
+            if req.op == fp.OP_READ_INTO:
+                kind = self._kind(req.kind)
+                assert body.values is not None
+                dests = self._targets(body.values, req.items)
+                arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
+                codes, sizes, local_hits, pool_hits = sc.read_into(arr.tolist(), arr, kind, dests, req.ref)
+                del dests  # no view of a region outlives the call (the region may be unmapped next)
+                return [fp.encode_response(fp.OP_READ_INTO, req.request_id, req.items, prefix=local_hits,
+                                           local=pool_hits),
+                        fp.encode_table(codes, sizes)]
             if req.op == fp.OP_WRITE_START:
                 kind = self._kind(req.kind)
                 assert body.values is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -35,11 +36,13 @@ from ..proto import sidecar_pb2 as spb
 from ..proto import sidecar_pb2_grpc as spbg
 from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
+from ..transfer.copier import Copier
 from . import metrics
 from .copyover import CopyOver
 from .fast_protocol import socket_path as fast_socket_path
 from .fast_session import FastSessionServer
 from .handoff import HandoffService
+from .landing import ArenaLanding, BufferLanding, Landing
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
 from .retry import RETRY, UNREACHABLE, RetryQueue, outcome
@@ -91,6 +94,9 @@ class SidecarConfig:
     copy_over_bytes: int = -1
     """Bound of the copy-over queue (blocks found at a previous owner, written to the new one):
     -1 an eighth of the local tier, 0 off."""
+    max_registered_bytes: int = 1 << 40
+    """Client memory (``Client.alloc_buffer``) the sidecar maps at most, over all connections; a
+    registration beyond it is refused (the client then reads through the arena)."""
     pool_write_retries: int = 10
     """Retries of a write-through block whose pool write failed for a passing reason (busy or
     unreachable owner, another writer's reservation, ...: ``kvpool.sidecar.retry``), with
@@ -144,6 +150,7 @@ class Sidecar(spbg.SidecarServicer):
         self._stop = threading.Event()
         self._refresher.start()
         self._fetchers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fetch")
+        self._copier = Copier()  # local hits of read_into, arena -> the caller's registered buffers
         secret = cfg.handoff_key or cfg.token.encode()
         if not secret and cfg.handoff_listen:
             log.warning("no handoff key and no tenant token: handoff records are checked for integrity, "
@@ -300,21 +307,16 @@ class Sidecar(spbg.SidecarServicer):
         local_hits = sum(local_found)
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
-        ml, expired = self._pop_match_leases(match_lease)
-        # The match's pool lease at a node is dropped by the read of that node, in the same
-        # round trip (the read pins what it sends): node id -> lease id, taken by the reads.
-        drop = dict(reversed(ml.pool_leases)) if ml else {}
-        offered = dict(drop)
         try:
-            if missing and self.pool.enabled:
-                pool_hits = self._fetch_missing(keys, arr, missing, found, kind, lease_ms, lease, drop)
+            with self._match_drops(match_lease) as drop:
+                if missing and self.pool.enabled:
+                    land = ArenaLanding(self.local, keys, kind, lease, found,
+                                        self.copy_over.offer if self.copy_over is not None else None,
+                                        self.pool.rpc_timeout)
+                    pool_hits = self._fetch_missing(keys, arr, missing, land, kind, lease_ms, drop)
         except BaseException:
             self.local.release([lease.lease_id])
             raise
-        finally:
-            taken = {nid: lid for nid, lid in offered.items() if nid not in drop}
-            for m in ([ml] if ml else []) + expired:
-                self._release_match(m, taken)
         if not lease.entries:
             self.local.release([lease.lease_id])
         n = len(keys)
@@ -332,11 +334,74 @@ class Sidecar(spbg.SidecarServicer):
         return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0,
                           int(lease.expires * 1000) if lease.entries else 0, local_hits, pool_hits)
 
-    def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int],
-                       found: list[LocalEntry | None], kind: int, lease_ms: int, lease: LocalLease,
-                       drop: dict[str, int]) -> int:
-        """Fetch misses from their owners straight into fresh arena extents (promotion); what
-        the owners miss is looked for at the fallbacks (draining node, earlier ring epochs)."""
+    @contextlib.contextmanager
+    def _match_drops(self, match_lease: int) -> Iterator[dict[str, int]]:
+        """The match lease a read supersedes: its pool lease at each node (node id -> lease id)
+        is dropped by the read of that node, in the same round trip (the read pins what it
+        sends); the reads take their entries from the dict, and what none took is released after."""
+        ml, expired = self._pop_match_leases(match_lease)
+        drop = dict(reversed(ml.pool_leases)) if ml else {}
+        offered = dict(drop)
+        try:
+            yield drop
+        finally:
+            taken = {nid: lid for nid, lid in offered.items() if nid not in drop}
+            for m in ([ml] if ml else []) + expired:
+                self._release_match(m, taken)
+
+    def read_into(self, keys: list[bytes], arr: np.ndarray, kind: int, dests: Sequence[memoryview],
+                  match_lease: int = 0) -> tuple[list[pb.Code], list[int], int, int]:
+        """``keys`` into the caller's registered buffers ``dests`` (fast session only): local hits
+        copied out of the arena, misses fetched from their owners straight into the buffers
+        (:class:`BufferLanding`: the local tier is left as it was).  Per-item codes (INVALID: the
+        buffer is smaller than the object) and sizes, local hits, pool hits."""
+        t0 = time.perf_counter()
+        n = len(keys)
+        found, lease = self.local.lookup(keys, kind, self.cfg.lease_ms)
+        assert lease is not None
+        codes: list[pb.Code] = [pb.NOT_FOUND] * n
+        sizes = [0] * n
+        pairs = []
+        try:
+            for i, e in enumerate(found):
+                if e is None:
+                    continue
+                if dests[i].nbytes < e.size:
+                    codes[i], sizes[i] = pb.INVALID, e.size
+                    continue
+                codes[i], sizes[i] = pb.OK, e.size
+                pairs.append((self.local.view(e), dests[i][:e.size]))
+            self._copier.copy(pairs)
+        finally:
+            self.local.release([lease.lease_id])
+        local_hits = len(pairs)
+        missing = [i for i, e in enumerate(found) if e is None]
+        pool_hits = 0
+        with self._match_drops(match_lease) as drop:
+            if missing and self.pool.enabled:
+                landed: list[int | None] = [None] * n
+                land = BufferLanding(dests, landed)
+                pool_hits = self._fetch_missing(keys, arr, missing, land, kind, self.cfg.lease_ms, drop)
+                for i in missing:
+                    size = landed[i]
+                    if size is not None:
+                        codes[i], sizes[i] = pb.OK, size
+                    elif i in land.too_small:
+                        codes[i], sizes[i] = pb.INVALID, land.sizes[i]
+        moved = sum(sizes)
+        from_pool = moved - sum(src.nbytes for src, _ in pairs)
+        metrics.record_read(self.cfg.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0, from_pool)
+        self.counters["read_blocks"] += n
+        self.counters["read_hits_local"] += local_hits
+        self.counters["read_hits_pool"] += pool_hits
+        self.counters["read_misses"] += n - local_hits - pool_hits
+        return codes, sizes, local_hits, pool_hits
+
+    def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int], land: Landing, kind: int,
+                       lease_ms: int, drop: dict[str, int]) -> int:
+        """Fetch misses from their owners straight into where ``land`` puts them (fresh arena
+        extents: promotion; or the caller's registered buffers); what the owners miss is looked
+        for at the fallbacks (draining node, earlier ring epochs)."""
         # A key asked twice in one batch is fetched once.
         first: dict[bytes, int] = {}
         dups: list[tuple[int, int]] = []
@@ -348,63 +413,33 @@ class Sidecar(spbg.SidecarServicer):
             else:
                 dups.append((i, j))
         sub = arr[todo]
-        contended: list[int] = []
+        found = land.found
         epoch = self.pool.ring.epoch
-        total = self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, self.pool.route(sub), contended,
-                                  drop)
+        total = self._fetch_round(todo, sub, land, kind, lease_ms, self.pool.route(sub), drop)
         still = np.array([found[i] is None for i in todo], dtype=bool)
         if still.any() and self.pool.catch_up(epoch):
             # A node told us of a newer ring: route what is missing again under it first.
             routes = {nid: idx[still[idx]] for nid, idx in self.pool.route(sub).items()}
-            total += self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, routes, contended, drop)
+            total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
             still = np.array([found[i] is None for i in todo], dtype=bool)
         if still.any():
             before = still
             for routes in self.pool.fallbacks(sub):
                 routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
-                total += self._fetch_round(keys, todo, sub, found, kind, lease_ms, lease, routes, contended, drop)
+                total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
                 still = np.array([found[i] is None for i in todo], dtype=bool)
                 if not still.any():
                     break
-            if self.copy_over is not None and kind == pb.BLOCK:
-                # Found where the key used to live: give it to its new owner, off this read's path.
-                moved = [found[todo[j]] for j in np.flatnonzero(before & ~still).tolist()]
-                self.copy_over.offer([e for e in moved if e is not None])
-        if contended:
-            total += self._await_contended(keys, contended, found, kind, lease)
+            land.found_elsewhere([todo[j] for j in np.flatnonzero(before & ~still).tolist()])
+        total += land.settle()
         for i, j in dups:
-            e = found[j]
-            if e is not None:
-                found[i] = e
-                total += 1
+            total += land.duplicate(i, j)
         return total
 
-    def _await_contended(self, keys: list[bytes], contended: list[int], found: list[LocalEntry | None],
-                         kind: int, lease: LocalLease) -> int:
-        """Objects a concurrent call was landing in the arena: take them once committed (a
-        bounded wait; a fetch that fails leaves them missing)."""
-        got = 0
-        wait = 0.0005
-        deadline = time.monotonic() + self.pool.rpc_timeout
-        todo = [i for i in contended if found[i] is None]
-        while todo:
-            ents, pending = self.local.pin_into(lease, [keys[i] for i in todo], kind)
-            for i, e in zip(todo, ents, strict=True):
-                if e is not None:
-                    found[i] = e
-                    got += 1
-            todo = [i for i in todo if found[i] is None]
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(wait)
-            wait = min(wait * 2, 0.02)
-        return got
-
-    def _fetch_round(self, keys: list[bytes], todo: list[int], sub: np.ndarray, found: list[LocalEntry | None],
-                     kind: int, lease_ms: int, lease: LocalLease, routes: dict[str, np.ndarray],
-                     contended: list[int], drop: dict[str, int]) -> int:
-        """One read per node of ``routes``, all concurrently; each object lands straight in an
-        arena extent reserved the moment the node has said its size (no second round trip).
+    def _fetch_round(self, todo: list[int], sub: np.ndarray, land: Landing, kind: int, lease_ms: int,
+                     routes: dict[str, np.ndarray], drop: dict[str, int]) -> int:
+        """One read per node of ``routes``, all concurrently; each object lands the moment the
+        node has said its size (no second round trip), where ``land`` says.
         A node's read also drops the match lease ``drop`` holds for it (taken from ``drop``).
         Reads of several nodes each take one data connection: they already move in parallel, and
         cutting each over two more connections doubled the threads and their wake-ups for no
@@ -415,36 +450,29 @@ class Sidecar(spbg.SidecarServicer):
 
         def run(job: tuple[str, np.ndarray]) -> int:
             nid, idx = job
-            ents: dict[int, LocalEntry] = {}
+            asked: list[int] = []
 
             def dest(j: int, size: int) -> memoryview | None:
                 i = todo[int(idx[j])]
-                why, e = self.local.reserve_one(keys[i], size, kind)
-                if why in (pb.IN_FLIGHT, pb.ALREADY_EXISTS):
-                    contended.append(i)  # another call is landing the same object right now
-                if e is None:
-                    return None
-                ents[j] = e
-                return self.local.view(e)
+                asked.append(i)
+                return land.dest(i, size)
             try:
                 res = self.pool.read(nid, sub[idx], dest, kind, lease_ms, drop.pop(nid, 0), streams)
             except BaseException:
-                for e in ents.values():
-                    self.local.abandon(e)
+                for i in asked:
+                    land.failed(i)
                 raise
             got = 0
-            for j, e in ents.items():
+            for j, i in enumerate(todo[int(x)] for x in idx):
                 code = res.codes[j] if res is not None else pb.NOT_FOUND
                 if code == pb.OK:
                     assert res is not None
-                    self.local.insert_fetched(e, res.checksums[j], lease)
-                    found[todo[int(idx[j])]] = e
-                    got += 1
-                else:
+                    got += land.landed(i, res.checksums[j])
+                elif i in land.pending:
                     if code == pb.CHECKSUM:
                         self.counters["pool_checksum_failures"] += 1
                     self.counters["pool_fetch_failures"] += 1
-                    self.local.abandon(e)
+                    land.failed(i)
             return got
 
         return self._run_jobs(run, jobs)
@@ -938,6 +966,7 @@ class Sidecar(spbg.SidecarServicer):
         self.pending.put(None)
         self._pusher.join(timeout=5)
         self._fetchers.shutdown(wait=False, cancel_futures=True)
+        self._copier.close()
         self.handoff.close()
         if self.copy_over is not None:
             self.copy_over.close()
@@ -974,6 +1003,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-write-retries", type=int, default=10,
                     help="retries of a write-through block whose pool write failed for a passing reason "
                          "(with doubling delays), after which it is counted as dropped and stays local-only")
+    ap.add_argument("--max-registered-bytes", type=parse_bytes, default=1 << 40,
+                    help="client memory (Client.alloc_buffer) mapped at most, over all clients; a "
+                         "registration beyond it is refused and that client reads through the arena")
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
     ap.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", ""),
                     help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
@@ -1011,7 +1043,8 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          events=events_config(args), handoff_listen=args.handoff_listen,
                          handoff_advertise=args.handoff_advertise, handoff_key=key,
                          transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes,
-                         arena_dir=args.arena_dir, pool_write_retries=args.pool_write_retries)
+                         arena_dir=args.arena_dir, pool_write_retries=args.pool_write_retries,
+                         max_registered_bytes=args.max_registered_bytes)
 
 
 def serve(cfg: SidecarConfig) -> int:

@@ -6,6 +6,8 @@ bytes in parallel; the Python work per call is constant, never per byte.
 
 from __future__ import annotations
 
+import array
+import os
 import socket
 import struct
 
@@ -53,6 +55,43 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {total} bytes")
         got += n
+
+
+def recv_with_fds(sock: socket.socket, view: memoryview, max_fds: int = 1) -> list[int] | None:
+    """Fill ``view`` (a frame header) and return the descriptors passed with it (``SCM_RIGHTS``);
+    None on a clean end of stream before the first byte.  More descriptors than ``max_fds``
+    (the kernel drops the rest: ``MSG_CTRUNC``) closes the ones that came and raises."""
+    n, ancillary, flags, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(max_fds * 4),
+                                               socket.MSG_WAITALL | socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
+    if flags & socket.MSG_CTRUNC:
+        close_fds(fds)
+        raise ConnectionError("more descriptors than a frame may carry")
+    if n == 0 and not fds:
+        return None
+    if n < view.nbytes:
+        try:
+            recv_exact(sock, view[n:])
+        except BaseException:
+            close_fds(fds)
+            raise
+    return fds
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def send_with_fd(sock: socket.socket, buffers: list[bytes], fd: int) -> None:
+    """Send ``buffers`` with ``fd`` attached to their first byte (``SCM_RIGHTS``)."""
+    data = b"".join(buffers)
+    sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    if sent < len(data):
+        sock.sendall(data[sent:])
 
 
 def discard(sock: socket.socket, length: int, scratch: memoryview) -> None:

@@ -100,3 +100,27 @@ def test_encoder_refuses_what_the_decoder_would() -> None:
         fp.encode_request(fp.OP_WRITE_START, 1, keys=KEYS, values=[1])
     with pytest.raises(ValueError, match="too long"):
         fp.encode_request(fp.OP_RELEASE, 1, releases=list(range(fp.MAX_RELEASES + 1)))
+
+
+def test_registered_memory_frames_round_trip() -> None:
+    req, body = _request(fp.encode_request(fp.OP_REGISTER, 12, ref=1 << 40))
+    assert (req.op, req.items, req.ref, req.body_bytes()) == (fp.OP_REGISTER, 0, 1 << 40, 0)
+    targets = [3, 4, 0, 1 << 33, 100, 7]  # region ids, offsets, lengths of two keys
+    req, body = _request(fp.encode_request(fp.OP_READ_INTO, 13, keys=KEYS, kind=1, ref=55, values=targets))
+    assert (req.items, req.ref, req.body_bytes()) == (2, 55, 2 * (32 + 24))
+    assert body.keys == KEYS and body.values is not None and body.values.tolist() == targets
+    resp = fp.decode_response(fp.encode_response(fp.OP_READ_INTO, 13, 2, prefix=1, local=1))
+    assert resp.body_bytes() == 18
+    assert fp.decode_sizes(resp, fp.encode_table([0, 5], [1 << 20, 0])) == ([0, 5], [1 << 20, 0])
+    with pytest.raises(fp.ProtocolError, match="table"):
+        fp.decode_sizes(resp, b"\0" * 17)
+
+
+def test_registered_memory_frames_are_refused_when_malformed() -> None:
+    with pytest.raises(fp.ProtocolError, match="no items"):
+        fp.decode_request(_header(op=fp.OP_REGISTER, count=1))
+    req = fp.decode_request(_header(op=fp.OP_READ_INTO, count=2))
+    with pytest.raises(fp.ProtocolError, match="expected 112"):
+        fp.decode_request_body(req, b"\0" * (2 * 32 + 2 * 8))  # keys and one column, not three
+    with pytest.raises(ValueError, match="READ_INTO one"):
+        fp.encode_request(fp.OP_READ_INTO, 1, keys=KEYS, values=[1, 2, 3])  # one key's targets for two
