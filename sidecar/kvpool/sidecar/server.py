@@ -450,10 +450,11 @@ class Sidecar(spbg.SidecarServicer):
 
         def run(job: tuple[str, np.ndarray]) -> int:
             nid, idx = job
+            mine = [todo[x] for x in idx.tolist()]  # this node's key indices, in its reply's order
             asked: list[int] = []
 
             def dest(j: int, size: int) -> memoryview | None:
-                i = todo[int(idx[j])]
+                i = mine[j]
                 asked.append(i)
                 return land.dest(i, size)
             try:
@@ -463,7 +464,7 @@ class Sidecar(spbg.SidecarServicer):
                     land.failed(i)
                 raise
             got = 0
-            for j, i in enumerate(todo[int(x)] for x in idx):
+            for j, i in enumerate(mine):
                 code = res.codes[j] if res is not None else pb.NOT_FOUND
                 if code == pb.OK:
                     assert res is not None
