@@ -156,6 +156,19 @@ class Ring:
             return np.full(n, -1, dtype=np.intp)
         return owners(keys, [m.id for m in act], 1)[:, 0]
 
+    def write_owned(self, member_id: str, keys: Sequence[bytes] | bytes, replicas: int | None = None
+                    ) -> npt.NDArray[np.bool_]:
+        """Whether ``member_id`` is one of each key's write owners: the ``replicas`` (default
+        :attr:`replicas`) highest-weight active members.  A draining member, or one not in the
+        ring, owns nothing: while a node drains, writes go to the new owner (DESIGN §6)."""
+        n = len(keys) // KEY_BYTES if isinstance(keys, bytes) else len(keys)
+        ids = [m.id for m in self.active]
+        if member_id not in ids:
+            return np.zeros(n, dtype=bool)
+        r = self.replicas if replicas is None else replicas
+        owned: npt.NDArray[np.bool_] = (owners(keys, ids, r) == ids.index(member_id)).any(axis=1)
+        return owned
+
     def read_fallbacks(self, keys: Sequence[bytes] | bytes) -> npt.NDArray[np.intp]:
         """During a drain: the owner among active + draining members (index into :attr:`members`).
 
@@ -174,3 +187,21 @@ class Ring:
     def from_dict(d: dict[str, Any]) -> Ring:
         return Ring(epoch=int(d.get("epoch", 0)), replicas=int(d.get("replicas", 1)),
                     members=tuple(Member.from_dict(m) for m in d.get("members", [])))
+
+
+def stale_wrong_owner(ring: Ring, member_id: str, caller_epoch: int, keys: Sequence[bytes] | bytes,
+                      single_copy: bool = False) -> npt.NDArray[np.bool_] | None:
+    """The items of a write that ``member_id``, holding ``ring``, refuses as WRONG_OWNER (pure).
+
+    A caller that routed by an older epoch than ``ring`` (DESIGN §6: "a node answering for a
+    stale epoch says so") is refused the keys this member does not own under ``ring``, so that
+    it learns the ring and writes them to their owner instead of here, where no reader routing
+    by the new ring would look.  None (nothing refused, nothing computed) when the caller's
+    epoch is 0 (it does not know the ring: a bootstrap writer, an admin), the same as the
+    ring's (the hot path), or newer (this node is the stale one: it takes the write).
+    ``single_copy``: the object lives at its primary owner only (a state object), whatever the
+    ring's replication.
+    """
+    if not 0 < caller_epoch < ring.epoch:
+        return None
+    return ~ring.write_owned(member_id, keys, 1 if single_copy else None)

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from kvpool.ring import Member, Ring, _first_max_row, member_hash, owners
+from kvpool.ring import Member, Ring, _first_max_row, member_hash, owners, stale_wrong_owner
 
 
 def _scalar_owner(key: bytes, ids: list[str]) -> int:
@@ -77,3 +77,41 @@ def test_ring_active_and_drain_fallback() -> None:
 def test_deterministic_member_hash() -> None:
     assert member_hash("store-0") == int.from_bytes(
         hashlib.sha256(b"kvpool.member\x00store-0").digest()[:8], "little")
+
+
+def test_write_owners_are_the_top_replicas_of_the_active_members() -> None:
+    ring = Ring(epoch=4, members=(Member("a", "1"), Member("b", "2"), Member("c", "3"), Member("d", "4", "draining")),
+                replicas=2)
+    keys = _keys(600, seed=3)
+    top2 = owners(keys, ["a", "b", "c"], 2)
+    for j, mid in enumerate("abc"):
+        owned = ring.write_owned(mid, keys)
+        assert owned.tolist() == [j in row for row in top2.tolist()]
+        assert ring.write_owned(mid, b"".join(keys)).tolist() == owned.tolist()  # a packed blob alike
+        assert ring.write_owned(mid, keys, 1).tolist() == (top2[:, 0] == j).tolist()
+    # Every key has exactly two write owners; the draining member and a stranger own nothing.
+    assert np.sum([ring.write_owned(m, keys) for m in "abc"], axis=0).tolist() == [2] * len(keys)
+    assert not ring.write_owned("d", keys).any()
+    assert not ring.write_owned("zz", keys).any()
+    assert ring.write_owned("a", []).shape == (0,)
+
+
+def test_a_write_is_refused_only_for_a_stale_epoch_and_only_for_keys_not_owned() -> None:
+    ring = Ring(epoch=5, members=(Member("a", "1"), Member("b", "2"), Member("c", "3")), replicas=2)
+    keys = _keys(400, seed=11)
+    # Epoch 0 (a caller that knows no ring), the node's own epoch, and a newer one: no check.
+    for epoch in (0, 5, 6, 1 << 40):
+        assert stale_wrong_owner(ring, "a", epoch, keys) is None
+    for epoch in (1, 4):
+        refused = stale_wrong_owner(ring, "a", epoch, keys)
+        assert refused is not None
+        assert refused.tolist() == (~ring.write_owned("a", keys)).tolist()
+        assert 0 < refused.sum() < len(keys)
+    # A single-copy object (a state object) is owned by the primary only, whatever replicas says.
+    single = stale_wrong_owner(ring, "a", 4, keys, single_copy=True)
+    assert single is not None
+    assert single.tolist() == (owners(keys, ["a", "b", "c"])[:, 0] != 0).tolist()
+    # A node that is draining, or no longer a member, owns nothing.
+    gone = Ring(epoch=6, members=(Member("a", "1", "draining"), Member("b", "2")))
+    assert stale_wrong_owner(gone, "a", 5, keys).tolist() == [True] * len(keys)  # type: ignore[union-attr]
+    assert stale_wrong_owner(gone, "x", 5, keys).tolist() == [True] * len(keys)  # type: ignore[union-attr]

@@ -16,6 +16,7 @@ import pytest
 
 from kvpool import errors
 from kvpool.proto import store_pb2 as pb
+from kvpool.ring import Member, Ring
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.store.tiers import checksum
 
@@ -360,3 +361,41 @@ def test_a_match_lease_pins_whatever_decides_on_pins_even_though_it_counts_them_
     assert third is not None
     node.release([third.lease_id], T)
     assert node.remove(T, keys) == [pb.OK] * 4
+
+
+def _codes(node: StoreNode, keys: list[bytes], epoch: int, kind: int = pb.BLOCK) -> list[int]:
+    """The PUT_START codes of a write routed by ring ``epoch`` (the reservation revoked after)."""
+    codes, _, _, rid = node.put_start(T, keys, [100] * len(keys), "chatbot", kind, epoch=epoch)
+    if rid:
+        node.put_revoke(T, rid)
+    return list(codes)
+
+
+def test_a_write_routed_by_a_stale_epoch_is_refused_for_what_the_node_does_not_own(make_node) -> None:  # type: ignore[no-untyped-def]
+    node = make_node(dram_bytes=1 << 20)  # node id "n0"
+    rng = random.Random(5)
+    keys = [rng.randbytes(32) for _ in range(64)]
+    # Written while n0 was the only member (epoch 1): a committed copy here of every key.
+    node.set_ring(Ring(epoch=1, members=(Member("n0", "a"),)))
+    assert put(node, keys[:8], [b"x"] * 8) == [pb.OK] * 8
+    # Epoch 2: n9 joined, with replication 2 (each block at both members, a state object at
+    # its primary only).
+    ring = node.set_ring(Ring(epoch=2, members=(Member("n0", "a"), Member("n9", "b")), replicas=2))
+    primary = [ring.active[i].id == "n0" for i in ring.owners_of(keys).tolist()]
+    assert 10 < sum(primary) < 54
+    assert _codes(node, keys[8:], 1) == [pb.OK] * 56  # both members own every block
+    assert _codes(node, keys, 1, pb.STATE) == [pb.OK if p else pb.WRONG_OWNER for p in primary]
+    refused = 64 - sum(primary)
+    # Replication 1: the blocks n9 owns are refused, those already here too (not ALREADY_EXISTS:
+    # a stale writer would count them written where no reader routing by epoch 3 looks).
+    node.set_ring(Ring(epoch=3, members=(Member("n0", "a"), Member("n9", "b"))))
+    want = [(pb.ALREADY_EXISTS if i < 8 else pb.OK) if p else pb.WRONG_OWNER for i, p in enumerate(primary)]
+    assert _codes(node, keys, 2) == want
+    assert node.counters["refused_wrong_owner"] == 2 * refused
+    # The caller's own epoch, a newer one (this node is behind) or none: taken as before.
+    for epoch in (0, 3, 4):
+        assert _codes(node, keys[8:], epoch) == [pb.OK] * 56
+    # A node draining in the newest ring answers DRAINING to everyone, stale or not.
+    node.set_ring(Ring(epoch=4, members=(Member("n0", "a", "draining"), Member("n9", "b"))))
+    assert _codes(node, keys, 3) == [pb.DRAINING] * 64
+    assert node.counters["refused_wrong_owner"] == 2 * refused

@@ -549,6 +549,9 @@ class Pool:
             except (errors.KvpoolError, OSError, RuntimeError) as exc:
                 self._failed(node, exc)
                 return
+            # A node at a newer epoch refuses what it no longer owns (WRONG_OWNER): the caller's
+            # catch_up learns that ring from this answer and sends those items again.
+            self._note_epoch(node.client.epoch_seen)
             for i, c in zip(ii, res, strict=True):
                 codes[i] = c
 

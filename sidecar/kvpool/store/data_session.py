@@ -169,7 +169,7 @@ class DataSessionHandler:
                     node.counters["put_order_waited_out"] += 1
         try:
             codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
-                                                         req.kind, req.lease_ms)
+                                                         req.kind, req.lease_ms, req.epoch)
         finally:
             if ticket is not None:
                 self.order.reserved(tenant, *ticket)

@@ -30,13 +30,15 @@ def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_secon
     active = ring.active
     objects = list(node.objects_hottest_first())
     p.remaining_objects = len(objects)  # type: ignore[attr-defined]
-    done = 0  # the batches keep the order: objects[:done] were handled, the rest is left
+    plan: list[tuple[int, list[Entry]]] = [(-1, objects)]  # until routed, everything is left
+    done = 0  # plan[:done] was handled, the rest is left
     with Targets(node) as targets:
         try:
             if not active:
                 raise RuntimeError("no active member to drain to")
             owners = ring.owners_of(b"".join(e.key for e in objects)).tolist() if objects else []
-            for tgt, batch in batches(objects, owners, max_bytes=batch_cap(max_bytes_per_second)):
+            plan = batches(objects, owners, max_bytes=batch_cap(max_bytes_per_second))
+            for tgt, batch in plan:
                 wait = pace_delay(p.moved_bytes + p.dropped_bytes,  # type: ignore[attr-defined]
                                   time.monotonic() - started, max_bytes_per_second)
                 if wait > 0:
@@ -46,12 +48,12 @@ def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_secon
                 client = targets.client(active[int(tgt)].address, batch[0].tenant)
                 codes = push_batch(node, client, batch, ring.epoch) if client is not None else {}
                 _count(p, batch, codes)
-                done += len(batch)
+                done += 1
         except Exception:
             log.exception("drain failed")
         finally:
             # Whatever is left when the deadline hits is dropped: count it, never hide it.
-            left = objects[done:]
+            left = [e for _, batch in plan[done:] for e in batch]
             if left:
                 p.dropped_objects += len(left)  # type: ignore[attr-defined]
                 p.dropped_bytes += sum(e.size for e in left)  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from typing import Any
 from .. import ranges
 from ..errors import InvalidArgument
 from ..proto import store_pb2 as pb
-from ..ring import Ring
+from ..ring import Ring, stale_wrong_owner
 from .allocator import OutOfSpace
 from .atrest import AtRest, sealed_size
 from .eviction import choose_victims, is_expired, watermark_need
@@ -422,13 +422,22 @@ class StoreNode:
     # ------------------------------------------------------------------ writes
 
     def put_start(self, tenant: str, keys: list[bytes], sizes: Sequence[int], traffic_class: str,
-                  kind: int, timeout_ms: int = 0) -> tuple[list[pb.Code], list[int], list[int], int]:
-        """Reserve space for each item: per-item codes, offsets, tokens and a reservation id."""
+                  kind: int, timeout_ms: int = 0, epoch: int = 0) -> tuple[list[pb.Code], list[int], list[int], int]:
+        """Reserve space for each item: per-item codes, offsets, tokens and a reservation id.
+
+        ``epoch``: the ring epoch the caller routed by (0: unknown); under an older one than
+        this node's, the keys this node does not own are WRONG_OWNER (:func:`stale_wrong_owner`).
+        """
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         check_kind(kind)
         now = time.time()
         codes = [pb.OK] * len(keys)
+        # Outside the lock (the ring is replaced whole, never changed in place); when the
+        # caller routed by our epoch (or knows none) this is one comparison.
+        foreign = stale_wrong_owner(self.ring, self.node_id, epoch, keys, single_copy=kind == pb.STATE)
+        if foreign is not None and not foreign.any():
+            foreign = None
         offsets = [0] * len(keys)
         tokens = [0] * len(keys)
         entries: list[Entry | None] = [None] * len(keys)
@@ -436,6 +445,8 @@ class StoreNode:
             self._sweep(now)
             if self.draining:
                 return [pb.DRAINING] * len(keys), offsets, tokens, 0
+            if foreign is not None:
+                self.counters["refused_wrong_owner"] += int(foreign.sum())
             t = self._tenant(tenant)
             part = self.index.setdefault(tenant, {})
             # Batch admission: make room once for the whole batch (watermarks), then allocate.
@@ -443,7 +454,9 @@ class StoreNode:
             seen: set[bytes] = set()
             for i, (k, size) in enumerate(zip(keys, sizes, strict=True)):
                 old = part.get(index_key(k, kind))
-                if size <= 0 or len(k) != 32:
+                if foreign is not None and foreign[i]:
+                    codes[i] = pb.WRONG_OWNER  # even when held here: its owner is where readers look
+                elif size <= 0 or len(k) != 32:
                     codes[i] = pb.INVALID
                 elif size > self.cfg.max_object_bytes or self.dram.alloc.rounded(size) > self.dram.capacity:
                     codes[i] = pb.TOO_LARGE

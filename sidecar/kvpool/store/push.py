@@ -1,15 +1,18 @@
 """Pushing a node's objects to other nodes in batches: shared by the drain and the warm push.
 
-Both walk the node's objects hottest first, split the walk into runs bound for one target
-(one put each: a few round trips instead of one per object), pace the runs by a bandwidth
-bound and stop at a deadline.  The splitting and the pacing are pure; :func:`push_batch` does
-the reading and the put; :class:`Targets` keeps one client per (target, tenant token).
+Both walk the node's objects hottest first, group them into batches bound for one target (one
+put each: a few round trips instead of one per object) from a bounded window of the walk, pace
+the batches by a bandwidth bound and stop at a deadline.  The grouping and the pacing are pure;
+:func:`push_batch` does the reading and the put; :class:`Targets` keeps one client per (target,
+tenant token).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..store_client import StoreClient
@@ -20,6 +23,9 @@ log = logging.getLogger("kvpool.store.push")
 
 BATCH_OBJECTS = 16
 BATCH_BYTES = 4 << 20
+GROUP_WINDOW = 128
+"""Objects ahead in the hottest-first order a batch may take its objects from (:func:`batches`):
+eight batches' worth, so that a drain to up to eight owners still fills its batches."""
 
 
 def pace_delay(sent_bytes: int, elapsed_s: float, max_bytes_per_second: int) -> float:
@@ -34,24 +40,57 @@ def batch_cap(max_bytes_per_second: int) -> int:
     return min(BATCH_BYTES, max_bytes_per_second // 10) if max_bytes_per_second > 0 else BATCH_BYTES
 
 
+@dataclass(slots=True)
+class _Batch:
+    """One batch while :func:`batches` groups: ``first`` is the place of its first object."""
+
+    first: int
+    group: tuple[Any, ...]
+    """(target, tenant, traffic class, kind)."""
+    objects: list[Any] = field(default_factory=list)
+    size: int = 0
+    full: bool = False
+
+
 def batches(entries: Sequence[Any], targets: Sequence[int], max_objects: int = BATCH_OBJECTS,
-            max_bytes: int = BATCH_BYTES) -> list[tuple[int, list[Any]]]:
-    """Split the push, in its order, into (target, entries) runs of one target, tenant, traffic
-    class and kind, at most ``max_objects`` and (unless one object alone is larger) ``max_bytes``
-    each: one put per run (pure).  The runs keep the order: the hottest object goes first."""
+            max_bytes: int = BATCH_BYTES, window: int = GROUP_WINDOW) -> list[tuple[int, list[Any]]]:
+    """Group the push, given hottest first, into (target, entries) batches of one target, tenant,
+    traffic class and kind, at most ``max_objects`` and (unless one object alone is larger)
+    ``max_bytes`` each: one put per batch (pure).
+
+    A batch takes its objects from a bounded window of the order, not only from a run of
+    neighbours: a drain to several owners interleaves them, so runs are mostly one or two objects
+    long, and each costs a put's round trips.  A batch stops taking objects when it is full or
+    when its first (hottest) object is ``window`` places behind the walk; batches go out in the
+    order of their first objects, and keep the order inside.  So an object goes out at most
+    ``window`` places after its place in the order (and at most that many before it).
+    """
     out: list[tuple[int, list[Any]]] = []
-    size = 0
-    for e, t in zip(entries, targets, strict=True):
-        if out:
-            tgt, run = out[-1]
-            same = (tgt == t and run[0].tenant == e.tenant and run[0].traffic_class == e.traffic_class
-                    and run[0].kind == e.kind)
-            if same and len(run) < max_objects and size + e.size <= max_bytes:
-                run.append(e)
-                size += e.size
-                continue
-        out.append((t, [e]))
-        size = e.size
+    filling: dict[tuple[Any, ...], _Batch] = {}  # (target, tenant, class, kind) -> its batch taking objects
+    started: collections.deque[_Batch] = collections.deque()  # every batch not out yet, oldest first
+    for i, (e, t) in enumerate(zip(entries, targets, strict=True)):
+        group = (t, e.tenant, e.traffic_class, e.kind)
+        b = filling.get(group)
+        if b is not None and b.size + e.size > max_bytes:
+            b.full = True
+            b = None
+        if b is None:
+            b = filling[group] = _Batch(i, group)
+            started.append(b)
+        b.objects.append(e)
+        b.size += e.size
+        if len(b.objects) >= max_objects or b.size >= max_bytes:
+            b.full = True
+        if b.full:
+            del filling[group]
+        # Out go the oldest batches that are full or whose first object the walk has left a
+        # window behind (a full batch may wait for an older one: the order is by first object).
+        while started and (started[0].full or started[0].first <= i - window):
+            done = started.popleft()
+            if not done.full:  # aged out: the group's next object starts a new batch
+                del filling[done.group]
+            out.append((done.group[0], done.objects))
+    out.extend((b.group[0], b.objects) for b in started)
     return out
 
 

@@ -152,7 +152,7 @@ class StoreService(pbg.StoreServicer):
         def run() -> pb.PutStartReply:
             codes, offsets, tokens, rid = self.node.put_start(
                 tenant, self._keys(request.keys), list(request.sizes), request.traffic_class or "chatbot",
-                request.kind, request.timeout_ms)
+                request.kind, request.timeout_ms, request.epoch)
             return pb.PutStartReply(codes=codes, offsets=offsets, tokens=tokens, reservation_id=rid,
                                     location=self.location, epoch=self.node.ring.epoch)
         return self._call(context, run)

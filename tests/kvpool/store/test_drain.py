@@ -107,3 +107,33 @@ def test_drain_bandwidth_bound_paces_the_push(nodes: Any, h: Any, rng: random.Ra
     # A lower bound only (pacing cannot make it faster, a slow machine only slower).
     assert elapsed >= (sum(map(len, vals)) - 64 * KiB) / rate * 0.95, elapsed
     assert [bytes(g) if g is not None else None for g in b.client().get(keys)] == vals
+
+
+def test_a_drain_cut_by_its_deadline_moved_the_hottest_and_counts_the_rest(
+        stores: Any, h: Any, rng: random.Random) -> None:
+    """Batches gather one owner's objects from a window of the hottest-first order: when the
+    deadline cuts the drain, what moved is the hottest part (up to that window) and every object
+    is counted once, moved or dropped."""
+    spec = {"dram": "48MiB", "admin_token": ADMIN}
+    a, *targets = stores.start_many({f"store-{n}": spec for n in "pqrs"}).values()
+    members = [pb.RingMember(id=n.node_id, address=n.address, transfer_address=n.transfer_address)
+               for n in targets]
+    ca = a.client()
+    keys = h.rand_keys(rng, 960)
+    for i in range(0, len(keys), 16):  # the later written, the hotter
+        assert ca.put(keys[i:i + 16], h.rand_values(rng, [8 * KiB] * 16)) == [pb.OK] * 16
+        time.sleep(0.002)
+    ring = pb.Ring(epoch=3, members=[pb.RingMember(id=a.node_id, address=a.address, state="draining",
+                                                   transfer_address=a.transfer_address), *members])
+    # 7.5 MiB at 1 MiB/s cannot be done by a deadline 3 s away (and the first batch goes at once).
+    a.client(ADMIN).drain(ring, int(time.time() * 1000) + 3000, max_bytes_per_second=1 << 20)
+    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
+    assert done.moved_objects > 0 and done.dropped_objects > 0 and done.remaining_objects == 0
+    assert done.moved_objects + done.dropped_objects == len(keys)
+    assert done.moved_bytes + done.dropped_bytes == len(keys) * 8 * KiB
+    present = [n.client().exists(keys, prefix_only=False).present for n in targets]
+    at_targets = [sum(p[i] for p in present) for i in range(len(keys))]
+    assert sum(at_targets) == done.moved_objects and max(at_targets) == 1
+    moved = [i for i, there in enumerate(at_targets) if there]
+    hottest_first = len(keys) - 1 - min(moved)  # places behind the hottest object of the coldest moved
+    assert hottest_first < done.moved_objects + 128 + 16  # the window, and a put's objects share a time

@@ -84,6 +84,57 @@ def test_batches_split_by_target_tenant_class_kind_count_and_bytes() -> None:
     assert [len(r) for _, r in batches([_E(1)] * 40, [0] * 40, max_objects=16)] == [16, 16, 8]
     assert [len(r) for _, r in batches([_E(100)] * 3, [0] * 3, max_bytes=10)] == [1, 1, 1]  # one alone may exceed
     assert batches([], []) == []
-    # The drain moves state objects too: a put carries one kind.
+    # The drain moves state objects too: a put carries one kind (the two blocks apart from the
+    # state objects between them still share a batch).
     mixed = [_E(1), _E(1, kind=1), _E(1, kind=1), _E(1)]
-    assert [[mixed.index(e) for e in r] for _, r in batches(mixed, [0] * 4)] == [[0], [1, 2], [3]]
+    assert [[mixed.index(e) for e in r] for _, r in batches(mixed, [0] * 4)] == [[0, 3], [1, 2]]
+
+
+def test_a_push_interleaving_its_owners_goes_out_in_full_batches() -> None:
+    from kvpool.store.push import batches
+
+    es = [_E(10) for _ in range(96)]
+    got = batches(es, [0, 1, 2] * 32, max_objects=16)
+    # Runs of neighbours would be 96 puts of one object; grouped, 6 of 16, hottest batch first.
+    assert [(t, len(r)) for t, r in got] == [(0, 16), (1, 16), (2, 16)] * 2
+    assert [es.index(e) for e in got[0][1]] == list(range(0, 48, 3))
+
+
+def test_grouping_moves_no_object_further_than_the_window() -> None:
+    from kvpool.store.push import batches
+
+    r = random.Random(3)
+    n, window = 3000, 64
+    es = [_E(r.choice([1, 100, 900]), tenant=r.choice("tu"), kind=r.choice([0, 0, 0, 1])) for _ in range(n)]
+    targets = [r.randrange(5) for _ in range(n)]
+    got = batches(es, targets, max_objects=16, max_bytes=2000, window=window)
+    place = {id(e): i for i, e in enumerate(es)}
+    flat = [place[id(e)] for _, run in got for e in run]
+    assert sorted(flat) == list(range(n))  # every object once
+    # Out at most a window after its place, or before it.
+    assert all(abs(pos - i) <= window for pos, i in enumerate(flat))
+    firsts = []
+    for t, run in got:
+        idx = [place[id(e)] for e in run]
+        assert idx == sorted(idx) and len(run) <= 16
+        assert len({(targets[i], es[i].tenant, es[i].kind) for i in idx}) == 1 and targets[idx[0]] == t
+        assert sum(e.size for e in run) <= 2000 or len(run) == 1
+        firsts.append(idx[0])
+    assert firsts == sorted(firsts)  # batches in the order of their hottest object
+    # Far fewer puts than runs of neighbours would make (about one object each here).
+    runs = 1 + sum(1 for i in range(1, n) if (targets[i], es[i].tenant, es[i].kind)
+                   != (targets[i - 1], es[i - 1].tenant, es[i - 1].kind))
+    assert len(got) < runs / 3
+
+
+def test_a_cold_straggler_waits_no_longer_than_the_window() -> None:
+    from kvpool.store.push import batches
+
+    es = [_E(1) for _ in range(202)]
+    got = batches(es, [0] + [1] * 200 + [0], max_objects=16, window=128)
+    # The hottest object, alone with its owner, goes first once the walk is a window past it,
+    # ahead of the full batches that waited behind it; the other object of its owner comes
+    # too late to join it.
+    assert [es.index(e) for e in got[0][1]] == [0]
+    assert [len(r) for t, r in got if t == 1] == [16] * 12 + [8]
+    assert [es.index(e) for e in got[-1][1]] == [201]
