@@ -27,7 +27,8 @@ CLUSTER = {"stores": 2, "sidecars": 2, "store_bytes": 128 * MiB, "local_bytes": 
 SIZES = (1, 4097, MiB, 5 * MiB + 3)  # the last is over the sidecar's parallel-copy size
 
 
-def _written(cluster: Any, rng: random.Random, h: Any, sizes: tuple[int, ...] = SIZES) -> tuple[list[bytes], list[bytes]]:
+def _written(cluster: Any, rng: random.Random, h: Any,
+             sizes: tuple[int, ...] = SIZES) -> tuple[list[bytes], list[bytes]]:
     """Objects put through sidecar A and present in the pool (B matches all of them)."""
     keys, values = h.keys(rng, len(sizes)), h.values(rng, sizes)
     with kvpool.connect(cluster.sidecars[0]) as a:
