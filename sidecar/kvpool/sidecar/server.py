@@ -42,7 +42,7 @@ from .fast_session import FastSessionServer
 from .handoff import HandoffService
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
-from .retry import RETRY, UNREACHABLE, RetryQueue, outcome
+from .retry import UNREACHABLE, RetryQueue, retried
 
 T = TypeVar("T")
 log = logging.getLogger("kvpool.sidecar")
@@ -92,9 +92,10 @@ class SidecarConfig:
     """Bound of the copy-over queue (blocks found at a previous owner, written to the new one):
     -1 an eighth of the local tier, 0 off."""
     pool_write_retries: int = 10
-    """Retries of a write-through block whose pool write failed for a passing reason (busy or
-    unreachable owner, another writer's reservation, ...: ``kvpool.sidecar.retry``), with
-    doubling delays (0.2 s up to 5 s: about 30 s in all); then it is counted as dropped."""
+    """Retries of a write-through block, or of an evicted object's copy, whose pool write failed
+    for a passing reason (busy or unreachable owner, another writer's reservation, ...:
+    ``kvpool.sidecar.retry``), with doubling delays (0.2 s up to 5 s: about 30 s in all); then it
+    is counted as dropped (a block stays local-only, a copy is lost)."""
 
 
 class ReadResult(NamedTuple):
@@ -138,6 +139,8 @@ class Sidecar(spbg.SidecarServicer):
         # Blocks waiting to be written again after a passing failure (guarded by ``_lock``);
         # bounded like the backlog they are part of.
         self.retries: RetryQueue[LocalEntry] = RetryQueue(cfg.pool_write_retries, self.max_pending)
+        self._copies: dict[LocalEntry, bytes] = {}
+        """Evicted objects waiting in ``retries`` → the copy of their bytes (the only one left)."""
         self._pusher = threading.Thread(target=self._push_loop, name="pool-writer", daemon=True)
         self._pusher.start()
         self._refresher = threading.Thread(target=self._refresh_loop, name="ring", daemon=True)
@@ -760,8 +763,7 @@ class Sidecar(spbg.SidecarServicer):
                 lid = self._pins.pop(id(entries), None)
                 if lid:
                     self.local.release([lid])
-            if copies is None and not self.cfg.write_back:
-                self._retry_later(entries, codes)
+            self._retry_later(entries, copies, codes)
             if self.pending.empty():
                 self._resume_waiting()
             else:
@@ -773,45 +775,65 @@ class Sidecar(spbg.SidecarServicer):
             self._resume_deferred()
         self._resume_retries()
 
-    def _retry_later(self, entries: list[LocalEntry], codes: dict[int, int]) -> None:
-        """After a write-through batch: schedule another write of each block that failed for a
-        passing reason; one tried too often (or not fitting the backlog) is counted as dropped
-        and stays local-only, so eviction or the drain still hands it over."""
-        scheduled = dropped = 0
+    def _retry_later(self, entries: list[LocalEntry], copies: list[bytes] | None, codes: dict[int, int]) -> None:
+        """After a batch: schedule another write of each write-through block or evicted copy
+        that failed for a passing reason (:func:`retry.retried`).  One tried too often, or not
+        fitting the backlog, is counted as dropped: a block still local stays local-only (eviction
+        or the drain hands it over), an evicted copy is lost."""
+        scheduled = kept_local = lost = lost_bytes = 0
         now = time.monotonic()
         with self._lock:
-            for e in entries:
+            for i, e in enumerate(entries):
+                copy = copies[i] if copies is not None else None
                 # A block missing from ``codes`` was not sent (the push raised): try it again too.
-                if e.pooled or e.kind != pb.BLOCK or outcome(codes.get(id(e), UNREACHABLE)) != RETRY:
+                if not retried(codes.get(id(e), UNREACHABLE), e.pooled, copy is not None, e.kind == pb.BLOCK,
+                               self.cfg.write_back):
                     self.retries.settle(e)
                 elif self.retries.schedule(e, e.size, now):
                     scheduled += 1
+                    if copy is not None:
+                        self._copies[e] = copy
+                elif copy is None:
+                    kept_local += 1
                 else:
-                    dropped += 1
+                    lost += 1
+                    lost_bytes += e.size
         if scheduled:
             self.counters["pool_writes_backoff"] += scheduled
-        if dropped:
-            self.counters["pool_writes_dropped"] += dropped
-            log.warning("%d write-through blocks dropped after %d pool write retries: they stay local-only",
-                        dropped, self.retries.max_attempts)
+        if kept_local or lost:
+            self.counters["pool_writes_dropped"] += kept_local + lost
+        if kept_local:
+            log.warning("%d write-through blocks dropped after %d pool write retries (or for a full backlog): "
+                        "they stay local-only", kept_local, self.retries.max_attempts)
+        if lost:
+            log.warning("%d evicted objects (%d bytes) lost: their pool write failed for a passing reason %d "
+                        "times, or the backlog (%d bytes) had no room for their copies", lost, lost_bytes,
+                        self.retries.max_attempts + 1, self.retries.max_bytes)
 
     def _resume_retries(self) -> None:
-        """Queue the retries that are due as one pinned batch (those still local and not pooled)."""
+        """Queue the retries that are due: the evicted copies as one batch, the blocks still local
+        and not pooled as one pinned batch."""
         now = time.monotonic()
         with self._lock:
             due = self.retries.next_due()
             if due is None or due > now:
                 return
             taken = self.retries.take_due(now, 64)
-            nbytes = sum(size for _, size in taken)
+            copied = [(e, self._copies.pop(e)) for e, _ in taken if e in self._copies]
             # Moved from the retries to pending in one step: the backlog never reads 0 meanwhile.
-            self.pending_bytes += nbytes
-        live = [e for e, _ in taken if e.dirty and not e.pooled]
+            self.pending_bytes += sum(size for _, size in taken)
+        if copied:
+            self.pending.put(([e for e, _ in copied], [c for _, c in copied]))
+        in_copies = {id(e) for e, _ in copied}
+        local = [e for e, _ in taken if id(e) not in in_copies]
+        if not local:
+            return
+        live = [e for e in local if e.dirty and not e.pooled]
         lease = self.local.lease(live, 600_000)  # an evicted block went to the pool as a copy
         kept = {id(e) for e in lease.entries}
         with self._lock:
-            self.pending_bytes -= nbytes - sum(e.size for e in lease.entries)
-            for e, _ in taken:
+            self.pending_bytes -= sum(e.size for e in local if id(e) not in kept)
+            for e in local:
                 if id(e) not in kept:
                     self.retries.settle(e)
         if lease.entries:
@@ -972,8 +994,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bound of the queue copying blocks found at a previous owner to the new one "
                          "(default: an eighth of the local tier; 0: off)")
     ap.add_argument("--pool-write-retries", type=int, default=10,
-                    help="retries of a write-through block whose pool write failed for a passing reason "
-                         "(with doubling delays), after which it is counted as dropped and stays local-only")
+                    help="retries of a write-through block or an evicted object's copy whose pool write failed "
+                         "for a passing reason (with doubling delays), after which it is counted as dropped "
+                         "(a block stays local-only, a copy is lost)")
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
     ap.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", ""),
                     help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
