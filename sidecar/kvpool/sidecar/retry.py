@@ -53,6 +53,13 @@ def delay(attempt: int, base: float, cap: float) -> float:
     return min(cap, base * (1 << min(attempt - 1, 30)))
 
 
+def drain_pause(attempt: int, left: float) -> float:
+    """Seconds the drain (SIGTERM's flush) waits before its round number ``attempt`` + 1 after
+    a round with passing failures: doubling from 50 ms up to 1 s (a node's down backoff), never
+    past the deadline, ``left`` seconds away."""
+    return max(0.0, min(delay(attempt, 0.05, 1.0), left))
+
+
 E = TypeVar("E", bound=Hashable)
 
 

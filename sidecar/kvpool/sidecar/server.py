@@ -42,7 +42,7 @@ from .fast_session import FastSessionServer
 from .handoff import HandoffService
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
-from .retry import UNREACHABLE, RetryQueue, retried
+from .retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
 
 T = TypeVar("T")
 log = logging.getLogger("kvpool.sidecar")
@@ -906,30 +906,100 @@ class Sidecar(spbg.SidecarServicer):
         return spb.FlushReply(flushed_objects=flushed, flushed_bytes=nbytes, dropped_objects=dropped)
 
     def flush(self, seconds: float) -> tuple[int, int, int]:
-        """Push every local-only object to the pool within ``seconds``, hottest first."""
-        deadline = time.time() + seconds
-        items = self.local.local_only()
-        flushed = nbytes = dropped = 0
+        """Push every local-only object to the pool within ``seconds``, hottest first: those in
+        the local tier and the evicted copies waiting for a retry; (flushed, bytes, dropped).
+
+        A write that fails for a passing reason (a node stopped for a moment, another writer's
+        reservation) is tried again, in rounds with short growing pauses, until the deadline;
+        what is not in the pool then, or what the pool refuses, is reported dropped (and logged).
+        """
+        deadline = time.monotonic() + seconds
         if not self.pool.enabled:
-            return 0, 0, len(items)
-        for start in range(0, len(items), 16):
-            batch = items[start:start + 16]
-            if time.time() >= deadline:
-                dropped += sum(len(items[s:s + 16]) for s in range(start, len(items), 16))
+            return 0, 0, len(self.local.local_only())
+        flushed = nbytes = lost = 0
+        refused: set[int] = set()  # id of a local object the pool refused: not sent again
+        copies: dict[LocalEntry, bytes] = {}
+        rounds = 0  # rounds that had a passing failure
+        while True:
+            copies.update(self._take_retries())
+            items = [e for e in self.local.local_only() if id(e) not in refused]
+            if not items and not copies:
+                if self.pending_bytes <= 0 or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)  # the pool writer is still at the write-through backlog
+                continue
+            done, failed = self._flush_round(items, copies, refused, deadline)
+            flushed += len(done)
+            nbytes += sum(e.size for e in done)
+            lost += sum(1 for e in failed if e in copies and outcome(failed[e]) == REFUSED)
+            for e in done + [e for e in failed if outcome(failed[e]) == REFUSED]:
+                copies.pop(e, None)
+            passing = sum(1 for c in failed.values() if outcome(c) != REFUSED)
+            left = deadline - time.monotonic()
+            if passing and left > 0:
+                if not rounds:
+                    log.warning("flush: %d objects not written for a passing reason; trying again until the "
+                                "deadline (%.1fs)", passing, left)
+                rounds += 1
+                time.sleep(drain_pause(rounds, left))
+            elif left <= 0 or not passing and self.pending_bytes <= 0:
                 break
-            lease = self.local.lease(batch, 60_000)
-            batch = lease.entries  # evicted meanwhile: already handed to the writer as copies
+        dropped = len(self.local.local_only()) + len(copies) + lost
+        if dropped:
+            log.warning("flush: %d local-only objects dropped: not in the pool by the deadline or refused by it",
+                        dropped)
+        return flushed, nbytes, dropped
+
+    def _take_retries(self) -> dict[LocalEntry, bytes]:
+        """Everything waiting for a retry, now (the drain does not wait out backoffs): the
+        evicted objects' copies, handed to the caller; the blocks still local are left to the
+        drain's pass over the local tier."""
+        with self._lock:
+            taken = self.retries.take_due(float("inf"), len(self.retries))
+            for e, _ in taken:
+                self.retries.settle(e)
+            return {e: self._copies.pop(e) for e, _ in taken if e in self._copies}
+
+    def _flush_round(self, items: list[LocalEntry], copies: dict[LocalEntry, bytes], refused: set[int],
+                     deadline: float) -> tuple[list[LocalEntry], dict[LocalEntry, int]]:
+        """One write of each local object ``items`` (pinned) and evicted copy, 16 at a time, none
+        started past ``deadline``: (those the pool now holds, those that failed → their code); a
+        refused local object's id goes into ``refused``."""
+        done: list[LocalEntry] = []
+        failed: dict[LocalEntry, int] = {}
+
+        def write(batch: list[LocalEntry], data: list[bytes] | None) -> None:
+            codes: dict[int, int] = {}
             try:
-                ok, failed = self._push(batch, None)
+                self._push(batch, data, codes)
+            except Exception:
+                log.exception("flush: pool write failed")
+            for e in batch:
+                if id(e) not in codes and e.pooled:
+                    continue  # the pool writer wrote it meanwhile
+                code = codes.get(id(e), UNREACHABLE)
+                if outcome(code) == DONE:
+                    done.append(e)
+                else:
+                    failed[e] = code
+                    if data is None and outcome(code) == REFUSED:
+                        refused.add(id(e))
+
+        for start in range(0, len(items), 16):
+            if time.monotonic() >= deadline:
+                return done, failed
+            lease = self.local.lease(items[start:start + 16], 60_000)
+            try:
+                # Evicted meanwhile: already handed to the writer as copies (left out of the lease).
+                write(list(lease.entries), None)
             finally:
                 self.local.release([lease.lease_id])
-            flushed += ok
-            dropped += failed
-            nbytes += sum(e.size for e in batch if e.pooled)
-        # Drain the write-through backlog as well, within the same deadline.
-        while self.pending_bytes > 0 and time.time() < deadline:
-            time.sleep(0.01)
-        return flushed, nbytes, dropped
+        pairs = list(copies.items())
+        for start in range(0, len(pairs), 16):
+            if time.monotonic() >= deadline:
+                break
+            write([e for e, _ in pairs[start:start + 16]], [c for _, c in pairs[start:start + 16]])
+        return done, failed
 
     def PublishPrefill(self, request: spb.PublishPrefillRequest,
                        context: grpc.ServicerContext) -> spb.PublishPrefillReply:

@@ -17,7 +17,7 @@ import pytest
 
 from kvpool.local import LocalCluster
 from kvpool.proto import store_pb2 as pb
-from kvpool.sidecar.retry import DONE, REFUSED, RETRY, UNREACHABLE, RetryQueue, delay, outcome, retried
+from kvpool.sidecar.retry import DONE, REFUSED, RETRY, UNREACHABLE, RetryQueue, delay, drain_pause, outcome, retried
 from kvpool.store_client import StoreClient
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -183,3 +183,8 @@ def test_retry_queue_backs_off_bounds_bytes_and_gives_up() -> None:
     assert not q.schedule("a", 60, now=3.0)  # tried twice again: given up
     q.settle("a")
     assert q.schedule("a", 60, now=4.0) and q.next_due() == 5.0  # a new failure after that starts afresh
+
+
+def test_the_drain_pauses_briefly_and_never_past_its_deadline() -> None:
+    assert [drain_pause(n, 60.0) for n in (1, 2, 3, 5, 6, 40)] == [0.05, 0.1, 0.2, 0.8, 1.0, 1.0]
+    assert drain_pause(6, 0.3) == 0.3 and drain_pause(1, -1.0) == 0.0
