@@ -1,4 +1,4 @@
-"""Retries of write-through pool writes that failed for a passing reason (pure: no I/O, no clock).
+"""Retries of pool writes that failed for a passing reason (pure: no I/O, no clock).
 
 A pool write can fail without the ring changing: the owner was busy or unreachable for a
 moment (a timeout, a reset connection, a node in its down backoff), another writer held a
