@@ -63,10 +63,12 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("kvpool_pool_writes_shed", "Pool writes deferred because the backlog was full",
                                   value=s.counters["pool_writes_shed"])
         yield CounterMetricFamily("kvpool_pool_writes_backoff",
-                                  "Write-through blocks scheduled for another pool write after a passing failure",
+                                  "Write-through blocks and evicted copies scheduled for another pool write "
+                                  "after a passing failure",
                                   value=s.counters["pool_writes_backoff"])
         yield CounterMetricFamily("kvpool_pool_writes_dropped",
-                                  "Write-through blocks given up after their pool write retries (they stay local-only)",
+                                  "Pool writes given up after their retries or for a full backlog (write-through "
+                                  "blocks stay local-only, evicted copies are lost)",
                                   value=s.counters["pool_writes_dropped"])
 
 

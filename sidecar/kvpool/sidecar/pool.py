@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +183,9 @@ class Pool:
         """Match leases dropped by a release frame of their own."""
         self.releases_carried = 0
         """Match leases dropped by a later exists or read frame to their node (no round trip)."""
+        self._releasing: set[Future[None]] = set()
+        """Release calls submitted and not done yet (guarded by ``_deferred_lock``): :meth:`close`
+        waits for them rather than cancel them."""
         if self.seeds:
             self.refresh_ring()
 
@@ -475,13 +478,19 @@ class Pool:
         return len(due)
 
     def _send_release(self, node: NodeHandle, lids: list[int]) -> None:
-        with self._deferred_lock:
-            self.releases_sent += len(lids)
         try:
             # On the pool's threads: a gRPC future would start a thread per call.
-            self._executor.submit(self._release_quietly, node, lids)
+            fut = self._executor.submit(self._release_quietly, node, lids)
         except RuntimeError:  # shut down
-            pass
+            return
+        with self._deferred_lock:
+            self.releases_sent += len(lids)
+            self._releasing.add(fut)
+        fut.add_done_callback(self._release_done)
+
+    def _release_done(self, fut: Future[None]) -> None:
+        with self._deferred_lock:
+            self._releasing.discard(fut)
 
     @staticmethod
     def _release_quietly(node: NodeHandle, lids: list[int]) -> None:
@@ -562,7 +571,14 @@ class Pool:
             list(self._executor.map(lambda kv: one(*kv), items))
         return codes
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Drop the match leases still deferred (else their pins hold objects at the nodes until
+        the leases run out), wait up to ``timeout`` seconds for the drops on their way, then close
+        the clients.  Best effort: a drop that fails or is late is given up (it expires)."""
+        self.flush_deferred()
+        with self._deferred_lock:
+            sending = list(self._releasing)
+        wait(sending, timeout=timeout)
         self._executor.shutdown(wait=False, cancel_futures=True)
         with self.lock:
             for n in self.nodes.values():

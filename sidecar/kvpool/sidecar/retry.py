@@ -1,12 +1,13 @@
-"""Retries of write-through pool writes that failed for a passing reason (pure: no I/O, no clock).
+"""Retries of pool writes that failed for a passing reason (pure: no I/O, no clock).
 
 A pool write can fail without the ring changing: the owner was busy or unreachable for a
 moment (a timeout, a reset connection, a node in its down backoff), another writer held a
 reservation for the key (IN_FLIGHT: two sidecars storing the same shared prefix), the
 reservation lapsed under load (LEASE_EXPIRED) or the node could not free space yet (NO_SPACE).
 Such a block would stay local-only until its eviction, so the sidecar's pool writer tries it
-again a bounded number of times with growing delays.  What the pool refuses for good (quota,
-tenant, malformed, too large) is never tried again.
+again a bounded number of times with growing delays.  So does it for the copy of an object
+evicted from the local tier (write-back or local-only): that copy is then its only bytes.  What
+the pool refuses for good (quota, tenant, malformed, too large) is never tried again.
 """
 
 from __future__ import annotations
@@ -37,9 +38,26 @@ def outcome(code: int) -> str:
     return RETRY if code in _PASSING else REFUSED
 
 
+def retried(code: int, pooled: bool, copy: bool, block: bool, write_back: bool) -> bool:
+    """Whether the pool writer tries a failed write again (``code``: its per-item result): a
+    passing failure of an evicted object's copy (``copy``: the only bytes left, of any kind, under
+    either write policy) or of a write-through block (``block`` and not ``write_back``) still in
+    the local tier.  Write-back blocks and state objects still local wait for eviction or drain."""
+    if pooled or outcome(code) != RETRY:
+        return False
+    return copy or (block and not write_back)
+
+
 def delay(attempt: int, base: float, cap: float) -> float:
     """Seconds to wait before retry number ``attempt`` (1, 2, ...): doubling from ``base``, at most ``cap``."""
     return min(cap, base * (1 << min(attempt - 1, 30)))
+
+
+def drain_pause(attempt: int, left: float) -> float:
+    """Seconds the drain (SIGTERM's flush) waits before its round number ``attempt`` + 1 after
+    a round with passing failures: doubling from 50 ms up to 1 s (a node's down backoff), never
+    past the deadline, ``left`` seconds away."""
+    return max(0.0, min(delay(attempt, 0.05, 1.0), left))
 
 
 E = TypeVar("E", bound=Hashable)
@@ -49,8 +67,9 @@ class RetryQueue(Generic[E]):
     """Blocks waiting for another pool write, each due at its own time; bounded in bytes.
 
     :meth:`schedule` refuses a block tried ``max_attempts`` times already or one that does not
-    fit (the caller counts it as dropped: it stays local-only, so eviction or the drain still
-    hands it over).  Not thread-safe: the caller holds its lock.
+    fit (the caller counts it as dropped: a block still local stays local-only, so eviction or
+    the drain still hands it over; an evicted copy is lost).  Not thread-safe: the caller holds
+    its lock.
     """
 
     def __init__(self, max_attempts: int, max_bytes: int, base: float = 0.2, cap: float = 5.0) -> None:

@@ -45,7 +45,7 @@ from .handoff import HandoffService
 from .landing import ArenaLanding, BufferLanding, Landing
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
-from .retry import RETRY, UNREACHABLE, RetryQueue, outcome
+from .retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
 
 T = TypeVar("T")
 log = logging.getLogger("kvpool.sidecar")
@@ -98,9 +98,10 @@ class SidecarConfig:
     """Client memory (``Client.alloc_buffer``) the sidecar maps at most, over all connections; a
     registration beyond it is refused (the client then reads through the arena)."""
     pool_write_retries: int = 10
-    """Retries of a write-through block whose pool write failed for a passing reason (busy or
-    unreachable owner, another writer's reservation, ...: ``kvpool.sidecar.retry``), with
-    doubling delays (0.2 s up to 5 s: about 30 s in all); then it is counted as dropped."""
+    """Retries of a write-through block, or of an evicted object's copy, whose pool write failed
+    for a passing reason (busy or unreachable owner, another writer's reservation, ...:
+    ``kvpool.sidecar.retry``), with doubling delays (0.2 s up to 5 s: about 30 s in all); then it
+    is counted as dropped (a block stays local-only, a copy is lost)."""
 
 
 class ReadResult(NamedTuple):
@@ -144,6 +145,8 @@ class Sidecar(spbg.SidecarServicer):
         # Blocks waiting to be written again after a passing failure (guarded by ``_lock``);
         # bounded like the backlog they are part of.
         self.retries: RetryQueue[LocalEntry] = RetryQueue(cfg.pool_write_retries, self.max_pending)
+        self._copies: dict[LocalEntry, bytes] = {}
+        """Evicted objects waiting in ``retries`` → the copy of their bytes (the only one left)."""
         self._pusher = threading.Thread(target=self._push_loop, name="pool-writer", daemon=True)
         self._pusher.start()
         self._refresher = threading.Thread(target=self._refresh_loop, name="ring", daemon=True)
@@ -789,8 +792,7 @@ class Sidecar(spbg.SidecarServicer):
                 lid = self._pins.pop(id(entries), None)
                 if lid:
                     self.local.release([lid])
-            if copies is None and not self.cfg.write_back:
-                self._retry_later(entries, codes)
+            self._retry_later(entries, copies, codes)
             if self.pending.empty():
                 self._resume_waiting()
             else:
@@ -802,45 +804,65 @@ class Sidecar(spbg.SidecarServicer):
             self._resume_deferred()
         self._resume_retries()
 
-    def _retry_later(self, entries: list[LocalEntry], codes: dict[int, int]) -> None:
-        """After a write-through batch: schedule another write of each block that failed for a
-        passing reason; one tried too often (or not fitting the backlog) is counted as dropped
-        and stays local-only, so eviction or the drain still hands it over."""
-        scheduled = dropped = 0
+    def _retry_later(self, entries: list[LocalEntry], copies: list[bytes] | None, codes: dict[int, int]) -> None:
+        """After a batch: schedule another write of each write-through block or evicted copy
+        that failed for a passing reason (:func:`retry.retried`).  One tried too often, or not
+        fitting the backlog, is counted as dropped: a block still local stays local-only (eviction
+        or the drain hands it over), an evicted copy is lost."""
+        scheduled = kept_local = lost = lost_bytes = 0
         now = time.monotonic()
         with self._lock:
-            for e in entries:
+            for i, e in enumerate(entries):
+                copy = copies[i] if copies is not None else None
                 # A block missing from ``codes`` was not sent (the push raised): try it again too.
-                if e.pooled or e.kind != pb.BLOCK or outcome(codes.get(id(e), UNREACHABLE)) != RETRY:
+                if not retried(codes.get(id(e), UNREACHABLE), e.pooled, copy is not None, e.kind == pb.BLOCK,
+                               self.cfg.write_back):
                     self.retries.settle(e)
                 elif self.retries.schedule(e, e.size, now):
                     scheduled += 1
+                    if copy is not None:
+                        self._copies[e] = copy
+                elif copy is None:
+                    kept_local += 1
                 else:
-                    dropped += 1
+                    lost += 1
+                    lost_bytes += e.size
         if scheduled:
             self.counters["pool_writes_backoff"] += scheduled
-        if dropped:
-            self.counters["pool_writes_dropped"] += dropped
-            log.warning("%d write-through blocks dropped after %d pool write retries: they stay local-only",
-                        dropped, self.retries.max_attempts)
+        if kept_local or lost:
+            self.counters["pool_writes_dropped"] += kept_local + lost
+        if kept_local:
+            log.warning("%d write-through blocks dropped after %d pool write retries (or for a full backlog): "
+                        "they stay local-only", kept_local, self.retries.max_attempts)
+        if lost:
+            log.warning("%d evicted objects (%d bytes) lost: their pool write failed for a passing reason %d "
+                        "times, or the backlog (%d bytes) had no room for their copies", lost, lost_bytes,
+                        self.retries.max_attempts + 1, self.retries.max_bytes)
 
     def _resume_retries(self) -> None:
-        """Queue the retries that are due as one pinned batch (those still local and not pooled)."""
+        """Queue the retries that are due: the evicted copies as one batch, the blocks still local
+        and not pooled as one pinned batch."""
         now = time.monotonic()
         with self._lock:
             due = self.retries.next_due()
             if due is None or due > now:
                 return
             taken = self.retries.take_due(now, 64)
-            nbytes = sum(size for _, size in taken)
+            copied = [(e, self._copies.pop(e)) for e, _ in taken if e in self._copies]
             # Moved from the retries to pending in one step: the backlog never reads 0 meanwhile.
-            self.pending_bytes += nbytes
-        live = [e for e, _ in taken if e.dirty and not e.pooled]
+            self.pending_bytes += sum(size for _, size in taken)
+        if copied:
+            self.pending.put(([e for e, _ in copied], [c for _, c in copied]))
+        in_copies = {id(e) for e, _ in copied}
+        local = [e for e, _ in taken if id(e) not in in_copies]
+        if not local:
+            return
+        live = [e for e in local if e.dirty and not e.pooled]
         lease = self.local.lease(live, 600_000)  # an evicted block went to the pool as a copy
         kept = {id(e) for e in lease.entries}
         with self._lock:
-            self.pending_bytes -= nbytes - sum(e.size for e in lease.entries)
-            for e, _ in taken:
+            self.pending_bytes -= sum(e.size for e in local if id(e) not in kept)
+            for e in local:
                 if id(e) not in kept:
                     self.retries.settle(e)
         if lease.entries:
@@ -913,30 +935,100 @@ class Sidecar(spbg.SidecarServicer):
         return spb.FlushReply(flushed_objects=flushed, flushed_bytes=nbytes, dropped_objects=dropped)
 
     def flush(self, seconds: float) -> tuple[int, int, int]:
-        """Push every local-only object to the pool within ``seconds``, hottest first."""
-        deadline = time.time() + seconds
-        items = self.local.local_only()
-        flushed = nbytes = dropped = 0
+        """Push every local-only object to the pool within ``seconds``, hottest first: those in
+        the local tier and the evicted copies waiting for a retry; (flushed, bytes, dropped).
+
+        A write that fails for a passing reason (a node stopped for a moment, another writer's
+        reservation) is tried again, in rounds with short growing pauses, until the deadline;
+        what is not in the pool then, or what the pool refuses, is reported dropped (and logged).
+        """
+        deadline = time.monotonic() + seconds
         if not self.pool.enabled:
-            return 0, 0, len(items)
-        for start in range(0, len(items), 16):
-            batch = items[start:start + 16]
-            if time.time() >= deadline:
-                dropped += sum(len(items[s:s + 16]) for s in range(start, len(items), 16))
+            return 0, 0, len(self.local.local_only())
+        flushed = nbytes = lost = 0
+        refused: set[int] = set()  # id of a local object the pool refused: not sent again
+        copies: dict[LocalEntry, bytes] = {}
+        rounds = 0  # rounds that had a passing failure
+        while True:
+            copies.update(self._take_retries())
+            items = [e for e in self.local.local_only() if id(e) not in refused]
+            if not items and not copies:
+                if self.pending_bytes <= 0 or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)  # the pool writer is still at the write-through backlog
+                continue
+            done, failed = self._flush_round(items, copies, refused, deadline)
+            flushed += len(done)
+            nbytes += sum(e.size for e in done)
+            lost += sum(1 for e in failed if e in copies and outcome(failed[e]) == REFUSED)
+            for e in done + [e for e in failed if outcome(failed[e]) == REFUSED]:
+                copies.pop(e, None)
+            passing = sum(1 for c in failed.values() if outcome(c) != REFUSED)
+            left = deadline - time.monotonic()
+            if passing and left > 0:
+                if not rounds:
+                    log.warning("flush: %d objects not written for a passing reason; trying again until the "
+                                "deadline (%.1fs)", passing, left)
+                rounds += 1
+                time.sleep(drain_pause(rounds, left))
+            elif left <= 0 or not passing and self.pending_bytes <= 0:
                 break
-            lease = self.local.lease(batch, 60_000)
-            batch = lease.entries  # evicted meanwhile: already handed to the writer as copies
+        dropped = len(self.local.local_only()) + len(copies) + lost
+        if dropped:
+            log.warning("flush: %d local-only objects dropped: not in the pool by the deadline or refused by it",
+                        dropped)
+        return flushed, nbytes, dropped
+
+    def _take_retries(self) -> dict[LocalEntry, bytes]:
+        """Everything waiting for a retry, now (the drain does not wait out backoffs): the
+        evicted objects' copies, handed to the caller; the blocks still local are left to the
+        drain's pass over the local tier."""
+        with self._lock:
+            taken = self.retries.take_due(float("inf"), len(self.retries))
+            for e, _ in taken:
+                self.retries.settle(e)
+            return {e: self._copies.pop(e) for e, _ in taken if e in self._copies}
+
+    def _flush_round(self, items: list[LocalEntry], copies: dict[LocalEntry, bytes], refused: set[int],
+                     deadline: float) -> tuple[list[LocalEntry], dict[LocalEntry, int]]:
+        """One write of each local object ``items`` (pinned) and evicted copy, 16 at a time, none
+        started past ``deadline``: (those the pool now holds, those that failed → their code); a
+        refused local object's id goes into ``refused``."""
+        done: list[LocalEntry] = []
+        failed: dict[LocalEntry, int] = {}
+
+        def write(batch: list[LocalEntry], data: list[bytes] | None) -> None:
+            codes: dict[int, int] = {}
             try:
-                ok, failed = self._push(batch, None)
+                self._push(batch, data, codes)
+            except Exception:
+                log.exception("flush: pool write failed")
+            for e in batch:
+                if id(e) not in codes and e.pooled:
+                    continue  # the pool writer wrote it meanwhile
+                code = codes.get(id(e), UNREACHABLE)
+                if outcome(code) == DONE:
+                    done.append(e)
+                else:
+                    failed[e] = code
+                    if data is None and outcome(code) == REFUSED:
+                        refused.add(id(e))
+
+        for start in range(0, len(items), 16):
+            if time.monotonic() >= deadline:
+                return done, failed
+            lease = self.local.lease(items[start:start + 16], 60_000)
+            try:
+                # Evicted meanwhile: already handed to the writer as copies (left out of the lease).
+                write(list(lease.entries), None)
             finally:
                 self.local.release([lease.lease_id])
-            flushed += ok
-            dropped += failed
-            nbytes += sum(e.size for e in batch if e.pooled)
-        # Drain the write-through backlog as well, within the same deadline.
-        while self.pending_bytes > 0 and time.time() < deadline:
-            time.sleep(0.01)
-        return flushed, nbytes, dropped
+        pairs = list(copies.items())
+        for start in range(0, len(pairs), 16):
+            if time.monotonic() >= deadline:
+                break
+            write([e for e, _ in pairs[start:start + 16]], [c for _, c in pairs[start:start + 16]])
+        return done, failed
 
     def PublishPrefill(self, request: spb.PublishPrefillRequest,
                        context: grpc.ServicerContext) -> spb.PublishPrefillReply:
@@ -1002,8 +1094,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bound of the queue copying blocks found at a previous owner to the new one "
                          "(default: an eighth of the local tier; 0: off)")
     ap.add_argument("--pool-write-retries", type=int, default=10,
-                    help="retries of a write-through block whose pool write failed for a passing reason "
-                         "(with doubling delays), after which it is counted as dropped and stays local-only")
+                    help="retries of a write-through block or an evicted object's copy whose pool write failed "
+                         "for a passing reason (with doubling delays), after which it is counted as dropped "
+                         "(a block stays local-only, a copy is lost)")
     ap.add_argument("--max-registered-bytes", type=parse_bytes, default=1 << 40,
                     help="client memory (Client.alloc_buffer) mapped at most, over all clients; a "
                          "registration beyond it is refused and that client reads through the arena")

@@ -5,13 +5,17 @@ and a read that follows a match drops the match's pins at the store nodes in its
 from __future__ import annotations
 
 import random
+import signal
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvpool.keys import KEY_BYTES
+from kvpool.local import LocalCluster
 from kvpool.proto import store_pb2 as pb
 from kvpool.ring import owners
+from kvpool.sidecar.pool import Pool
 from kvpool.store_client import StoreClient
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -120,6 +124,55 @@ def test_a_released_match_that_no_frame_follows_still_drops_its_pins(cluster: An
             with StoreClient(address) as node:
                 h.wait_for(lambda node=node, ks=ks: pb.IN_FLIGHT not in node.remove(ks),  # type: ignore[misc]
                            timeout=30, what="the deferred drop to be flushed")  # < the 60 s lease
+
+
+def _pins_go(h: Any, lc: Any, keys: list[bytes], what: str) -> None:
+    """Wait until no key of ``keys`` is pinned at its node any more (then they are removed)."""
+    for address, ks in _by_node(lc, keys).items():
+        with StoreClient(address) as node:
+            h.wait_for(lambda node=node, ks=ks: pb.IN_FLIGHT not in node.remove(ks),
+                       timeout=30, what=what)  # < the 60 s lease
+
+
+def _pooled_keys(lc: LocalCluster, h: Any, rng: random.Random, n: int) -> list[bytes]:
+    with lc.connect(0) as a:
+        keys: list[bytes] = h.keys(rng, n)
+        assert a.put(keys, h.values(rng, [4 * KiB] * n)) == [pb.OK] * n
+        _settled(h, a)
+    return keys
+
+
+def test_closing_the_pool_sends_the_match_lease_drops_it_deferred(shared: LocalCluster, h: Any,
+                                                                   rng: random.Random) -> None:
+    """A match released just before the pool closes: its drops wait for frames to their nodes
+    that will never come; :meth:`Pool.close` sends them, so the pins do not outlive the sidecar
+    until their leases (a minute here) run out."""
+    keys = _pooled_keys(shared, h, rng, 8)
+    pool = Pool(shared.stores)
+    try:
+        m = pool.match(np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}"), lease_ms=60_000)
+        assert m.prefix == 8 and len(m.leases) == len(_by_node(shared, keys))
+        pool.release(m.leases)
+        assert pool.releases_sent == 0  # deferred: each waits for the next frame to its node
+    finally:
+        pool.close()
+    _pins_go(h, shared, keys, "the deferred drops sent at close")
+
+
+def test_a_sidecar_stopped_right_after_a_release_drops_the_pool_pins(shared: LocalCluster, h: Any,
+                                                                     rng: random.Random) -> None:
+    """The same through a sidecar process: SIGTERM right after the client released its match, before
+    the background loop sent the deferred drops (it waits half a second for a frame to carry them)."""
+    keys = _pooled_keys(shared, h, rng, 8)
+    w = shared.sidecars.index(shared.add_sidecar())
+    with shared.connect(w) as b:
+        n, lease = b.match_lease(keys, lease_ms=60_000)
+        assert n == 8
+        b.release(lease)
+    proc = shared.sidecar_procs[w]
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=60) == 0
+    _pins_go(h, shared, keys, "the deferred drops sent at the sidecar's close")
 
 
 def test_ranged_reads_of_nodes_without_the_session_are_unsupported(module_cluster: Any, h: Any,

@@ -1,16 +1,22 @@
 """What exists only in a sidecar reaches the pool: state objects and write-back blocks are
-flushed on SIGTERM (and write-back blocks on local eviction), so another sidecar then hits them."""
+flushed on SIGTERM (and write-back blocks on local eviction), so another sidecar then hits them.
+The flush tries a write that failed for a passing reason again until its deadline."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import re
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 from kvpool.keys import KeySpace
 from kvpool.local import LocalCluster, Proc
 from kvpool.proto import store_pb2 as pb
+from kvpool.ring import owners
+from kvpool.store_client import StoreClient
 
 KiB, MiB = 1 << 10, 1 << 20
 B = 128
@@ -19,7 +25,12 @@ B = 128
 def _sigterm(proc: Proc) -> dict[str, int]:
     """SIGTERM a sidecar, expect a clean exit and return its FLUSHED line's numbers."""
     proc.popen.send_signal(signal.SIGTERM)
-    assert proc.popen.wait(timeout=60) == 0
+    return _flushed(proc)
+
+
+def _flushed(proc: Proc) -> dict[str, int]:
+    """A stopping sidecar's FLUSHED line's numbers, once it has exited cleanly."""
+    assert proc.popen.wait(timeout=90) == 0
     assert proc.reader is not None
     proc.reader.join(timeout=10)
     lines = [ln for ln in proc.lines if ln.startswith("FLUSHED")]
@@ -102,3 +113,94 @@ def test_write_back_reaches_the_pool_on_eviction_and_on_sigterm(shared: LocalClu
         for i in range(0, len(keys), 16):  # batches that fit b's 1 MiB tier
             with b.get(keys[i:i + 16]) as got:
                 assert [bytes(v) for v in got] == [v for _, v in written[i:i + 16]]
+
+
+def _logged_or_gone(proc: Proc, text: str) -> bool:
+    """Whether ``proc`` has logged ``text`` (on stderr) or exited."""
+    with open(proc.log_path) as f:
+        return text in f.read() or proc.popen.poll() is not None
+
+
+def test_sigterm_flush_waits_out_a_store_node_stopped_for_a_moment(h: Any, rng: random.Random) -> None:
+    with LocalCluster(stores=1, sidecars=1, store_bytes=64 * MiB, local_bytes=16 * MiB, write_back=True,
+                      drain_seconds=60) as lc:
+        keys, values = h.keys(rng, 8), h.values(rng, [16 * KiB] * 8)
+        state = rng.randbytes(200 * KiB)
+        with lc.connect(0) as a:
+            assert a.put(keys, values) == [pb.OK] * 8  # write-back: local-only until the flush
+            assert a.put_state(keys[3], 4 * B, state) == pb.OK
+        proc, store = lc.sidecar_procs[0], lc.store_pids[0]
+        os.kill(store, signal.SIGSTOP)
+        try:
+            proc.popen.send_signal(signal.SIGTERM)
+            # The flush's first write times out at the stopped node (a passing failure) ...
+            h.wait_for(lambda: _logged_or_gone(proc, "unreachable"), timeout=60, what="the failed first write")
+        finally:
+            os.kill(store, signal.SIGCONT)
+        # ... and is tried again until the node answers, well before the drain deadline.
+        assert _flushed(proc) == {"objects": 9, "bytes": 8 * 16 * KiB + len(state), "dropped": 0}
+        assert _stored(lc, keys) == values and _stored(lc, [keys[3]], pb.STATE) == [state]
+
+
+@contextlib.contextmanager
+def _held(lc: LocalCluster, key: bytes, size: int) -> Iterator[None]:
+    """Another writer's reservation of ``key`` at its owner (a PutStart never committed), let go
+    on leaving."""
+    with StoreClient(lc.stores[owners(key, lc.store_ids)[0, 0]]) as other:
+        start = other.stub.PutStart(pb.PutStartRequest(keys=key, sizes=[size], timeout_ms=120_000), timeout=10)
+        assert list(start.codes) == [pb.OK]
+        try:
+            yield
+        finally:
+            other.stub.PutRevoke(pb.PutRevokeRequest(reservation_id=start.reservation_id), timeout=10)
+
+
+def _stored(lc: LocalCluster, keys: list[bytes], kind: int = pb.BLOCK) -> list[bytes | None]:
+    """What the owners of ``keys`` hold for them (None: nothing)."""
+    out: list[bytes | None] = []
+    for key in keys:
+        with StoreClient(lc.stores[owners(key, lc.store_ids)[0, 0]]) as node:
+            out += [bytes(v) if v is not None else None for v in node.get([key], kind)]
+    return out
+
+
+def _stop_once_retrying(h: Any, proc: Proc) -> None:
+    """SIGTERM a sidecar and wait until its flush has met a passing failure (or it exited)."""
+    proc.popen.send_signal(signal.SIGTERM)
+    h.wait_for(lambda: _logged_or_gone(proc, "trying again until the deadline"), timeout=60,
+               what="the flush's first round")
+
+
+def test_sigterm_flush_retries_an_object_another_writer_holds_until_it_lets_go(
+        shared: LocalCluster, h: Any, rng: random.Random) -> None:
+    lc = shared
+    w = lc.sidecars.index(lc.add_sidecar(extra_args=["--write-back", "--drain-seconds", "60"]))
+    proc = lc.sidecar_procs[w]
+    [key], [value] = h.keys(rng, 1), h.values(rng, [32 * KiB])
+    with _held(lc, key, len(value)):
+        with lc.connect(w) as a:
+            assert a.put([key], [value]) == [pb.OK]  # write-back: local-only until the flush
+        # The flush's write meets the reservation (IN_FLIGHT, a passing failure) ...
+        _stop_once_retrying(h, proc)
+    # ... and its next round, after the other writer let go, writes the block.
+    assert _flushed(proc) == {"objects": 1, "bytes": len(value), "dropped": 0}
+    assert _stored(lc, [key]) == [value]
+
+
+def test_sigterm_flush_writes_the_evicted_copies_waiting_for_a_retry(
+        shared: LocalCluster, h: Any, rng: random.Random) -> None:
+    """An evicted block's copy waiting out its retry's backoff is written by the flush, not lost."""
+    lc = shared
+    w = lc.sidecars.index(lc.add_sidecar(local_bytes=MiB, extra_args=["--write-back", "--drain-seconds", "60"]))
+    proc = lc.sidecar_procs[w]
+    [key], [value] = h.keys(rng, 1), h.values(rng, [8 * KiB])
+    with _held(lc, key, len(value)):
+        with lc.connect(w) as a:
+            assert a.put([key], [value]) == [pb.OK]
+            for _ in range(6):  # evicts the block: its copy meets the reservation and waits
+                assert a.put(h.keys(rng, 16), h.values(rng, [16 * KiB] * 16)) == [pb.OK] * 16
+            h.wait_for(lambda: a.stats().pending_pool_bytes == len(value), what="the copy waiting for a retry")
+        _stop_once_retrying(h, proc)
+    flushed = _flushed(proc)
+    assert flushed["dropped"] == 0 and flushed["objects"] > 1  # the copy and the blocks still local
+    assert _stored(lc, [key]) == [value]
