@@ -134,7 +134,7 @@ class LocalCluster:
                  local_bytes: int = 64 << 20, ssd_bytes: int = 0, tenants: Sequence[str] | None = None,
                  block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
                  quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None,
-                 handoff: bool = True) -> None:
+                 handoff: bool = True, replication: int = 1) -> None:
         if tenants is not None and len(tenants) != sidecars:
             raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
         self.n_stores, self.n_sidecars = stores, sidecars
@@ -146,6 +146,8 @@ class LocalCluster:
         self.quotas = quotas or {}
         self.store_config = store_config or {}
         self.handoff = handoff
+        self.replication = replication
+        """Copies of each block (the ring's ``replicas``, as ``spec.storage.replication``)."""
         self.admin_token = secrets.token_hex(16)
         self.tokens = {t: secrets.token_hex(16) for t in sorted(set(self.tenant_ids)) if t != "default"}
         self.store_procs: list[Proc] = []
@@ -269,7 +271,7 @@ class LocalCluster:
         return self._register_sidecar(*self._launch_sidecar(tenant, local_bytes, extra_args))
 
     def _ring_pb(self, draining: Sequence[str] = ()) -> pb.Ring:
-        return pb.Ring(epoch=self.epoch, replicas=1, members=[
+        return pb.Ring(epoch=self.epoch, replicas=self.replication, members=[
             pb.RingMember(id=nid, address=addr, state="draining" if nid in draining else "active")
             for nid, addr, p in zip(self.store_ids, self.stores, self.store_procs, strict=True)
             if p.popen.poll() is None])

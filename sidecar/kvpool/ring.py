@@ -156,6 +156,16 @@ class Ring:
             return np.full(n, -1, dtype=np.intp)
         return owners(keys, [m.id for m in act], 1)[:, 0]
 
+    def write_owners(self, keys: Sequence[bytes] | bytes) -> npt.NDArray[np.intp]:
+        """Each key's write owners, the :attr:`replicas` highest-weight active members, primary
+        first (indices into :attr:`active`), shape (n_keys, min(replicas, active)); no columns
+        when no member is active."""
+        act = self.active
+        n = len(keys) // KEY_BYTES if isinstance(keys, bytes) else len(keys)
+        if not act:
+            return np.zeros((n, 0), dtype=np.intp)
+        return owners(keys, [m.id for m in act], self.replicas)
+
     def write_owned(self, member_id: str, keys: Sequence[bytes] | bytes, replicas: int | None = None
                     ) -> npt.NDArray[np.bool_]:
         """Whether ``member_id`` is one of each key's write owners: the ``replicas`` (default

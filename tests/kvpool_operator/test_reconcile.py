@@ -6,6 +6,7 @@ from typing import Any
 from kvpool_operator.drain import NodeDrainStatus
 from kvpool_operator.membership import StorePod
 from kvpool_operator.model import SpecError, parse_tier
+from kvpool_operator.nodes import ring_to_pb
 from kvpool_operator.reconcile import PoolObserved, PoolPlan, plan_pool
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import NodeStats
@@ -220,3 +221,17 @@ def test_a_pool_sets_its_own_unready_grace() -> None:
         ring = body["status"]["ring"]
         plan, _ = _run(body, pods=flapping, sts_replicas=3, stats=stats, now_ms=later)
         assert (plan.status["ring"] == ring) is kept, grace
+
+
+def test_replication_reaches_the_ring_pushed_to_the_nodes() -> None:
+    """spec.storage.replication is the ring's replicas, in status and in the SetRing message;
+    changing it is a new epoch (the nodes and sidecars route writes by it)."""
+    body = pool_body(storage={"replicas": 3, "replication": 2})
+    _, body = _run(body)
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
+    assert plan.ring is not None and plan.ring.replicas == 2 and body["status"]["ring"]["replicas"] == 2
+    assert ring_to_pb(plan.ring).replicas == 2 and len(plan.push_ring) == 3
+    body["spec"]["storage"]["replication"] = 3
+    again, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, epoch=plan.ring.epoch))
+    assert again.ring is not None and again.ring.epoch == plan.ring.epoch + 1 and again.ring.replicas == 3
+    assert len(again.push_ring) == 3

@@ -94,14 +94,60 @@ def group_by_owner(own: npt.NDArray[Any], ids: Sequence[str]) -> Routes:
     return out
 
 
+def write_routes(key_blob: bytes, ids: Sequence[str], replicas: int) -> Routes:
+    """Node id → ascending indices of the keys it is one of the ``replicas`` write owners of
+    (the highest-weight ``ids``): one batched write per node (pure).  A key's owners are
+    distinct nodes, so a node lists a key at most once."""
+    n = len(key_blob) // KEY_BYTES
+    if n == 0 or not ids:
+        return {}
+    own = owners(key_blob, ids, replicas)
+    r = own.shape[1]
+    if r == 1:
+        return group_by_owner(own[:, 0], ids)
+    # Row-major: the owners of key i sit at i*r .. i*r + r - 1, so position // r is the key and
+    # the positions a node gets are ascending, hence so are its keys.
+    return {nid: pos // r for nid, pos in group_by_owner(own.ravel(), ids).items()}
+
+
+_HELD = (pb.OK, pb.ALREADY_EXISTS)
+
+
+def merge_replica_codes(per_owner: Sequence[Sequence[int]]) -> list[int]:
+    """One code per item of a write sent to each of its owners (``per_owner[i]``: the codes of
+    item i's owners; UNREACHABLE where an owner was not asked or did not answer).
+
+    The rule: an item is pooled (OK, or ALREADY_EXISTS when no owner took new bytes) when every
+    owner that answered holds it and at least one did; an owner that is down does not hold a
+    write back (the engine keeps writing while a node is lost: that is what the replicas are
+    for).  An owner that answered with a refusal decides the item's code (the first such owner),
+    so the writer retries or gives up on it as for an unreplicated write: a retry asks every
+    owner again, and those that hold the object answer ALREADY_EXISTS before any byte is sent.
+    No owner answered: UNREACHABLE.  Pure."""
+    out: list[int] = []
+    for codes in per_owner:
+        refused = next((c for c in codes if c != UNREACHABLE and c not in _HELD), None)
+        if refused is not None:
+            out.append(refused)
+        elif pb.OK in codes:
+            out.append(pb.OK)
+        elif pb.ALREADY_EXISTS in codes:
+            out.append(pb.ALREADY_EXISTS)
+        else:
+            out.append(UNREACHABLE)
+    return out
+
+
 def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | Sequence[Ring] | None = None,
-                    ranks: int = 0) -> list[Routes]:
+                    ranks: int = 0, replicated: bool = True) -> list[Routes]:
     """Where else a read looks for keys missing at their active owner, in order (DESIGN §6).
 
     1. The owner among active + draining members: a draining node still holds what it has not
        pushed yet.
-    2. During a ring transition (``ranks`` > 0): the 2nd, 3rd, ... highest-weight active members.
-       Rendezvous hashing moves a key only to a node that joined, so an object written before
+    2. The 2nd, 3rd, ... highest-weight active members: always the ring's other replicas
+       (``ring.replicas`` - 1 of them, for ``replicated`` objects: blocks, not the single-copy
+       state objects), and during a ring transition ``ranks`` of them.  Rendezvous hashing
+       moves a key only to a node that joined, so an object written before
        one or more scale-ups lives at the first node in weight order that existed then, even
        when this sidecar never saw the intermediate epochs.
     3. The active owner under each earlier ring epoch (``previous``, newest first): covers
@@ -114,6 +160,8 @@ def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | Sequence[Ring]
     if n == 0 or not active:
         return []
     history = [previous] if isinstance(previous, Ring) else list(previous or ())
+    if replicated:
+        ranks = max(ranks, ring.replicas - 1)
     ranks = max(0, min(ranks, len(active) - 1))
     ranked = owners(key_blob, active, ranks + 1)
     asked = [np.array(active, dtype=object)[ranked[:, 0]]]
@@ -297,15 +345,19 @@ class Pool:
             return {}
         return group_by_owner(owners(key_array.tobytes(), ids)[:, 0], ids)
 
-    def fallbacks(self, key_array: npt.NDArray[Any]) -> list[Routes]:
-        """Fallback routes for keys missing at their owner (see :func:`fallback_routes`)."""
+    def fallbacks(self, key_array: npt.NDArray[Any], kind: int = pb.BLOCK) -> list[Routes]:
+        """Fallback routes for keys missing at their owner (see :func:`fallback_routes`): the
+        ring's other replicas of a block, a draining member, and during a transition the
+        owners of earlier epochs."""
         with self.lock:
             ring, history = self.ring, list(self.history)
         if len(key_array) == 0:
             return []
+        replicated = kind == pb.BLOCK
         if time.monotonic() >= self._transition_until:
-            return fallback_routes(key_array.tobytes(), ring)  # draining members only
-        return fallback_routes(key_array.tobytes(), ring, history, self.fallback_ranks)
+            # Draining members and the other replicas only.
+            return fallback_routes(key_array.tobytes(), ring, replicated=replicated)
+        return fallback_routes(key_array.tobytes(), ring, history, self.fallback_ranks, replicated)
 
     @property
     def in_transition(self) -> bool:
@@ -427,7 +479,7 @@ class Pool:
                     got = reply.present
                     present[idx[:len(got)][got[:len(idx)]]] = True
             if fbs is None:
-                fbs = self.fallbacks(key_array) if not present.all() else []
+                fbs = self.fallbacks(key_array, kind) if not present.all() else []
                 rounds.extend(fbs)
         return present
 
@@ -542,34 +594,52 @@ class Pool:
     def put(self, keys: list[bytes], views: list[memoryview], checksums: list[int], traffic_class: str,
             kind: int) -> list[int]:
         """Write-through of a batch to the owners, concurrently; per-item codes (UNREACHABLE
-        where the owner could not be asked)."""
-        key_array = np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}")
-        routes = self.route(key_array)
-        codes = [UNREACHABLE] * len(keys)
+        where the owner could not be asked).  With replication R a block goes to each of its R
+        owners, one batched call per node, all concurrently, and its code is the outcome over
+        them (:func:`merge_replica_codes`); a state object keeps one copy, at its primary."""
+        ring = self.ring
+        if ring.replicas <= 1 or kind != pb.BLOCK:
+            key_array = np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}")
+            codes = [UNREACHABLE] * len(keys)
+            for _, idx, got in self._put_each(self.route(key_array), keys, views, checksums, traffic_class, kind):
+                for i, c in zip(idx.tolist(), got, strict=True):
+                    codes[i] = c
+            return codes
+        with self.lock:
+            ids = list(self._active_ids)
+        per_owner: list[list[int]] = [[] for _ in keys]
+        routes = write_routes(b"".join(keys), ids, ring.replicas)
+        for _, idx, got in self._put_each(routes, keys, views, checksums, traffic_class, kind):
+            for i, c in zip(idx.tolist(), got, strict=True):
+                per_owner[i].append(c)
+        return merge_replica_codes(per_owner)
 
-        def one(nid: str, idx: npt.NDArray[np.intp]) -> None:
+    def _put_each(self, routes: Routes, keys: list[bytes], views: list[memoryview], checksums: list[int],
+                  traffic_class: str, kind: int) -> list[tuple[str, npt.NDArray[np.intp], list[int]]]:
+        """One batched put per node of ``routes``, concurrently; (node, indices, per-item codes),
+        UNREACHABLE for a node that is down or failed."""
+
+        def one(nid: str, idx: npt.NDArray[np.intp]) -> tuple[str, npt.NDArray[np.intp], list[int]]:
+            unreachable = (nid, idx, [UNREACHABLE] * len(idx))
             node = self._up(nid)
             if node is None:
-                return
+                return unreachable
             ii = idx.tolist()
             try:
                 res = node.client.put([keys[i] for i in ii], [views[i] for i in ii], traffic_class, kind,
                                       epoch=self.ring.epoch, checksums=[checksums[i] for i in ii])
             except (errors.KvpoolError, OSError, RuntimeError) as exc:
                 self._failed(node, exc)
-                return
+                return unreachable
             # A node at a newer epoch refuses what it no longer owns (WRONG_OWNER): the caller's
             # catch_up learns that ring from this answer and sends those items again.
             self._note_epoch(node.client.epoch_seen)
-            for i, c in zip(ii, res, strict=True):
-                codes[i] = c
+            return nid, idx, list(res)
 
         items = list(routes.items())
         if len(items) == 1:
-            one(*items[0])
-        else:
-            list(self._executor.map(lambda kv: one(*kv), items))
-        return codes
+            return [one(*items[0])]
+        return list(self._executor.map(lambda kv: one(*kv), items))
 
     def close(self, timeout: float = 2.0) -> None:
         """Drop the match leases still deferred (else their pins hold objects at the nodes until

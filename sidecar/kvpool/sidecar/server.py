@@ -427,7 +427,7 @@ class Sidecar(spbg.SidecarServicer):
             still = np.array([found[i] is None for i in todo], dtype=bool)
         if still.any():
             before = still
-            for routes in self.pool.fallbacks(sub):
+            for routes in self.pool.fallbacks(sub, kind):
                 routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
                 total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
                 still = np.array([found[i] is None for i in todo], dtype=bool)
@@ -612,7 +612,7 @@ class Sidecar(spbg.SidecarServicer):
                 if missing() and self.pool.catch_up(epoch):
                     round_(self.pool.route(sub))
                 if missing():
-                    for routes in self.pool.fallbacks(sub):
+                    for routes in self.pool.fallbacks(sub, kind):
                         round_(routes)
                         if not missing():
                             break

@@ -11,66 +11,104 @@ so the objects land in the same tenant partition at the new owner.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+
+import numpy as np
 
 from ..proto import store_pb2 as pb
 from ..ring import Ring
 from .node import Entry, StoreNode
-from .push import Targets, batch_cap, batches, pace_delay, push_batch
+from .push import Targets, batch_cap, batches, pace_delay, push_batch, replica_pushes
 
 log = logging.getLogger("kvpool.store.drain")
 
 
 def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_second: int = 0) -> None:
-    """Push every object, hottest first, in batches to its owner in ``ring`` (the thread behind
-    the ``Drain`` RPC); ``progress`` is the service's ``DrainProgress``, updated per batch."""
+    """Push every object, hottest first, in batches to its owners in ``ring`` (the thread behind
+    the ``Drain`` RPC); ``progress`` is the service's ``DrainProgress``, updated per batch.
+
+    With replication R a block goes to each of its R owners under ``ring`` (most of them hold it
+    already, as the other replicas: the put asks first, so they cost a round trip in a batch and
+    no bytes); a state object keeps one copy, at its primary.  An object counts as moved when at
+    least one of its owners holds it afterwards, as dropped when none does.  A newer ``Drain``
+    supersedes this one (``progress.stop`` is set): it stops before its next batch and leaves
+    what it did not push to the newer drain, uncounted."""
     p = progress  # DrainProgress; typed loosely to avoid an import cycle with the service
+    stop: threading.Event = p.stop  # type: ignore[attr-defined]
     deadline = p.deadline_unix_ms / 1000.0  # type: ignore[attr-defined]
     started = time.monotonic()
     active = ring.active
     objects = list(node.objects_hottest_first())
     p.remaining_objects = len(objects)  # type: ignore[attr-defined]
-    plan: list[tuple[int, list[Entry]]] = [(-1, objects)]  # until routed, everything is left
-    done = 0  # plan[:done] was handled, the rest is left
+    tally = _Tally({id(e): 0 for e in objects})
     with Targets(node) as targets:
         try:
             if not active:
                 raise RuntimeError("no active member to drain to")
-            owners = ring.owners_of(b"".join(e.key for e in objects)).tolist() if objects else []
-            plan = batches(objects, owners, max_bytes=batch_cap(max_bytes_per_second))
+            own = ring.write_owners(b"".join(e.key for e in objects)) if objects else np.zeros((0, 1), np.intp)
+            objs, tgts = replica_pushes(own, [e.kind != pb.BLOCK for e in objects])
+            for i in objs:
+                tally.left[id(objects[i])] += 1
+            plan = batches([objects[i] for i in objs], tgts, max_bytes=batch_cap(max_bytes_per_second))
             for tgt, batch in plan:
                 wait = pace_delay(p.moved_bytes + p.dropped_bytes,  # type: ignore[attr-defined]
                                   time.monotonic() - started, max_bytes_per_second)
                 if wait > 0:
-                    time.sleep(min(wait, max(0.0, deadline - time.time())))
-                if time.time() >= deadline:
+                    stop.wait(min(wait, max(0.0, deadline - time.time())))
+                if stop.is_set() or time.time() >= deadline:
                     break
                 client = targets.client(active[int(tgt)].address, batch[0].tenant)
                 codes = push_batch(node, client, batch, ring.epoch) if client is not None else {}
-                _count(p, batch, codes)
-                done += 1
+                tally.count(p, batch, codes)
         except Exception:
             log.exception("drain failed")
         finally:
-            # Whatever is left when the deadline hits is dropped: count it, never hide it.
-            left = [e for _, batch in plan[done:] for e in batch]
-            if left:
-                p.dropped_objects += len(left)  # type: ignore[attr-defined]
-                p.dropped_bytes += sum(e.size for e in left)  # type: ignore[attr-defined]
-                p.remaining_objects = 0  # type: ignore[attr-defined]
-            p.state = "done"  # type: ignore[attr-defined]
+            if stop.is_set():
+                p.state = "superseded"  # type: ignore[attr-defined]
+            else:
+                # Whatever is left when the deadline hits is dropped (unless an owner has it
+                # already): count it, never hide it.
+                tally.finish(p, [e for e in objects if id(e) not in tally.finished])
+                p.state = "done"  # type: ignore[attr-defined]
+    if stop.is_set():
+        log.info("drain of epoch %d superseded by a newer one", ring.epoch)
+        return
     log.info("drain done: moved %d objects (%d bytes), dropped %d", p.moved_objects,  # type: ignore[attr-defined]
              p.moved_bytes, p.dropped_objects)  # type: ignore[attr-defined]
 
 
-def _count(p: object, batch: list[Entry], codes: dict[int, int]) -> None:
-    """Add one batch's outcome to the progress: there now (OK, or ALREADY_EXISTS: nothing was
-    sent) is moved; not read here, refused or failed at the target is dropped."""
-    for e in batch:
-        if codes.get(id(e), -1) in (pb.OK, pb.ALREADY_EXISTS):
-            p.moved_objects += 1  # type: ignore[attr-defined]
-            p.moved_bytes += e.size  # type: ignore[attr-defined]
-        else:
-            p.dropped_objects += 1  # type: ignore[attr-defined]
-            p.dropped_bytes += e.size  # type: ignore[attr-defined]
-        p.remaining_objects -= 1  # type: ignore[attr-defined]
+class _Tally:
+    """Per-object outcome of a drain whose objects go to one or more owners each."""
+
+    def __init__(self, left: dict[int, int]) -> None:
+        self.left = left
+        """id(entry) -> pushes of it not done yet."""
+        self.held: set[int] = set()
+        """id(entry) of objects an owner holds now."""
+        self.finished: set[int] = set()
+        """id(entry) of objects counted in the progress."""
+
+    def count(self, p: object, batch: list[Entry], codes: dict[int, int]) -> None:
+        """Add one batch's outcome: an owner has it now (OK, or ALREADY_EXISTS: nothing was
+        sent) or not (not read here, refused or failed at the target); an object is counted, as
+        moved or dropped, with its last push."""
+        for e in batch:
+            k = id(e)
+            if codes.get(k, -1) in (pb.OK, pb.ALREADY_EXISTS):
+                self.held.add(k)
+            self.left[k] -= 1
+            if self.left[k] <= 0:
+                self.finish(p, [e])
+
+    def finish(self, p: object, entries: list[Entry]) -> None:
+        """Count ``entries`` as moved (an owner holds each) or dropped."""
+        for e in entries:
+            self.finished.add(id(e))
+            if id(e) in self.held:
+                p.moved_objects += 1  # type: ignore[attr-defined]
+                p.moved_bytes += e.size  # type: ignore[attr-defined]
+            else:
+                p.dropped_objects += 1  # type: ignore[attr-defined]
+                p.dropped_bytes += e.size  # type: ignore[attr-defined]
+            p.remaining_objects -= 1  # type: ignore[attr-defined]

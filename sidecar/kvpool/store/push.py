@@ -15,6 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ..store_client import StoreClient
 from ..transfer import TransferEngine
 from .node import DEFAULT_TENANT, Entry, StoreNode
@@ -92,6 +95,21 @@ def batches(entries: Sequence[Any], targets: Sequence[int], max_objects: int = B
             out.append((done.group[0], done.objects))
     out.extend((b.group[0], b.objects) for b in started)
     return out
+
+
+def replica_pushes(own: npt.NDArray[np.intp], single_copy: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """The pushes of objects given hottest first, each to every one of its owners (``own[i]``:
+    object i's owners, primary first, as :meth:`Ring.write_owners`), a single-copy object (a
+    state object) to its primary only: (object index, target) pairs, in the objects' order
+    and an object's owners next to each other, for :func:`batches` (pure)."""
+    objs: list[int] = []
+    tgts: list[int] = []
+    r = own.shape[1] if own.ndim == 2 else 0
+    for i, row in enumerate(own.tolist()):
+        for t in row[:1] if single_copy[i] else row[:r]:
+            objs.append(i)
+            tgts.append(t)
+    return objs, tgts
 
 
 def push_batch(node: StoreNode, client: StoreClient, batch: Sequence[Entry], epoch: int) -> dict[int, int]:

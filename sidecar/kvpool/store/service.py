@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -69,9 +69,11 @@ class DrainProgress:
     remaining_objects: int = 0
     deadline_unix_ms: int = 0
     epoch: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set when a newer drain supersedes this one: its thread stops before its next batch."""
 
     def to_pb(self) -> pb.DrainStatus:
-        return pb.DrainStatus(**self.__dict__)
+        return pb.DrainStatus(**{k: v for k, v in self.__dict__.items() if k != "stop"})
 
 
 @dataclass
@@ -102,6 +104,7 @@ class StoreService(pbg.StoreServicer):
                                     shm_path=node.dram.path)
         self.drain = DrainProgress()
         self._drain_thread: threading.Thread | None = None
+        self._drain_lock = threading.Lock()  # one Drain call at a time decides which drain runs
         self.warm = WarmProgress()
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -241,17 +244,25 @@ class StoreService(pbg.StoreServicer):
         self._admin(context)
         ring = self._call(context, lambda: ring_from_pb(request.ring))
         self.node.set_ring(ring)
-        if self.drain.state == "running" and self.drain.epoch == ring.epoch:
-            return self.drain.to_pb()  # idempotent: the operator may call again after a restart
-        if self.drain.state == "done" and self.drain.epoch == ring.epoch:
+        with self._drain_lock:
+            if ring.epoch <= self.drain.epoch and self.drain.state != "idle":
+                # Idempotent (the operator may call again after a restart), and a call for an
+                # older epoch than the drain at hand (a late retry) changes nothing.
+                return self.drain.to_pb()
+            # A newer epoch supersedes a drain still running by its older ring: it stops before
+            # its next batch, and the new one starts once it has (never two pushers at once).
+            before, before_thread = self.drain, self._drain_thread
+            before.stop.set()
+            self.drain = DrainProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
+            from .drain import run_drain  # the pusher needs the store client (a module cycle otherwise)
+
+            def run(progress: DrainProgress) -> None:
+                if before_thread is not None:
+                    before_thread.join()
+                run_drain(self.node, ring, progress, request.max_bytes_per_second)
+            self._drain_thread = threading.Thread(target=run, args=(self.drain,), name="drain", daemon=True)
+            self._drain_thread.start()
             return self.drain.to_pb()
-        self.drain = DrainProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
-        from .drain import run_drain  # the pusher needs the store client (a module cycle otherwise)
-        self._drain_thread = threading.Thread(
-            target=run_drain, args=(self.node, ring, self.drain, request.max_bytes_per_second), name="drain",
-            daemon=True)
-        self._drain_thread.start()
-        return self.drain.to_pb()
 
     def GetDrainStatus(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DrainStatus:
         return self.drain.to_pb()

@@ -26,32 +26,62 @@ import numpy.typing as npt
 
 from ..keys import KEY_BYTES
 from ..proto import store_pb2 as pb
-from ..ring import Ring
+from ..ring import Ring, owners
 from .node import StoreNode
 from .push import Targets, batch_cap, batches, pace_delay, push_batch
 
 log = logging.getLogger("kvpool.store.warm")
 
 
+def warm_targets(key_blob: bytes, ring: Ring, added: Collection[str], holder: str = "") -> npt.NDArray[np.intp]:
+    """Where ``holder`` pushes each of its objects: per key, its write owners under ``ring``
+    (indices into the active members, primary first) that are among ``added``, -1 elsewhere;
+    shape (n_keys, min(ring.replicas, active)) (pure).
+
+    With replication R an object lives at R previous owners, and all of them would push it to
+    the same new owner; only the first of them in weight order does (the previous owners are
+    the R highest-weight members that were not added, rendezvous weights being fixed per key
+    and member).  A holder that was not a previous owner (a copy left from an earlier epoch)
+    pushes, as with R=1 every holder does.
+    """
+    n = len(key_blob) // KEY_BYTES
+    active = [m.id for m in ring.active]
+    joined = [j for j, mid in enumerate(active) if mid in set(added)]
+    r = max(1, min(ring.replicas, len(active)))
+    if n == 0 or not active or not joined:
+        return np.full((n, r if active else 0), -1, dtype=np.intp)
+    if r == 1:
+        top = ring.owners_of(key_blob)[:, None]
+        return np.where(np.isin(top, joined), top, -1)
+    ranked = owners(key_blob, active, len(active))  # every member, by weight
+    top = ranked[:, :r]
+    targets = np.where(np.isin(top, joined), top, -1)
+    if holder in active:
+        previous = ~np.isin(ranked, joined)
+        rank_before = np.cumsum(previous, axis=1) - 1  # rank among the previous owners
+        at = np.argmax(ranked == active.index(holder), axis=1)
+        mine = rank_before[np.arange(n), at]
+        targets[(mine >= 1) & (mine < r)] = -1  # a previous owner after the first: it pushes
+    return targets
+
+
 def plan_warm(key_blob: bytes, last_access: Sequence[float] | npt.NDArray[Any], sizes: Sequence[int] | npt.NDArray[Any],
               ring: Ring, added: Collection[str], fraction: float = 0.0,
-              owners: npt.NDArray[Any] | None = None) -> npt.NDArray[np.intp]:
+              targets: npt.NDArray[Any] | None = None, holder: str = "") -> npt.NDArray[np.intp]:
     """Indices of the objects to push, hottest (latest ``last_access``) first (pure).
-    ``owners``: ``ring.owners_of(key_blob)`` when the caller has it already.
+    ``targets``: ``warm_targets(key_blob, ring, added, holder)`` when the caller has it already.
 
-    An object moves when its owner among the active members of ``ring`` is one of ``added``.
+    An object moves when one of its owners among the active members of ``ring`` is one of
+    ``added`` (and ``holder`` is the one of its previous owners that pushes it: :func:`warm_targets`).
     ``fraction`` in (0, 1) keeps only the hottest objects whose bytes add up to at most that
     share of the moved bytes (0 or ≥ 1: all of them).
     """
     n = len(key_blob) // KEY_BYTES
-    active = [m.id for m in ring.active]
-    if n == 0 or not active or not added:
+    if n == 0 or not ring.active or not added:
         return np.zeros(0, dtype=np.intp)
-    joined = set(added)
-    targets = [j for j, mid in enumerate(active) if mid in joined]
-    if owners is None:
-        owners = ring.owners_of(key_blob)
-    moved = np.flatnonzero(np.isin(owners, targets))
+    if targets is None:
+        targets = warm_targets(key_blob, ring, added, holder)
+    moved = np.flatnonzero((targets >= 0).any(axis=1))
     if len(moved) == 0:
         return moved.astype(np.intp)
     la = np.asarray(last_access, dtype=np.float64)[moved]
@@ -82,17 +112,21 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
     try:
         if entries:
             blob = b"".join(e.key for e in entries)
-            owner = ring.owners_of(blob)  # once: the plan and the push both route by it
+            # Once: the plan and the push both route by it.
+            target = warm_targets(blob, ring, added, node.node_id)
             order = plan_warm(blob, [e.last_access for e in entries], [e.size for e in entries], ring, added,
-                              fraction, owners=owner)
+                              fraction, targets=target)
         else:
-            order, owner = np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+            order, target = np.zeros(0, dtype=np.intp), np.zeros((0, 1), dtype=np.intp)
         todo = [entries[int(i)] for i in order]
-        p.planned_objects = p.remaining_objects = len(todo)
-        p.planned_bytes = sum(e.size for e in todo)
+        # An object bound for several added owners (R > 1) is one push to each, next to each
+        # other; the progress counts pushes (copies made), which with R=1 are the objects.
+        pushes = [(e, t) for e, row in zip(todo, target[order].tolist(), strict=True) for t in row if t >= 0]
+        p.planned_objects = p.remaining_objects = len(pushes)
+        p.planned_bytes = sum(e.size for e, _ in pushes)
         sent = 0
         cap = batch_cap(max_bytes_per_second)
-        for tgt, batch in batches(todo, [int(owner[i]) for i in order.tolist()], max_bytes=cap):
+        for tgt, batch in batches([e for e, _ in pushes], [t for _, t in pushes], max_bytes=cap):
             if node.ring.epoch > ring.epoch or p.cancelled:
                 break  # a newer ring: its own warm-up plans again
             wait = pace_delay(sent, time.monotonic() - started, max_bytes_per_second)
