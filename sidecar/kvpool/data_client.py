@@ -15,7 +15,6 @@ per-item results are ``store_pb2.Code`` values.
 from __future__ import annotations
 
 import itertools
-import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -62,27 +61,6 @@ def split_parts(n: int, parts: int) -> list[range]:
         end = start + step + (1 if p < extra else 0)
         out.append(range(start, end))
         start = end
-    return out
-
-
-LAND_GROUP_BYTES = int(os.environ.get("KVPOOL_LAND_GROUP", 1 << 62))
-"""Objects of a GET payload are received in groups of about this many bytes, each verified as
-soon as it has landed: the hash then reads bytes still in this core's cache, and it runs while
-the node's next bytes are on their way instead of after the last of them."""
-
-
-def landing_groups(sizes: Sequence[int], group_bytes: int) -> list[range]:
-    """Consecutive objects in groups of at least ``group_bytes`` (the last may be smaller); an
-    object is never cut."""
-    out: list[range] = []
-    start = acc = 0
-    for k, size in enumerate(sizes):
-        acc += size
-        if acc >= group_bytes:
-            out.append(range(start, k + 1))
-            start, acc = k + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
     return out
 
 
@@ -313,14 +291,14 @@ class DataSession:
                 buf = None
             targets.append((i, buf[:part_sizes[j]] if buf is not None else None))
         if all(buf is not None for _, buf in targets):
-            views = [buf for _, buf in targets]
-            for group in landing_groups([v.nbytes for v in views], LAND_GROUP_BYTES):  # type: ignore[union-attr]
-                stream.recv_buffers([views[k] for k in group])  # type: ignore[misc]
-                if verify:
-                    for k in group:
-                        i, buf = targets[k]
-                        if checksum(buf) != sums[i]:  # type: ignore[arg-type]
-                            codes[i] = pb.CHECKSUM
+            # One scatter receive, then the hashes.  Verifying each object as soon as it lands
+            # (while it is in this core's cache, during the node's next bytes) measured no
+            # faster here: 1, 2 and 4 MiB groups all 3.4-3.6 ms per 16 MiB, like the whole.
+            stream.recv_buffers([buf for _, buf in targets])  # type: ignore[misc]
+            if verify:
+                for i, buf in targets:
+                    if checksum(buf) != sums[i]:  # type: ignore[arg-type]
+                        codes[i] = pb.CHECKSUM
             return
         for i, buf in targets:
             if buf is None:

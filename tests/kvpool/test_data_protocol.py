@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.data_client import landing_groups, split_parts
+from kvpool.data_client import split_parts
 from kvpool.proto import store_pb2 as pb
 from kvpool.store import data_protocol as dp
 from kvpool.transfer import protocol as transfer_protocol
@@ -171,15 +171,3 @@ def test_split_parts_cover_every_index_once(n: int, parts: int) -> None:
     assert all(len(r) for r in got) and len(got) <= max(1, parts)
     assert max(map(len, got), default=0) - min(map(len, got), default=0) <= 1
 
-
-@pytest.mark.parametrize("sizes, group, want", [
-    ([], 100, []),
-    ([10] * 5, 25, [range(0, 3), range(3, 5)]),
-    ([100, 1, 1, 100], 50, [range(0, 1), range(1, 4)]),  # an object is never cut
-    ([5] * 4, 1, [range(i, i + 1) for i in range(4)]),
-    ([5] * 4, 1 << 62, [range(0, 4)]),
-])
-def test_landing_groups_cover_every_object_once_in_order(sizes: list[int], group: int, want: list[range]) -> None:
-    got = landing_groups(sizes, group)
-    assert got == want
-    assert [k for g in got for k in g] == list(range(len(sizes)))
