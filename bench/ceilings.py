@@ -179,7 +179,7 @@ def memcpy_rows(ctx: Context) -> list[Row]:
 
 
 def network_rows(ctx: Context) -> list[Row]:
-    """Raw TCP streams (1 and 2 connections), request/response over TCP and unix socket."""
+    """Raw TCP streams (1, 2 and 4 connections), request/response over TCP and unix socket."""
     plan = ctx.plan
     port = free_port()
     uds = str(ctx.work_dir / "ceiling.sock")
@@ -192,7 +192,9 @@ def network_rows(ctx: Context) -> list[Row]:
         src = touched(plan.max_batch_bytes, 7).data
         c1 = [_tcp(port)]
         c2 = [_tcp(port), _tcp(port)]
-        pool = ThreadPoolExecutor(2)
+        # 4 streams: whether more connections than cores raise the ceiling (they do not here).
+        c4 = [_tcp(port) for _ in range(4)]
+        pool = ThreadPoolExecutor(4)
         try:
             def stream(conns: list[_Conn], op: str, total: int) -> Callable[[int], None]:
                 k = len(conns)
@@ -213,7 +215,7 @@ def network_rows(ctx: Context) -> list[Row]:
 
             for v, nb in plan.cells():
                 reps = plan.reps(v, nb)
-                for name, conns in (("tcp_stream_1conn", c1), ("tcp_stream_2conn", c2)):
+                for name, conns in (("tcp_stream_1conn", c1), ("tcp_stream_2conn", c2), ("tcp_stream_4conn", c4)):
                     for op in ("get", "put"):
                         t = timed(stream(conns, op, v * nb), reps, warmup=plan.warmup)
                         rows.append(row_from_times(name, op, v, nb, t,
@@ -244,7 +246,7 @@ def network_rows(ctx: Context) -> list[Row]:
             finally:
                 u.close()
         finally:
-            for c in c1 + c2:
+            for c in c1 + c2 + c4:
                 c.close()
             pool.shutdown()
     return rows

@@ -79,6 +79,12 @@ STORE_RATIOS: dict[str, R] = {
     "mooncake_tcp_get_vs_tcp2_ceiling": ("throughput", ("mooncake_tcp", "get"),
                                          ("tcp_stream_2conn", "get"), "",
                                          "peer context: Mooncake get / 2-stream TCP"),
+    "mooncake_tcp_put_vs_tcp2_ceiling": ("throughput", ("mooncake_tcp", "put"),
+                                         ("tcp_stream_2conn", "put"), "",
+                                         "peer context: Mooncake put / 2-stream TCP (a put target of "
+                                         "2.5x Mooncake is reachable only below 0.4)"),
+    "tcp4_vs_tcp2_get_ceiling": ("throughput", ("tcp_stream_4conn", "get"), ("tcp_stream_2conn", "get"), "",
+                                 "ceiling context: 4 streams / 2 streams on this machine's cores"),
 }
 SIDECAR_RATIOS: dict[str, R] = {
     "local_get_vs_mooncake_shm": ("throughput", ("kvpool_sidecar", "local_get"),
