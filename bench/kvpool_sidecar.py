@@ -9,10 +9,11 @@ and 2 sidecars (A and B):
 - remote_get: keys A put, which B's local tier does not hold, so they come from the store
   nodes, read by `B.get_into` into buffers from `B.alloc_buffer` (registered memory: the store
   nodes' bytes land there directly, the local tier is left as it was — what Mooncake's
-  batch_get_into into its registered buffers does); before each repetition A puts a fresh key
-  set (untimed) and B.match waits until the pool has all of it;
-- remote_get_promote: the same into plain caller buffers: the fetch lands in B's arena
-  (promotion into its local tier) and is copied out;
+  batch_get_into into its registered buffers does); A puts one key set (untimed), B.match waits
+  until the pool has all of it, and every repetition reads it again from the pool (as
+  Mooncake's loop reads the same keys; the note counts the pool and local hits);
+- remote_get_promote: into plain caller buffers: the fetch lands in B's arena (promotion into
+  its local tier) and is copied out, so each repetition reads a fresh key set A put (untimed);
 - remote_get_zero_copy: the same, `B.get` returning views of B's arena, released untimed;
 - remote_get_1node: remote_get (1 MiB x 16) on a second LocalCluster of one store node, the
   storage process count of Mooncake's TCP peer (one segment owner);
@@ -170,25 +171,45 @@ def _read_into(client: Any, keys: list[bytes], outs: list[np.ndarray]) -> int:
     return 0
 
 
+def _pool_hits(client: Any) -> tuple[int, int]:
+    """(pool hits, local hits) the sidecar has counted for its reads so far ((0, 0): unknown)."""
+    if not hasattr(client, "stats"):
+        return 0, 0
+    c = dict(client.stats().counters)
+    return int(c.get("read_hits_pool", 0)), int(c.get("read_hits_local", 0))
+
+
 def _remote_get(plan: Any, a: Any, b: Any, vals: list[Any], src: np.ndarray, dst: np.ndarray,
                 v: int, nb: int, op: str) -> Row:
-    """remote_get: keys A put (a fresh set per repetition, untimed, and B.match waits until the
-    pool has all of it) read by B into caller buffers."""
+    """remote_get: keys A put, read by B from the pool into caller buffers.
+
+    Into registered buffers the read leaves B's local tier as it was, so every repetition reads
+    the same key set from the store nodes, as Mooncake's get loop reads the same keys (A puts
+    it once, untimed, and B.match waits until the pool has all of it).  Into plain buffers a
+    read promotes what it fetched into B's local tier, so each repetition needs a fresh key set
+    (put and waited for, untimed).  The note says how many reads the pool served."""
     outs = [dst[j * v:(j + 1) * v] for j in range(nb)]
-    read_how = "get_into registered buffers" if _is_registered(b, dst) else "get_into"
+    same_keys = _is_registered(b, dst)
+    read_how = "get_into registered buffers" if same_keys else "get_into"
     times: list[float] = []
     failures = 0
     dst[:v * nb].fill(0)
+    pool0, local0 = _pool_hits(b)
+    rkeys: list[bytes] = []
     for i in range(plan.warmup + plan.reps(v, nb)):
-        rkeys = keys32(f"sc-{op}-{v}-{nb}-{i}", nb)
-        a.put(rkeys, vals)
-        _wait_match(b, rkeys)
+        if not same_keys or i == 0:
+            rkeys = keys32(f"sc-{op}-{v}-{nb}-{i}", nb)
+            a.put(rkeys, vals)
+            _wait_match(b, rkeys)
         t0 = time.perf_counter()
         failures += _read_into(b, rkeys, outs)
         dt = time.perf_counter() - t0
         if i >= plan.warmup:
             times.append(dt)
-    note = f"B.{read_how} from the pool" + (f"; {failures} item failures" if failures else "")
+    pool1, local1 = _pool_hits(b)
+    note = (f"B.{read_how} from the pool ({'the same' if same_keys else 'a fresh'} key set each rep; "
+            f"pool hits {pool1 - pool0}, local hits {local1 - local0})"
+            + (f"; {failures} item failures" if failures else ""))
     if not np.array_equal(dst[:v * nb], src[:v * nb]):
         note += "; VERIFY FAILED"
     return row_from_times(SYSTEM, op, v, nb, times, note=note)

@@ -278,7 +278,8 @@ class Client:
     def free_buffer(self, buffer: Buffer) -> None:
         """Give back memory from :meth:`alloc_buffer` (the sidecar unmaps it; arrays of it that
         are still alive keep it mapped here until they go)."""
-        rid = self._region_of(as_bytes_view(buffer))
+        extent = _writable_extent(buffer)
+        rid = self._region_of(*extent) if extent is not None else None
         if rid is None:
             raise errors.InvalidArgument("not a buffer from alloc_buffer of this client")
         with self._lock:
@@ -292,38 +293,41 @@ class Client:
     def is_registered(self, buffer: Buffer) -> bool:
         """Whether ``get_into`` lands pool bytes in ``buffer`` directly (it lies in memory from
         :meth:`alloc_buffer` that the sidecar has not refused)."""
-        view = as_bytes_view(buffer)
-        rid = self._region_of(view)
-        return rid is not None and not view.readonly and rid not in self._unregistrable
+        extent = _writable_extent(buffer)
+        rid = self._region_of(*extent) if extent is not None else None
+        return rid is not None and rid not in self._unregistrable
 
-    def _region_of(self, view: memoryview) -> int | None:
-        """The id of the registered region that holds all of ``view``, or None."""
-        if view.nbytes == 0:
+    def _region_of(self, addr: int, nbytes: int) -> int | None:
+        """The id of the registered region that holds all of ``nbytes`` at ``addr``, or None."""
+        if nbytes == 0:
             return None
-        addr = int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
         starts = self._region_starts
         at = bisect.bisect_right(starts, (addr, 1 << 62)) - 1
         if at < 0:
             return None
         base, rid = starts[at]
         region = self._regions.get(rid)
-        if region is None or addr + view.nbytes > base + region.size:
+        if region is None or addr + nbytes > base + region.size:
             return None
         return rid
 
     def _registered_spans(self, buffers: Sequence[Buffer]) -> np.ndarray | None:
         """READ_INTO targets (region ids, offsets, lengths: u64 × n each) when every buffer lies
-        inside memory from :meth:`alloc_buffer`; None otherwise."""
+        inside memory from :meth:`alloc_buffer`; None otherwise.  About a microsecond a buffer
+        (the read of 16 objects spent ~70 us here when it built two views of each)."""
         n = len(buffers)
-        spans = np.zeros(3 * n, np.uint64)
+        ids, offsets, lengths = [0] * n, [0] * n, [0] * n
+        regions = self._regions
         for i, b in enumerate(buffers):
-            view = as_bytes_view(b)
-            rid = self._region_of(view) if not view.readonly else None
+            extent = _writable_extent(b)
+            if extent is None:
+                return None
+            addr, nbytes = extent
+            rid = self._region_of(addr, nbytes)
             if rid is None or rid in self._unregistrable:
                 return None
-            addr = int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
-            spans[i], spans[n + i], spans[2 * n + i] = rid, addr - self._regions[rid].address, view.nbytes
-        return spans
+            ids[i], offsets[i], lengths[i] = rid, addr - regions[rid].address, nbytes
+        return np.array(ids + offsets + lengths, np.uint64)
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
         """Copy objects into caller buffers; per-item sizes, -1 where absent (no exception).
@@ -716,6 +720,20 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _writable_extent(buffer: Buffer) -> tuple[int, int] | None:
+    """(address, bytes) of a writable contiguous buffer in this process, None for any other."""
+    if isinstance(buffer, np.ndarray):
+        if not (buffer.flags.c_contiguous and buffer.flags.writeable):
+            return None
+        return int(buffer.__array_interface__["data"][0]), int(buffer.nbytes)
+    view = memoryview(buffer)
+    if view.readonly or not view.c_contiguous:
+        return None
+    if view.nbytes == 0:
+        return 0, 0
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0]), view.nbytes
 
 
 def connect(address: str, block_tokens: int = 128, timeout: float = 30.0) -> Client:
