@@ -33,7 +33,8 @@ def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_secon
     no bytes); a state object keeps one copy, at its primary.  An object counts as moved when at
     least one of its owners holds it afterwards, as dropped when none does.  A newer ``Drain``
     supersedes this one (``progress.stop`` is set): it stops before its next batch and leaves
-    what it did not push to the newer drain, uncounted."""
+    what it did not push to the newer drain, uncounted; so does a newer ring that makes this node
+    active again (``progress.stopped_as``: "cancelled")."""
     p = progress  # DrainProgress; typed loosely to avoid an import cycle with the service
     stop: threading.Event = p.stop  # type: ignore[attr-defined]
     deadline = p.deadline_unix_ms / 1000.0  # type: ignore[attr-defined]
@@ -65,14 +66,14 @@ def run_drain(node: StoreNode, ring: Ring, progress: object, max_bytes_per_secon
             log.exception("drain failed")
         finally:
             if stop.is_set():
-                p.state = "superseded"  # type: ignore[attr-defined]
+                p.state = p.stopped_as  # type: ignore[attr-defined]
             else:
                 # Whatever is left when the deadline hits is dropped (unless an owner has it
                 # already): count it, never hide it.
                 tally.finish(p, [e for e in objects if id(e) not in tally.finished])
                 p.state = "done"  # type: ignore[attr-defined]
     if stop.is_set():
-        log.info("drain of epoch %d superseded by a newer one", ring.epoch)
+        log.info("drain of epoch %d stopped: %s", ring.epoch, p.stopped_as)  # type: ignore[attr-defined]
         return
     log.info("drain done: moved %d objects (%d bytes), dropped %d", p.moved_objects,  # type: ignore[attr-defined]
              p.moved_bytes, p.dropped_objects)  # type: ignore[attr-defined]

@@ -70,10 +70,13 @@ class DrainProgress:
     deadline_unix_ms: int = 0
     epoch: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
-    """Set when a newer drain supersedes this one: its thread stops before its next batch."""
+    """Set when a newer drain supersedes this one, or a newer ring makes the node active again
+    (the scale-down was called off): its thread stops before its next batch."""
+    stopped_as: str = "superseded"
+    """The state a stopped drain ends in ("superseded" or "cancelled")."""
 
     def to_pb(self) -> pb.DrainStatus:
-        return pb.DrainStatus(**{k: v for k, v in self.__dict__.items() if k != "stop"})
+        return pb.DrainStatus(**{k: v for k, v in self.__dict__.items() if k not in ("stop", "stopped_as")})
 
 
 @dataclass
@@ -225,7 +228,21 @@ class StoreService(pbg.StoreServicer):
 
     def SetRing(self, request: pb.Ring, context: grpc.ServicerContext) -> pb.Ring:
         self._admin(context)
-        return self._call(context, lambda: ring_to_pb(self.node.set_ring(ring_from_pb(request))))
+        ring = self._call(context, lambda: self.node.set_ring(ring_from_pb(request)))
+        self._cancel_drain_if_active(ring)
+        return ring_to_pb(ring)
+
+    def _cancel_drain_if_active(self, ring: Ring) -> None:
+        """A ring newer than the running drain's in which this node is an active member again
+        calls the scale-down off: the drain stops before its next batch (what it pushed stays,
+        as extra copies).  A ring without the node (removed mid-push) lets the drain go on."""
+        me = ring.member(self.node.node_id)
+        with self._drain_lock:
+            d = self.drain
+            if d.state == "running" and ring.epoch > d.epoch and me is not None and me.state == "active":
+                d.stopped_as = "cancelled"
+                d.stop.set()
+                log.info("drain of epoch %d cancelled: epoch %d makes this node active again", d.epoch, ring.epoch)
 
     def SetTenants(self, request: pb.SetTenantsRequest, context: grpc.ServicerContext) -> pb.Empty:
         self._admin(context)

@@ -132,3 +132,28 @@ def test_a_newer_drain_supersedes_one_still_running(stores: Any, h: Any, rng: ra
     assert late.epoch == 2 and late.state == "done"
     time.sleep(1.0)
     assert at(b) == before and a.client(ADMIN).drain_status().epoch == 2
+
+
+def test_a_ring_that_makes_the_node_active_again_cancels_its_drain(stores: Any, h: Any, rng: random.Random) -> None:
+    """The operator calls a scale-down off by publishing a ring in which the draining node is
+    active again: its drain stops (what it pushed stays, as extra copies), and says so."""
+    spec = {"dram": "32MiB", "admin_token": ADMIN}
+    a, b = stores.start_many({f"store-{n}": spec for n in "ab"}).values()
+    keys = h.rand_keys(rng, 40)
+    assert a.client().put(keys, h.rand_values(rng, [64 * KiB] * len(keys))) == [pb.OK] * len(keys)
+
+    def at(n: Any) -> int:
+        return sum(n.client().exists(keys, prefix_only=False).present)
+
+    deadline = int(time.time() * 1000) + 120_000
+    a.client(ADMIN).drain(_pb_ring(1, [a, b], draining=[a]), deadline, max_bytes_per_second=256 * KiB)
+    h.wait_for(lambda: at(b) > 0, 30, what="the drain's first push")
+    # A ring without the node does not stop it (the operator removes a drained node mid-push).
+    a.client(ADMIN).set_ring(_pb_ring(2, [b]))
+    assert a.client(ADMIN).drain_status().state == "running"
+    a.client(ADMIN).set_ring(_pb_ring(3, [a, b]))
+    h.wait_for(lambda: a.client(ADMIN).drain_status().state == "cancelled", 30, what="the drain to stop")
+    before = at(b)
+    assert before < len(keys)
+    time.sleep(1.5)  # at its pace the drain would push ~6 more objects meanwhile
+    assert at(b) == before and at(a) == len(keys)
