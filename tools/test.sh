@@ -24,6 +24,20 @@ if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
   bash tools/engines.sh || echo "engine venvs: build failed (above); their tests will fail, the rest runs"
   export KVPOOL_REQUIRE_ENGINES=1
 fi
+# The control plane for e2e/ (kube-apiserver, kube-controller-manager, kubectl, etcd, helm from
+# their Go modules): about 20 minutes cold on 2 cores, under a second once cached. Built here,
+# before pytest, so that a cold build does not run inside the first e2e test's 300 s timeout
+# (seen on a fresh machine: every e2e test errored while the build went on). A failed build
+# does not stop the suite: the e2e tests then fail, saying what is missing.
+wants_e2e=0
+[ "$#" -ne 0 ] || wants_e2e=1
+for arg in "$@"; do
+  case "$arg" in e2e*) wants_e2e=1 ;; esac
+done
+if [ "$wants_e2e" -eq 1 ]; then
+  echo "== control plane for e2e (Go builds, cached under ${KVPOOL_CACHE:-~/.cache/kvpool})"
+  "$PY" -m e2e.build >/dev/null || echo "e2e control-plane build failed (above); the e2e tests will fail"
+fi
 echo "== pytest"
 set +e
 if [ "$#" -eq 0 ]; then
