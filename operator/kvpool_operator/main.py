@@ -27,6 +27,11 @@ from .settings import Settings
 
 log = logging.getLogger("kvpool.operator")
 PEERING_CRD = "clusterkopfpeerings.kopf.dev"
+PEERING_LIFETIME_SECONDS = 15
+"""How long a replica's peering record counts as alive.  A replica that replaces a killed one
+of higher priority pauses until the dead one's record expires: with kopf's 60 s, deleting a
+KVTier right after an operator pod was killed waited a minute for its finalizer (seen in CI).
+Live replicas refresh their record 5-10 s before it expires."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--priority", type=int, default=None,
                     help="peering priority (default: random, so that of several replicas exactly one is active "
                          "and the others stand by; kopf freezes replicas of equal priority)")
+    ap.add_argument("--peering-lifetime", type=int, default=PEERING_LIFETIME_SECONDS,
+                    help="seconds a replica's peering record counts as alive: a replica that replaces a "
+                         "killed one of higher priority stands by this long (kopf's default is 60)")
     ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL ('' off)")
     ap.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0 off)")
     return ap
@@ -129,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix="kvpool.io", key="last-handled-configuration")
         settings.persistence.finalizer = "kvpool.io/finalizer"
+        settings.peering.lifetime = args.peering_lifetime
         settings.posting.level = logging.WARNING  # Events come from our own transitions, not kopf's logs
         settings.watching.server_timeout = 300
         settings.execution.max_workers = 32

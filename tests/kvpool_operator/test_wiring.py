@@ -72,6 +72,13 @@ def test_cli_settings() -> None:
         settings_from(build_parser().parse_args(["--default-dram", "lots"]))
 
 
+def test_a_replacement_replica_stands_by_briefly_for_a_killed_one() -> None:
+    """kopf's 60 s peering lifetime kept a replica that replaced a killed operator pod paused for
+    up to a minute (a KVTier deletion waited that long for its finalizer in CI)."""
+    assert build_parser().parse_args([]).peering_lifetime == 15
+    assert build_parser().parse_args(["--peering-lifetime", "30"]).peering_lifetime == 30
+
+
 def test_cli_refuses_incomplete_webhook_flags() -> None:
     from kvpool_operator.main import main
 
