@@ -329,11 +329,7 @@ class Sidecar(spbg.SidecarServicer):
                 codes[i], offsets[i], sizes[i], sums[i] = pb.OK, e.offset, e.size, e.checksum
         moved = sum(sizes)
         fetched = sum(e.size for e, was in zip(found, local_found, strict=True) if e is not None and not was)
-        metrics.record_read(self.cfg.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0, fetched)
-        self.counters["read_blocks"] += n
-        self.counters["read_hits_local"] += local_hits
-        self.counters["read_hits_pool"] += pool_hits
-        self.counters["read_misses"] += n - local_hits - pool_hits
+        self._count_read(n, local_hits, pool_hits, moved, fetched, t0)
         return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0,
                           int(lease.expires * 1000) if lease.entries else 0, local_hits, pool_hits)
 
@@ -393,12 +389,16 @@ class Sidecar(spbg.SidecarServicer):
                         codes[i], sizes[i] = pb.INVALID, land.sizes[i]
         moved = sum(sizes)
         from_pool = moved - sum(src.nbytes for src, _ in pairs)
+        self._count_read(n, local_hits, pool_hits, moved, from_pool, t0)
+        return codes, sizes, local_hits, pool_hits
+
+    def _count_read(self, n: int, local_hits: int, pool_hits: int, moved: int, from_pool: int, t0: float) -> None:
+        """A read's metrics and counters (``moved`` bytes handed over, ``from_pool`` of them fetched)."""
         metrics.record_read(self.cfg.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0, from_pool)
         self.counters["read_blocks"] += n
         self.counters["read_hits_local"] += local_hits
         self.counters["read_hits_pool"] += pool_hits
         self.counters["read_misses"] += n - local_hits - pool_hits
-        return codes, sizes, local_hits, pool_hits
 
     def _fetch_missing(self, keys: list[bytes], arr: np.ndarray, missing: list[int], land: Landing, kind: int,
                        lease_ms: int, drop: dict[str, int]) -> int:
