@@ -103,11 +103,13 @@ class Nodes:
         return drain_status_from_pb(self._call(address, "GetDrainStatus", pb.Empty(), token))
 
     def warm(self, address: str, token: str, ring: Ring, added: Iterable[str], deadline_unix_ms: int,
-             max_bytes_per_second: int = 0, fraction: float = 0.0) -> NodeWarmStatus:
-        """Ask a previous owner to push its hottest objects now owned by ``added`` (idempotent per epoch)."""
+             max_bytes_per_second: int = 0, fraction: float = 0.0, removed: Iterable[str] = ()) -> NodeWarmStatus:
+        """Ask a previous owner to push its hottest objects now owned by ``added``, and the blocks
+        that lost a copy with ``removed`` (left without a drain) to their next owners
+        (idempotent per epoch)."""
         return warm_status_from_pb(self._call(address, "Warm", pb.WarmRequest(
             ring=ring_to_pb(ring), added=list(added), deadline_unix_ms=deadline_unix_ms,
-            max_bytes_per_second=max_bytes_per_second, fraction=fraction), token))
+            max_bytes_per_second=max_bytes_per_second, fraction=fraction, removed=list(removed)), token))
 
     def warm_status(self, address: str, token: str) -> NodeWarmStatus:
         return warm_status_from_pb(self._call(address, "GetWarmStatus", pb.Empty(), token))

@@ -187,10 +187,12 @@ def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> Non
                                                      rate))
         rb, warm = plan.rebalance, plan.warm
         if rb is not None:
-            added, deadline = rb.added, rb.deadline_unix_ms
+            added, removed, deadline = rb.added, rb.removed, rb.deadline_unix_ms
+            # Restoring copies pushes every block that lost one, not the warm-up's hottest share.
+            fraction = 0.0 if removed else warm.fraction
             for m in plan.warm_calls:
                 guarded("Warm", lambda m=m: nodes.warm(m.address, token, ring, added,  # type: ignore[misc]
-                                                       deadline, warm.bytes_per_second, warm.fraction))
+                                                       deadline, warm.bytes_per_second, fraction, removed))
         if plan.policy is not None:
             policy = plan.policy
             _parallel(list(plan.configure), lambda m: guarded(

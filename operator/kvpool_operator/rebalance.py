@@ -1,8 +1,14 @@
-"""Scale-up rebalance as a resumable state machine (issue 8 part 1; DESIGN §6, §8).
+"""Scale-up rebalance and re-replication as one resumable state machine (issue 8 part 1; DESIGN §6, §8).
 
     a ring epoch adds members → WaitingForRing (every member must report that epoch, so the new
     nodes take the writes) → Warming (each previous owner asked to push its hottest blocks now
     owned by the added members, paced, until done or the deadline) → done (``status.lastRebalance``).
+
+    a ring epoch drops active members without a drain (a dead node removed after the unready
+    grace), with replication R ≥ 2 → WaitingForRing → Warming, shown as the condition reason
+    Rereplicating: the surviving members push, with the same Warm job, each block that lost a
+    copy to its owner that was not one before, from its first surviving previous owner.  With
+    R=1 the only copy died with the node (and a state object is single-copy): nothing to restore.
 
 Reads never wait for it: during the transition the sidecars fall back to the previous owners
 and copy what they find over; the push makes the rest of the hot set hit at the new owners.
@@ -70,13 +76,27 @@ class RebalanceState:
     deadline_unix_ms: int
     stage: str = "WaitingForRing"  # WaitingForRing | Warming
     nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    removed: tuple[str, ...] = ()
+    """Active members that left without a drain: the blocks they held get their lost copy back."""
+
+    @property
+    def reason(self) -> str:
+        """The Rebalancing condition's reason: the stage, Rereplicating for a push that restores copies."""
+        return "Rereplicating" if self.stage == "Warming" and self.removed else self.stage
+
+    def what(self) -> str:
+        """The push in a few words, for messages."""
+        parts = [f"warm-up of {', '.join(self.added)}"] if self.added else []
+        if self.removed:
+            parts.append(f"re-replication of the blocks that lost a copy with {', '.join(self.removed)}")
+        return " and ".join(parts)
 
     def totals(self) -> dict[str, int]:
         return sum_counters(self.nodes.values(), COUNTERS)
 
     def to_status(self) -> dict[str, Any]:
         return {"phase": "Rebalancing", "stage": self.stage, "epoch": self.epoch, "added": list(self.added),
-                "sources": list(self.sources), "startedUnixMs": self.started_unix_ms,
+                "sources": list(self.sources), "removed": list(self.removed), "startedUnixMs": self.started_unix_ms,
                 "deadlineUnixMs": self.deadline_unix_ms, "deadline": format_time(self.deadline_unix_ms),
                 "nodes": {k: dict(v) for k, v in self.nodes.items()}, **self.totals()}
 
@@ -89,16 +109,16 @@ class RebalanceState:
                               started_unix_ms=int(doc.get("startedUnixMs", 0)),
                               deadline_unix_ms=int(doc.get("deadlineUnixMs", 0)),
                               stage=str(doc.get("stage", "WaitingForRing")),
-                              nodes={k: dict(v) for k, v in (doc.get("nodes") or {}).items()})
+                              nodes={k: dict(v) for k, v in (doc.get("nodes") or {}).items()},
+                              removed=tuple(doc.get("removed") or ()))
 
     def progress_message(self, now_ms: int) -> str:
         t = self.totals()
         if self.stage == "WaitingForRing":
-            return (f"waiting for every store node to take ring epoch {self.epoch} before warming "
-                    f"{', '.join(self.added)}")
+            return f"waiting for every store node to take ring epoch {self.epoch} before the {self.what()}"
         left = max(0, (self.deadline_unix_ms - now_ms) // 1000)
-        return (f"warming {', '.join(self.added)} from {', '.join(self.sources)}: moved {t['movedObjects']} of "
-                f"{t['plannedObjects']} hot objects ({format_bytes(t['movedBytes'])}), {t['skippedObjects']} "
+        return (f"{self.what()} from {', '.join(self.sources)}: moved {t['movedObjects']} of "
+                f"{t['plannedObjects']} objects ({format_bytes(t['movedBytes'])}), {t['skippedObjects']} "
                 f"already there, {t['remainingObjects']} remaining, {left}s to the deadline")
 
 
@@ -113,24 +133,39 @@ class RebalanceStep:
     """Summary for ``status.lastRebalance`` when the rebalance ended on this step."""
 
 
+def removed_members(previous: Ring, ring: Ring) -> list[str]:
+    """Active members of ``previous`` that are no member of ``ring`` (pure): they left without a
+    drain (a drained member was draining, not active), so their blocks lost a copy."""
+    return [m.id for m in previous.active if ring.member(m.id) is None]
+
+
 def _start(previous: Ring, ring: Ring, now_ms: int, warm: WarmSettings,
            carry: RebalanceState | None = None) -> RebalanceStep:
     before = {m.id for m in previous.active}
     added = [m.id for m in ring.active if m.id not in before]
-    if carry is not None:  # a further scale-up before the last one finished: warm all new members
+    # Replication R restored only with R ≥ 2: with R=1 the only copy died with the node.
+    removed = removed_members(previous, ring) if ring.replicas > 1 else []
+    if carry is not None:  # a further change before the last push finished: push for all of them
         added = [m.id for m in ring.active if m.id in set(carry.added) or m.id in set(added)]
         before = {m.id for m in ring.active} - set(added)
+        if ring.replicas > 1:
+            removed = [r for r in dict.fromkeys([*carry.removed, *removed]) if ring.member(r) is None]
+    if warm.fraction <= 0:
+        added = []  # no warm-up; restoring copies does not depend on it
     sources = tuple(m.id for m in ring.active if m.id in before)
-    if not added or not sources or warm.fraction <= 0:
+    if not (added or removed) or not sources:
         return RebalanceStep(None)
     state = RebalanceState(epoch=ring.epoch, added=tuple(added), sources=sources, started_unix_ms=now_ms,
                            deadline_unix_ms=now_ms + warm.deadline_seconds * 1000,
-                           nodes={s: {"state": "pending"} for s in sources})
+                           nodes={s: {"state": "pending"} for s in sources}, removed=tuple(removed))
     verb = "restarted for" if carry is not None else "started:"
+    pushes = [f"their hottest moved objects to {', '.join(added)}"] if added else []
+    if removed:
+        pushes.append(f"the blocks that lost a copy with {', '.join(removed)} (left without a drain) "
+                      f"to their next owners")
     return RebalanceStep(state, events=(Event(
-        "Normal", "RebalanceStarted", f"rebalance {verb} {', '.join(sources)} will push their hottest moved "
-                                      f"objects to {', '.join(added)} (ring epoch {ring.epoch}); deadline in "
-                                      f"{warm.deadline_seconds}s"),))
+        "Normal", "RebalanceStarted", f"rebalance {verb} {', '.join(sources)} will push {' and '.join(pushes)} "
+                                      f"(ring epoch {ring.epoch}); deadline in {warm.deadline_seconds}s"),))
 
 
 def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epochs: Mapping[str, int | None],
@@ -153,8 +188,11 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
             return RebalanceStep(None)
         return _end(state, now_ms, "Cancelled", "a scale-down started")
     if state is not None and ring.epoch != state.epoch:
-        if not any(m.id in state.added for m in ring.active) and previous is not None:
-            ended = _end(state, now_ms, "Superseded", f"ring epoch {ring.epoch} no longer has the added nodes")
+        goes_on = (any(m.id in state.added for m in ring.active)
+                   or (ring.replicas > 1 and any(ring.member(r) is None for r in state.removed)))
+        if not goes_on and previous is not None:
+            why = "no longer has the added nodes" if state.added else "has the removed nodes back"
+            ended = _end(state, now_ms, "Superseded", f"ring epoch {ring.epoch} {why}")
             nxt = _start(previous, ring, now_ms, warm)
             return RebalanceStep(nxt.state, events=ended.events + nxt.events, finished=ended.finished)
         nxt = _start(previous or ring, ring, now_ms, warm, carry=state)
@@ -185,14 +223,14 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
 def _end(state: RebalanceState, now_ms: int, result: str, why: str) -> RebalanceStep:
     t = state.totals()
     outcome = "hit its deadline" if result == "DeadlineExceeded" else result.lower()
-    msg = (f"rebalance to {', '.join(state.added)} {outcome}"
-           f" after {(now_ms - state.started_unix_ms) / 1000:.1f}s: moved {t['movedObjects']} hot objects "
+    msg = (f"{state.what()} {outcome}"
+           f" after {(now_ms - state.started_unix_ms) / 1000:.1f}s: moved {t['movedObjects']} objects "
            f"({format_bytes(t['movedBytes'])}), {t['skippedObjects']} already there, {t['failedObjects']} failed"
            + (f" ({why})" if why else ""))
     reason = {"Completed": "RebalanceCompleted", "DeadlineExceeded": "RebalanceDeadlineExceeded"}.get(
         result, "RebalanceCancelled")
     ev = Event("Normal" if result in ("Completed", "Superseded", "Cancelled") else "Warning", reason, msg)
-    finished = {**t, "result": result, "epoch": state.epoch, "added": list(state.added),
+    finished = {**t, "result": result, "epoch": state.epoch, "added": list(state.added), "removed": list(state.removed),
                 "sources": list(state.sources), "startedUnixMs": state.started_unix_ms, "endedUnixMs": now_ms,
                 "durationSeconds": round((now_ms - state.started_unix_ms) / 1000, 3)}
     return RebalanceStep(None, events=(ev,), finished=finished)

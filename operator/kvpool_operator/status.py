@@ -196,7 +196,7 @@ def pool_conditions(o: PoolObservation) -> PoolStatusView:
     else:
         c_block = Condition("ScaleDownBlocked", False, "NotBlocked", "no scale-down refused")
     if o.rebalance is not None:
-        c_rebal = Condition("Rebalancing", True, o.rebalance.stage, o.rebalance.progress_message(o.now_ms))
+        c_rebal = Condition("Rebalancing", True, o.rebalance.reason, o.rebalance.progress_message(o.now_ms))
     else:
         c_rebal = Condition("Rebalancing", False, "Balanced", "no scale-up rebalance in progress")
     conds = (c_ready, c_prog, c_drain, c_deg, c_block, c_rebal)

@@ -457,10 +457,13 @@ class StoreClient:
         return cast(pb.DrainStatus, self._rpc(self.stub.GetDrainStatus, pb.Empty()))
 
     def warm(self, ring: pb.Ring, added: Sequence[str], deadline_unix_ms: int = 0, max_bytes_per_second: int = 0,
-             fraction: float = 0.0) -> pb.WarmStatus:
-        """Start (idempotent per epoch) pushing the hottest objects now owned by ``added`` to them."""
+             fraction: float = 0.0, removed: Sequence[str] = ()) -> pb.WarmStatus:
+        """Start (idempotent per epoch) pushing the hottest objects now owned by ``added`` to them,
+        and the blocks that lost a copy with ``removed`` (active before, gone without a drain) to
+        their next owners."""
         request = pb.WarmRequest(ring=ring, added=list(added), deadline_unix_ms=deadline_unix_ms,
-                                 max_bytes_per_second=max_bytes_per_second, fraction=fraction)
+                                 max_bytes_per_second=max_bytes_per_second, fraction=fraction,
+                                 removed=list(removed))
         return cast(pb.WarmStatus, self._rpc(self.stub.Warm, request))
 
     def warm_status(self) -> pb.WarmStatus:

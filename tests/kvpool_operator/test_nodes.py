@@ -1,8 +1,12 @@
 """Conversions between the store admin protocol and the planners' types (no sockets)."""
 
+from typing import Any
+
+import pytest
+
 from kvpool.proto import store_pb2 as pb
 from kvpool.ring import Member, Ring
-from kvpool_operator.nodes import drain_status_from_pb, ring_to_pb
+from kvpool_operator.nodes import Nodes, drain_status_from_pb, ring_to_pb
 
 
 def test_ring_to_pb() -> None:
@@ -20,3 +24,19 @@ def test_drain_status_from_pb() -> None:
                              "remainingObjects": 2}
     assert (st.state, st.epoch, st.deadline_unix_ms) == ("running", 4, 99)
     assert drain_status_from_pb(pb.DrainStatus()).state == "idle"
+
+
+def test_warm_request_carries_the_removed_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[Any] = []
+
+    def call(address: str, method: str, request: Any, token: str) -> Any:
+        sent.append((method, request))
+        return pb.WarmStatus(state="running", epoch=5)
+
+    nodes = Nodes()
+    monkeypatch.setattr(nodes, "_call", call)
+    st = nodes.warm("x:1", "t", Ring(5, (Member("a", "x:1"),), 2), [], 99, 10, 0.0, ["b"])
+    assert (st.state, st.epoch) == ("running", 5)
+    method, req = sent[0]
+    assert method == "Warm" and list(req.removed) == ["b"] and list(req.added) == []
+    assert (req.deadline_unix_ms, req.max_bytes_per_second, req.ring.replicas) == (99, 10, 2)

@@ -173,3 +173,81 @@ def test_a_previous_owner_silent_when_the_ring_grows_still_gets_its_rebalance() 
                    held_bytes={"p-store-0": 0, "p-store-1": None}).state is None
     assert advance(None, _ring(1, 1), _ring(2, 2), {}, _pods(2), {}, NOW, W,
                    held_bytes={"p-store-1": 0}).state is not None
+
+
+def _ring_r(epoch: int, n: int, replicas: int = 2, skip: tuple[int, ...] = (), draining: tuple[int, ...] = ()) -> Ring:
+    return Ring(epoch, tuple(Member(f"p-store-{i}", f"127.0.0.{10 + i}:7400",
+                                    "draining" if i in draining else "active")
+                             for i in range(n) if i not in skip), replicas=replicas)
+
+
+def test_a_member_lost_without_a_drain_starts_a_re_replication_from_the_survivors() -> None:
+    pods = [p for p in _pods(3) if p.name != "p-store-1"]
+    step = advance(None, _ring_r(3, 3), _ring_r(4, 3, skip=(1,)), {}, pods, {}, NOW, W)
+    assert step.state is not None and step.calls == ()
+    assert step.state.removed == ("p-store-1",) and step.state.added == ()
+    assert step.state.sources == ("p-store-0", "p-store-2") and step.state.reason == "WaitingForRing"
+    assert [e.reason for e in step.events] == ["RebalanceStarted"]
+    assert "lost a copy with p-store-1" in step.events[0].message
+    epochs = {"p-store-0": 4, "p-store-2": 4}
+    st = advance(step.state, _ring_r(4, 3, skip=(1,)), _ring_r(4, 3, skip=(1,)), epochs, pods,
+                 {"p-store-0": NodeWarmStatus(), "p-store-2": NodeWarmStatus()}, NOW + 1000, W)
+    assert st.state is not None and st.calls == ("p-store-0", "p-store-2")
+    assert st.state.stage == "Warming" and st.state.reason == "Rereplicating"
+    assert st.state.progress_message(NOW + 1000).startswith("re-replication of the blocks that lost a copy")
+    assert RebalanceState.from_status(st.state.to_status()) == st.state
+    st = advance(st.state, _ring_r(4, 3, skip=(1,)), _ring_r(4, 3, skip=(1,)), epochs, pods,
+                 {"p-store-0": _done(4, 3), "p-store-2": _done(4, 4)}, NOW + 2000, W)
+    assert st.state is None and st.finished is not None
+    assert st.finished["result"] == "Completed" and st.finished["removed"] == ["p-store-1"]
+    assert st.finished["movedObjects"] == 7
+
+
+def test_no_re_replication_with_r1_after_a_drain_or_when_the_member_is_back() -> None:
+    pods = _pods(3)
+    # R=1: the only copy died with the node.
+    assert advance(None, _ring_r(3, 3, 1), _ring_r(4, 3, 1, skip=(1,)), {}, pods, {}, NOW, W).state is None
+    # A drained member was draining in the previous ring: its drain moved its objects.
+    assert advance(None, _ring_r(3, 3, draining=(1,)), _ring_r(4, 3, skip=(1,)), {}, pods, {}, NOW, W).state is None
+    # A member that goes draining is still a member: the drain is in charge.
+    assert advance(None, _ring_r(3, 3), _ring_r(4, 3, draining=(1,)), {}, pods, {}, NOW, W).state is None
+    # The warm-up turned off does not turn re-replication off.
+    off = WarmSettings(fraction=0.0)
+    st = advance(None, _ring_r(3, 3), _ring_r(4, 3, skip=(1,)), {}, pods, {}, NOW, off)
+    assert st.state is not None and st.state.removed == ("p-store-1",)
+    # A second loss before it finished: both are restored.
+    four = advance(None, _ring_r(3, 4), _ring_r(4, 4, skip=(1,)), {}, _pods(4), {}, NOW, W)
+    assert four.state is not None
+    again = advance(four.state, _ring_r(4, 4, skip=(1,)), _ring_r(5, 4, skip=(1, 2)), {}, _pods(4), {}, NOW + 500, W)
+    assert again.state is not None and again.state.epoch == 5 and again.state.added == ()
+    assert again.state.removed == ("p-store-1", "p-store-2") and again.state.sources == ("p-store-0", "p-store-3")
+    # The member back in the ring: the re-replication is superseded by the warm-up of it.
+    back = advance(st.state, _ring_r(4, 3, skip=(1,)), _ring_r(5, 3), {}, pods, {}, NOW + 500, W)
+    assert back.finished is not None and back.finished["result"] == "Superseded"
+    assert back.state is not None and back.state.added == ("p-store-1",) and back.state.removed == ()
+
+
+def test_a_dead_store_pod_through_plan_pool_shows_rereplicating_and_sends_removed() -> None:
+    body = pool_body(storage={"replicas": 3, "replication": 2})
+    _, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, 0))
+    plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, 1))
+    assert plan.ring is not None and plan.ring.epoch == 1 and plan.rebalance is None
+    # p-store-1 went not-ready long ago (past the unready grace): it leaves the ring, no drain.
+    dead = [*_pods(3)]
+    dead[1] = StorePod("p-store-1", 1, "127.0.0.11", ready=False, unready_since_ms=NOW - 600_000)
+    stats = {k: v for k, v in _stats(3, 1).items() if k != "p-store-1"}
+    plan, body = _run(body, pods=dead, sts_replicas=3, stats=stats)
+    assert plan.ring is not None and plan.ring.epoch == 2 and [m.id for m in plan.ring.members] == [
+        "p-store-0", "p-store-2"]
+    assert plan.rebalance is not None and plan.rebalance.removed == ("p-store-1",)
+    assert _conds(plan)["Rebalancing"] == ("True", "WaitingForRing")
+    assert plan.status["rebalance"]["removed"] == ["p-store-1"]
+    stats2 = {k: v for k, v in _stats(3, 2).items() if k != "p-store-1"}
+    plan, body = _run(body, pods=dead, sts_replicas=3, stats=stats2, now_ms=NOW + 10_000,
+                      warm_statuses={"p-store-0": NodeWarmStatus(), "p-store-2": NodeWarmStatus()})
+    assert [m.id for m in plan.warm_calls] == ["p-store-0", "p-store-2"]
+    assert _conds(plan)["Rebalancing"] == ("True", "Rereplicating") and plan.status["phase"] == "Rebalancing"
+    plan, body = _run(body, pods=dead, sts_replicas=3, stats=stats2, now_ms=NOW + 20_000,
+                      warm_statuses={"p-store-0": _done(2, 4), "p-store-2": _done(2, 6)})
+    assert plan.status["rebalance"] is None and plan.status["lastRebalance"]["removed"] == ["p-store-1"]
+    assert _conds(plan)["Rebalancing"] == ("False", "Balanced")

@@ -376,18 +376,20 @@ class HealthReply(_message.Message):
     def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
-    __slots__ = ("ring", "added", "deadline_unix_ms", "max_bytes_per_second", "fraction")
+    __slots__ = ("ring", "added", "deadline_unix_ms", "max_bytes_per_second", "fraction", "removed")
     RING_FIELD_NUMBER: _ClassVar[int]
     ADDED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     FRACTION_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
     ring: Ring
     added: _containers.RepeatedScalarFieldContainer[str]
     deadline_unix_ms: int
     max_bytes_per_second: int
     fraction: float
-    def __init__(self, ring: _Optional[_Union[Ring, _Mapping]] = ..., added: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., max_bytes_per_second: _Optional[int] = ..., fraction: _Optional[float] = ...) -> None: ...
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ring: _Optional[_Union[Ring, _Mapping]] = ..., added: _Optional[_Iterable[str]] = ..., deadline_unix_ms: _Optional[int] = ..., max_bytes_per_second: _Optional[int] = ..., fraction: _Optional[float] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WarmStatus(_message.Message):
     __slots__ = ("state", "planned_objects", "planned_bytes", "moved_objects", "moved_bytes", "skipped_objects", "skipped_bytes", "failed_objects", "remaining_objects", "deadline_unix_ms", "epoch")

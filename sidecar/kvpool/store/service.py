@@ -286,7 +286,8 @@ class StoreService(pbg.StoreServicer):
 
     def Warm(self, request: pb.WarmRequest, context: grpc.ServicerContext) -> pb.WarmStatus:
         """Start (once per epoch: idempotent, so an operator may call again) the warm-up push of
-        the objects now owned by ``request.added``; a warm-up of an older epoch is stopped."""
+        the objects now owned by ``request.added``, or by the next owners in place of
+        ``request.removed`` (replication restored); a warm-up of an older epoch is stopped."""
         self._admin(context)
         ring = self._call(context, lambda: ring_from_pb(request.ring))
         if not 0.0 <= request.fraction <= 1.0:
@@ -298,7 +299,8 @@ class StoreService(pbg.StoreServicer):
         self.warm = WarmProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
         from .warm import run_warm  # the pusher needs the store client (a module cycle otherwise)
         threading.Thread(target=run_warm, args=(self.node, ring, list(request.added), self.warm,
-                                                request.max_bytes_per_second, request.fraction),
+                                                request.max_bytes_per_second, request.fraction,
+                                                list(request.removed)),
                          name="warm", daemon=True).start()
         return self.warm.to_pb()
 

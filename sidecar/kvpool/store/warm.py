@@ -1,4 +1,5 @@
-"""Warm-up on scale-up: a previous owner pushes its hottest objects whose owner is now a new node.
+"""Warm-up on scale-up, and restoring replication after a node left without a drain: a previous
+owner pushes its hottest objects to their owners that were not owners before.
 
 Rendezvous hashing moves a key only to a member that joined (DESIGN §6), so after a ring change
 that adds members, the objects a node holds and no longer owns are exactly those owned by the
@@ -12,6 +13,13 @@ eviction reclaims them like any cold object.  Only blocks move: they are content
 immutable, while a state object is single-copy and may be rewritten at its owner meanwhile.
 The put asks before it sends, so an object the new owner already has (copied over by a reader,
 or pushed before an operator restart) costs no bytes: it is counted as skipped.
+
+When an active member dies and the operator removes it from the ring (no drain: nothing could be
+read from it), its blocks have R-1 copies left; under the new ring each of them has one owner
+that was not an owner before (the next one in weight order), and the same push, planned with
+the removed members (``removed``), gives it the lost copy from the first surviving previous
+owner.  With R=1 the only copy died with the node (only a stray copy, e.g. a warm-up's source,
+can still be pushed), and a state object, single-copy, is never restored.
 """
 
 from __future__ import annotations
@@ -33,54 +41,73 @@ from .push import Targets, batch_cap, batches, pace_delay, push_batch
 log = logging.getLogger("kvpool.store.warm")
 
 
-def warm_targets(key_blob: bytes, ring: Ring, added: Collection[str], holder: str = "") -> npt.NDArray[np.intp]:
+def warm_targets(key_blob: bytes, ring: Ring, added: Collection[str], holder: str = "",
+                 removed: Collection[str] = ()) -> npt.NDArray[np.intp]:
     """Where ``holder`` pushes each of its objects: per key, its write owners under ``ring``
-    (indices into the active members, primary first) that are among ``added``, -1 elsewhere;
-    shape (n_keys, min(ring.replicas, active)) (pure).
+    (indices into the active members, primary first) that were not owners before it, -1
+    elsewhere; shape (n_keys, min(ring.replicas, active)) (pure).
 
-    With replication R an object lives at R previous owners, and all of them would push it to
-    the same new owner; only the first of them in weight order does (the previous owners are
-    the R highest-weight members that were not added, rendezvous weights being fixed per key
-    and member).  A holder that was not a previous owner (a copy left from an earlier epoch)
-    pushes, as with R=1 every holder does.
+    Before it, the active members were those of ``ring`` less ``added``, plus ``removed``
+    (active members that left it without a drain: a dead node).  Rendezvous weights are fixed
+    per key and member, so one ranking over both sets gives the owners before and after: an
+    owner after that was not one before is among ``added`` (a scale-up) or took the place of a
+    removed owner (replication to restore).
+
+    With replication R an object lives at R previous owners, and each would push it; only the
+    first of them in weight order that is still active does (the highest-ranked surviving
+    previous owner).  A holder that was not a previous owner (a copy left from an earlier epoch:
+    a warm-up's source, a drain's target) pushes, as with R=1 every holder does; with R=1 and
+    the owner removed that stray copy is the only one left to restore.
     """
     n = len(key_blob) // KEY_BYTES
     active = [m.id for m in ring.active]
-    joined = [j for j, mid in enumerate(active) if mid in set(added)]
+    joined_ids = set(added)
+    gone = [g for g in dict.fromkeys(removed) if g not in set(active)]
+    joined = [j for j, mid in enumerate(active) if mid in joined_ids]
     r = max(1, min(ring.replicas, len(active)))
-    if n == 0 or not active or not joined:
+    if n == 0 or not active or not (joined or gone):
         return np.full((n, r if active else 0), -1, dtype=np.intp)
-    if r == 1:
+    mine = active.index(holder) if holder in active else -1
+    if r == 1 and not gone:
         top = ring.owners_of(key_blob)[:, None]
-        return np.where(np.isin(top, joined), top, -1)
-    ranked = owners(key_blob, active, len(active))  # every member, by weight
-    top = ranked[:, :r]
-    targets = np.where(np.isin(top, joined), top, -1)
-    if holder in active:
-        previous = ~np.isin(ranked, joined)
-        rank_before = np.cumsum(previous, axis=1) - 1  # rank among the previous owners
-        at = np.argmax(ranked == active.index(holder), axis=1)
-        mine = rank_before[np.arange(n), at]
-        targets[(mine >= 1) & (mine < r)] = -1  # a previous owner after the first: it pushes
+        return np.where(np.isin(top, joined) & (top != mine), top, -1)
+    members = active + gone  # index >= len(active): a removed member
+    ranked = owners(key_blob, members, len(members))  # every member, by weight
+    rows = np.arange(n)[:, None]
+    previous = ~np.isin(ranked, joined)  # active before the change
+    r_before = max(1, min(ring.replicas, len(members) - len(joined)))
+    was_owner = previous & (np.cumsum(previous, axis=1) <= r_before)
+    now = ranked < len(active)
+    at_top = np.argsort(~now, axis=1, kind="stable")[:, :r]  # places of the owners after, by weight
+    top = ranked[rows, at_top]
+    targets = np.where(was_owner[rows, at_top] | (top == mine), -1, top)  # the holder has its own copy
+    if mine >= 0:
+        me = ranked == mine
+        survivor = was_owner & now
+        first = np.argmax(survivor, axis=1)  # the pusher's place (any, when no previous owner survives)
+        pushes = ~(me & was_owner).any(axis=1) | me[np.arange(n), first]
+        targets[~pushes] = -1  # a previous owner after the first surviving one
     return targets
 
 
 def plan_warm(key_blob: bytes, last_access: Sequence[float] | npt.NDArray[Any], sizes: Sequence[int] | npt.NDArray[Any],
               ring: Ring, added: Collection[str], fraction: float = 0.0,
-              targets: npt.NDArray[Any] | None = None, holder: str = "") -> npt.NDArray[np.intp]:
+              targets: npt.NDArray[Any] | None = None, holder: str = "",
+              removed: Collection[str] = ()) -> npt.NDArray[np.intp]:
     """Indices of the objects to push, hottest (latest ``last_access``) first (pure).
-    ``targets``: ``warm_targets(key_blob, ring, added, holder)`` when the caller has it already.
+    ``targets``: ``warm_targets(key_blob, ring, added, holder, removed)`` when the caller has it already.
 
-    An object moves when one of its owners among the active members of ``ring`` is one of
-    ``added`` (and ``holder`` is the one of its previous owners that pushes it: :func:`warm_targets`).
+    An object moves when one of its owners among the active members of ``ring`` was not one
+    before (one of ``added``, or the next owner in place of one of ``removed``), and ``holder``
+    is the one of its previous owners that pushes it (:func:`warm_targets`).
     ``fraction`` in (0, 1) keeps only the hottest objects whose bytes add up to at most that
     share of the moved bytes (0 or ≥ 1: all of them).
     """
     n = len(key_blob) // KEY_BYTES
-    if n == 0 or not ring.active or not added:
+    if n == 0 or not ring.active or not (added or removed):
         return np.zeros(0, dtype=np.intp)
     if targets is None:
-        targets = warm_targets(key_blob, ring, added, holder)
+        targets = warm_targets(key_blob, ring, added, holder, removed)
     moved = np.flatnonzero((targets >= 0).any(axis=1))
     if len(moved) == 0:
         return moved.astype(np.intp)
@@ -99,8 +126,17 @@ def added_members(previous: Ring | None, ring: Ring) -> list[str]:
     return [m.id for m in ring.active if m.id not in before]
 
 
+def removed_members(previous: Ring | None, ring: Ring) -> list[str]:
+    """Active members of ``previous`` that are no member of ``ring`` at all (pure): they left
+    without a drain (a draining member is not active, so a drained one is not counted), and
+    the blocks they owned have one copy fewer than the ring's replication."""
+    if previous is None:
+        return []
+    return [m.id for m in previous.active if ring.member(m.id) is None]
+
+
 def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
-             max_bytes_per_second: int = 0, fraction: float = 0.0) -> None:
+             max_bytes_per_second: int = 0, fraction: float = 0.0, removed: Collection[str] = ()) -> None:
     """Push the planned objects (the thread behind the ``Warm`` RPC); ``progress`` is the
     service's :class:`~kvpool.store.service.WarmProgress`, updated as it goes."""
     p = progress
@@ -113,9 +149,9 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
         if entries:
             blob = b"".join(e.key for e in entries)
             # Once: the plan and the push both route by it.
-            target = warm_targets(blob, ring, added, node.node_id)
+            target = warm_targets(blob, ring, added, node.node_id, removed)
             order = plan_warm(blob, [e.last_access for e in entries], [e.size for e in entries], ring, added,
-                              fraction, targets=target)
+                              fraction, targets=target, removed=removed)
         else:
             order, target = np.zeros(0, dtype=np.intp), np.zeros((0, 1), dtype=np.intp)
         todo = [entries[int(i)] for i in order]
