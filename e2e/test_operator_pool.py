@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -652,3 +653,96 @@ def test_a_store_container_restart_keeps_its_ring_place(operator: Operator, kube
         raise AssertionError(f"flap-store-1 did not come back ready after a restart (seen unready: {seen_unready})")
     st = wait_status(kube, namespace, "flap", lambda s: s.get("phase") == "Ready", 60, "Ready again")
     assert st["ring"] == ring
+
+
+class CrashLoop:
+    """Keeps a pod's processes dead: each one the node agent (re)starts is killed at once, as a
+    store whose container crashes on every start would be.  The pod object stays, never ready
+    again, with the IP it had: what the operator sees of a node lost for good."""
+
+    def __init__(self, uid: str) -> None:
+        self.uid = uid
+        self.kills = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CrashLoop:
+        self.kills = procs.kill_marked(POD_MARKER_ENV, self.uid)
+        assert self.kills > 0, f"no process of pod {self.uid} was found"
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.kills += procs.kill_marked(POD_MARKER_ENV, self.uid)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_a_lost_store_node_is_rereplicated_so_a_second_loss_loses_nothing(operator: Operator, kube: Kube,
+                                                                          namespace: str) -> None:
+    """Replication 2 over 3 store nodes; one node's container crashes on every start (the pod
+    stays, never ready again): past spec.storage.memberUnreadyGraceSeconds the operator publishes
+    a ring without it and the survivors push each block that lost a copy to its new owner
+    (Rebalancing reason Rereplicating, then lastRebalance).  Then a second of the original nodes
+    dies too, and every object written before the first loss reads back byte-exact from the last."""
+    from kvpool.sidecar.pool import write_routes
+    from kvpool.store_client import StoreClient
+
+    # Paced, so the push lasts a few seconds and its status is seen while it runs.
+    create(kube, kvpool("rr", storage={"replicas": 3, "replication": 2, "memberUnreadyGraceSeconds": 3},
+                        scaleUp={"warmBandwidth": "512Ki"}, tenancy={"defaultTenant": "public"}), namespace)
+    st = wait_status(kube, namespace, "rr", lambda s: s.get("readyReplicas") == 3 and s.get("phase") == "Ready"
+                     and len((s.get("ring") or {}).get("members", [])) == 3 and not s.get("rebalance"),
+                     120, "three ready store nodes in the ring")
+    ring = st["ring"]
+    assert ring["replicas"] == 2
+    ids = [m["id"] for m in ring["members"]]
+    assert ids == ["rr-store-0", "rr-store-1", "rr-store-2"]
+    address = {m["id"]: m["address"] for m in ring["members"]}
+
+    # Written as a sidecar writes with replication 2: each block to its 2 owners, one batch per node.
+    keys = [os.urandom(32) for _ in range(48)]
+    values = [os.urandom(64 << 10) for _ in keys]  # 3 MiB, 6 MiB stored
+    routes = write_routes(b"".join(keys), ids, 2)
+    for nid, idx in routes.items():
+        with StoreClient(address[nid]) as c:
+            assert set(c.put([keys[i] for i in idx.tolist()], [values[i] for i in idx.tolist()])) == {0}
+    lost = sorted(routes["rr-store-2"].tolist())
+    assert 0 < len(lost) < len(keys)
+    wait_status(kube, namespace, "rr", lambda s: s.get("usedBytes", 0) >= 2 * len(keys) * (64 << 10), 60,
+                "the stored bytes in status")
+
+    first = (kube.get("v1", "Pod", "rr-store-2", namespace) or {})["metadata"]["uid"]
+    second = (kube.get("v1", "Pod", "rr-store-0", namespace) or {})["metadata"]["uid"]
+    with CrashLoop(first):
+        st = wait_status(kube, namespace, "rr", lambda s: [m["id"] for m in s["ring"]["members"]]
+                         == ["rr-store-0", "rr-store-1"], 60, "a ring without the lost node")
+        assert st["ring"]["epoch"] > ring["epoch"]
+        epoch = st["ring"]["epoch"]
+        st = wait_status(kube, namespace, "rr", lambda s: cond(s, "Rebalancing") == ("True", "Rereplicating"), 60,
+                         "Rebalancing reason Rereplicating")
+        rb = st["rebalance"]
+        assert rb["removed"] == ["rr-store-2"] and rb["added"] == [] and rb["epoch"] == epoch, rb
+        assert rb["sources"] == ["rr-store-0", "rr-store-1"], rb
+        st = wait_status(kube, namespace, "rr", lambda s: bool(s.get("lastRebalance")) and not s.get("rebalance"),
+                         90, "the re-replication done")
+        last = st["lastRebalance"]
+        assert last["result"] == "Completed" and last["removed"] == ["rr-store-2"] and last["epoch"] == epoch, last
+        # One push per block that lost its copy on rr-store-2, none failed.
+        assert last["movedObjects"] == len(lost) and last["movedBytes"] == len(lost) * (64 << 10), last
+        assert last["failedObjects"] == 0 and last["remainingObjects"] == 0, last
+        assert cond(st, "Rebalancing") == ("False", "Balanced"), st.get("conditions")
+        assert st["ring"]["epoch"] == epoch  # the lost node stayed out
+        wait_events(kube, namespace, {"RebalanceStarted", "RebalanceCompleted"}, "rr")
+        for nid in ("rr-store-0", "rr-store-1"):
+            with StoreClient(address[nid]) as c:
+                assert c.exists(keys, prefix_only=False).present == [True] * len(keys), nid
+
+        # A second original node dies: the last one still holds every block.
+        with CrashLoop(second):
+            with StoreClient(address["rr-store-1"]) as c:
+                got = c.get(keys)
+            assert [bytes(g) if g is not None else None for g in got] == values
