@@ -160,14 +160,15 @@ class _Connection:
                 req = fp.decode_request(header)
                 if fds and (req.op != fp.OP_REGISTER or len(fds) != 1):
                     raise fp.ProtocolError("a descriptor came with a frame other than REGISTER")
-            except BaseException:
+                body = self._body_view(req.body_bytes())
+                if len(body):
+                    recv_exact(self.conn, body)
+                parsed = fp.decode_request_body(req, body)
+                reply = self._serve(req, parsed, fds)
+            finally:
+                # What a REGISTER did not take: a frame that broke before it got there, or a
+                # refused call (each descriptor held here is client memory kept alive).
                 close_fds(fds)
-                raise
-            body = self._body_view(req.body_bytes())
-            if len(body):
-                recv_exact(self.conn, body)
-            parsed = fp.decode_request_body(req, body)
-            reply = self._serve(req, parsed, fds[0] if fds else None)
             if reply is not None:
                 send_buffers(self.conn, reply)
 
@@ -216,17 +217,10 @@ class _Connection:
             out.append(region.view[off:off + length])
         return out
 
-    def _serve(self, req: fp.Request, body: fp.RequestBody, fd: int | None = None) -> list[bytes | memoryview] | None:
+    def _serve(self, req: fp.Request, body: fp.RequestBody, fds: list[int]) -> list[bytes | memoryview] | None:
+        """One call; a REGISTER takes its descriptor out of ``fds`` (the caller closes the rest)."""
         sc = self.sidecar
         try:
-            if req.op == fp.OP_REGISTER:
-                taken, fd = fd, None
-                if not self.greeted:
-                    if taken is not None:
-                        close_fds([taken])
-                    raise _Refused(errors.Unauthenticated("fast session: HELLO first"))
-                self._register(req.ref, taken)
-                return [fp.encode_response(fp.OP_REGISTER, req.request_id)]
             if req.op == fp.OP_HELLO:
                 if body.text and body.text != sc.cfg.tenant_id:
                     raise _Refused(errors.PermissionDenied(
@@ -239,6 +233,9 @@ class _Connection:
                 sc.release_leases(body.releases)
             if req.op == fp.OP_RELEASE:
                 return None if req.flags & fp.FLAG_NO_REPLY else [fp.encode_response(fp.OP_RELEASE, req.request_id)]
+            if req.op == fp.OP_REGISTER:
+                self._register(req.ref, fds.pop() if fds else None)
+                return [fp.encode_response(fp.OP_REGISTER, req.request_id)]
             lease_ms = min(req.lease_ms or sc.cfg.lease_ms, sc.cfg.max_lease_ms)
             if req.op == fp.OP_MATCH:
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")

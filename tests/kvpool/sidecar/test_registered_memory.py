@@ -5,6 +5,7 @@ harm to the sidecar or other connections."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import tempfile
@@ -239,3 +240,46 @@ def test_a_registration_over_the_sidecars_limit_falls_back_to_the_arena(module_c
         assert _sidecar_maps_client_memory(module_cluster, at)
     finally:
         c.close()
+
+
+def _sidecar_holds_memfd(cluster: Any, i: int, name: str) -> bool:
+    """Whether sidecar ``i`` holds a descriptor (or a mapping) of the memfd called ``name``."""
+    pid = cluster.sidecar_pids[i]
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            if os.readlink(f"{fd_dir}/{fd}").startswith(f"/memfd:{name}"):
+                return True
+        except OSError:
+            continue  # closed meanwhile
+    with open(f"/proc/{pid}/maps") as f:
+        return f"memfd:{name}" in f.read()
+
+
+def test_a_refused_or_broken_registration_keeps_no_client_memory(module_cluster: Any, rng: random.Random,
+                                                                  h: Any) -> None:
+    """Every descriptor a client passes is either mapped and tracked or closed at once: a
+    REGISTER refused (before HELLO), or whose frame breaks after its header (a body that does
+    not parse), must not leave the client's memory held by the sidecar."""
+    name = f"kvpool-test-leak-{rng.randrange(1 << 30)}"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, memfd.SEALS)
+        raw = Raw(module_cluster)
+        try:
+            resp, _, _ = raw.call(fp.OP_REGISTER, fd=fd, ref=1)  # before HELLO: refused
+            assert resp.status == _status(errors.Unauthenticated)
+        finally:
+            raw.close()
+        raw = Raw(module_cluster)
+        try:
+            assert raw.call(fp.OP_HELLO)[0].status == 0
+            frame = b"".join(fp.encode_request(fp.OP_REGISTER, 2, ref=1, text=b"ab"))
+            send_with_fd(raw.sock, [frame[:-2] + b"\xff\xfe"], fd)  # its text is not UTF-8
+            assert raw.closed_by_peer()
+        finally:
+            raw.close()
+        h.wait_for(lambda: not _sidecar_holds_memfd(module_cluster, 1, name), 10, what="the descriptor closed")
+    finally:
+        os.close(fd)
