@@ -278,7 +278,7 @@ class Client:
     def free_buffer(self, buffer: Buffer) -> None:
         """Give back memory from :meth:`alloc_buffer` (the sidecar unmaps it; arrays of it that
         are still alive keep it mapped here until they go)."""
-        extent = _writable_extent(buffer)
+        extent = memfd.writable_extent(buffer)
         rid = self._region_of(*extent) if extent is not None else None
         if rid is None:
             raise errors.InvalidArgument("not a buffer from alloc_buffer of this client")
@@ -293,7 +293,7 @@ class Client:
     def is_registered(self, buffer: Buffer) -> bool:
         """Whether ``get_into`` lands pool bytes in ``buffer`` directly (it lies in memory from
         :meth:`alloc_buffer` that the sidecar has not refused)."""
-        extent = _writable_extent(buffer)
+        extent = memfd.writable_extent(buffer)
         rid = self._region_of(*extent) if extent is not None else None
         return rid is not None and rid not in self._unregistrable
 
@@ -319,7 +319,7 @@ class Client:
         ids, offsets, lengths = [0] * n, [0] * n, [0] * n
         regions = self._regions
         for i, b in enumerate(buffers):
-            extent = _writable_extent(b)
+            extent = memfd.writable_extent(b)
             if extent is None:
                 return None
             addr, nbytes = extent
@@ -720,20 +720,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _writable_extent(buffer: Buffer) -> tuple[int, int] | None:
-    """(address, bytes) of a writable contiguous buffer in this process, None for any other."""
-    if isinstance(buffer, np.ndarray):
-        if not (buffer.flags.c_contiguous and buffer.flags.writeable):
-            return None
-        return int(buffer.__array_interface__["data"][0]), int(buffer.nbytes)
-    view = memoryview(buffer)
-    if view.readonly or not view.c_contiguous:
-        return None
-    if view.nbytes == 0:
-        return 0, 0
-    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0]), view.nbytes
 
 
 def connect(address: str, block_tokens: int = 128, timeout: float = 30.0) -> Client:

@@ -597,18 +597,12 @@ class Pool:
         where the owner could not be asked).  With replication R a block goes to each of its R
         owners, one batched call per node, all concurrently, and its code is the outcome over
         them (:func:`merge_replica_codes`); a state object keeps one copy, at its primary."""
-        ring = self.ring
-        if ring.replicas <= 1 or kind != pb.BLOCK:
-            key_array = np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}")
-            codes = [UNREACHABLE] * len(keys)
-            for _, idx, got in self._put_each(self.route(key_array), keys, views, checksums, traffic_class, kind):
-                for i, c in zip(idx.tolist(), got, strict=True):
-                    codes[i] = c
-            return codes
+        # R=1 is the same path: one owner per item, and the merge of one code is that code.
+        replicas = self.ring.replicas if kind == pb.BLOCK else 1
         with self.lock:
             ids = list(self._active_ids)
         per_owner: list[list[int]] = [[] for _ in keys]
-        routes = write_routes(b"".join(keys), ids, ring.replicas)
+        routes = write_routes(b"".join(keys), ids, replicas)
         for _, idx, got in self._put_each(routes, keys, views, checksums, traffic_class, kind):
             for i, c in zip(idx.tolist(), got, strict=True):
                 per_owner[i].append(c)

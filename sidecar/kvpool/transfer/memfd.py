@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,9 @@ class Region:
         self.mapping = mapping
         self.view = memoryview(mapping)
         self.size = len(mapping)
-        self.address = int(np.frombuffer(mapping, np.uint8).__array_interface__["data"][0])
+        extent = writable_extent(self.view)
+        assert extent is not None  # a shared read-write mapping
+        self.address = extent[0]
         """Where the mapping starts in this process (finds the region of a caller's buffer)."""
 
     def close(self) -> None:
@@ -46,6 +49,21 @@ class Region:
             self.mapping.close()
         except BufferError:
             pass  # arrays handed out still point into it; the mapping goes with the last of them
+
+
+def writable_extent(buffer: Any) -> tuple[int, int] | None:
+    """(address, bytes) of a writable contiguous buffer in this process, None for any other: how
+    a caller's buffer is found inside a region."""
+    if isinstance(buffer, np.ndarray):
+        if not (buffer.flags.c_contiguous and buffer.flags.writeable):
+            return None
+        return int(buffer.__array_interface__["data"][0]), int(buffer.nbytes)
+    view = memoryview(buffer)
+    if view.readonly or not view.c_contiguous:
+        return None
+    if view.nbytes == 0:
+        return 0, 0
+    return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0]), view.nbytes
 
 
 def create(size: int, name: str = "kvpool-buffer") -> Region:
