@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvpool.ring import Ring
+from kvpool.ring import Ring, removed_members
 
 from .drain import Event
 from .membership import StorePod
@@ -131,12 +131,6 @@ class RebalanceStep:
     events: tuple[Event, ...] = ()
     finished: Mapping[str, Any] | None = None
     """Summary for ``status.lastRebalance`` when the rebalance ended on this step."""
-
-
-def removed_members(previous: Ring, ring: Ring) -> list[str]:
-    """Active members of ``previous`` that are no member of ``ring`` (pure): they left without a
-    drain (a drained member was draining, not active), so their blocks lost a copy."""
-    return [m.id for m in previous.active if ring.member(m.id) is None]
 
 
 def _start(previous: Ring, ring: Ring, now_ms: int, warm: WarmSettings,

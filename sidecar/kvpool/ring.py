@@ -199,6 +199,15 @@ class Ring:
                     members=tuple(Member.from_dict(m) for m in d.get("members", [])))
 
 
+def removed_members(previous: Ring | None, ring: Ring) -> list[str]:
+    """Active members of ``previous`` that are no member of ``ring`` at all (pure): they left
+    without a drain (a draining member is not active, so a drained one is not counted), and
+    the blocks they owned have one copy fewer than the ring's replication."""
+    if previous is None:
+        return []
+    return [m.id for m in previous.active if ring.member(m.id) is None]
+
+
 def stale_wrong_owner(ring: Ring, member_id: str, caller_epoch: int, keys: Sequence[bytes] | bytes,
                       single_copy: bool = False) -> npt.NDArray[np.bool_] | None:
     """The items of a write that ``member_id``, holding ``ring``, refuses as WRONG_OWNER (pure).

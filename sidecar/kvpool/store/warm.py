@@ -126,15 +126,6 @@ def added_members(previous: Ring | None, ring: Ring) -> list[str]:
     return [m.id for m in ring.active if m.id not in before]
 
 
-def removed_members(previous: Ring | None, ring: Ring) -> list[str]:
-    """Active members of ``previous`` that are no member of ``ring`` at all (pure): they left
-    without a drain (a draining member is not active, so a drained one is not counted), and
-    the blocks they owned have one copy fewer than the ring's replication."""
-    if previous is None:
-        return []
-    return [m.id for m in previous.active if ring.member(m.id) is None]
-
-
 def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
              max_bytes_per_second: int = 0, fraction: float = 0.0, removed: Collection[str] = ()) -> None:
     """Push the planned objects (the thread behind the ``Warm`` RPC); ``progress`` is the

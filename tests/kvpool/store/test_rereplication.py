@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from kvpool.proto import store_pb2 as pb
-from kvpool.ring import Member, Ring, owners
-from kvpool.store.warm import plan_warm, removed_members, warm_targets
+from kvpool.ring import Member, Ring, owners, removed_members
+from kvpool.store.warm import plan_warm, warm_targets
 
 KiB = 1 << 10
 ADMIN = "admin-secret"
