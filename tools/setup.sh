@@ -17,23 +17,34 @@ if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
     || echo "setup: apt-get failed; tests needing ${need_apt[*]} will skip with the reason"
 fi
 
-stamp="$KVPOOL_CACHE/pip-$(sha256sum pyproject.toml | cut -c1-16)"
+# kvpool's Python packages live in a virtual environment of their own under the cache, never in
+# the machine's Python: installing into it once upgraded another package's pinned dependency
+# (pydantic under aws-sam-translator). tools/test.sh and tools/demo.sh run in this venv.
+VENV="$KVPOOL_CACHE/venv"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: python -m venv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+stamp="$VENV/.kvpool-pip-$(sha256sum pyproject.toml | cut -c1-16)"
 # The test and demo commands put this checkout's sidecar/ and operator/ first on PYTHONPATH, so an
 # editable install of another clone (CI clones beside a working tree) is harmless and is not
 # re-pointed here: re-pointing it would switch every other checkout's runs to this one's code.
 # So a changed pyproject.toml installs its requirements (dependencies + the dev extra) only; the
-# project itself is installed (editable, without dependencies) only where no kvpool is there yet.
-if [ ! -e "$stamp" ] || ! "$PY" -c "import kvpool, grpc, numpy, xxhash" >/dev/null 2>&1; then
-  echo "setup: pip install the requirements of pyproject.toml (dependencies + dev)"
+# project itself is installed (editable, without dependencies: the `kvpool` console script that the
+# e2e pods run) only where no kvpool is there yet.
+if [ ! -e "$stamp" ] || ! "$VPY" -c "import kvpool, grpc, numpy, xxhash" >/dev/null 2>&1; then
+  echo "setup: pip install the requirements of pyproject.toml (dependencies + dev) into $VENV"
   reqs="$KVPOOL_CACHE/requirements-$(sha256sum pyproject.toml | cut -c1-16).txt"
-  "$PY" -c 'import tomllib
+  "$VPY" -c 'import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"]))' > "$reqs"
-  "$PY" -m pip install -q --disable-pip-version-check -r "$reqs" 2>&1 | grep -v "as the 'root' user" || true
-  if ! "$PY" -c "import kvpool" >/dev/null 2>&1; then
+  "$VPY" -m pip install -q --disable-pip-version-check -r "$reqs" 2>&1 | grep -v "as the 'root' user" || true
+  if ! "$VPY" -c "import kvpool" >/dev/null 2>&1; then
     echo "setup: pip install --no-deps -e ."
-    "$PY" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "as the 'root' user" || true
+    "$VPY" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "as the 'root' user" || true
   fi
   touch "$stamp"
 fi
+PY="$VPY"
 "$PY" -c "import kvpool, grpc, numpy, xxhash" || { echo "setup: kvpool is not importable"; exit 1; }
