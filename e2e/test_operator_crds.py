@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from e2e.cluster import Cluster
 from e2e.testutil import wait_for

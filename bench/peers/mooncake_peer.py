@@ -152,7 +152,7 @@ def _measure_mode(ctx: Context, mode: str) -> list[Row]:
 
 
 def owner(master: str, meta: str, segment: int) -> None:
-    from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+    from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
     rc = store.setup("127.0.0.1", meta, segment, 16 * MiB, "tcp", "", master)
