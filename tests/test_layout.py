@@ -58,8 +58,9 @@ def test_the_code_type_checks_clean_under_mypy_strict(targets: tuple[str, ...]) 
 OPTIONAL_STUBS = {
     "mooncake/__init__.pyi": "",
     "mooncake/store.pyi": "class MooncakeDistributedStore:\n    def setup(self, *args: object) -> int: ...\n",
-    "yaml/__init__.pyi": "from typing import Any\ndef safe_load(stream: Any) -> Any: ...\n"
-                         "def safe_load_all(stream: Any) -> Any: ...\ndef safe_dump(data: Any, **kw: Any) -> str: ...\n",
+    "yaml/__init__.pyi": ("from typing import Any\ndef safe_load(stream: Any) -> Any: ...\n"
+                          "def safe_load_all(stream: Any) -> Any: ...\n"
+                          "def safe_dump(data: Any, **kw: Any) -> str: ...\n"),
 }
 """Typed stand-ins for the optional packages (the Mooncake peer, PyYAML with its stubs), as a
 machine that has them installed would present them."""
