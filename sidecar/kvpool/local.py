@@ -152,6 +152,9 @@ class LocalCluster:
         self.tokens = {t: secrets.token_hex(16) for t in sorted(set(self.tenant_ids)) if t != "default"}
         self.store_procs: list[Proc] = []
         self.sidecar_procs: list[Proc] = []
+        self._sidecar_launches: list[tuple[str, int | None, tuple[str, ...]]] = []
+        self._dead_sidecars: list[Proc] = []
+        """Earlier lives of restarted sidecars (``restart_sidecar``)."""
         self.stores: list[str] = []
         self.sidecars: list[str] = []
         self.store_ids: list[str] = []
@@ -234,10 +237,12 @@ class LocalCluster:
         return addr
 
     def _launch_sidecar(self, tenant: str, local_bytes: int | None = None,
-                        extra_args: Sequence[str] = ()) -> tuple[Proc, str]:
-        i = len(self.sidecar_procs)
+                        extra_args: Sequence[str] = (), index: int | None = None) -> tuple[Proc, str]:
+        """Start sidecar ``index`` (default: a new one) in its own directory; a restart
+        (``index`` given) reuses the directory, and so the socket and the arena's name."""
+        i = len(self.sidecar_procs) if index is None else index
         d = os.path.join(self.workdir, f"sidecar-{i}")
-        os.makedirs(d)
+        os.makedirs(d, exist_ok=index is not None)
         sock = os.path.join(d, "kvpool.sock")
         local = self.local_bytes if local_bytes is None else local_bytes
         argv = ["sidecar", "--socket", sock, "--pool", ",".join(self.stores), "--local", str(local),
@@ -256,8 +261,14 @@ class LocalCluster:
             # where every write to the arena would dirty page-cache pages bound for writeback.
             argv += ["--arena-dir", SHM_DIR]
         argv += list(extra_args)
-        proc = launch(f"sidecar-{i}", argv, d)
-        self.sidecar_procs.append(proc)
+        lives = sum(1 for p in self._dead_sidecars if p.log_path.startswith(d + os.sep))
+        proc = launch(f"sidecar-{i}" if index is None else f"sidecar-{i}-life{lives + 1}", argv, d)
+        if index is None:
+            self.sidecar_procs.append(proc)
+            self._sidecar_launches.append((tenant, local_bytes, tuple(extra_args)))
+        else:
+            self._dead_sidecars.append(self.sidecar_procs[i])
+            self.sidecar_procs[i] = proc
         return proc, f"unix://{sock}"
 
     def _register_sidecar(self, proc: Proc, address: str) -> str:
@@ -269,6 +280,28 @@ class LocalCluster:
                     extra_args: Sequence[str] = ()) -> str:
         """Start one more sidecar (of ``tenant``; ``local_bytes`` defaults to the cluster's)."""
         return self._register_sidecar(*self._launch_sidecar(tenant, local_bytes, extra_args))
+
+    def restart_sidecar(self, i: int, kill: bool = True, local_bytes: int | None = None,
+                        extra_args: Sequence[str] | None = None, timeout: float = 60.0) -> str:
+        """Stop sidecar ``i`` (SIGKILL with ``kill``, else SIGTERM and its drain) and start it
+        again on the same socket and arena directory, as a pod's ``restartPolicy: Always``
+        does; waits for READY.  ``local_bytes`` / ``extra_args`` (appended to the first
+        start's) change its configuration for this life.  Its address is unchanged."""
+        proc = self.sidecar_procs[i]
+        if proc.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.popen.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout=self.drain_seconds + 10)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+        close_pipes(proc)
+        tenant, first_local, first_extra = self._sidecar_launches[i]
+        extra = list(first_extra) + list(extra_args or ())
+        new, addr = self._launch_sidecar(tenant, first_local if local_bytes is None else local_bytes, extra, index=i)
+        wait_ready(new, timeout)
+        return addr
 
     def _ring_pb(self, draining: Sequence[str] = ()) -> pb.Ring:
         return pb.Ring(epoch=self.epoch, replicas=self.replication, members=[
