@@ -6,6 +6,12 @@ the sidecar has one) and maps the sidecar's shared-memory arena for bytes: ``get
 views into the arena (zero copy, valid while their lease holds), ``put`` costs one copy into
 it; ``get_ranges`` reads only byte ranges of an object (sparse attention's top-k entries)
 without the rest of it moving anywhere.  Thread-safe; a context manager.
+
+Sidecar restarts: the sidecar's HELLO names its life (incarnation) and its arena's generation.
+Offsets are turned into views only with the mapping of the life that gave them: a reply of
+another life first makes the client say Hello again, remap the arena if its generation changed,
+and forget the old life's pending match leases (:meth:`Client._on_new_life`); a gRPC call names
+the life it was made for and the sidecar refuses it if that is not its own.
 """
 
 from __future__ import annotations
@@ -144,6 +150,43 @@ class RangeReads(_Leased):
         self._client = client
 
 
+class _Arena:
+    """The client's mapping of the sidecar's arena, for the offsets of one sidecar life."""
+
+    __slots__ = ("incarnation", "generation", "path", "nbytes", "mmap", "rw", "ro")
+
+    def __init__(self, incarnation: int, generation: int, path: str, nbytes: int, mm: mmap.mmap,
+                 rw: memoryview, ro: memoryview) -> None:
+        self.incarnation, self.generation, self.path, self.nbytes = incarnation, generation, path, nbytes
+        self.mmap, self.rw, self.ro = mm, rw, ro
+
+    @classmethod
+    def map(cls, hello: spb.HelloReply) -> _Arena:
+        fd = os.open(hello.arena_path, os.O_RDWR)
+        try:
+            # MAP_POPULATE: map every page now instead of faulting 4 KiB at a time on first use.
+            mm = mmap.mmap(fd, hello.arena_bytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        rw = memoryview(mm)
+        return cls(hello.incarnation, hello.arena_generation, hello.arena_path, hello.arena_bytes, mm, rw,
+                   rw.toreadonly())
+
+    def same_arena(self, hello: spb.HelloReply) -> bool:
+        """Whether ``hello`` names the arena this maps (a sidecar that adopted it)."""
+        return bool(self.generation) and (hello.arena_generation, hello.arena_path, hello.arena_bytes) == \
+            (self.generation, self.path, self.nbytes)
+
+    def close(self) -> None:
+        try:
+            self.ro.release()
+            self.rw.release()
+            self.mmap.close()
+        except BufferError:
+            pass  # views handed out are still alive; the mapping goes with them
+
+
 class Client:
     """A connection to one sidecar."""
 
@@ -158,20 +201,15 @@ class Client:
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
                                                                 ("grpc.max_send_message_length", 64 << 20)])
         self._stub = spbg.SidecarStub(self._channel)
-        hello = self._rpc(self._stub.Hello, pb.Empty())
+        hello = self._hello()
         self.tenant_id = hello.tenant_id
         self.handoff_address = hello.handoff_address
         """Where this sidecar exports state objects to decode sidecars ("" when it does not)."""
         self.instance_id = hello.instance_id
-        fd = os.open(hello.arena_path, os.O_RDWR)
-        try:
-            # MAP_POPULATE: map every page now instead of faulting 4 KiB at a time on first use.
-            self._mmap = mmap.mmap(fd, hello.arena_bytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._arena = memoryview(self._mmap)
-        self._arena_ro = self._arena.toreadonly()
+        self._map = _Arena.map(hello)
+        self._life_lock = threading.Lock()
+        self.restarts_seen = 0
+        """Sidecar lives after the first this client moved to (restarts it noticed)."""
         self._closed = False
         self._lock = threading.Lock()
         self._pending_matches: OrderedDict[bytes, int] = OrderedDict()  # first key → match lease
@@ -191,7 +229,8 @@ class Client:
         if fast:
             try:
                 self._fast = FastSession(fast_socket_path(address[len("unix://"):]), self.tenant_id,
-                                         hello.arena_bytes, timeout)
+                                         hello.arena_bytes, timeout, incarnation=hello.incarnation,
+                                         on_new_life=self._on_new_life)
             except (OSError, errors.KvpoolError):
                 self._fast = None  # an older sidecar, or none beside this socket: gRPC only
 
@@ -200,12 +239,80 @@ class Client:
         """Whether the hot calls go over the fast session (else all over gRPC)."""
         return self._fast is not None
 
-    def _rpc(self, method: Any, request: Any) -> Any:
-        # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
+    @property
+    def _arena(self) -> memoryview:
+        return self._map.rw
+
+    @property
+    def _arena_ro(self) -> memoryview:
+        return self._map.ro
+
+    def _hello(self) -> spb.HelloReply:
         try:
-            return method(request, timeout=self.timeout)
+            return cast(spb.HelloReply, self._stub.Hello(pb.Empty(), timeout=self.timeout))
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
+
+    def _on_new_life(self, seen: int = -1) -> int:
+        """The sidecar is another life than the one this client holds (``seen``; -1: a call was
+        refused for it): say Hello again, remap the arena unless the new life adopted the same
+        one, forget the old life's pending match leases.  Returns the incarnation now held."""
+        with self._life_lock:
+            old = self._map
+            if seen == old.incarnation:
+                return seen  # another thread moved to it already
+            hello = self._hello()
+            if hello.tenant_id != self.tenant_id:
+                raise errors.PermissionDenied(f"the sidecar at {self.address} now serves tenant "
+                                              f"{hello.tenant_id!r}, not {self.tenant_id!r}")
+            if hello.incarnation == old.incarnation:
+                return old.incarnation
+            new = _Arena(hello.incarnation, old.generation, old.path, old.nbytes, old.mmap, old.rw, old.ro) \
+                if old.same_arena(hello) else _Arena.map(hello)
+            with self._lock:
+                self._pending_matches.clear()  # leases of a dead process
+                self._done_range_leases = []
+            if self._fast is not None:
+                self._fast.arena_bytes = new.nbytes
+            self._map = new
+            self.restarts_seen += 1
+            self.instance_id = hello.instance_id
+            self.handoff_address = hello.handoff_address
+            log.warning("kvpool: the sidecar at %s was restarted; %s", self.address,
+                        "it kept the arena" if new.mmap is old.mmap else "the arena was remapped")
+            return new.incarnation
+
+    def _life(self, incarnation: int) -> _Arena:
+        """The mapping for offsets given by sidecar life ``incarnation`` (moving to that life if
+        it is newer); SidecarRestarted if this client cannot hold it."""
+        m = self._map
+        if m.incarnation == incarnation:
+            return m
+        self._on_new_life(incarnation)
+        m = self._map
+        if m.incarnation != incarnation:
+            raise errors.SidecarRestarted(f"the sidecar at {self.address} changed lives during the call")
+        return m
+
+    def _rpc(self, method: Any, request: Any) -> Any:
+        # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
+        return self._rpc_life(method, request)[0]
+
+    def _rpc_life(self, method: Any, request: Any) -> tuple[Any, _Arena]:
+        """One gRPC call made for the sidecar life this client holds, and that life's mapping;
+        a call refused because the sidecar is another life is made again, once, after moving
+        to the new life."""
+        for attempt in range(2):
+            m = self._map
+            try:
+                return method(request, timeout=self.timeout,
+                              metadata=((errors.INCARNATION_METADATA, str(m.incarnation)),)), m
+            except grpc.RpcError as err:
+                exc = errors.from_rpc_error(err)
+                if not isinstance(exc, errors.SidecarRestarted) or attempt:
+                    raise exc from None
+            self._on_new_life()
+        raise AssertionError("not reached")
 
     # -- matching -----------------------------------------------------------------------------
 
@@ -250,14 +357,14 @@ class Client:
             return Blocks([], self, 0)
         if not lease_id and kind == pb.BLOCK:
             lease_id = self._consume_match(keys)
-        r = self._read(pack_keys(keys), lease_id, kind)
+        r, m = self._read(pack_keys(keys), lease_id, kind)
         codes = list(r.codes)
         if any(c != pb.OK for c in codes):
             if r.lease_id:
                 self.release(r.lease_id)
             missing = [i for i, c in enumerate(codes) if c != pb.OK]
             raise errors.NotFound(f"{len(missing)} of {len(keys)} keys not present (first at index {missing[0]})")
-        ro = self._arena_ro
+        ro = m.ro
         views = [ro[o:o + s] for o, s in zip(r.offsets, r.sizes, strict=True)]
         return Blocks(views, self, r.lease_id)
 
@@ -351,7 +458,8 @@ class Client:
                     # An older sidecar (no READ_INTO) or a broken connection: the arena path
                     # below says which; an older sidecar is not asked again.
                     self._read_into_ok = self._fast_session_supports_read_into()
-        r = self._read(pack_keys(keys), self._consume_match(keys), pb.BLOCK)
+        r, m = self._read(pack_keys(keys), self._consume_match(keys), pb.BLOCK)
+        arena = m.rw
         out = []
         try:
             pairs = []
@@ -362,7 +470,7 @@ class Client:
                 dst = as_bytes_view(b)
                 if len(dst) < s:
                     raise errors.InvalidArgument(f"buffer of {len(dst)} bytes for an object of {s}")
-                pairs.append((self._arena[o:o + s], dst[:s]))
+                pairs.append((arena[o:o + s], dst[:s]))
                 out.append(s)
             self._copier.copy(pairs)  # one memcpy per object, a big batch over two threads
         finally:
@@ -394,11 +502,12 @@ class Client:
 
     # -- sparse reading -----------------------------------------------------------------------
 
-    def _read_ranges(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int,
-                     verify_object: bool) -> tuple[Any, list[tuple[ranges.Pairs, Any]], list[ranges.Pairs]]:
+    def _read_ranges(self, keys: Sequence[bytes], per_key: Sequence[Any], kind: int, verify_object: bool
+                     ) -> tuple[Any, list[tuple[ranges.Pairs, Any]], list[ranges.Pairs], _Arena]:
         """The ReadRanges call; ranges refused here (negative, not integers, wrong shape) are
         sent as none, so the sidecar answers INVALID for them.  Returns the reply, the ranges sent
-        (coalesced, with each asked range's merged index) and the ranges asked, normalised."""
+        (coalesced, with each asked range's merged index), the ranges asked, normalised, and the
+        mapping the offsets are in."""
         if len(keys) != len(per_key):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(per_key)} range lists")
         pairs = [ranges.normalize(r)[0] for r in per_key]
@@ -406,10 +515,10 @@ class Client:
         counts, blob = ranges.encode([m for m, _ in merged])
         with self._lock:
             done, self._done_range_leases = self._done_range_leases, []
-        r = self._rpc(self._stub.ReadRanges, spb.ReadRangesRequest(
+        r, m = self._rpc_life(self._stub.ReadRanges, spb.ReadRangesRequest(
             keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=errors.as_kind(kind),
             lease_ms=self.lease_ms, verify_object=verify_object, release_lease_ids=done))
-        return r, merged, pairs
+        return r, merged, pairs, m
 
     def _range_lease_done(self, lease_id: int) -> None:
         """A ranged read's lease whose bytes were copied out: dropped by the next ranged read in
@@ -431,8 +540,8 @@ class Client:
         (the object is not pulled into the local tier)."""
         if not keys:
             return RangeReads([], [], [], self, 0)
-        r, merged, pairs = self._read_ranges(keys, per_key, kind, verify_object)
-        ro = self._arena_ro
+        r, merged, pairs, m = self._read_ranges(keys, per_key, kind, verify_object)
+        ro = m.ro
         views: list[list[memoryview] | None] = []
         at = 0
         for c, p, (m, group) in zip(r.codes, pairs, merged, strict=True):
@@ -480,9 +589,9 @@ class Client:
         codes: list[int] = [pb.INVALID] * len(keys)
         if not ask:
             return codes
-        r, merged, _ = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
+        r, merged, _, m = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
         try:
-            arena = self._arena
+            arena = m.rw
             pairs: list[tuple[memoryview, memoryview]] = []
             at = 0
             for j, i in enumerate(ask):
@@ -500,12 +609,14 @@ class Client:
                 self._range_lease_done(r.lease_id)
         return codes
 
-    def _read(self, keys: bytes, lease_id: int, kind: int) -> Any:
-        """One Read (fast session or gRPC): codes, offsets, sizes, lease_id."""
+    def _read(self, keys: bytes, lease_id: int, kind: int) -> tuple[Any, _Arena]:
+        """One Read (fast session or gRPC): (codes, offsets, sizes, lease_id), and the mapping
+        of the sidecar life whose arena the offsets are in."""
         if self._fast is not None:
-            return self._fast.read(keys, kind, self.lease_ms, lease_id)
-        return self._rpc(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id, kind=errors.as_kind(kind),
-                                                          lease_ms=self.lease_ms))
+            r = self._fast.read(keys, kind, self.lease_ms, lease_id)
+            return r, self._life(r.incarnation)
+        return self._rpc_life(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id,
+                                                               kind=errors.as_kind(kind), lease_ms=self.lease_ms))
 
     def _release_async(self, lease_id: int) -> None:
         """Drop a lease without waiting for the answer: the copy is done, so the caller need not
@@ -549,15 +660,16 @@ class Client:
         views = [as_bytes_view(v) for v in values]
         blob, sizes = pack_keys(keys), [len(v) for v in views]
         if self._fast is not None:
-            codes, offsets, rid = self._fast.write_start(blob, sizes, kind, traffic_class)
+            codes, offsets, rid, life = self._fast.write_start(blob, sizes, kind, traffic_class)
+            m = self._life(life)
         else:
-            start = self._rpc(self._stub.WriteStart, spb.WriteStartRequest(
+            start, m = self._rpc_life(self._stub.WriteStart, spb.WriteStartRequest(
                 keys=blob, sizes=sizes, traffic_class=traffic_class, kind=errors.as_kind(kind)))
             codes, offsets, rid = list(start.codes), list(start.offsets), start.reservation_id
         if not rid:
             return codes
         sums = [0] * len(keys)
-        arena = self._arena
+        arena = m.rw
         ok = [i for i, c in enumerate(codes) if c == pb.OK]
         # numpy's copy, not a memoryview slice assignment: into fresh (cold) arena extents the
         # latter ran at half the speed (16 MiB: 3.8 vs 1.8 ms here); big batches over two threads.
@@ -565,7 +677,7 @@ class Client:
         for i in ok:
             sums[i] = checksum(views[i])
         if self._fast is not None:
-            final = self._fast.write_commit(rid, sums)
+            final = self._fast.write_commit(rid, sums, m.incarnation)
         else:
             final = list(self._rpc(self._stub.WriteCommit, spb.WriteCommitRequest(reservation_id=rid,
                                                                                   checksums=sums)).codes)
@@ -661,13 +773,13 @@ class Client:
         t0 = time.perf_counter()
         blob = record.to_bytes() if isinstance(record, _ho.HandoffRecord) else \
             _ho.parse(record).to_bytes() if isinstance(record, str) else bytes(record)
-        r = self._rpc(self._stub.AcceptHandoff, spb.AcceptHandoffRequest(record=blob,
-                                                                         lease_ms=lease_ms or self.lease_ms))
+        r, m = self._rpc_life(self._stub.AcceptHandoff, spb.AcceptHandoffRequest(
+            record=blob, lease_ms=lease_ms or self.lease_ms))
         if r.code != pb.OK:
             raise errors.error_for_code(r.code, r.message)
         rec = _ho.from_bytes(blob)
         codes = list(r.codes)
-        ro = self._arena_ro
+        ro = m.ro
         n = next((i for i, c in enumerate(codes) if c != pb.OK), len(codes))
         blocks = Blocks([ro[o:o + s] for o, s in zip(r.offsets[:n], r.sizes[:n], strict=True)], self, r.lease_id)
         outcome = _ho.StateOutcome(r.state)
@@ -708,12 +820,7 @@ class Client:
         for region in regions:
             region.close()
         self._channel.close()
-        try:
-            self._arena_ro.release()
-            self._arena.release()
-            self._mmap.close()
-        except BufferError:
-            pass  # views handed out are still alive; the mapping goes with them
+        self._map.close()
 
     def __enter__(self) -> Client:
         return self

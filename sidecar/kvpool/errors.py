@@ -93,6 +93,15 @@ class Unavailable(KvpoolError):
     """The peer (store node or sidecar) cannot be reached."""
 
 
+class SidecarRestarted(Unavailable):
+    """The sidecar is another life than the one the call's leases, reservation or offsets came
+    from (it was restarted): say Hello again, then retry (:class:`kvpool.Client` does, once)."""
+
+
+INCARNATION_METADATA = "kvpool-incarnation"
+"""gRPC call metadata: the sidecar incarnation the client knows (HelloReply.incarnation)."""
+
+
 class WrongTenant(PermissionDenied):
     """A handoff record of another tenant."""
 
@@ -137,6 +146,7 @@ GRPC_STATUS: dict[type[KvpoolError], grpc.StatusCode] = {
     WrongOwner: grpc.StatusCode.FAILED_PRECONDITION,
     Draining: grpc.StatusCode.UNAVAILABLE,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    SidecarRestarted: grpc.StatusCode.ABORTED,
     Unsupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 _FROM_GRPC: dict[grpc.StatusCode, type[KvpoolError]] = {
@@ -147,6 +157,7 @@ _FROM_GRPC: dict[grpc.StatusCode, type[KvpoolError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpace,
     grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
     grpc.StatusCode.UNIMPLEMENTED: Unsupported,
+    grpc.StatusCode.ABORTED: SidecarRestarted,
 }
 
 
@@ -154,7 +165,7 @@ SESSION_OK = 0
 """Call status of a data-session frame that succeeded (its per-item codes say the rest)."""
 SESSION_STATUS: dict[type[KvpoolError], int] = {
     KvpoolError: 1, InvalidArgument: 2, Unauthenticated: 3, PermissionDenied: 4, Draining: 5,
-    Unavailable: 6, TooLarge: 7, Unsupported: 8,
+    Unavailable: 6, TooLarge: 7, Unsupported: 8, SidecarRestarted: 9,
 }
 _FROM_SESSION: dict[int, type[KvpoolError]] = {v: k for k, v in SESSION_STATUS.items()}
 

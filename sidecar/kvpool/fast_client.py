@@ -6,6 +6,14 @@ one), each greeted with the tenant the client expects.  Every call is one frame 
 frame in; a release after a finished copy is one frame out and none in.  A connection that
 breaks or sends a frame that does not parse is closed and the call raises
 :class:`~kvpool.errors.Unavailable` (the caller's gRPC path is still there).
+
+Sidecar lives: every connection's HELLO reply names the sidecar's incarnation.  A connection to
+another life than the one the session holds (the sidecar was restarted) calls ``on_new_life``
+before it is used (the client remaps its arena and forgets the old life's leases there) and is
+refused if the client does not move to it; idle connections of an older life are dropped.  A
+call whose frame could not even be sent (the sidecar of an idle connection died) is sent once
+more on a new connection: nothing of it reached the sidecar.  Each call's result is returned
+with the incarnation of the connection that answered it, for the client's last check.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from . import errors
+from .proto import store_pb2 as pb
 from .sidecar import fast_protocol as fp
 from .transfer import memfd
 from .transfer._sockio import recv_exact, send_buffers, send_with_fd
@@ -42,6 +51,16 @@ class ReadReply(NamedTuple):
     lease_id: int
     local_hits: int
     pool_hits: int
+    incarnation: int
+    """The sidecar life whose arena the offsets are in."""
+
+
+class _NotSent(Exception):
+    """The request frame could not be written (the connection was already dead)."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 class _Conn:
@@ -51,6 +70,10 @@ class _Conn:
         self.sock.connect(path)
         self.header = bytearray(fp.RESPONSE_SIZE)
         self.next_id = 1
+        self.incarnation = 0
+        """The sidecar life at the other end (its HELLO reply)."""
+        self.fresh = True
+        """Not used for a call yet (a failure to send on it is not a dead idle connection)."""
         self.registered: set[int] = set()
         """Ids of the client's regions this connection's sidecar side has mapped."""
 
@@ -58,10 +81,13 @@ class _Conn:
         rid = self.next_id
         self.next_id = (rid + 1) & 0xFFFFFFFF
         frame = fp.encode_request(op, rid, **kw)
-        if fd is None:
-            send_buffers(self.sock, frame)  # type: ignore[arg-type]
-        else:
-            send_with_fd(self.sock, frame, fd)
+        try:
+            if fd is None:
+                send_buffers(self.sock, frame)  # type: ignore[arg-type]
+            else:
+                send_with_fd(self.sock, frame, fd)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise _NotSent(exc) from None
         if kw.get("flags", 0) & fp.FLAG_NO_REPLY:
             return fp.Response(op, 0, 0, rid, 0, 0, 0, 0, 0), bytearray()
         view = memoryview(self.header)
@@ -92,7 +118,13 @@ class FastSession:
     """Connections to one sidecar's fast session."""
 
     def __init__(self, path: str, tenant: str, arena_bytes: int, timeout: float = 30.0,
-                 max_connections: int = 8) -> None:
+                 max_connections: int = 8, incarnation: int = 0,
+                 on_new_life: Callable[[int], int] | None = None) -> None:
+        self.incarnation = incarnation
+        """The sidecar life the session serves (0: unknown, an older sidecar)."""
+        self.on_new_life = on_new_life
+        """Called with the incarnation of a connection to another life; returns the one the
+        caller now holds (its own, when it moved to the new life)."""
         self.path = path
         self.tenant = tenant
         self.arena_bytes = arena_bytes
@@ -111,7 +143,16 @@ class FastSession:
     def _connect(self) -> _Conn:
         conn = _Conn(self.path, self.timeout)
         try:
-            conn.call(fp.OP_HELLO, text=self.tenant.encode())
+            resp, body = conn.call(fp.OP_HELLO, text=self.tenant.encode())
+            conn.incarnation = fp.decode_hello(resp, body)[0]
+            if conn.incarnation != self.incarnation and self.on_new_life is not None:
+                self.incarnation = self.on_new_life(conn.incarnation)
+            if conn.incarnation != self.incarnation:
+                raise errors.SidecarRestarted(f"fast session to {self.path}: the sidecar is life "
+                                              f"{conn.incarnation}, this client holds {self.incarnation}")
+        except _NotSent as exc:
+            conn.close()
+            raise exc.exc from None
         except BaseException:
             conn.close()
             raise
@@ -131,6 +172,9 @@ class FastSession:
             while True:
                 if self._closed:
                     raise errors.Unavailable("fast session closed")
+                while self._idle and self._idle[-1].incarnation != self.incarnation:
+                    self._idle.pop().close()  # of an older life: its sidecar is gone
+                    self._open -= 1
                 if self._idle:
                     return self._idle.pop()
                 if self._open < self.max_connections:
@@ -177,28 +221,38 @@ class FastSession:
             self._cond.notify()
 
     def call(self, op: int, **kw: Any) -> tuple[fp.Response, bytearray]:
-        return self._on_connection(lambda conn: conn.call(op, **kw))
+        return self._on_connection(lambda conn: conn.call(op, **kw))[0]
 
-    def _on_connection(self, exchange: Callable[[_Conn], T]) -> T:
-        """Run ``exchange`` on a connection of the pool; a connection whose stream may be out of
-        step afterwards is dropped (and the call raises :class:`~kvpool.errors.Unavailable`)."""
-        try:
-            conn = self._take()
-        except OSError as exc:
-            raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
-        try:
-            out = exchange(conn)
-        except errors.KvpoolError:
-            self._put_back(conn)  # a refused call: the stream is still in step
-            raise
-        except (OSError, fp.ProtocolError) as exc:
-            self._drop(conn)
-            raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
-        except BaseException:
-            self._drop(conn)  # interrupted mid-frame: the stream is out of step
-            raise
-        self._put_back(conn)
-        return out
+    def _on_connection(self, exchange: Callable[[_Conn], T]) -> tuple[T, int]:
+        """Run ``exchange`` on a connection of the pool: its result and the connection's
+        sidecar incarnation.  A connection whose stream may be out of step afterwards is
+        dropped (and the call raises :class:`~kvpool.errors.Unavailable`); one that was dead
+        before the frame left (an idle connection to a sidecar that died) is replaced once."""
+        for _ in range(2):
+            try:
+                conn = self._take()
+            except OSError as exc:
+                raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
+            fresh, conn.fresh = conn.fresh, False
+            try:
+                out = exchange(conn)
+            except _NotSent as exc:
+                self._drop(conn)
+                if fresh:
+                    raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
+                continue  # nothing reached the sidecar: once more on a new connection
+            except errors.KvpoolError:
+                self._put_back(conn)  # a refused call: the stream is still in step
+                raise
+            except (OSError, fp.ProtocolError) as exc:
+                self._drop(conn)
+                raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
+            except BaseException:
+                self._drop(conn)  # interrupted mid-frame: the stream is out of step
+                raise
+            self._put_back(conn)
+            return out, conn.incarnation
+        raise errors.Unavailable(f"fast session to {self.path}: connections keep breaking")
 
     # -- the calls ----------------------------------------------------------------------------
 
@@ -208,14 +262,19 @@ class FastSession:
                          flags=fp.FLAG_LOCAL_ONLY if local_only else 0)
         return r.prefix, r.local, r.ref
 
+    def match_life(self, keys: bytes, lease_ms: int) -> tuple[int, int, int]:
+        """(prefix, lease id, the incarnation the lease belongs to)."""
+        (r, _), inc = self._on_connection(lambda conn: conn.call(fp.OP_MATCH, keys=keys, lease_ms=lease_ms))
+        return r.prefix, r.ref, inc
+
     def read(self, keys: bytes, kind: int, lease_ms: int, match_lease: int = 0,
              releases: list[int] | None = None) -> ReadReply:
-        r, body = self.call(fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease,
-                            releases=releases)
+        (r, body), inc = self._on_connection(lambda conn: conn.call(
+            fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease, releases=releases))
         t = fp.decode_table(r, body, self.arena_bytes)
         if len(t.codes) != len(keys) // 32:
             raise errors.Unavailable("fast session: READ reply for another number of keys")
-        return ReadReply(t.codes, t.offsets, t.sizes, r.ref, r.prefix, r.local)
+        return ReadReply(t.codes, t.offsets, t.sizes, r.ref, r.prefix, r.local, inc)
 
     def read_into(self, keys: bytes, kind: int, targets: np.ndarray, regions: dict[int, memfd.Region],
                   match_lease: int = 0) -> tuple[list[int], list[int]]:
@@ -236,25 +295,33 @@ class FastSession:
                 conn.registered.add(rid)
             r, body = conn.call(fp.OP_READ_INTO, keys=keys, kind=kind, ref=match_lease, values=targets)
             return fp.decode_sizes(r, body)
-        codes, sizes = self._on_connection(exchange)
+        (codes, sizes), _ = self._on_connection(exchange)
         if len(codes) != n:
             raise errors.Unavailable("fast session: READ_INTO reply for another number of keys")
         return codes, sizes
 
     def write_start(self, keys: bytes, sizes: list[int], kind: int,
-                    traffic_class: str) -> tuple[list[int], list[int], int]:
-        """(codes, arena offsets, reservation id)."""
-        r, body = self.call(fp.OP_WRITE_START, keys=keys, kind=kind, text=traffic_class.encode(),
-                            values=np.asarray(sizes, np.uint64))
+                    traffic_class: str) -> tuple[list[int], list[int], int, int]:
+        """(codes, arena offsets, reservation id, the incarnation whose arena the offsets are in)."""
+        (r, body), inc = self._on_connection(lambda conn: conn.call(
+            fp.OP_WRITE_START, keys=keys, kind=kind, text=traffic_class.encode(),
+            values=np.asarray(sizes, np.uint64)))
         t = fp.decode_table(r, body, self.arena_bytes)
         for c, o, s in zip(t.codes, t.offsets, sizes, strict=True):
             if c == 0 and o + s > self.arena_bytes:
                 raise errors.Unavailable("fast session: reservation outside the arena")
-        return t.codes, t.offsets, r.ref
+        return t.codes, t.offsets, r.ref, inc
 
-    def write_commit(self, reservation_id: int, checksums: list[int]) -> list[int]:
-        r, body = self.call(fp.OP_WRITE_COMMIT, ref=reservation_id, values=np.asarray(checksums, np.uint64))
-        return fp.decode_table(r, body, self.arena_bytes).codes
+    def write_commit(self, reservation_id: int, checksums: list[int], incarnation: int = 0) -> list[int]:
+        """Per-item codes; a reservation of another life than ``incarnation`` (when given) is
+        not sent: LEASE_EXPIRED for all (its sidecar is gone)."""
+
+        def exchange(conn: _Conn) -> list[int]:
+            if incarnation and conn.incarnation != incarnation:
+                return [pb.LEASE_EXPIRED] * len(checksums)
+            r, body = conn.call(fp.OP_WRITE_COMMIT, ref=reservation_id, values=np.asarray(checksums, np.uint64))
+            return fp.decode_table(r, body, self.arena_bytes).codes
+        return self._on_connection(exchange)[0]
 
     def release(self, lease_ids: list[int], wait: bool = True) -> None:
         """Drop leases; ``wait=False`` sends the frame and returns (no reply comes)."""

@@ -187,6 +187,10 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         stop_procs(self.sidecar_procs, grace=self.drain_seconds + 5)
         stop_procs(self.store_procs)
+        from .sidecar.journal import remove_files
+        for addr in self.sidecars:
+            # The arenas a sidecar keeps for its next life (in /dev/shm, outside the workdir).
+            remove_files(SHM_DIR, addr[len("unix://"):])
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -24,7 +24,7 @@ HANDOFF_STATE_EXPIRED: HandoffState
 HANDOFF_STATE_GONE: HandoffState
 
 class HelloReply(_message.Message):
-    __slots__ = ("arena_path", "arena_bytes", "tenant_id", "version", "ring_epoch", "pool_nodes", "handoff_address", "instance_id")
+    __slots__ = ("arena_path", "arena_bytes", "tenant_id", "version", "ring_epoch", "pool_nodes", "handoff_address", "instance_id", "incarnation", "arena_generation")
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class HelloReply(_message.Message):
     POOL_NODES_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ARENA_GENERATION_FIELD_NUMBER: _ClassVar[int]
     arena_path: str
     arena_bytes: int
     tenant_id: str
@@ -41,7 +43,9 @@ class HelloReply(_message.Message):
     pool_nodes: int
     handoff_address: str
     instance_id: str
-    def __init__(self, arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., tenant_id: _Optional[str] = ..., version: _Optional[str] = ..., ring_epoch: _Optional[int] = ..., pool_nodes: _Optional[int] = ..., handoff_address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    arena_generation: int
+    def __init__(self, arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., tenant_id: _Optional[str] = ..., version: _Optional[str] = ..., ring_epoch: _Optional[int] = ..., pool_nodes: _Optional[int] = ..., handoff_address: _Optional[str] = ..., instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., arena_generation: _Optional[int] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("keys", "lease_ms", "local_only", "kind", "per_key")

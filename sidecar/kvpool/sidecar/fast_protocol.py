@@ -28,7 +28,12 @@ Response header (40 bytes), then ``msg_len`` bytes of UTF-8 message, then the bo
 ``status`` is the whole call (``kvpool.errors.SESSION_STATUS``; 0 = OK and the body follows);
 per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the status is OK:
 
-* HELLO, RELEASE: none.  MATCH: none (``prefix``, ``local`` = local prefix, ``ref`` = lease).
+* HELLO: with ``FLAG_IDENTITY`` set in the response flags, the arena generation u64 and the
+  arena size u64 (``ref`` = the sidecar's incarnation); a sidecar older than incarnations sets
+  neither.  A client compares the incarnation with the one its leases and mapping belong to
+  before it uses the connection (:mod:`kvpool.sidecar.journal`): a restarted sidecar is a new
+  process, so every connection of the old life broke with it.
+* RELEASE: none.  MATCH: none (``prefix``, ``local`` = local prefix, ``ref`` = lease).
 * READ: codes u8 × n, offsets u64 × n, sizes u64 × n (arena extents; ``ref`` = the read lease,
   ``prefix`` = local hits, ``local`` = pool hits).
 * WRITE_START: codes u8 × n, offsets u64 × n (``ref`` = the reservation id).
@@ -82,6 +87,9 @@ OPS = (OP_HELLO, OP_MATCH, OP_READ, OP_WRITE_START, OP_WRITE_COMMIT, OP_RELEASE,
 FLAG_NO_REPLY = 1
 FLAG_LOCAL_ONLY = 2
 """MATCH: look at the local tier only."""
+FLAG_IDENTITY = 4
+"""Response to HELLO: the body carries the arena generation and size (``ref``: the incarnation)."""
+IDENTITY = struct.Struct("<QQ")
 
 REQUEST = struct.Struct("<4sBBBBIIIHHQ")
 RESPONSE = struct.Struct("<4sBBBBIIIIIQI")
@@ -144,6 +152,8 @@ class Response(NamedTuple):
     def body_bytes(self) -> int:
         if self.status:
             return 0
+        if self.op == OP_HELLO:
+            return IDENTITY.size if self.flags & FLAG_IDENTITY else 0
         return {OP_READ: 17, OP_WRITE_START: 9, OP_WRITE_COMMIT: 1, OP_READ_INTO: 9}.get(self.op, 0) * self.items
 
 
@@ -225,11 +235,25 @@ def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> R
 # -- responses -----------------------------------------------------------------------------
 
 def encode_response(op: int, request_id: int, count: int = 0, *, status: int = 0, message: str = "",
-                    prefix: int = 0, local: int = 0, ref: int = 0) -> bytes:
+                    prefix: int = 0, local: int = 0, ref: int = 0, flags: int = 0) -> bytes:
     """A response header (and its message); the body is sent after it."""
     msg = message.encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
-    return RESPONSE.pack(RESPONSE_MAGIC, VERSION, op, status, 0, request_id, count, len(msg), prefix, local,
+    return RESPONSE.pack(RESPONSE_MAGIC, VERSION, op, status, flags, request_id, count, len(msg), prefix, local,
                          ref, 0) + msg
+
+
+def encode_hello(request_id: int, incarnation: int, generation: int, arena_bytes: int) -> bytes:
+    """A HELLO reply that names the sidecar's life and arena."""
+    return encode_response(OP_HELLO, request_id, ref=incarnation, flags=FLAG_IDENTITY) + \
+        IDENTITY.pack(generation, arena_bytes)
+
+
+def decode_hello(resp: Response, body: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """(incarnation, arena generation, arena bytes) of a HELLO reply; zeros from an older sidecar."""
+    if not resp.flags & FLAG_IDENTITY:
+        return 0, 0, 0
+    generation, arena_bytes = IDENTITY.unpack(bytes(body))
+    return resp.ref, generation, arena_bytes
 
 
 def decode_response(data: bytes | bytearray | memoryview) -> Response:

@@ -14,7 +14,9 @@ are unmapped when the connection ends.  Their bytes count against the sidecar's
 
 The tenant is the sidecar's; a connection must say HELLO with the tenant it expects before
 anything else, and a HELLO naming another tenant is refused — a client pointed at the wrong
-pod's socket learns it at once instead of reading another tenant's objects.  A frame that does
+pod's socket learns it at once instead of reading another tenant's objects.  The HELLO reply
+names this sidecar's incarnation and arena generation: a client that knew another life remaps
+and forgets that life's leases before it uses the connection.  A frame that does
 not parse closes that connection only.
 """
 
@@ -226,7 +228,7 @@ class _Connection:
                     raise _Refused(errors.PermissionDenied(
                         f"this sidecar serves tenant {sc.cfg.tenant_id!r}, not {body.text!r}"))
                 self.greeted = True
-                return [fp.encode_response(fp.OP_HELLO, req.request_id)]
+                return [fp.encode_hello(req.request_id, sc.incarnation, sc.arena_generation, sc.local.capacity)]
             if not self.greeted:
                 raise _Refused(errors.Unauthenticated("fast session: HELLO first"))
             if body.releases:

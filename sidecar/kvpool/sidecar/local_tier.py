@@ -25,7 +25,8 @@ from ..proto import store_pb2 as pb
 from ..store.allocator import OutOfSpace
 from ..store.eviction import watermark_need
 from ..store.node import payload_arena_bytes
-from ..store.tiers import DramTier
+from ..store.tiers import DramTier, checksum
+from .journal import Journal, PersistentArena, new_id
 
 RESERVED, COMMITTED, DEAD = 0, 1, 2
 
@@ -60,10 +61,19 @@ class LocalLease:
 class LocalTier:
     def __init__(self, capacity: int, directory: str, label: str = "sidecar",
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
-                 reservation_seconds: float = 30.0) -> None:
+                 reservation_seconds: float = 30.0, socket_path: str = "", tenant: str = "") -> None:
         # ``capacity`` is a payload capacity: that much fits before eviction starts.
-        self.arena = DramTier(payload_arena_bytes(capacity, high_watermark), directory, label=label,
-                               keep_path=True)
+        self.arena: DramTier | PersistentArena
+        self.journal: Journal | None = None
+        """With ``socket_path``: the arena is a named file with a journal, which a restarted
+        sidecar adopts (:meth:`adopt`, :mod:`kvpool.sidecar.journal`)."""
+        if socket_path:
+            self.arena = PersistentArena(payload_arena_bytes(capacity, high_watermark), directory, socket_path,
+                                         tenant)
+            self.journal = self.arena.journal
+        else:
+            self.arena = DramTier(payload_arena_bytes(capacity, high_watermark), directory, label=label,
+                                  keep_path=True)
         self.capacity = self.arena.capacity
         self.high, self.low = high_watermark, low_watermark
         self.reservation_seconds = reservation_seconds
@@ -75,7 +85,7 @@ class LocalTier:
         self._heap: list[tuple[float, int]] = []
         self.reservations: dict[int, tuple[float, list[LocalEntry | None]]] = {}
         self._res_heap: list[tuple[float, int]] = []
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(new_id() >> 2)  # random base: ids of a previous life name nothing
         self.counters: Counter[str] = Counter()
         self.on_evict: Callable[[list[tuple[LocalEntry, bytes]]], None] | None = None
         self.events: Any = None
@@ -219,6 +229,8 @@ class LocalTier:
                 e.expires = now + self.reservation_seconds
                 self.index[(kind, k)] = e
                 entries[i] = e
+            if self.journal is not None:
+                self.journal.reserved([e for e in entries if e is not None])
             rid = 0
             if any(e is not None for e in entries):
                 rid = next(self._ids)
@@ -251,6 +263,8 @@ class LocalTier:
                     continue
                 self._publish(e, checksums[i], dirty, pooled)
                 done.append(e)
+            if self.journal is not None:
+                self.journal.committed(done)
             lease = self._new_lease(list(done), pin_ms, time.time()) if pin_ms and done else None
             return codes, done, lease
 
@@ -272,6 +286,8 @@ class LocalTier:
         ``lease`` (when it is still live) in the same step that makes it evictable."""
         with self.lock:
             self._publish(e, csum, dirty=False, pooled=True)
+            if self.journal is not None:
+                self.journal.committed([e])
             if lease is not None and self.leases.get(lease.lease_id) is lease:
                 lease.entries.append(e)
                 e.pins += 1
@@ -381,6 +397,8 @@ class LocalTier:
         if self.blocks.get(e.key) is e:
             del self.blocks[e.key]
         self.lru.pop(id(e), None)
+        if self.journal is not None and e.state != DEAD:
+            self.journal.freed(e.offset)
         e.state = DEAD
         if e.pins == 0:
             self.arena.alloc.free(e.offset)
@@ -428,6 +446,7 @@ class LocalTier:
             for e in entries:
                 if e.state == COMMITTED and not e.pooled:
                     e.dirty = True
+            self.note_flags(entries)
 
     def unpin(self, e: LocalEntry) -> None:
         """Drop one pin taken by hand (the handoff export's guard); frees a dead extent."""
@@ -441,6 +460,7 @@ class LocalTier:
             if e.state == COMMITTED:
                 e.pooled = False
                 e.dirty = dirty
+                self.note_flags([e])
 
     def local_only(self) -> list[LocalEntry]:
         """Objects that exist only here (dirty): what SIGTERM must flush, hottest first."""
@@ -456,3 +476,88 @@ class LocalTier:
 
     def close(self) -> None:
         self.arena.close()
+
+    # -- persistence (kvpool.sidecar.journal) -----------------------------------------------------
+
+    def note_flags(self, entries: Sequence[LocalEntry]) -> None:
+        """Journal the dirty/pooled flags of those of ``entries`` still here (the pool writer
+        calls it after a write: a restart then does not send them again)."""
+        if self.journal is None:
+            return
+        with self.lock:
+            self.journal.flags([e for e in entries if e.state == COMMITTED])
+
+    def adopt(self, grace_ms: int) -> tuple[list[LocalEntry], dict[str, int]]:
+        """Take over the objects a previous life left in the arena (when it was adopted):
+        each committed object whose bytes match its checksum is indexed again; the rest is
+        dropped.  Adopted objects stay pinned for ``grace_ms`` (a client of the old life may
+        still read views of them) and the extents of uncommitted writes stay out of use for the
+        reservation time (a client of the old life may still be copying into them).  Returns
+        the adopted entries and counts (``restart_*``)."""
+        arena, counts = self.arena, {}
+        if not isinstance(arena, PersistentArena) or arena.opened.plan is None:
+            return [], counts
+        plan, journal = arena.opened.plan, arena.journal
+        slots = journal.slots
+        kept: list[LocalEntry] = []
+        torn = 0
+        align = self.arena.alloc.align
+        for i in plan.candidates.tolist():
+            r = slots[i]
+            off, size = int(r["offset"]), int(r["size"])
+            if checksum(arena.slice(off, size)) != int(r["checksum"]):
+                torn += 1
+                continue
+            e = LocalEntry(bytes(r["key"]), int(r["kind"]), r["tclass"].decode("utf-8", "replace"), size, off)
+            e.checksum = int(r["checksum"])
+            e.state = COMMITTED
+            e.dirty = bool(r["flags"] & 1)
+            e.pooled = bool(r["flags"] & 2)
+            kept.append(e)
+        # Uncommitted extents that do not overlap a kept object: quarantined, then free.
+        spans = sorted([(e.offset, self.arena.alloc.rounded(e.size), e) for e in kept]
+                       + [(int(slots["offset"][i]), self.arena.alloc.rounded(int(slots["size"][i])), None)
+                          for i in plan.reserved.tolist()
+                          if int(slots["offset"][i]) == i * align and 0 < int(slots["size"][i]) <= self.capacity],
+                       key=lambda t: (t[0], t[2] is None))
+        extents: list[tuple[int, int]] = []
+        quarantine: list[LocalEntry] = []
+        end = 0
+        for off, size, e in spans:
+            if off < end or off + size > self.capacity:
+                if e is not None:  # cannot happen: plan_adoption dropped overlapping objects
+                    kept.remove(e)
+                    torn += 1
+                continue
+            extents.append((off, size))
+            end = off + size
+            if e is None:
+                q = LocalEntry(b"", -1, "", size, off)
+                q.state = DEAD
+                quarantine.append(q)
+        # Every slot but the kept objects' is free now (the quarantine lives in memory only).
+        keep = np.zeros(len(slots), bool)
+        keep[[e.offset // align for e in kept]] = True
+        slots["state"][~keep] = 0
+        now = time.time()
+        with self.lock:
+            self.arena.alloc = type(self.arena.alloc).with_allocated(self.capacity, align, extents)
+            for e in kept:
+                e.last_access = now
+                self.index[(e.kind, e.key)] = e
+                if e.kind == pb.BLOCK:
+                    self.blocks[e.key] = e
+                    if self.events is not None:
+                        self.events.stored(e.key)
+                self.lru[id(e)] = e
+            if kept:
+                self._new_lease(kept, grace_ms, now)
+            if quarantine:
+                self._new_lease(quarantine, int(self.reservation_seconds * 1000), now)
+        counts = {"restart_adopted_objects": len(kept), "restart_adopted_bytes": sum(e.size for e in kept),
+                  "restart_dropped_checksum": torn, "restart_dropped_uncommitted": len(plan.reserved),
+                  "restart_dropped_incoherent": len(plan.incoherent),
+                  "restart_dropped_objects": torn + len(plan.reserved) + len(plan.incoherent),
+                  "restart_quarantined_bytes": sum(q.size for q in quarantine)}
+        self.counters.update(counts)
+        return kept, counts

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -43,6 +44,8 @@ from .fast_protocol import socket_path as fast_socket_path
 from .fast_session import FastSessionServer
 from .handoff import HandoffService
 from .landing import ArenaLanding, BufferLanding, Landing
+from . import journal
+from .journal import PersistentArena
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
 from .retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
@@ -126,14 +129,19 @@ class Sidecar(spbg.SidecarServicer):
     def __init__(self, cfg: SidecarConfig) -> None:
         self.cfg = cfg
         arena_dir = cfg.arena_dir or os.path.dirname(os.path.abspath(cfg.socket))
-        self.local = LocalTier(cfg.local_bytes, arena_dir, label="sidecar")
+        self.incarnation = journal.new_id()
+        """This life's id: a client holding another's leases, reservations or offsets is refused."""
+        self.local = LocalTier(cfg.local_bytes, arena_dir, label="sidecar", socket_path=cfg.socket,
+                               tenant=cfg.tenant_id)
         self.local.on_evict = self._on_evict
         self.events = EventPublisher(cfg.events, MEDIUM_LOCAL, self.local.events_snapshot) if cfg.events else None
         self.local.events = self.events
         self.pool = Pool(cfg.pool, cfg.token, transition_seconds=cfg.transition_seconds)
         self.pool.on_ring_change = self._ring_changed
         self.match_leases: dict[int, _MatchLease] = {}
-        self._ids = iter(range(1, 1 << 62))
+        # Match lease ids start at a random base, as the local tier's: an id a client kept from
+        # a previous life (or of the other kind) names nothing here.
+        self._ids = itertools.count(journal.new_id() >> 2)
         self._lock = threading.Lock()
         self.pending: queue.Queue[tuple[list[LocalEntry], list[bytes] | None] | None] = queue.Queue()
         self.pending_bytes = 0
@@ -164,6 +172,32 @@ class Sidecar(spbg.SidecarServicer):
         self.copy_over = CopyOver(self._pin_for_copy, self._copy_to_owner, self.counters, bound) if bound else None
         self.max_range_bytes = min(ranges.DEFAULT_MAX_BYTES, self.local.capacity // 2)
         """Bytes one ranged read may ask for (the pool's ranges need scratch space in the arena)."""
+        self.adopted = self._adopt()
+
+    def _adopt(self) -> dict[str, int]:
+        """Keep what a previous life left in the arena (a restart): adopted objects are served
+        again, and those not yet in the pool are written there as before the crash."""
+        arena = self.local.arena
+        opened = arena.opened if isinstance(arena, PersistentArena) else None
+        if opened is not None and opened.reset_reason:
+            log.warning("local tier not adopted, starting empty: %s", opened.reset_reason)
+            self.counters["restart_arena_reset"] += 1
+        kept, counts = self.local.adopt(self.cfg.lease_ms)
+        if opened is not None and opened.adopted_from:
+            log.warning("local tier adopted from a previous life: %d objects (%d bytes) kept, %d dropped "
+                        "(%d failed their checksum, %d uncommitted, %d incoherent)",
+                        counts["restart_adopted_objects"], counts["restart_adopted_bytes"],
+                        counts["restart_dropped_objects"], counts["restart_dropped_checksum"],
+                        counts["restart_dropped_uncommitted"], counts["restart_dropped_incoherent"])
+        if self.pool.enabled:
+            # Write-through blocks the previous life had not written yet: queued again (write-back
+            # blocks and state objects stay dirty: eviction and the drain hand them over).
+            unsent = [e for e in kept if not e.pooled and not e.dirty]
+            self.local.mark_dirty(unsent)
+            if not self.cfg.write_back:
+                self._defer([e for e in unsent if e.kind == pb.BLOCK])
+            self.counters["restart_resumed_pool_writes"] += sum(1 for e in kept if not e.pooled)
+        return counts
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -209,7 +243,13 @@ class Sidecar(spbg.SidecarServicer):
         return spb.HelloReply(arena_path=self.local.arena.path, arena_bytes=self.local.capacity,
                               tenant_id=self.cfg.tenant_id, version=__version__, ring_epoch=self.pool.ring.epoch,
                               pool_nodes=len(self.pool.nodes), handoff_address=self.handoff.address,
-                              instance_id=self.handoff.instance)
+                              instance_id=self.handoff.instance, incarnation=self.incarnation,
+                              arena_generation=self.arena_generation)
+
+    @property
+    def arena_generation(self) -> int:
+        arena = self.local.arena
+        return arena.generation if isinstance(arena, PersistentArena) else 0
 
     def Match(self, request: spb.MatchRequest, context: grpc.ServicerContext) -> spb.MatchReply:
         keys, arr = self._keys(request.keys, context)
@@ -895,6 +935,7 @@ class Sidecar(spbg.SidecarServicer):
         for i in todo:
             groups.setdefault((entries[i].kind, entries[i].traffic_class or "chatbot"), []).append(i)
         still_local: list[LocalEntry] = []
+        journaled: list[LocalEntry] = []  # now in the pool: a restart need not send them again
         for (kind, traffic_class), sel in groups.items():
             codes: dict[int, int] = {}
             for attempt in range(2):
@@ -914,12 +955,15 @@ class Sidecar(spbg.SidecarServicer):
                     entries[i].pooled = True
                     entries[i].dirty = False
                     ok += 1
+                    if copies is None:
+                        journaled.append(entries[i])
                 else:
                     failed += 1
                     name = "unreachable" if c == UNREACHABLE else pb.Code.Name(c).lower()
                     self.counters[f"pool_write_{name}"] += 1
                     if copies is None:
                         still_local.append(entries[i])
+        self.local.note_flags(journaled)
         if still_local:
             self.local.mark_dirty(still_local)
             if self.pool.ring.epoch != epoch and not self.cfg.write_back:
@@ -1141,11 +1185,34 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          max_registered_bytes=args.max_registered_bytes)
 
 
+class IncarnationCheck(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Refuses a call that names another sidecar life (``kvpool-incarnation`` metadata) with
+    ABORTED before it runs: its lease ids, reservation id or the offsets it will apply belong to
+    a dead process.  A call without the metadata (Hello, an older client) is let through."""
+
+    def __init__(self, incarnation: int) -> None:
+        self.incarnation = str(incarnation)
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.ABORTED,
+                          f"the sidecar was restarted (this life is {self.incarnation}): say Hello again")
+        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        for key, value in details.invocation_metadata or ():
+            if key == errors.INCARNATION_METADATA:
+                if value != self.incarnation:
+                    return self._refuse
+                break
+        return continuation(details)
+
+
 def serve(cfg: SidecarConfig) -> int:
     if os.path.exists(cfg.socket):
         os.unlink(cfg.socket)  # a stale socket of a previous life
     sidecar = Sidecar(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="rpc"),
+                         interceptors=[IncarnationCheck(sidecar.incarnation)],
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20)])
     spbg.add_SidecarServicer_to_server(sidecar, server)
@@ -1161,7 +1228,10 @@ def serve(cfg: SidecarConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"READY unix://{cfg.socket} arena={sidecar.local.arena.path} tenant={cfg.tenant_id} "
-          f"pool={len(sidecar.pool.nodes)}"
+          f"pool={len(sidecar.pool.nodes)} incarnation={sidecar.incarnation} "
+          f"adopted={sidecar.adopted.get('restart_adopted_objects', 0)} "
+          f"dropped={sidecar.adopted.get('restart_dropped_objects', 0)}"
+          + (" reset=1" if sidecar.counters["restart_arena_reset"] else "")
           + (f" events={sidecar.events.endpoint} replay={sidecar.events.replay_endpoint}" if sidecar.events else "")
           + (f" handoff={sidecar.handoff.address}" if sidecar.handoff.address else ""),
           flush=True)

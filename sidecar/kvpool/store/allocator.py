@@ -31,6 +31,28 @@ class ExtentAllocator:
         self._allocated: dict[int, int] = {}               # offset -> size
         self.used = 0
 
+    @classmethod
+    def with_allocated(cls, capacity: int, align: int, extents: list[tuple[int, int]]) -> ExtentAllocator:
+        """An allocator whose ``extents`` ((offset, size), sorted by offset, aligned, disjoint)
+        are allocated and the gaps between them free (an adopted arena's, in one pass)."""
+        a = cls(capacity, align)
+        a._by_size, a._start, a._end = [], {}, {}
+        pos = 0
+        for off, size in extents:
+            if off % align or off < pos or off + size > a.capacity:
+                raise ValueError(f"extent {off}+{size} is not aligned, sorted and inside the region")
+            if off > pos:
+                a._start[pos], a._end[off] = off - pos, pos
+                a._by_size.append((off - pos, pos))
+            a._allocated[off] = a.rounded(size)
+            a.used += a.rounded(size)
+            pos = off + a.rounded(size)
+        if pos < a.capacity:
+            a._start[pos], a._end[a.capacity] = a.capacity - pos, pos
+            a._by_size.append((a.capacity - pos, pos))
+        a._by_size.sort()
+        return a
+
     def rounded(self, size: int) -> int:
         return max(self.align, -(-size // self.align) * self.align)
 
