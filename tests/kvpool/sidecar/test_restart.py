@@ -77,3 +77,193 @@ def test_old_client_never_reads_another_objects_bytes_after_a_sigkill(rng: rando
                 assert [bytes(v) for v in fresh.get(more)] == more_values
         finally:
             c.close()
+
+
+def _log(lc: LocalCluster, i: int) -> str:
+    """Everything sidecar ``i`` logged, over all its lives."""
+    d = os.path.dirname(lc.sidecars[i][len("unix://"):])
+    out = []
+    for n in sorted(os.listdir(d)):
+        if n.endswith(".log"):
+            with open(os.path.join(d, n)) as f:
+                out.append(f.read())
+    return "".join(out)
+
+
+def _counters(c: Any) -> dict[str, int]:
+    return dict(c.stats().counters)
+
+
+def _wait(pred: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _view_offset(c: Any, view: memoryview) -> int:
+    base = np.frombuffer(c._arena_ro, np.uint8).ctypes.data
+    return int(np.frombuffer(view, np.uint8).ctypes.data - base)
+
+
+def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: random.Random) -> None:
+    """Finding 5: a crash lost the pod's whole local tier, write-back blocks and state objects
+    included.  Now the new sidecar adopts the arena: at least 90 % of the objects are served
+    from it without a pool read; what was never committed, or whose bytes no longer match their
+    checksum, is dropped; what exists only here is written to the pool afterwards."""
+    with LocalCluster(stores=1, sidecars=1, local_bytes=16 * MiB, write_back=True) as lc:
+        keys = [rng.randbytes(32) for _ in range(96)]
+        values = [rng.randbytes(32 * KiB) for _ in keys]
+        state_key, state = rng.randbytes(32), rng.randbytes(300 * KiB)
+        c = lc.connect()
+        try:
+            assert c.put(keys, values) == [pb.OK] * len(keys)
+            assert c.put_state(state_key, 128, state) == pb.OK
+            assert _counters(c).get("local_only_objects", 0) == len(keys) + 1  # write-back: only here
+            # A write the crash interrupts: reserved, bytes copied, never committed.
+            torn_key = rng.randbytes(32)
+            from kvpool.proto import sidecar_pb2 as spb
+            start = c._stub.WriteStart(spb.WriteStartRequest(keys=torn_key, sizes=[64 * KiB], kind=pb.BLOCK))
+            assert start.reservation_id and list(start.codes) == [pb.OK]
+            c._arena[start.offsets[0]:start.offsets[0] + 64 * KiB] = rng.randbytes(64 * KiB)
+            # A committed object whose bytes a stray writer changed: its checksum fails.
+            with c.get([keys[0]]) as got:
+                off = _view_offset(c, got[0])
+            c._arena[off] ^= 0xFF
+            lc.restart_sidecar(0, kill=True)
+            ready = lc.sidecar_procs[0].ready_line
+            adopted = int(re.search(r"adopted=(\d+)", ready).group(1))  # type: ignore[union-attr]
+            assert adopted == len(keys)  # the 95 good blocks and the state object
+            before = _counters(c)
+            assert before["restart_dropped_checksum"] == 1 and before["restart_dropped_uncommitted"] == 1
+            assert before["restart_adopted_objects"] == len(keys)
+            # Never the changed bytes, never the uncommitted write: misses (the pool has neither).
+            with pytest.raises(errors.NotFound):
+                c.get([keys[0]])
+            with pytest.raises(errors.NotFound):
+                c.get([torn_key])
+            assert c.get_state(state_key, 128) is not None
+            assert bytes(c.get_state(state_key, 128) or b"") == state
+            got = c.get(keys[1:])
+            assert [bytes(v) for v in got] == values[1:]
+            got.release()
+            after = _counters(c)
+            local = after["read_hits_local"] - before.get("read_hits_local", 0)
+            pool = after["read_hits_pool"] - before.get("read_hits_pool", 0)
+            assert local >= 0.9 * (len(keys) + 1) and pool == 0, (local, pool)
+            # What exists only here still goes to the pool (write-back: on flush / drain).
+            assert after["local_only_objects"] == len(keys)
+            flushed = c.flush(timeout_ms=30_000)
+            assert flushed.dropped_objects == 0 and flushed.flushed_objects == len(keys)
+            other = lc.add_sidecar()
+            with lc.connect(lc.sidecars.index(other)) as d:
+                assert [bytes(v) for v in d.get(keys[1:])] == values[1:]
+                assert _counters(d)["read_hits_pool"] == len(keys) - 1
+                assert bytes(d.get_state(state_key, 128) or b"") == state
+        finally:
+            c.close()
+
+
+def test_write_through_blocks_not_yet_in_the_pool_are_written_after_a_restart(rng: random.Random) -> None:
+    """Blocks put while the pool was unreachable (a stopped store node) and the sidecar then
+    killed: the new sidecar writes them to the pool (the write-behind queue) once it is back."""
+    with LocalCluster(stores=1, sidecars=1, local_bytes=16 * MiB) as lc:
+        keys = [rng.randbytes(32) for _ in range(16)]
+        values = [rng.randbytes(32 * KiB) for _ in keys]
+        store = lc.store_procs[0].popen
+        c = lc.connect()
+        try:
+            os.kill(store.pid, signal.SIGSTOP)
+            try:
+                assert c.put(keys, values) == [pb.OK] * len(keys)
+                lc.restart_sidecar(0, kill=True)
+            finally:
+                os.kill(store.pid, signal.SIGCONT)
+            assert _counters(c)["restart_resumed_pool_writes"] == len(keys)
+            _wait(lambda: c.stats().pending_pool_bytes == 0 and _counters(c).get("pool_writes", 0) >= len(keys),
+                  "the resumed pool writes")
+            other = lc.add_sidecar()
+            with lc.connect(lc.sidecars.index(other)) as d:
+                assert [bytes(v) for v in d.get(keys)] == values
+                assert _counters(d)["read_hits_pool"] == len(keys)
+        finally:
+            c.close()
+
+
+def test_a_kill_during_writes_loses_only_those_writes(rng: random.Random) -> None:
+    """A writer keeps putting while the sidecar is SIGKILLed: afterwards every key it was told
+    OK for (before the kill or after) is served with its bytes, and no key with other bytes;
+    what the kill interrupted is lost (a miss), nothing else."""
+    with LocalCluster(stores=0, sidecars=1, local_bytes=32 * MiB) as lc:
+        c = lc.connect()
+        acked: dict[bytes, bytes] = {}
+        tried: dict[bytes, bytes] = {}
+        stop = threading.Event()
+
+        def writer() -> None:
+            while not stop.is_set() and len(tried) < 1000:  # 16 MiB: nothing is evicted
+                ks = [rng.randbytes(32) for _ in range(4)]
+                vs = [rng.randbytes(16 * KiB) for _ in ks]
+                tried.update(zip(ks, vs, strict=True))
+                try:
+                    codes = c.put(ks, vs)
+                except errors.KvpoolError:
+                    time.sleep(0.05)  # the sidecar is down: try again soon
+                    continue
+                acked.update((k, v) for k, v, code in zip(ks, vs, codes, strict=True) if code == pb.OK)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            _wait(lambda: len(acked) >= 200, "some writes")
+            lc.restart_sidecar(0, kill=True)
+            before = len(acked)
+            _wait(lambda: len(acked) >= before + 40 or len(tried) >= 1000, "writes after the restart")
+            assert len(acked) >= before + 40  # the writer's client carries on with the new life
+            stop.set()
+            t.join(timeout=60)
+            assert not t.is_alive()
+            with lc.connect() as fresh:
+                wrong = lost_acked = 0
+                for k, v in tried.items():
+                    try:
+                        with fresh.get([k]) as got:
+                            wrong += bytes(got[0]) != v
+                    except errors.NotFound:
+                        lost_acked += k in acked
+                assert (wrong, lost_acked) == (0, 0)
+                assert _counters(fresh)["restart_adopted_objects"] >= 200
+        finally:
+            stop.set()
+            c.close()
+
+
+@pytest.mark.parametrize("change", ["local-bytes", "tenant"])
+def test_a_restart_with_another_configuration_starts_empty_and_says_why(change: str, rng: random.Random) -> None:
+    with LocalCluster(stores=1, sidecars=1, local_bytes=16 * MiB) as lc:
+        keys = [rng.randbytes(32) for _ in range(8)]
+        values = [rng.randbytes(32 * KiB) for _ in keys]
+        c = lc.connect()
+        try:
+            assert c.put(keys, values) == [pb.OK] * len(keys)
+            _wait(lambda: c.stats().pending_pool_bytes == 0, "write-through")
+            if change == "local-bytes":
+                lc.restart_sidecar(0, kill=True, local_bytes=24 * MiB)
+                why = "local tier size changed"
+            else:
+                lc.restart_sidecar(0, kill=True, extra_args=["--tenant", "someone-else"])
+                why = "tenant changed"
+            assert "reset=1" in lc.sidecar_procs[0].ready_line
+            assert f"local tier not adopted, starting empty: {why}" in _log(lc, 0)
+            if change == "tenant":
+                with pytest.raises(errors.PermissionDenied):
+                    c.get(keys)
+                return
+            st = _counters(c)
+            assert st["restart_arena_reset"] == 1 and st.get("restart_adopted_objects", 0) == 0
+            assert c.stats().local_objects == 0
+            # The old client remapped the new arena: the pool's copies, right bytes.
+            assert [bytes(v) for v in c.get(keys)] == values
+            assert c.restarts_seen == 1
+        finally:
+            c.close()
