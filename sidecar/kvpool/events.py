@@ -27,7 +27,11 @@ Two kvpool additions that a vLLM consumer never notices:
   ``[AllBlocksCleared, BlockStored(every block held now)]`` numbered as the last batch sent —
   so a router that joins late or missed too much converges instead of guessing.
 
-Each life starts with an ``AllBlocksCleared`` batch.  ``pyzmq`` and ``msgspec`` come with the
+Each life starts with an ``AllBlocksCleared`` event.  A sidecar restarted on the arena of its
+previous life (``kvpool.sidecar.journal``) follows it at once with ``BlockStored`` of every block
+it adopted (in the same batch, up to ``max_batch`` events): a router's index then holds exactly
+what was kept — the blocks dropped at adoption (torn, uncommitted) and any event the killed
+process never sent are corrected together.  ``pyzmq`` and ``msgspec`` come with the
 ``events`` extra and are imported only when a publisher starts.
 """
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("zmq", reason="the events extra (pyzmq, msgspec) is not installed")
@@ -144,6 +145,19 @@ def test_router_index_follows_puts_evictions_and_a_restart(router: Router, h: An
         h.wait_for(consistent, 30, what="the router's index after the restart")
         assert len(router.index()["a"]) == 5
         assert len(router.index()["b"]) == 4  # the other instance was never disturbed
+
+        # Kill sidecar "b" and start it again on the same socket and arena (a pod's container
+        # restart): it adopts its blocks but one whose bytes were changed meanwhile, and its first
+        # events say exactly that (AllBlocksCleared + BlockStored of what it kept, one batch).
+        held = [k for k in put["b"] if _wire(k, fmts["b"]) in router.index()["b"]]
+        with clients["b"].get(held[:1]) as got:
+            base = np.frombuffer(clients["b"]._arena_ro, np.uint8).ctypes.data
+            off = int(np.frombuffer(got[0], np.uint8).ctypes.data - base)
+        clients["b"]._arena[off] ^= 0xFF
+        lc.restart_sidecar(lc.sidecars.index(addr["b"]), kill=True)
+        h.wait_for(lambda: len(router.index()["b"]) == 3, 30, what="the adopting sidecar's events")
+        h.wait_for(consistent, 30, what="the router's index after an adopting restart")
+        assert _wire(held[0], fmts["b"]) not in router.index()["b"]
 
 
 def test_store_node_events_of_one_tenant(router: Router, h: Any, tmp_path: Path) -> None:
