@@ -540,8 +540,8 @@ class Client:
         (the object is not pulled into the local tier)."""
         if not keys:
             return RangeReads([], [], [], self, 0)
-        r, merged, pairs, m = self._read_ranges(keys, per_key, kind, verify_object)
-        ro = m.ro
+        r, merged, pairs, life = self._read_ranges(keys, per_key, kind, verify_object)
+        ro = life.ro
         views: list[list[memoryview] | None] = []
         at = 0
         for c, p, (m, group) in zip(r.codes, pairs, merged, strict=True):
@@ -589,9 +589,9 @@ class Client:
         codes: list[int] = [pb.INVALID] * len(keys)
         if not ask:
             return codes
-        r, merged, _, m = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
+        r, merged, _, life = self._read_ranges([keys[i] for i in ask], [per_key[i] for i in ask], kind, False)
         try:
-            arena = m.rw
+            arena = life.rw
             pairs: list[tuple[memoryview, memoryview]] = []
             at = 0
             for j, i in enumerate(ask):

@@ -145,7 +145,8 @@ class AdoptionPlan:
 
 def rounded(size: npt.NDArray[np.uint64], align: int) -> npt.NDArray[np.uint64]:
     a = np.uint64(align)
-    return np.maximum(a, (size + a - np.uint64(1)) // a * a)
+    out: npt.NDArray[np.uint64] = np.maximum(a, (size + a - np.uint64(1)) // a * a)
+    return out
 
 
 def plan_adoption(slots: npt.NDArray[Any], align: int, arena_bytes: int) -> AdoptionPlan:

@@ -494,9 +494,9 @@ class LocalTier:
         still read views of them) and the extents of uncommitted writes stay out of use for the
         reservation time (a client of the old life may still be copying into them).  Returns
         the adopted entries and counts (``restart_*``)."""
-        arena, counts = self.arena, {}
+        arena = self.arena
         if not isinstance(arena, PersistentArena) or arena.opened.plan is None:
-            return [], counts
+            return [], {}
         plan, journal = arena.opened.plan, arena.journal
         slots = journal.slots
         kept: list[LocalEntry] = []
@@ -515,23 +515,25 @@ class LocalTier:
             e.pooled = bool(r["flags"] & 2)
             kept.append(e)
         # Uncommitted extents that do not overlap a kept object: quarantined, then free.
-        spans = sorted([(e.offset, self.arena.alloc.rounded(e.size), e) for e in kept]
-                       + [(int(slots["offset"][i]), self.arena.alloc.rounded(int(slots["size"][i])), None)
-                          for i in plan.reserved.tolist()
-                          if int(slots["offset"][i]) == i * align and 0 < int(slots["size"][i]) <= self.capacity],
-                       key=lambda t: (t[0], t[2] is None))
+        rounded = self.arena.alloc.rounded
+        spans: list[tuple[int, int, LocalEntry | None]] = [(e.offset, rounded(e.size), e) for e in kept]
+        for i in plan.reserved.tolist():
+            off, size = int(slots["offset"][i]), int(slots["size"][i])
+            if off == i * align and 0 < size <= self.capacity:
+                spans.append((off, rounded(size), None))
+        spans.sort(key=lambda t: (t[0], t[2] is None))  # an object before a reservation at its offset
         extents: list[tuple[int, int]] = []
         quarantine: list[LocalEntry] = []
         end = 0
-        for off, size, e in spans:
+        for off, size, owner in spans:
             if off < end or off + size > self.capacity:
-                if e is not None:  # cannot happen: plan_adoption dropped overlapping objects
-                    kept.remove(e)
+                if owner is not None:  # cannot happen: plan_adoption dropped overlapping objects
+                    kept.remove(owner)
                     torn += 1
                 continue
             extents.append((off, size))
             end = off + size
-            if e is None:
+            if owner is None:
                 q = LocalEntry(b"", -1, "", size, off)
                 q.state = DEAD
                 quarantine.append(q)

@@ -38,14 +38,13 @@ from ..proto import sidecar_pb2_grpc as spbg
 from ..proto import store_pb2 as pb
 from ..store.tiers import checksum
 from ..transfer.copier import Copier
-from . import metrics
+from . import journal, metrics
 from .copyover import CopyOver
 from .fast_protocol import socket_path as fast_socket_path
 from .fast_session import FastSessionServer
 from .handoff import HandoffService
-from .landing import ArenaLanding, BufferLanding, Landing
-from . import journal
 from .journal import PersistentArena
+from .landing import ArenaLanding, BufferLanding, Landing
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
 from .retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
