@@ -64,6 +64,12 @@ TCLASS_BYTES = 32
 SLOT = np.dtype([("key", "V32"), ("offset", "<u8"), ("size", "<u8"), ("checksum", "<u8"), ("kind", "u1"),
                  ("flags", "u1"), ("state", "u1"), ("pad", "V5"), ("tclass", f"S{TCLASS_BYTES}")])
 """One slot: 96 bytes (2.3 % of a 4 KiB allocation unit)."""
+_RECORD = struct.Struct(f"<32sQQQBBB5x{TCLASS_BYTES}s")
+"""The same slot as a struct: one ``pack_into`` per object is the cheapest write of a few."""
+_STATE_AT = 32 + 3 * 8 + 2
+_FLAGS_AT = 32 + 3 * 8 + 1
+assert (SLOT.fields or {})["state"][1] == _STATE_AT and (SLOT.fields or {})["flags"][1] == _FLAGS_AT
+assert _RECORD.size == SLOT.itemsize
 
 _KINDS = (0, 1)  # kvpool.v1.Kind BLOCK, STATE
 
@@ -195,7 +201,6 @@ class Journal:
         self.layout = layout
         self.shift = layout.align.bit_length() - 1
         self.slots: npt.NDArray[Any] = np.frombuffer(mm, SLOT, layout.slots, HEADER_BYTES)
-        self._state = self.slots["state"]
 
     def reserved(self, entries: list[Any]) -> None:
         """Extents handed out for writing (entries with ``key``, ``offset``, ``size``, ``kind``,
@@ -210,35 +215,29 @@ class Journal:
 
     def flags(self, entries: list[Any]) -> None:
         """The dirty/pooled flags of committed objects changed."""
-        if not entries:
-            return
-        idx = np.fromiter((e.offset for e in entries), np.int64, len(entries)) >> self.shift
-        fl = np.fromiter(((e.dirty and FLAG_DIRTY) | (e.pooled and FLAG_POOLED) for e in entries), np.uint8,
-                         len(entries))
-        self.slots["flags"][idx] = fl
+        mm, shift, size = self._mmap, self.shift, SLOT.itemsize
+        for e in entries:
+            mm[HEADER_BYTES + (e.offset >> shift) * size + _FLAGS_AT] = \
+                (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0)
 
     def freed(self, offset: int) -> None:
         """The object at ``offset`` left the index (its extent is free, or will be at its last unpin)."""
-        self._state[offset >> self.shift] = FREE
+        self._mmap[HEADER_BYTES + (offset >> self.shift) * SLOT.itemsize + _STATE_AT] = FREE
 
     def _write(self, entries: list[Any], state: int) -> None:
-        n = len(entries)
-        rec = np.zeros(n, SLOT)
-        rec["key"] = np.frombuffer(b"".join(e.key for e in entries), "V32")
-        rec["offset"] = [e.offset for e in entries]
-        rec["size"] = [e.size for e in entries]
-        rec["checksum"] = [e.checksum for e in entries]
-        rec["kind"] = [e.kind for e in entries]
-        rec["flags"] = [(e.dirty and FLAG_DIRTY) | (e.pooled and FLAG_POOLED) for e in entries]
-        rec["tclass"] = [e.traffic_class.encode()[:TCLASS_BYTES] for e in entries]
-        idx = rec["offset"].astype(np.int64) >> self.shift
-        rec["state"] = RESERVED  # the record first, the state that makes it an object last
-        self.slots[idx] = rec
+        mm, shift, size, pack = self._mmap, self.shift, SLOT.itemsize, _RECORD.pack_into
+        at = [HEADER_BYTES + (e.offset >> shift) * size for e in entries]
+        for pos, e in zip(at, entries, strict=True):
+            # The record first (as RESERVED), the state that makes it an object last.
+            pack(mm, pos, e.key, e.offset, e.size, e.checksum, e.kind,
+                 (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0), RESERVED,
+                 e.traffic_class.encode()[:TCLASS_BYTES])
         if state != RESERVED:
-            self._state[idx] = state
+            for pos in at:
+                mm[pos + _STATE_AT] = state
 
     def close(self) -> None:
-        self.slots = self._state = np.zeros(0, SLOT)
+        self.slots = np.zeros(0, SLOT)
         try:
             self._mmap.close()
         except BufferError:
