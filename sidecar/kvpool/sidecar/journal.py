@@ -68,7 +68,7 @@ _RECORD = struct.Struct(f"<32sQQQBBB5x{TCLASS_BYTES}s")
 """The same slot as a struct: one ``pack_into`` per object is the cheapest write of a few."""
 _STATE_AT = 32 + 3 * 8 + 2
 _FLAGS_AT = 32 + 3 * 8 + 1
-assert (SLOT.fields or {})["state"][1] == _STATE_AT and (SLOT.fields or {})["flags"][1] == _FLAGS_AT
+assert SLOT.fields is not None and (SLOT.fields["state"][1], SLOT.fields["flags"][1]) == (_STATE_AT, _FLAGS_AT)
 assert _RECORD.size == SLOT.itemsize
 
 _KINDS = (0, 1)  # kvpool.v1.Kind BLOCK, STATE
