@@ -124,3 +124,16 @@ def test_registered_memory_frames_are_refused_when_malformed() -> None:
         fp.decode_request_body(req, b"\0" * (2 * 32 + 2 * 8))  # keys and one column, not three
     with pytest.raises(ValueError, match="READ_INTO one"):
         fp.encode_request(fp.OP_READ_INTO, 1, keys=KEYS, values=[1, 2, 3])  # one key's targets for two
+
+
+def test_hello_names_the_sidecar_life_and_its_arena() -> None:
+    blob = fp.encode_hello(3, incarnation=(1 << 62) + 5, generation=77, arena_bytes=1 << 30)
+    resp = fp.decode_response(blob[:fp.RESPONSE_SIZE])
+    assert resp.flags & fp.FLAG_IDENTITY and resp.body_bytes() == fp.IDENTITY.size
+    assert fp.decode_hello(resp, blob[fp.RESPONSE_SIZE:]) == ((1 << 62) + 5, 77, 1 << 30)
+    # A sidecar older than incarnations: no body, and zeros (the client then checks nothing).
+    old = fp.decode_response(fp.encode_response(fp.OP_HELLO, 3))
+    assert old.body_bytes() == 0 and fp.decode_hello(old, b"") == (0, 0, 0)
+    # A refused HELLO has no body whatever its flags.
+    refused = fp.decode_response(fp.encode_response(fp.OP_HELLO, 3, status=4, flags=fp.FLAG_IDENTITY))
+    assert refused.body_bytes() == 0
