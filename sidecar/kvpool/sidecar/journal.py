@@ -66,9 +66,13 @@ SLOT = np.dtype([("key", "V32"), ("offset", "<u8"), ("size", "<u8"), ("checksum"
 """One slot: 96 bytes (2.3 % of a 4 KiB allocation unit)."""
 _RECORD = struct.Struct(f"<32sQQQBBB5x{TCLASS_BYTES}s")
 """The same slot as a struct: one ``pack_into`` per object is the cheapest write of a few."""
+_CHECKSUM_AT = 32 + 2 * 8
+_COMMIT = struct.Struct("<QBB")
+"""checksum, kind, flags: what a commit adds to a reserved slot."""
 _STATE_AT = 32 + 3 * 8 + 2
 _FLAGS_AT = 32 + 3 * 8 + 1
-assert SLOT.fields is not None and (SLOT.fields["state"][1], SLOT.fields["flags"][1]) == (_STATE_AT, _FLAGS_AT)
+assert SLOT.fields is not None and (SLOT.fields["state"][1], SLOT.fields["flags"][1],
+                                    SLOT.fields["checksum"][1]) == (_STATE_AT, _FLAGS_AT, _CHECKSUM_AT)
 assert _RECORD.size == SLOT.itemsize
 
 _KINDS = (0, 1)  # kvpool.v1.Kind BLOCK, STATE
@@ -204,14 +208,20 @@ class Journal:
 
     def reserved(self, entries: list[Any]) -> None:
         """Extents handed out for writing (entries with ``key``, ``offset``, ``size``, ``kind``,
-        ``traffic_class``): a crash now drops them and quarantines their extents."""
-        if entries:
-            self._write(entries, RESERVED)
+        ``traffic_class``): a crash now drops them and quarantines their extents.  The whole
+        record, as RESERVED (a slot only ever becomes an object by :meth:`committed`)."""
+        self._write(entries, RESERVED)
 
     def committed(self, entries: list[Any]) -> None:
-        """Objects published (their checksum and flags final): one batched write per call."""
-        if entries:
-            self._write(entries, COMMITTED)
+        """Objects published (their checksum and flags final), of extents :meth:`reserved`
+        described: their checksum and flags, then the state, per object."""
+        mm, shift, size, pack = self._mmap, self.shift, SLOT.itemsize, _COMMIT.pack_into
+        at = [HEADER_BYTES + (e.offset >> shift) * size for e in entries]
+        for pos, e in zip(at, entries, strict=True):
+            pack(mm, pos + _CHECKSUM_AT, e.checksum, e.kind,
+                 (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0))
+        for pos in at:
+            mm[pos + _STATE_AT] = COMMITTED
 
     def flags(self, entries: list[Any]) -> None:
         """The dirty/pooled flags of committed objects changed."""
@@ -226,15 +236,10 @@ class Journal:
 
     def _write(self, entries: list[Any], state: int) -> None:
         mm, shift, size, pack = self._mmap, self.shift, SLOT.itemsize, _RECORD.pack_into
-        at = [HEADER_BYTES + (e.offset >> shift) * size for e in entries]
-        for pos, e in zip(at, entries, strict=True):
-            # The record first (as RESERVED), the state that makes it an object last.
-            pack(mm, pos, e.key, e.offset, e.size, e.checksum, e.kind,
-                 (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0), RESERVED,
+        for e in entries:
+            pack(mm, HEADER_BYTES + (e.offset >> shift) * size, e.key, e.offset, e.size, e.checksum, e.kind,
+                 (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0), state,
                  e.traffic_class.encode()[:TCLASS_BYTES])
-        if state != RESERVED:
-            for pos in at:
-                mm[pos + _STATE_AT] = state
 
     def close(self) -> None:
         self.slots = np.zeros(0, SLOT)
