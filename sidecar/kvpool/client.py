@@ -231,6 +231,7 @@ class Client:
                 self._fast = FastSession(fast_socket_path(address[len("unix://"):]), self.tenant_id,
                                          hello.arena_bytes, timeout, incarnation=hello.incarnation,
                                          on_new_life=self._on_new_life)
+                self._fast.arena_bytes = self._map.nbytes  # a life met while it said HELLO may have remapped
             except (OSError, errors.KvpoolError):
                 self._fast = None  # an older sidecar, or none beside this socket: gRPC only
 
