@@ -5,6 +5,8 @@ pins them, and writes cost one copy into a reserved extent.  LRU eviction betwee
 never touches pinned, reserved or in-flight objects; objects that exist only here (state
 objects, write-back blocks) are handed to an ``on_evict`` hook first so they can be flushed.
 One lock guards the index; bytes are copied under it only when a dirty object is evicted.
+A sidecar's tier is persistent (``socket_path``): the arena is a named file with a journal
+that a restarted sidecar adopts (:mod:`kvpool.sidecar.journal`, :meth:`LocalTier.adopt`).
 """
 
 from __future__ import annotations
