@@ -35,6 +35,7 @@ and offsets they hold belong to this life.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import mmap
@@ -54,8 +55,9 @@ FORMAT = 1
 MAGIC = b"KVPJ"
 HEADER_BYTES = 4096
 TENANT_BYTES = 256
-_HEADER = struct.Struct(f"<4sIQQQQ{TENANT_BYTES}s")
-"""magic, format, generation, arena bytes, align, slots, tenant (UTF-8, NUL-padded)."""
+SOCKET_BYTES = 1024
+_HEADER = struct.Struct(f"<4sIQQQQ{TENANT_BYTES}s{SOCKET_BYTES}s")
+"""magic, format, generation, arena bytes, align, slots, tenant, socket path (UTF-8, NUL-padded)."""
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
 FLAG_DIRTY, FLAG_POOLED = 1, 2
@@ -112,16 +114,17 @@ class Layout:
     def slots(self) -> int:
         return self.arena_bytes // self.align
 
-    def header(self, generation: int) -> bytes:
+    def header(self, generation: int, socket_path: str = "") -> bytes:
         return _HEADER.pack(MAGIC, FORMAT, generation, self.arena_bytes, self.align, self.slots,
-                            self.tenant.encode()[:TENANT_BYTES])
+                            self.tenant.encode()[:TENANT_BYTES], os.path.abspath(socket_path).encode()[:SOCKET_BYTES]
+                            if socket_path else b"")
 
 
 def layout_mismatch(header: bytes, want: Layout, arena_file_bytes: int) -> str:
     """Why a journal with ``header`` cannot be adopted by a sidecar of layout ``want`` ("" if it can)."""
     if len(header) < _HEADER.size:
         return "journal header is truncated"
-    magic, fmt, gen, arena_bytes, align, slots, tenant = _HEADER.unpack_from(header)
+    magic, fmt, gen, arena_bytes, align, slots, tenant, _ = _HEADER.unpack_from(header)
     if magic != MAGIC or fmt != FORMAT or not gen:
         return f"journal format {fmt} (this sidecar writes {FORMAT})" if magic == MAGIC else "not a journal"
     old_tenant = tenant.rstrip(b"\0").decode("utf-8", "replace")
@@ -138,6 +141,57 @@ def layout_mismatch(header: bytes, want: Layout, arena_file_bytes: int) -> str:
 
 def header_generation(header: bytes) -> int:
     return int(_HEADER.unpack_from(header)[2])
+
+
+def orphaned(header: bytes, dir_exists: bool) -> bool:
+    """Whether a journal with ``header``, whose lock no process holds, belongs to a sidecar that
+    can never come back: its socket's directory is gone (a test cluster's workdir; in a pod the
+    socket lives in the arena's own directory, so a pod's files are never orphans)."""
+    if len(header) < _HEADER.size:
+        return False
+    magic, *_, sock = _HEADER.unpack_from(header)
+    return magic == MAGIC and bool(sock.rstrip(b"\0")) and not dir_exists
+
+
+def socket_of(header: bytes) -> str:
+    if len(header) < _HEADER.size:
+        return ""
+    return str(_HEADER.unpack_from(header)[-1].rstrip(b"\0").decode("utf-8", "replace"))
+
+
+def sweep_orphans(directory: str) -> int:
+    """Remove the files of sidecars that can never come back (:func:`orphaned`) from
+    ``directory``: a sidecar killed with its test cluster leaves its arena in shared memory."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("kvpool-sidecar-") and n.endswith(".journal")]
+    except OSError:
+        return 0
+    for name in names:
+        journal_path = os.path.join(directory, name)
+        try:
+            lock_fd = os.open(journal_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its sidecar is alive
+            with open(journal_path, "rb") as f:
+                header = f.read(HEADER_BYTES)
+            sock = socket_of(header)
+            if orphaned(header, bool(sock) and os.path.isdir(os.path.dirname(sock))):
+                base = journal_path[:-len(".journal")]
+                for p in (base + ".tier", journal_path, journal_path + ".lock"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
+                removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(lock_fd)
+    return removed
 
 
 @dataclass
@@ -293,6 +347,7 @@ def open_arena(directory: str, socket_path: str, layout: Layout) -> Opened:
     ``layout``, else create both anew.  Raises RuntimeError if another live process holds them."""
     arena_path, journal_path = paths(directory, socket_path)
     os.makedirs(directory, exist_ok=True)
+    sweep_orphans(directory)
     lock_fd = os.open(journal_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -320,7 +375,7 @@ def open_arena(directory: str, socket_path: str, layout: Layout) -> Opened:
         generation = new_id()
         # The journal first with no slots used, then the arena: a crash in between leaves a
         # journal that adopts nothing.
-        _create(journal_path, journal_bytes, layout.header(generation))
+        _create(journal_path, journal_bytes, layout.header(generation, socket_path))
         _create(arena_path, layout.arena_bytes)
     jm = _map(journal_path, journal_bytes, populate=False)
     journal = Journal(jm, layout)

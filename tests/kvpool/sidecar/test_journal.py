@@ -128,3 +128,25 @@ def test_a_second_live_owner_is_refused(tmp_path: Path) -> None:
             LocalTier(1 << 20, str(tmp_path), socket_path=sock, tenant="t")
     finally:
         t.close()
+
+
+def test_files_of_a_sidecar_that_cannot_come_back_are_swept(tmp_path: Path) -> None:
+    """A sidecar killed with its test cluster leaves its arena in shared memory; the next
+    sidecar starting in that directory removes it once the socket's directory is gone (never
+    while a process holds it, never a pod's: its socket lives in the same directory)."""
+    shm, gone, kept = tmp_path / "shm", tmp_path / "workdir-gone", tmp_path / "workdir-kept"
+    for d in (shm, gone, kept):
+        d.mkdir()
+    alive = LocalTier(1 << 20, str(shm), socket_path=str(gone / "alive.sock"), tenant="t")
+    for d in (gone, kept):
+        LocalTier(1 << 20, str(shm), socket_path=str(d / "s.sock"), tenant="t").close()
+    assert j.orphaned(j.Layout(A, A, "t").header(1, str(gone / "s.sock")), dir_exists=False)
+    assert not j.orphaned(j.Layout(A, A, "t").header(1, str(gone / "s.sock")), dir_exists=True)
+    assert not j.orphaned(j.Layout(A, A, "t").header(1), dir_exists=False)  # no socket recorded
+    gone.rmdir()
+    assert j.sweep_orphans(str(shm)) == 1
+    left = sorted(os.listdir(shm))
+    assert all(os.path.exists(p) for p in j.paths(str(shm), str(kept / "s.sock")))
+    assert all(os.path.exists(p) for p in j.paths(str(shm), str(gone / "alive.sock")))  # its lock is held
+    assert not any(os.path.exists(p) for p in j.paths(str(shm), str(gone / "s.sock"))), left
+    alive.close()
