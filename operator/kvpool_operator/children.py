@@ -11,9 +11,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from kvpool.sizing import store_shm_bytes
+
 from .model import API_VERSION, STORE_POOL_LABEL, NodeLayout, PoolSpec
 from .settings import Settings
-from .units import format_quantity
+from .units import format_quantity, memory_volume_limit
 
 CONFIG_DIR = "/etc/kvpool/config"
 CONFIG_KEY = "node.json"
@@ -217,7 +219,9 @@ def stateful_set(pool: PoolSpec, layout: NodeLayout, settings: Settings, replica
         {"name": "config", "configMap": {"name": config_name(pool)}},
         {"name": "admin", "secret": {"secretName": admin_secret_name(pool), "defaultMode": 0o400}},
         {"name": "shm", "emptyDir": {"medium": "Memory",
-                                     "sizeLimit": format_quantity(layout.dram_bytes + settings.shm_slack_bytes)}},
+                                     "sizeLimit": memory_volume_limit(
+                                         store_shm_bytes(layout.dram_bytes, layout.dram.high_watermark)
+                                         + settings.shm_slack_bytes)}},
     ]
     if layout.sharedfs is not None and layout.sharedfs.sharedfs_volume is not None:
         volumes.append({**dict(layout.sharedfs.sharedfs_volume), "name": "sharedfs"})

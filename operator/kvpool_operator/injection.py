@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.sizing import sidecar_shm_bytes
+
 from .children import service_address
 from .engines import (
     CLIENT_VOLUME,
@@ -37,7 +39,7 @@ from .model import (
     parse_pool_ref,
 )
 from .settings import Settings
-from .units import format_quantity
+from .units import memory_volume_limit
 
 SIDECAR_NAME = "kvpool-sidecar"
 SHM_VOLUME = "kvpool-shm"
@@ -199,7 +201,8 @@ def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, i
     names = {v.get("name") for v in volumes}
     if SHM_VOLUME not in names:
         volumes.append({"name": SHM_VOLUME, "emptyDir": {
-            "medium": "Memory", "sizeLimit": format_quantity(pool.local_bytes + settings.shm_slack_bytes)}})
+            "medium": "Memory", "sizeLimit": memory_volume_limit(
+                sidecar_shm_bytes(pool.local_bytes) + settings.shm_slack_bytes)}})
     if tenant is not None and TENANT_VOLUME not in names:
         volumes.append({"name": TENANT_VOLUME, "secret": {"secretName": tenant.secret_name, "defaultMode": 0o440}})
     engine_inits: list[dict[str, Any]] = []

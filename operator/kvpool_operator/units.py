@@ -85,6 +85,13 @@ def format_quantity(n: int) -> str:
     return str(n)
 
 
+def memory_volume_limit(n: int) -> str:
+    """The sizeLimit of a memory-backed volume that must hold ``n`` bytes: rounded up to whole
+    MiB (readable in the pod spec; the rest is slack)."""
+    mib = _BINARY["Mi"]
+    return format_quantity(-(-n // mib) * mib)
+
+
 def format_percent(fraction: float) -> str:
     return f"{fraction * 100:.1f}%"
 

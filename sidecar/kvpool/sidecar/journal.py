@@ -49,11 +49,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .. import sizing
 from ..store.allocator import ExtentAllocator
 
 FORMAT = 1
 MAGIC = b"KVPJ"
-HEADER_BYTES = 4096
+HEADER_BYTES = sizing.JOURNAL_HEADER_BYTES
 TENANT_BYTES = 256
 SOCKET_BYTES = 1024
 _HEADER = struct.Struct(f"<4sIQQQQ{TENANT_BYTES}s{SOCKET_BYTES}s")
@@ -73,6 +74,7 @@ _COMMIT = struct.Struct("<QBB")
 """checksum, kind, flags: what a commit adds to a reserved slot."""
 _STATE_AT = 32 + 3 * 8 + 2
 _FLAGS_AT = 32 + 3 * 8 + 1
+assert SLOT.itemsize == sizing.JOURNAL_SLOT_BYTES  # what the operator sizes the pod's volume by
 assert SLOT.fields is not None and (SLOT.fields["state"][1], SLOT.fields["flags"][1],
                                     SLOT.fields["checksum"][1]) == (_STATE_AT, _FLAGS_AT, _CHECKSUM_AT)
 assert _RECORD.size == SLOT.itemsize

@@ -150,3 +150,17 @@ def test_files_of_a_sidecar_that_cannot_come_back_are_swept(tmp_path: Path) -> N
     assert all(os.path.exists(p) for p in j.paths(str(shm), str(gone / "alive.sock")))  # its lock is held
     assert not any(os.path.exists(p) for p in j.paths(str(shm), str(gone / "s.sock"))), left
     alive.close()
+
+
+def test_the_operator_sizes_the_volume_for_what_a_sidecar_creates(tmp_path: Path) -> None:
+    """The files a persistent local tier creates in the shared-memory volume add up to exactly
+    ``kvpool.sizing.sidecar_shm_bytes``, the number the operator's injection sizes the pod's
+    memory-backed emptyDir by (a volume smaller than its files gets the pod evicted)."""
+    from kvpool.sizing import sidecar_shm_bytes
+    local = 8 << 20
+    tier = LocalTier(local, str(tmp_path), socket_path=str(tmp_path / "kvpool.sock"), tenant="t")
+    try:
+        files = sum(p.stat().st_size for p in tmp_path.iterdir() if p.is_file())
+        assert files == sidecar_shm_bytes(local)
+    finally:
+        tier.close()
