@@ -30,7 +30,7 @@ from typing import Any, Self, cast
 import grpc
 import numpy as np
 
-from . import errors, ranges
+from . import errors, ranges, spill
 from . import handoff as _ho
 from .fast_client import FastSession, RegistrationRefused
 from .keys import pack_keys as _pack_keys
@@ -78,7 +78,9 @@ class _Leased:
 
 
 class Blocks(_Leased, list[memoryview]):
-    """Views into the sidecar's arena, pinned by one lease until :meth:`release` or its expiry."""
+    """Views of objects, pinned by one lease until :meth:`release` or its expiry: into the
+    sidecar's arena, or (objects the arena had no room for) into memory of this client's own,
+    which lives as long as the views."""
 
     def __init__(self, views: list[memoryview], client: Client, lease_id: int) -> None:
         super().__init__(views)
@@ -136,6 +138,27 @@ class HandoffResult(_Leased):
     def release(self) -> None:
         self.blocks.release()
         super().release()
+
+
+class Reads(_Leased):
+    """The answer of :meth:`Client.get_many`: per key its code (OK, NOT_FOUND, ...) and a view
+    of the object (None where the code is not OK), the views held by one lease until
+    :meth:`release` or its expiry (as :class:`Blocks`)."""
+
+    def __init__(self, codes: list[int], views: list[memoryview | None], client: Client, lease_id: int) -> None:
+        self.codes, self.views = codes, views
+        self.lease_id = lease_id
+        self._client = client
+
+    @property
+    def prefix(self) -> int:
+        """How many keys from the start were read (what an engine can use of a matched prefix)."""
+        n = 0
+        for c in self.codes:
+            if c != pb.OK:
+                break
+            n += 1
+        return n
 
 
 class RangeReads(_Leased):
@@ -210,6 +233,8 @@ class Client:
         self._life_lock = threading.Lock()
         self.restarts_seen = 0
         """Sidecar lives after the first this client moved to (restarts it noticed)."""
+        self._pool_behind = hello.pool_nodes > 0
+        """Whether the sidecar has a pool to stream a put batch larger than its tier to."""
         self._closed = False
         self._lock = threading.Lock()
         self._pending_matches: OrderedDict[bytes, int] = OrderedDict()  # first key → match lease
@@ -353,21 +378,80 @@ class Client:
     # -- reading ------------------------------------------------------------------------------
 
     def get(self, keys: Sequence[bytes], lease_id: int = 0, kind: int = pb.BLOCK) -> Blocks:
-        """Views of the objects (equal to what was put); raises NotFound if any key is absent."""
+        """Views of the objects (equal to what was put), all or nothing: raises NotFound if any
+        key is absent (neither in the local tier nor in the pool; the views read are released).
+        :meth:`get_many` answers per key instead.
+
+        An object the pool holds but the local tier has no room for (every extent pinned, or it
+        is larger than the tier) is read into memory of this client's own, so a matched prefix
+        stays readable (fast session; over gRPC only, such an object counts as absent)."""
         if not keys:
             return Blocks([], self, 0)
         if not lease_id and kind == pb.BLOCK:
             lease_id = self._consume_match(keys)
         r, m = self._read(pack_keys(keys), lease_id, kind)
         codes = list(r.codes)
-        if any(c != pb.OK for c in codes):
-            if r.lease_id:
-                self.release(r.lease_id)
-            missing = [i for i, c in enumerate(codes) if c != pb.OK]
-            raise errors.NotFound(f"{len(missing)} of {len(keys)} keys not present (first at index {missing[0]})")
         ro = m.ro
-        views = [ro[o:o + s] for o, s in zip(r.offsets, r.sizes, strict=True)]
-        return Blocks(views, self, r.lease_id)
+        if any(c != pb.OK for c in codes):
+            views = self._spilled(keys, codes, r, m, kind)
+            if any(c != pb.OK for c in codes):
+                if r.lease_id:
+                    self.release(r.lease_id)
+                missing = [i for i, c in enumerate(codes) if c != pb.OK]
+                raise errors.NotFound(f"{len(missing)} of {len(keys)} keys not present (first at index "
+                                      f"{missing[0]}: {errors.code_name(codes[missing[0]])})")
+            return Blocks([v for v in views if v is not None], self, r.lease_id)  # all OK: every one
+        return Blocks([ro[o:o + s] for o, s in zip(r.offsets, r.sizes, strict=True)], self, r.lease_id)
+
+    def get_many(self, keys: Sequence[bytes], lease_id: int = 0, kind: int = pb.BLOCK) -> Reads:
+        """Per-key reads: what is present comes back as views (as :meth:`get`), what is truly
+        gone as its code (NOT_FOUND; NO_SPACE only where the object could be read neither into
+        the arena nor into this client's memory) — one missing object never fails the others.
+        ``Reads.prefix`` is the leading run read, what an engine loads of a matched prefix."""
+        if not keys:
+            return Reads([], [], self, 0)
+        if not lease_id and kind == pb.BLOCK:
+            lease_id = self._consume_match(keys)
+        r, m = self._read(pack_keys(keys), lease_id, kind)
+        codes = list(r.codes)
+        views = self._spilled(keys, codes, r, m, kind)
+        return Reads(codes, views, self, r.lease_id)
+
+    def _spilled(self, keys: Sequence[bytes], codes: list[int], r: Any, m: _Arena,
+                 kind: int) -> list[memoryview | None]:
+        """Views of a READ's objects: in the arena where it answered OK; its NO_SPACE rows (in
+        the pool, no room in the arena) read now into one region of this client's memory, made
+        for that read (:func:`kvpool.spill.layout`) — ``codes`` is updated in place.  ``m``: the
+        arena mapping of the sidecar life that answered the READ."""
+        ro = m.ro
+        views: list[memoryview | None] = [ro[o:o + s] if c == pb.OK else None
+                                          for c, o, s in zip(codes, r.offsets, r.sizes, strict=True)]
+        spill_at = [i for i, c in enumerate(codes) if c == pb.NO_SPACE]
+        if not spill_at or self._fast is None or not self._read_into_ok:
+            return views
+        sizes = [int(r.sizes[i]) for i in spill_at]
+        offsets, total = spill.layout(sizes)
+        region = memfd.create(total, "kvpool-spill")
+        rid = next(self._region_ids)
+        n = len(spill_at)
+        targets = np.array([rid] * n + offsets + sizes, np.uint64)
+        try:
+            got, got_sizes = self._fast.read_into(pack_keys([keys[i] for i in spill_at]), kind, targets,
+                                                  {rid: region}, transient=True)
+        except (RegistrationRefused, errors.Unavailable) as exc:
+            log.warning("kvpool: %d objects with no room in the local tier not read: %s", n, exc)
+            region.close()
+            return views
+        finally:
+            if region.fd is not None:
+                os.close(region.fd)  # the sidecar has unmapped it: the views keep the mapping
+                region.fd = None
+        mem = memoryview(region.mapping).toreadonly()
+        for j, i in enumerate(spill_at):
+            codes[i] = got[j]
+            if got[j] == pb.OK:
+                views[i] = mem[offsets[j]:offsets[j] + got_sizes[j]]
+        return views
 
     def alloc_buffer(self, nbytes: int) -> np.ndarray:
         """Memory the sidecar can write into: ``get_into`` of buffers inside it lands the pool's
@@ -463,15 +547,21 @@ class Client:
         arena = m.rw
         out = []
         try:
+            codes = list(r.codes)
+            # Objects the arena had no room for come through memory of this client's (one copy more).
+            spilled = self._spilled(keys, codes, r, m, pb.BLOCK) if pb.NO_SPACE in codes else None
             pairs = []
-            for c, o, s, b in zip(r.codes, r.offsets, r.sizes, buffers, strict=True):
+            for i, (c, o, s, b) in enumerate(zip(codes, r.offsets, r.sizes, buffers, strict=True)):
                 if c != pb.OK:
                     out.append(-1)
                     continue
+                src = arena[o:o + s] if spilled is None or r.codes[i] == pb.OK else spilled[i]
+                assert src is not None
+                s = len(src)
                 dst = as_bytes_view(b)
                 if len(dst) < s:
                     raise errors.InvalidArgument(f"buffer of {len(dst)} bytes for an object of {s}")
-                pairs.append((arena[o:o + s], dst[:s]))
+                pairs.append((src, dst[:s]))
                 out.append(s)
             self._copier.copy(pairs)  # one memcpy per object, a big batch over two threads
         finally:
@@ -653,12 +743,70 @@ class Client:
 
     def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = "chatbot",
             kind: int = pb.BLOCK) -> list[int]:
-        """Store objects: visible locally at once, written to the pool by the sidecar; per-item codes."""
+        """Store objects: visible locally at once, written to the pool by the sidecar; per-item codes.
+
+        A batch larger than the free local tier goes in rounds (:func:`kvpool.spill.next_round`):
+        each round reserves what fits, and the sidecar writes a round that left items out to the
+        pool before answering its commit, so the next round can evict those clean copies — the
+        rest of the batch streams through the local tier to the pool.  What the tier cannot take
+        even then (everything in it pinned; TOO_LARGE: larger than the tier) goes to the pool
+        straight from the client's memory (fast session), its code the pool's.  With no pool
+        behind the sidecar, what does not fit stays NO_SPACE (nowhere to stream to: a later round
+        would only evict the batch's own objects)."""
         if len(keys) != len(values):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
+        start, codes = self._put_round(keys, views, traffic_class, kind)
+        todo = spill.next_round(range(len(keys)), start) if self._pool_behind and pb.NO_SPACE in start else []
+        while todo:
+            start, got = self._put_round([keys[i] for i in todo], [views[i] for i in todo], traffic_class, kind)
+            for i, c in zip(todo, got, strict=True):
+                codes[i] = c
+            todo = spill.next_round(todo, start)
+        if self._pool_behind and self._fast is not None and (pb.NO_SPACE in codes or pb.TOO_LARGE in codes):
+            self._put_from_memory(keys, values, views, codes, traffic_class, kind)
+        return codes
+
+    def _put_from_memory(self, keys: Sequence[bytes], values: Sequence[Buffer], views: list[memoryview],
+                         codes: list[int], traffic_class: str, kind: int) -> None:
+        """The objects of a put the local tier could not take (NO_SPACE: every extent pinned;
+        TOO_LARGE: larger than the tier) go to the pool straight from this client's memory
+        (WRITE_FROM): from the caller's own buffers when they lie in :meth:`alloc_buffer` memory
+        (no copy), else from a region made for this call; their codes become the pool's."""
+        fast = self._fast
+        assert fast is not None
+        left = [i for i, c in enumerate(codes) if c in (pb.NO_SPACE, pb.TOO_LARGE)]
+        sizes = [len(views[i]) for i in left]
+        n = len(left)
+        spans = self._registered_spans([values[i] for i in left]) if self._regions else None
+        region: memfd.Region | None = None
+        if spans is not None:
+            with self._lock:
+                regions = dict(self._regions)
+        else:
+            offsets, total = spill.layout(sizes)
+            region = memfd.create(total, "kvpool-put")
+            rid = next(self._region_ids)
+            self._copier.copy([(views[i], region.view[o:o + s]) for i, o, s in zip(left, offsets, sizes, strict=True)])
+            spans = np.array([rid] * n + offsets + sizes, np.uint64)
+            regions = {rid: region}
+        try:
+            got = fast.write_from(pack_keys([keys[i] for i in left]), kind, traffic_class, spans,
+                                  [checksum(views[i]) for i in left], regions, transient=region is not None)
+        except (RegistrationRefused, errors.Unavailable) as exc:
+            log.warning("kvpool: %d objects with no room in the local tier not written to the pool: %s", n, exc)
+            return
+        finally:
+            if region is not None:
+                region.close()
+        for i, c in zip(left, got, strict=True):
+            codes[i] = c
+
+    def _put_round(self, keys: Sequence[bytes], views: list[memoryview], traffic_class: str,
+                   kind: int) -> tuple[list[int], list[int]]:
+        """One WriteStart, copy and WriteCommit: the reservation's codes and the final codes."""
         blob, sizes = pack_keys(keys), [len(v) for v in views]
         if self._fast is not None:
             codes, offsets, rid, life = self._fast.write_start(blob, sizes, kind, traffic_class)
@@ -667,8 +815,9 @@ class Client:
             start, m = self._rpc_life(self._stub.WriteStart, spb.WriteStartRequest(
                 keys=blob, sizes=sizes, traffic_class=traffic_class, kind=errors.as_kind(kind)))
             codes, offsets, rid = list(start.codes), list(start.offsets), start.reservation_id
+        reserved = list(codes)
         if not rid:
-            return codes
+            return reserved, codes
         sums = [0] * len(keys)
         arena = m.rw
         ok = [i for i, c in enumerate(codes) if c == pb.OK]
@@ -685,7 +834,7 @@ class Client:
         for i, c in enumerate(codes):
             if c == pb.OK:
                 codes[i] = final[i]
-        return codes
+        return reserved, codes
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
         request = pb.RemoveRequest(keys=pack_keys(keys), kind=errors.as_kind(kind))

@@ -277,28 +277,63 @@ class FastSession:
         return ReadReply(t.codes, t.offsets, t.sizes, r.ref, r.prefix, r.local, inc)
 
     def read_into(self, keys: bytes, kind: int, targets: np.ndarray, regions: dict[int, memfd.Region],
-                  match_lease: int = 0) -> tuple[list[int], list[int]]:
+                  match_lease: int = 0, transient: bool = False) -> tuple[list[int], list[int]]:
         """(codes, sizes) of objects read into spans of registered regions: ``targets`` is the
         region ids, then the offsets, then the lengths (u64 × n each).  A region this connection
-        has not passed to the sidecar yet is registered first (one more round trip, once)."""
+        has not passed to the sidecar yet is registered first (one more round trip, once).
+        ``transient``: the regions are for this call only (the sidecar unmaps them after it)."""
         n = len(keys) // 32
+        named = set(targets[:n].tolist())
 
         def exchange(conn: _Conn) -> tuple[list[int], list[int]]:
-            for rid in set(targets[:n].tolist()) - conn.registered:
-                region = regions[rid]
-                if region.fd is None:
-                    raise errors.InvalidArgument(f"region {rid} was freed")
-                try:
-                    conn.call(fp.OP_REGISTER, fd=region.fd, ref=rid)
-                except errors.KvpoolError as exc:
-                    raise RegistrationRefused(rid, exc) from None
-                conn.registered.add(rid)
-            r, body = conn.call(fp.OP_READ_INTO, keys=keys, kind=kind, ref=match_lease, values=targets)
-            return fp.decode_sizes(r, body)
+            try:
+                self._register(conn, named, regions)
+                r, body = conn.call(fp.OP_READ_INTO, keys=keys, kind=kind, ref=match_lease, values=targets,
+                                    flags=fp.FLAG_TRANSIENT if transient else 0)
+                return fp.decode_sizes(r, body)
+            finally:
+                if transient:
+                    conn.registered -= named
         (codes, sizes), _ = self._on_connection(exchange)
         if len(codes) != n:
             raise errors.Unavailable("fast session: READ_INTO reply for another number of keys")
         return codes, sizes
+
+    def write_from(self, keys: bytes, kind: int, traffic_class: str, targets: np.ndarray, checksums: list[int],
+                   regions: dict[int, memfd.Region], transient: bool = False) -> list[int]:
+        """Per-item pool codes of objects written to the pool straight from spans of registered
+        regions (``targets``: region ids, offsets, lengths, u64 × n each), as :meth:`read_into`
+        names them; ``transient``: the regions are for this call only."""
+        n = len(keys) // 32
+        named = set(targets[:n].tolist())
+
+        def exchange(conn: _Conn) -> list[int]:
+            try:
+                self._register(conn, named, regions)
+                r, body = conn.call(fp.OP_WRITE_FROM, keys=keys, kind=kind, text=traffic_class.encode(),
+                                    values=np.concatenate([targets, np.asarray(checksums, np.uint64)]),
+                                    flags=fp.FLAG_TRANSIENT if transient else 0)
+                return fp.decode_table(r, body, self.arena_bytes).codes
+            finally:
+                if transient:
+                    conn.registered -= named
+        codes, _ = self._on_connection(exchange)
+        if len(codes) != n:
+            raise errors.Unavailable("fast session: WRITE_FROM reply for another number of keys")
+        return codes
+
+    @staticmethod
+    def _register(conn: _Conn, named: set[int], regions: dict[int, memfd.Region]) -> None:
+        """Pass the regions of ``named`` this connection has not mapped yet to the sidecar."""
+        for rid in named - conn.registered:
+            region = regions[rid]
+            if region.fd is None:
+                raise errors.InvalidArgument(f"region {rid} was freed")
+            try:
+                conn.call(fp.OP_REGISTER, fd=region.fd, ref=rid)
+            except errors.KvpoolError as exc:
+                raise RegistrationRefused(rid, exc) from None
+            conn.registered.add(rid)
 
     def write_start(self, keys: bytes, sizes: list[int], kind: int,
                     traffic_class: str) -> tuple[list[int], list[int], int, int]:

@@ -10,10 +10,11 @@ shared-memory arena both sides map.  The layout follows the store's data session
 every frame is unit-tested without sockets.  All integers are little-endian.
 
 Request header (32 bytes), then ``text_len`` bytes of UTF-8 text (HELLO: the tenant the client
-expects; WRITE_START: the traffic class), ``release_count`` × u64 lease ids to drop before the
-call, then per op: MATCH/READ/WRITE_START/READ_INTO ``count`` × 32 key bytes (WRITE_START then
-``count`` × u64 sizes; READ_INTO then the targets: region ids u64 × n, offsets u64 × n, lengths
-u64 × n), WRITE_COMMIT ``count`` × u64 checksums, RELEASE and REGISTER nothing more::
+expects; WRITE_START, WRITE_FROM: the traffic class), ``release_count`` × u64 lease ids to drop
+before the call, then per op: MATCH/READ/WRITE_START/READ_INTO/WRITE_FROM ``count`` × 32 key
+bytes (WRITE_START then ``count`` × u64 sizes; READ_INTO then the targets: region ids u64 × n,
+offsets u64 × n, lengths u64 × n; WRITE_FROM the targets, then checksums u64 × n), WRITE_COMMIT
+``count`` × u64 checksums, RELEASE and REGISTER nothing more::
 
     magic "KVFQ" | version u8 | op u8 | kind u8 | flags u8 | request_id u32 | count u32 |
     lease_ms u32 | text_len u16 | release_count u16 |
@@ -38,8 +39,17 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
   ``prefix`` = local hits, ``local`` = pool hits).
 * WRITE_START: codes u8 × n, offsets u64 × n (``ref`` = the reservation id).
 * WRITE_COMMIT: codes u8 × n.
+* WRITE_FROM: codes u8 × n, the pool's per object (an owner that could not be reached: NO_SPACE).
 * REGISTER: none.  READ_INTO: codes u8 × n, sizes u64 × n (``prefix`` = local hits, ``local`` =
   pool hits); OK means the object's bytes are in the caller's buffer.
+
+A READ row with code NO_SPACE is an object the pool holds that the arena had no room for (every
+extent pinned, or larger than the tier); its size column is the object's size, its offset 0.
+The client reads such objects with a READ_INTO into a region of its own made for that call
+(``FLAG_TRANSIENT``: the sidecar unmaps the region once it has answered).  WRITE_FROM is the
+other direction: objects a put could not place in a local tier pinned full go to the pool
+straight from spans of the client's registered memory (its ``alloc_buffer`` memory, zero copy,
+or a transient region it copied them into), never through the arena.
 
 Registered memory (REGISTER, READ_INTO): the one place bytes land outside the arena.  A client
 allocates a memfd sealed against shrinking (``F_SEAL_SHRINK``: the sidecar writes into its
@@ -82,7 +92,9 @@ OP_WRITE_COMMIT = 5
 OP_RELEASE = 6
 OP_REGISTER = 7
 OP_READ_INTO = 8
-OPS = (OP_HELLO, OP_MATCH, OP_READ, OP_WRITE_START, OP_WRITE_COMMIT, OP_RELEASE, OP_REGISTER, OP_READ_INTO)
+OP_WRITE_FROM = 9
+OPS = (OP_HELLO, OP_MATCH, OP_READ, OP_WRITE_START, OP_WRITE_COMMIT, OP_RELEASE, OP_REGISTER, OP_READ_INTO,
+       OP_WRITE_FROM)
 
 FLAG_NO_REPLY = 1
 FLAG_LOCAL_ONLY = 2
@@ -90,6 +102,10 @@ FLAG_LOCAL_ONLY = 2
 FLAG_IDENTITY = 4
 """Response to HELLO: the body carries the arena generation and size (``ref``: the incarnation)."""
 IDENTITY = struct.Struct("<QQ")
+FLAG_TRANSIENT = 8
+"""READ_INTO, WRITE_FROM: the regions it names are unmapped once it is answered (one-call
+memory: the client's read of objects its sidecar's arena had no room for, a READ's NO_SPACE
+rows; a put's objects copied for the pool)."""
 
 REQUEST = struct.Struct("<4sBBBBIIIHHQ")
 RESPONSE = struct.Struct("<4sBBBBIIIIIQI")
@@ -102,8 +118,10 @@ MAX_RELEASES = 1024
 SOCKET_SUFFIX = ".fast"
 
 _U64 = np.dtype("<u8")
-_KEYED = (OP_MATCH, OP_READ, OP_WRITE_START, OP_READ_INTO)
+_KEYED = (OP_MATCH, OP_READ, OP_WRITE_START, OP_READ_INTO, OP_WRITE_FROM)
 _TARGET_COLUMNS = 3
+_COLUMNS = {OP_WRITE_START: 1, OP_WRITE_COMMIT: 1, OP_READ_INTO: _TARGET_COLUMNS, OP_WRITE_FROM: _TARGET_COLUMNS + 1}
+"""u64 values per item after the keys: sizes; checksums; targets; targets then checksums."""
 """READ_INTO: region ids, offsets, lengths."""
 
 
@@ -126,7 +144,8 @@ class Request(NamedTuple):
     def body_bytes(self) -> int:
         """Bytes that follow the header."""
         per_item = {OP_MATCH: KEY_BYTES, OP_READ: KEY_BYTES, OP_WRITE_START: KEY_BYTES + 8,
-                    OP_WRITE_COMMIT: 8, OP_READ_INTO: KEY_BYTES + 8 * _TARGET_COLUMNS}.get(self.op, 0)
+                    OP_WRITE_COMMIT: 8, OP_READ_INTO: KEY_BYTES + 8 * _TARGET_COLUMNS,
+                    OP_WRITE_FROM: KEY_BYTES + 8 * (_TARGET_COLUMNS + 1)}.get(self.op, 0)
         return self.text_len + 8 * self.release_count + self.items * per_item
 
 
@@ -154,7 +173,8 @@ class Response(NamedTuple):
             return 0
         if self.op == OP_HELLO:
             return IDENTITY.size if self.flags & FLAG_IDENTITY else 0
-        return {OP_READ: 17, OP_WRITE_START: 9, OP_WRITE_COMMIT: 1, OP_READ_INTO: 9}.get(self.op, 0) * self.items
+        return {OP_READ: 17, OP_WRITE_START: 9, OP_WRITE_COMMIT: 1, OP_READ_INTO: 9,
+                OP_WRITE_FROM: 1}.get(self.op, 0) * self.items
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -183,10 +203,10 @@ def encode_request(op: int, request_id: int, *, keys: bytes = b"", kind: int = 0
     out = [header, text, np.asarray(releases, _U64).tobytes() if releases else b""]
     if op in _KEYED:
         out.append(keys)
-    if op in (OP_WRITE_START, OP_WRITE_COMMIT, OP_READ_INTO):
-        if values is None or len(values) != count * (_TARGET_COLUMNS if op == OP_READ_INTO else 1):
-            raise ValueError("WRITE_START needs one size, WRITE_COMMIT one checksum and READ_INTO one "
-                             "(region, offset, length) per item")
+    if op in _COLUMNS:
+        if values is None or len(values) != count * _COLUMNS[op]:
+            raise ValueError("WRITE_START needs one size, WRITE_COMMIT one checksum, READ_INTO one "
+                             "(region, offset, length) and WRITE_FROM those and a checksum per item")
         out.append(np.asarray(values, _U64).tobytes())
     return [b for b in out if b]
 
@@ -223,8 +243,8 @@ def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> R
         keys = bytes(mv[at:at + req.items * KEY_BYTES])
         at += req.items * KEY_BYTES
     values = None
-    if req.op == OP_READ_INTO:
-        values = np.frombuffer(mv, _U64, _TARGET_COLUMNS * req.items, at)
+    if req.op in (OP_READ_INTO, OP_WRITE_FROM):
+        values = np.frombuffer(mv, _U64, _COLUMNS[req.op] * req.items, at)
     elif req.op in (OP_WRITE_START, OP_WRITE_COMMIT):
         values = np.frombuffer(mv, _U64, req.items, at)
         if req.op == OP_WRITE_START and req.items and int(values.max()) > MAX_OBJECT_BYTES:
@@ -283,14 +303,20 @@ def decode_table(resp: Response, body: bytes | bytearray | memoryview, arena_byt
     if len(body) != resp.body_bytes():
         raise ProtocolError(f"table of {len(body)} bytes for {n} items of op {resp.op}")
     codes = bytes(body[:n])
-    if resp.op == OP_WRITE_COMMIT:
+    if resp.op in (OP_WRITE_COMMIT, OP_WRITE_FROM):
         return Table(list(codes), [], [])
     offsets = np.frombuffer(body, _U64, n, n)
     sizes = np.frombuffer(body, _U64, n, 9 * n) if resp.op == OP_READ else np.zeros(n, _U64)
+    # Only an OK row names an extent: a NO_SPACE row of a READ carries the size of an object the
+    # arena had no room for (it may be larger than the arena), to read into the caller's memory.
+    ok = np.frombuffer(codes, np.uint8) == 0
+    off_ok, size_ok = offsets[ok], sizes[ok]
     # Each bound alone first: the u64 sum of two huge values could wrap below the arena size.
-    if n and (int(offsets.max()) > arena_bytes or int(sizes.max()) > arena_bytes
-              or int((offsets + sizes).max()) > arena_bytes):
+    if len(off_ok) and (int(off_ok.max()) > arena_bytes or int(size_ok.max()) > arena_bytes
+                        or int((off_ok + size_ok).max()) > arena_bytes):
         raise ProtocolError("extent outside the arena")
+    if n and int(sizes.max()) > MAX_OBJECT_BYTES:
+        raise ProtocolError("object size over the protocol limit")
     return Table(list(codes), offsets.tolist(), sizes.tolist())
 
 

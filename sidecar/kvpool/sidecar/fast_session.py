@@ -199,6 +199,13 @@ class _Connection:
         with self.server._lock:
             self.server.registered_bytes -= region.size
 
+    def _drop_named(self, region_ids: list[int]) -> None:
+        """Unmap the regions of a transient READ_INTO (the client made them for that call)."""
+        for rid in set(region_ids):
+            region = self.regions.pop(rid, None)
+            if region is not None:
+                self._unmap(region)
+
     def _drop_regions(self) -> None:
         regions, self.regions = list(self.regions.values()), {}
         for r in regions:
@@ -255,13 +262,30 @@ class _Connection:
             if req.op == fp.OP_READ_INTO:
                 kind = self._kind(req.kind)
                 assert body.values is not None
-                dests = self._targets(body.values, req.items)
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
-                codes, sizes, local_hits, pool_hits = sc.read_into(arr.tolist(), arr, kind, dests, req.ref)
-                del dests  # no view of a region outlives the call (the region may be unmapped next)
+                try:
+                    dests = self._targets(body.values, req.items)
+                    codes, sizes, local_hits, pool_hits = sc.read_into(arr.tolist(), arr, kind, dests, req.ref)
+                    del dests  # no view of a region outlives the call (the region may be unmapped next)
+                finally:
+                    if req.flags & fp.FLAG_TRANSIENT:
+                        self._drop_named(body.values[:req.items].tolist())
                 return [fp.encode_response(fp.OP_READ_INTO, req.request_id, req.items, prefix=local_hits,
                                            local=pool_hits),
                         fp.encode_table(codes, sizes)]
+            if req.op == fp.OP_WRITE_FROM:
+                kind = self._kind(req.kind)
+                assert body.values is not None
+                n = req.items
+                keys = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}").tolist()
+                try:
+                    srcs = self._targets(body.values[:3 * n], n)
+                    pool_codes = sc.write_from(keys, srcs, body.values[3 * n:].tolist(), kind, body.text)
+                    del srcs  # no view of a region outlives the call
+                finally:
+                    if req.flags & fp.FLAG_TRANSIENT:
+                        self._drop_named(body.values[:n].tolist())
+                return [fp.encode_response(fp.OP_WRITE_FROM, req.request_id, n), fp.encode_table(pool_codes)]
             if req.op == fp.OP_WRITE_START:
                 kind = self._kind(req.kind)
                 assert body.values is not None

@@ -44,7 +44,7 @@ from .fast_protocol import socket_path as fast_socket_path
 from .fast_session import FastSessionServer
 from .handoff import HandoffService
 from .journal import PersistentArena
-from .landing import ArenaLanding, BufferLanding, Landing
+from .landing import ArenaLanding, BufferLanding, Landing, SpillStash
 from .local_tier import LocalEntry, LocalLease, LocalTier
 from .pool import Pool
 from .retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
@@ -147,6 +147,9 @@ class Sidecar(spbg.SidecarServicer):
         self._deferred: collections.deque[LocalEntry] = collections.deque()
         self.deferred_bytes = 0
         self._pins: dict[int, int] = {}  # id(batch) → lease pinning it while the writer has it
+        self._spilling: dict[int, float] = {}
+        """Reservations of a put round that left items out (guarded by ``_lock``): written to the
+        pool in their commit (:meth:`_commit_spilling`)."""
         self.max_pending = cfg.max_pending_bytes or self.local.capacity // 4
         self.counters = self.local.counters
         # Blocks waiting to be written again after a passing failure (guarded by ``_lock``);
@@ -169,6 +172,8 @@ class Sidecar(spbg.SidecarServicer):
                                       cfg.max_handoff_hold_ms)
         bound = self.local.capacity // 8 if cfg.copy_over_bytes < 0 else cfg.copy_over_bytes
         self.copy_over = CopyOver(self._pin_for_copy, self._copy_to_owner, self.counters, bound) if bound else None
+        self.stash = SpillStash(min(64 << 20, max(self.local.capacity, 4 << 20)))
+        """Objects a read had no room for in the arena, until the client's READ_INTO takes them."""
         self.max_range_bytes = min(ranges.DEFAULT_MAX_BYTES, self.local.capacity // 2)
         """Bytes one ranged read may ask for (the pool's ranges need scratch space in the arena)."""
         self.adopted = self._adopt()
@@ -349,12 +354,13 @@ class Sidecar(spbg.SidecarServicer):
         local_hits = sum(local_found)
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
+        land: ArenaLanding | None = None
         try:
             with self._match_drops(match_lease) as drop:
                 if missing and self.pool.enabled:
                     land = ArenaLanding(self.local, keys, kind, lease, found,
                                         self.copy_over.offer if self.copy_over is not None else None,
-                                        self.pool.rpc_timeout)
+                                        self.pool.rpc_timeout, self.stash)
                     pool_hits = self._fetch_missing(keys, arr, missing, land, kind, lease_ms, drop)
         except BaseException:
             self.local.release([lease.lease_id])
@@ -367,8 +373,18 @@ class Sidecar(spbg.SidecarServicer):
             if e is not None:
                 codes[i], offsets[i], sizes[i], sums[i] = pb.OK, e.offset, e.size, e.checksum
         moved = sum(sizes)
+        spilled = 0
+        if land is not None and land.no_room:
+            # In the pool but no room here (the arena is pinned full, or the object is larger
+            # than the tier): NO_SPACE and its size, so the client reads it into its own memory
+            # (READ_INTO, counted there: here it is neither a hit nor a miss).
+            for i, size in land.no_room.items():
+                if found[i] is None:
+                    codes[i], sizes[i] = pb.NO_SPACE, size
+                    spilled += 1
+            self.counters["read_no_room"] += spilled
         fetched = sum(e.size for e, was in zip(found, local_found, strict=True) if e is not None and not was)
-        self._count_read(n, local_hits, pool_hits, moved, fetched, t0)
+        self._count_read(n - spilled, local_hits, pool_hits, moved, fetched, t0)
         return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0,
                           int(lease.expires * 1000) if lease.entries else 0, local_hits, pool_hits)
 
@@ -415,11 +431,15 @@ class Sidecar(spbg.SidecarServicer):
         local_hits = len(pairs)
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
+        if missing and len(self.stash):
+            # Objects a READ just fetched but had no room for (its NO_SPACE rows): copied from
+            # the stash, not fetched from the pool a second time.
+            missing, pool_hits = self._from_stash(keys, kind, dests, missing, codes, sizes)
         with self._match_drops(match_lease) as drop:
             if missing and self.pool.enabled:
                 landed: list[int | None] = [None] * n
                 land = BufferLanding(dests, landed)
-                pool_hits = self._fetch_missing(keys, arr, missing, land, kind, self.cfg.lease_ms, drop)
+                pool_hits += self._fetch_missing(keys, arr, missing, land, kind, self.cfg.lease_ms, drop)
                 for i in missing:
                     size = landed[i]
                     if size is not None:
@@ -430,6 +450,25 @@ class Sidecar(spbg.SidecarServicer):
         from_pool = moved - sum(src.nbytes for src, _ in pairs)
         self._count_read(n, local_hits, pool_hits, moved, from_pool, t0)
         return codes, sizes, local_hits, pool_hits
+
+    def _from_stash(self, keys: list[bytes], kind: int, dests: Sequence[memoryview], missing: list[int],
+                    codes: list[pb.Code], sizes: list[int]) -> tuple[list[int], int]:
+        """Copy the stashed ones of ``missing`` into their buffers (codes and sizes set): the
+        keys still missing, and how many were copied."""
+        pairs: list[tuple[memoryview, memoryview]] = []
+        left: list[int] = []
+        for i in missing:
+            buf = self.stash.take(kind, keys[i])
+            if buf is None:
+                left.append(i)
+            elif dests[i].nbytes < buf.nbytes:
+                codes[i], sizes[i] = pb.INVALID, buf.nbytes
+            else:
+                codes[i], sizes[i] = pb.OK, buf.nbytes
+                pairs.append((buf.data, dests[i][:buf.nbytes]))
+        self._copier.copy(pairs)
+        self.counters["read_stash_hits"] += len(pairs)
+        return left, len(pairs)
 
     def _count_read(self, n: int, local_hits: int, pool_hits: int, moved: int, from_pool: int, t0: float) -> None:
         """A read's metrics and counters (``moved`` bytes handed over, ``from_pool`` of them fetched)."""
@@ -458,18 +497,20 @@ class Sidecar(spbg.SidecarServicer):
         found = land.found
         epoch = self.pool.ring.epoch
         total = self._fetch_round(todo, sub, land, kind, lease_ms, self.pool.route(sub), drop)
-        still = np.array([found[i] is None for i in todo], dtype=bool)
+        # An object with no room here was found all the same: not asked for again.
+        no_room = land.no_room
+        still = np.array([found[i] is None and i not in no_room for i in todo], dtype=bool)
         if still.any() and self.pool.catch_up(epoch):
             # A node told us of a newer ring: route what is missing again under it first.
             routes = {nid: idx[still[idx]] for nid, idx in self.pool.route(sub).items()}
             total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
-            still = np.array([found[i] is None for i in todo], dtype=bool)
+            still = np.array([found[i] is None and i not in no_room for i in todo], dtype=bool)
         if still.any():
             before = still
             for routes in self.pool.fallbacks(sub, kind):
                 routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
                 total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
-                still = np.array([found[i] is None for i in todo], dtype=bool)
+                still = np.array([found[i] is None and i not in no_room for i in todo], dtype=bool)
                 if not still.any():
                     break
             land.found_elsewhere([todo[j] for j in np.flatnonzero(before & ~still).tolist()])
@@ -673,8 +714,21 @@ class Sidecar(spbg.SidecarServicer):
 
     def write_start(self, keys: list[bytes], sizes: list[int], kind: int,
                     traffic_class: str) -> tuple[list[pb.Code], list[LocalEntry | None], int]:
-        """Reserve arena extents for a put: (codes, entries, reservation id)."""
-        return self.local.reserve(keys, sizes, kind, traffic_class or "chatbot")
+        """Reserve arena extents for a put: (codes, entries, reservation id).
+
+        A batch larger than the free local tier (items left NO_SPACE) with a pool behind: its
+        commit writes the reserved part to the pool before it answers (:meth:`write_commit`),
+        so the client's next round (:meth:`Client.put`) can evict those clean copies and take
+        their room — the batch streams through the tier instead of being refused."""
+        codes, entries, rid = self.local.reserve(keys, sizes, kind, traffic_class or "chatbot")
+        if rid and self.pool.enabled and pb.NO_SPACE in codes:
+            now = time.monotonic()
+            with self._lock:
+                # Rounds never committed lapse with their reservation: forgotten here then.
+                for old in [r for r, t in self._spilling.items() if t < now]:
+                    del self._spilling[old]
+                self._spilling[rid] = now + self.local.reservation_seconds
+        return codes, entries, rid
 
     def WriteCommit(self, request: spb.WriteCommitRequest, context: grpc.ServicerContext) -> pb.CodesReply:
         try:
@@ -696,6 +750,10 @@ class Sidecar(spbg.SidecarServicer):
         for i, e in enumerate(entries):
             if e is not None and not sums[i]:
                 sums[i] = checksum(self.local.view(e))
+        with self._lock:
+            spilling = self._spilling.pop(reservation_id, None) is not None
+        if spilling:
+            return self._commit_spilling(reservation_id, sums, t0)
         kind_state = any(e is not None and e.kind == pb.STATE for e in entries)
         # State objects are single-copy host-memory objects: only flushed on drain/eviction.
         dirty = self.cfg.write_back or kind_state or not self.pool.enabled
@@ -708,8 +766,54 @@ class Sidecar(spbg.SidecarServicer):
         metrics.record_put(self.cfg.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
         return codes
 
+    def _commit_spilling(self, reservation_id: int, sums: list[int], t0: float) -> list[pb.Code]:
+        """Commit a round of a batch larger than the free local tier and write it to the pool
+        now, from the arena (pinned meanwhile), on the caller's thread: when the client's next
+        round asks, these are clean copies it may evict.  Whatever the write policy (the tier
+        cannot keep the batch anyway); a write that failed leaves its objects local-only, handed
+        over on eviction like any other (and retried, :meth:`_retry_later`)."""
+        codes, done, pin = self.local.commit(reservation_id, sums, dirty=True, pin_ms=600_000)
+        pool_codes: dict[int, int] = {}
+        try:
+            if done:
+                self._push(done, None, pool_codes)
+        except Exception:
+            log.exception("pool write of a spilling put failed")
+        finally:
+            if pin is not None:
+                self.local.release([pin.lease_id])
+        self._retry_later(done, None, pool_codes)
+        self.counters["put_blocks"] += len(done)
+        self.counters["put_spilled_rounds"] += 1
+        metrics.record_put(self.cfg.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
+        return codes
+
+    def write_from(self, keys: list[bytes], srcs: Sequence[memoryview], sums: list[int], kind: int,
+                   traffic_class: str) -> list[int]:
+        """Write objects to the pool straight from the client's memory (fast session WRITE_FROM:
+        the part of a put the local tier had no room for, everything in it pinned), on the
+        caller's thread: per-item pool codes (OK for one the pool holds already; NO_SPACE where
+        no owner could be reached — no copy is left here to try again with)."""
+        if not self.pool.enabled:
+            return [pb.NO_SPACE] * len(keys)
+        todo = [i for i, (k, v) in enumerate(zip(keys, srcs, strict=True)) if len(k) == KEY_BYTES and v.nbytes]
+        codes: list[int] = [pb.INVALID] * len(keys)
+        for i in todo:
+            if not sums[i]:
+                sums[i] = checksum(srcs[i])
+        got = self.pool.put([keys[i] for i in todo], [srcs[i] for i in todo], [sums[i] for i in todo],
+                            traffic_class or "chatbot", kind) if todo else []
+        for i, c in zip(todo, got, strict=True):
+            codes[i] = pb.OK if c in (pb.OK, pb.ALREADY_EXISTS) else pb.NO_SPACE if c == UNREACHABLE else c
+        ok = sum(1 for c in codes if c == pb.OK)
+        self.counters["put_streamed"] += ok
+        self.counters["pool_writes"] += ok
+        return codes
+
     def WriteRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
         self.local.revoke(request.reservation_id)
+        with self._lock:
+            self._spilling.pop(request.reservation_id, None)
         return pb.Empty()
 
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.CodesReply:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvpool.sidecar import fast_protocol as fp
+from kvpool.store.data_protocol import MAX_OBJECT_BYTES
 
 KEYS = bytes(range(32)) + bytes(range(32, 64))
 
@@ -137,3 +138,31 @@ def test_hello_names_the_sidecar_life_and_its_arena() -> None:
     # A refused HELLO has no body whatever its flags.
     refused = fp.decode_response(fp.encode_response(fp.OP_HELLO, 3, status=4, flags=fp.FLAG_IDENTITY))
     assert refused.body_bytes() == 0
+
+
+def test_no_space_rows_carry_sizes_not_extents() -> None:
+    """A READ's NO_SPACE row names no extent, only the size of an object the arena had no room
+    for (it may be larger than the arena); an OK row is still bounded by the arena, and no size
+    passes the protocol's object limit."""
+    resp = fp.decode_response(fp.encode_response(fp.OP_READ, 1, 2))
+    table = fp.decode_table(resp, fp.encode_table([0, 3], [0, 0], [4096, 3 << 20]), arena_bytes=1 << 20)
+    assert table == fp.Table([0, 3], [0, 0], [4096, 3 << 20])
+    with pytest.raises(fp.ProtocolError, match="outside the arena"):
+        fp.decode_table(resp, fp.encode_table([0, 3], [0, 0], [3 << 20, 4096]), arena_bytes=1 << 20)
+    with pytest.raises(fp.ProtocolError, match="object size"):
+        fp.decode_table(resp, fp.encode_table([0, 3], [0, 0], [1, MAX_OBJECT_BYTES + 1]), arena_bytes=1 << 20)
+    req, _ = _request(fp.encode_request(fp.OP_READ_INTO, 2, keys=KEYS, values=[1, 1, 0, 64, 8, 8],
+                                        flags=fp.FLAG_TRANSIENT))
+    assert req.flags == fp.FLAG_TRANSIENT
+
+
+def test_write_from_frames_round_trip() -> None:
+    targets = [3, 4, 0, 1 << 33, 100, 7]  # region ids, offsets, lengths of two keys
+    req, body = _request(fp.encode_request(fp.OP_WRITE_FROM, 14, keys=KEYS, text=b"batch",
+                                           values=targets + [11, 12], flags=fp.FLAG_TRANSIENT))
+    assert (req.items, req.body_bytes()) == (2, 5 + 2 * (32 + 32))
+    assert body.text == "batch" and body.values is not None and body.values.tolist() == targets + [11, 12]
+    resp = fp.decode_response(fp.encode_response(fp.OP_WRITE_FROM, 14, 2))
+    assert fp.decode_table(resp, fp.encode_table([0, 2]), 1).codes == [0, 2]
+    with pytest.raises(ValueError, match="WRITE_FROM"):
+        fp.encode_request(fp.OP_WRITE_FROM, 1, keys=KEYS, values=targets)  # no checksums
