@@ -56,3 +56,26 @@ def remaining(deadline: float, now: float) -> float:
     """Seconds left until the monotonic ``deadline`` (at least :data:`MIN_SECONDS`: a call past
     its deadline still gets to collect an answer that is already there)."""
     return max(deadline - now, MIN_SECONDS)
+
+
+@dataclass(frozen=True)
+class ClientDeadlines:
+    """How long a :class:`kvpool.Client` call waits for its sidecar at most (``Client(deadlines=)``).
+
+    These are the engine's safety net: the sidecar bounds its own calls to the store nodes much
+    tighter (:class:`Deadlines`), so a healthy sidecar answers well within them even with a store
+    node hung.  A call past its bound raises :class:`~kvpool.errors.DeadlineExceeded`; the
+    connection it used is dropped (its stream may be out of step) and the next call opens another.
+    """
+
+    match_seconds: float = 2.0
+    """``match`` / ``match_lease``."""
+    read_seconds: float = 10.0
+    """``get`` / ``get_into`` (the sidecar may fetch the batch from the pool first)."""
+    other_seconds: float = 30.0
+    """Everything else (writes, stats, flush, handoff): the client's ``timeout``."""
+
+    def __post_init__(self) -> None:
+        for name in ("match_seconds", "read_seconds", "other_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"client deadline {name} must be > 0, got {getattr(self, name)!r}")
