@@ -208,10 +208,10 @@ def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | Sequence[Ring]
     return out
 
 
-def _waiter(fut: Future[ExistsReply]) -> Callable[[float], ExistsReply]:
+def _waiter(fut: Future[ExistsReply]) -> Callable[[float | None], ExistsReply]:
     """Collect a call running on the pool's threads within a time limit; past it, the call is
     given up (not joined: its own timeout frees the thread)."""
-    def collect(left: float) -> ExistsReply:
+    def collect(left: float | None) -> ExistsReply:
         try:
             return fut.result(timeout=left)
         except FutureTimeout:

@@ -125,7 +125,7 @@ class _CuttingProxy:
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.cut_after: int | None = None
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
