@@ -117,6 +117,32 @@ def test_stopped_store_node_costs_one_deadline(h: Any, rng: random.Random) -> No
             assert h.counters(c)["pool_probes_ok"] >= 1
 
 
+def test_stopped_node_keys_are_read_at_replicas(h: Any, rng: random.Random) -> None:
+    """With replication 2 a stopped node's keys are not even misses: match and get find them at
+    the other replica, within the bound."""
+    with LocalCluster(stores=2, sidecars=2, store_bytes=64 * MiB, local_bytes=16 * MiB, replication=2) as lc:
+        keys = h.keys(rng, 64)
+        values = h.values(rng, [8 * KiB] * len(keys))
+        with lc.connect(0) as w:
+            assert w.put(keys, values) == [pb.OK] * len(keys)
+            h.wait_for(lambda: w.stats().pending_pool_bytes == 0, what="write-through backlog")
+        pid = lc.store_pids[1]
+        with lc.connect(1) as c:
+            assert c.match(keys[:2]) == 2
+            _stop(h, pid)
+            try:
+                for batch in (keys[2:34], keys[34:64]):
+                    n, took = _timed(c.match, batch)
+                    assert n == len(batch) and took <= MATCH_BOUND, (n, took)
+                    got, took = _timed(c.get, batch)
+                    with got:
+                        assert [bytes(v) for v in got] == [values[keys.index(k)] for k in batch]
+                    assert took <= MATCH_BOUND, took
+                assert h.counters(c)["pool_calls_skipped"] > 0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+
 class _CuttingProxy:
     """A TCP proxy to one address that forwards every byte to it, and at most ``cut_after``
     bytes back (counted from when it is set), then cuts both connections: a node that dies in
