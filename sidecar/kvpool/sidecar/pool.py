@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from .. import errors
+from .. import errors, ranges
 from ..data_client import Dest, ExistsReply, ReadResult
 from ..deadlines import Deadlines, remaining
 from ..keys import KEY_BYTES
@@ -84,11 +84,6 @@ def node_is_down(exc: BaseException) -> bool:
 class PoolMatch:
     prefix: int                       # global leading run of present keys (from `start`)
     leases: list[tuple[str, int]] = field(default_factory=list)  # (node id, lease id)
-
-
-def _range_bytes(per_key: Sequence[Any]) -> int:
-    """Bytes a ranged read asks for ((offset, length) pairs per key)."""
-    return int(sum(int(np.asarray(p).reshape(-1, 2)[:, 1].sum()) for p in per_key if len(p)))
 
 
 def group_by_owner(own: npt.NDArray[Any], ids: Sequence[str]) -> Routes:
@@ -699,9 +694,10 @@ class Pool:
         node = self._up(nid)
         if node is None or len(key_array) == 0:
             return None
+        nbytes = sum(ranges.total_bytes(p) for p in per_key)
         try:
             r = node.client.read_ranges(key_array.tobytes(), per_key, buffers, kind, verify_object=verify_object,
-                                        timeout=self.deadlines.read_seconds(_range_bytes(per_key)))
+                                        timeout=self.deadlines.read_seconds(nbytes))
         except errors.Unsupported:
             n = len(key_array)
             return ReadResult([pb.UNSUPPORTED] * n, [0] * n, [0] * n, 0)
