@@ -260,8 +260,8 @@ class DataSession:
 
         def finish(left: float | None = None) -> ExistsReply:
             try:
-                if left is not None:
-                    stream.set_timeout(left)
+                if left is not None and left < 0.9 * stream.timeout:
+                    stream.set_timeout(left)  # (a syscall pair: skipped while the deadline is fresh)
                 resp, body = self._response(stream, rid, dp.OP_EXISTS)
                 if resp.items != n:
                     raise dp.ProtocolError(f"EXISTS answered {resp.items} keys of {n}")
@@ -320,8 +320,11 @@ class DataSession:
                 if bytes_per_second > 0:
                     payload = int(table.sizes[table.codes == pb.OK].sum())
                     seconds = read_seconds(payload, timeout or self.timeout, bytes_per_second)
-                    stream.set_timeout(seconds)
                     deadline = time.monotonic() + seconds
+                    if seconds > 1.1 * stream.timeout:
+                        # A syscall pair, for the payloads that need noticeably more time than
+                        # the header had (the deadline above bounds the whole in any case).
+                        stream.set_timeout(seconds)
                 self._land(stream, r, table, dest, codes, sizes, sums, verify, settled, deadline)
             try:
                 self._call(run, timeout)
