@@ -76,6 +76,11 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     assert spec["scaleDown"] == {"gracePeriodSeconds": 60, "utilizationLimit": 0.8}
     assert spec["scaleUp"] == {"warmFraction": 1.0, "warmDeadlineSeconds": 300}
     assert spec["sidecar"]["localBytes"] == "256Mi" and spec["autoscaling"]["enabled"] is False
+    r = apply(cluster, pool("deadlines", sidecar={"deadlines": {"matchMs": 250}}), namespace)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(cluster.kubectl("get", "kvp", "deadlines", "-n", namespace, "-o", "json").stdout)
+    assert got["spec"]["sidecar"]["deadlines"] == {"matchMs": 250, "readMs": 100, "readBytesPerSecond": 100000000,
+                                                   "probeMs": 1000, "suspectBackoffMs": 1000}
     header = cluster.kubectl("get", "kvpools", "-n", namespace).stdout.splitlines()[0].split()
     assert header == ["NAME", "READY", "REPLICAS", "CAPACITY", "USED", "UTILIZATION", "HITRATE", "PHASE", "AGE"]
 
@@ -104,6 +109,10 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     (pool("bad-ttl", ttl={"agent": "forever"}), "spec.ttl.agent"),
     (pool("bad-hash", hash="md5"), "spec.hash"),
     (pool("bad-enc", storage={"encryption": {"secretName": "k"}}), "encryption.secretName needs encryption.enabled"),
+    (pool("bad-deadline", sidecar={"deadlines": {"matchMs": 0}}), "spec.sidecar.deadlines.matchMs"),
+    (pool("bad-deadline2", sidecar={"deadlines": {"readBytesPerSecond": -1}}),
+     "spec.sidecar.deadlines.readBytesPerSecond"),
+    (pool("bad-deadline3", sidecar={"deadlines": {"probeMs": "1s"}}), "spec.sidecar.deadlines.probeMs"),
 ])
 def test_invalid_pools_refused(cluster: Cluster, crds: None, namespace: str, doc: dict[str, Any],
                                message: str) -> None:

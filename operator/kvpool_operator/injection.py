@@ -34,6 +34,7 @@ from .model import (
     POOL_LABEL,
     SKIP_ANNOTATION,
     PoolSpec,
+    SidecarDeadlines,
     TenantSpec,
     parse_pool,
     parse_pool_ref,
@@ -62,6 +63,7 @@ class PoolView:
     allowed_namespaces: tuple[str, ...] = ()
     default_tenant: str | None = None
     seeds: tuple[str, ...] = ()
+    deadlines: SidecarDeadlines = SidecarDeadlines()
 
     @property
     def key(self) -> str:
@@ -72,7 +74,7 @@ def pool_view(pool: PoolSpec, status: Mapping[str, Any] | None) -> PoolView:
     seeds = seed_addresses(ring_from_status(status), service_address(pool))
     return PoolView(pool.namespace, pool.name, pool.local_bytes, pool.drain_seconds, pool.block_tokens,
                     pool.sidecar_image, dict(pool.sidecar_resources), pool.allowed_namespaces, pool.default_tenant,
-                    tuple(seeds))
+                    tuple(seeds), pool.deadlines)
 
 
 def pool_view_from_body(body: Mapping[str, Any]) -> PoolView:
@@ -153,6 +155,22 @@ def plan_injection(pod: Mapping[str, Any], namespace: str, pools: Mapping[tuple[
     return _inject(pod, pool, tenant, inits, containers, settings, engine)
 
 
+_DEADLINE_FLAGS = (("match_ms", "--match-deadline-ms"), ("read_ms", "--read-deadline-ms"),
+                   ("read_bytes_per_second", "--read-bytes-per-second"), ("probe_ms", "--probe-deadline-ms"),
+                   ("suspect_backoff_ms", "--suspect-backoff-ms"))
+
+
+def deadline_args(d: SidecarDeadlines) -> list[str]:
+    """The sidecar flags of the pool's deadlines that differ from the sidecar's defaults (a pool
+    that sets none injects the same arguments as before the setting existed)."""
+    default = SidecarDeadlines()
+    out: list[str] = []
+    for attr, flag in _DEADLINE_FLAGS:
+        if getattr(d, attr) != getattr(default, attr):
+            out += [flag, str(getattr(d, attr))]
+    return out
+
+
 def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Settings) -> dict[str, Any]:
     args = ["--socket", settings.socket_path, "--pool", ",".join(pool.seeds), "--local", str(pool.local_bytes),
             "--drain-seconds", str(pool.drain_seconds)]
@@ -162,6 +180,7 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
         mounts.append({"name": TENANT_VOLUME, "mountPath": settings.credentials_dir, "readOnly": True})
     if settings.sidecar_metrics_port:
         args += ["--metrics-port", str(settings.sidecar_metrics_port)]
+    args += deadline_args(pool.deadlines)
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
     if settings.sidecar_handoff_port:

@@ -183,6 +183,35 @@ def builtin_dram_tier(nbytes: int) -> TierSpec:
 
 
 @dataclass(frozen=True)
+class SidecarDeadlines:
+    """spec.sidecar.deadlines: how long an injected sidecar waits for a store node (its
+    ``--match-deadline-ms`` and friends; the defaults are the sidecar's own)."""
+
+    match_ms: int = 100
+    read_ms: int = 100
+    read_bytes_per_second: int = 100_000_000
+    probe_ms: int = 1000
+    suspect_backoff_ms: int = 1000
+
+
+def parse_deadlines(doc: Any) -> SidecarDeadlines:
+    if doc is None:
+        return SidecarDeadlines()
+    if not isinstance(doc, Mapping):
+        raise SpecError("InvalidSpec", f"spec.sidecar.deadlines must be an object, got {doc!r}")
+    d = SidecarDeadlines()
+    w = "spec.sidecar.deadlines"
+    return SidecarDeadlines(
+        match_ms=_int(_get(doc, "matchMs", default=d.match_ms), f"{w}.matchMs", 1, 60000),
+        read_ms=_int(_get(doc, "readMs", default=d.read_ms), f"{w}.readMs", 1, 600000),
+        read_bytes_per_second=_int(_get(doc, "readBytesPerSecond", default=d.read_bytes_per_second),
+                                   f"{w}.readBytesPerSecond", 0),
+        probe_ms=_int(_get(doc, "probeMs", default=d.probe_ms), f"{w}.probeMs", 1, 600000),
+        suspect_backoff_ms=_int(_get(doc, "suspectBackoffMs", default=d.suspect_backoff_ms),
+                                f"{w}.suspectBackoffMs", 1, 600000))
+
+
+@dataclass(frozen=True)
 class Autoscaling:
     enabled: bool = False
     min_replicas: int = 1
@@ -210,6 +239,8 @@ class PoolSpec:
     sidecar_image: str | None = None
     sidecar_resources: Mapping[str, Any] = field(default_factory=dict)
     drain_seconds: int = 20
+    deadlines: SidecarDeadlines = SidecarDeadlines()
+    """spec.sidecar.deadlines (passed to the injected sidecars' arguments)."""
     allowed_namespaces: tuple[str, ...] = ()
     ttl_seconds: Mapping[str, float] = field(default_factory=dict)
     window: int = 128
@@ -324,6 +355,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         local_bytes=_bytes(_get(sc, "localBytes", default="256Mi"), "spec.sidecar.localBytes"),
         sidecar_image=_get(sc, "image"), sidecar_resources=_get(sc, "resources", default={}),
         drain_seconds=_int(_get(sc, "drainSeconds", default=20), "spec.sidecar.drainSeconds", 0, 3600),
+        deadlines=parse_deadlines(_get(sc, "deadlines")),
         allowed_namespaces=tuple(_get(sc, "namespaces", default=[])),
         ttl_seconds=_ttl(ttl, "spec.ttl"),
         window=_int(_get(spec, "stateObjects", "window", default=128), "spec.stateObjects.window", 0),

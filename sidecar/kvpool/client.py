@@ -32,6 +32,7 @@ import numpy as np
 
 from . import errors, ranges, spill
 from . import handoff as _ho
+from .deadlines import ClientDeadlines
 from .fast_client import FastSession, RegistrationRefused
 from .keys import pack_keys as _pack_keys
 from .planning import HitPlan, plan_hit, state_store_position
@@ -214,12 +215,17 @@ class Client:
     """A connection to one sidecar."""
 
     def __init__(self, address: str, block_tokens: int = 128, timeout: float = 30.0,
-                 lease_ms: int = 10000, fast: bool | None = None) -> None:
+                 lease_ms: int = 10000, fast: bool | None = None, deadlines: ClientDeadlines | None = None) -> None:
+        """``timeout``: the bound of every call without one of its own; ``deadlines``: the bounds
+        of match and get (default :class:`~kvpool.deadlines.ClientDeadlines`: 2 s and 10 s).  A
+        call past its bound raises :class:`~kvpool.errors.DeadlineExceeded`; the client stays
+        usable."""
         if not address.startswith("unix://"):
             raise errors.InvalidArgument(f"sidecar address must be unix:///path, got {address!r}")
         self.address = address
         self.block_tokens = block_tokens
         self.timeout = timeout
+        self.deadlines = deadlines or ClientDeadlines(other_seconds=timeout)
         self.lease_ms = lease_ms
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
                                                                 ("grpc.max_send_message_length", 64 << 20)])
@@ -320,18 +326,18 @@ class Client:
             raise errors.SidecarRestarted(f"the sidecar at {self.address} changed lives during the call")
         return m
 
-    def _rpc(self, method: Any, request: Any) -> Any:
+    def _rpc(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
-        return self._rpc_life(method, request)[0]
+        return self._rpc_life(method, request, timeout)[0]
 
-    def _rpc_life(self, method: Any, request: Any) -> tuple[Any, _Arena]:
+    def _rpc_life(self, method: Any, request: Any, timeout: float | None = None) -> tuple[Any, _Arena]:
         """One gRPC call made for the sidecar life this client holds, and that life's mapping;
         a call refused because the sidecar is another life is made again, once, after moving
-        to the new life."""
+        to the new life.  ``timeout``: the call's bound (default: the client's ``timeout``)."""
         for attempt in range(2):
             m = self._map
             try:
-                return method(request, timeout=self.timeout,
+                return method(request, timeout=timeout or self.timeout,
                               metadata=((errors.INCARNATION_METADATA, str(m.incarnation)),)), m
             except grpc.RpcError as err:
                 exc = errors.from_rpc_error(err)
@@ -363,10 +369,12 @@ class Client:
         """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`)."""
         if not keys:
             return 0, 0
+        bound = self.deadlines.match_seconds
         if self._fast is not None:
-            prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms)
+            prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms, timeout=bound)
             return prefix, lease_id
-        r = self._rpc(self._stub.Match, spb.MatchRequest(keys=pack_keys(keys), lease_ms=lease_ms or self.lease_ms))
+        r = self._rpc(self._stub.Match, spb.MatchRequest(keys=pack_keys(keys), lease_ms=lease_ms or self.lease_ms),
+                      bound)
         return r.prefix, r.lease_id
 
     def _consume_match(self, keys: Sequence[bytes]) -> int:
@@ -437,7 +445,8 @@ class Client:
         targets = np.array([rid] * n + offsets + sizes, np.uint64)
         try:
             got, got_sizes = self._fast.read_into(pack_keys([keys[i] for i in spill_at]), kind, targets,
-                                                  {rid: region}, transient=True)
+                                                  {rid: region}, transient=True,
+                                                  timeout=self.deadlines.read_seconds)
         except (RegistrationRefused, errors.Unavailable) as exc:
             log.warning("kvpool: %d objects with no room in the local tier not read: %s", n, exc)
             region.close()
@@ -573,7 +582,8 @@ class Client:
         assert self._fast is not None
         with self._lock:
             regions = dict(self._regions)
-        codes, sizes = self._fast.read_into(pack_keys(keys), pb.BLOCK, spans, regions, self._consume_match(keys))
+        codes, sizes = self._fast.read_into(pack_keys(keys), pb.BLOCK, spans, regions, self._consume_match(keys),
+                                            timeout=self.deadlines.read_seconds)
         out = []
         for i, (c, size) in enumerate(zip(codes, sizes, strict=True)):
             if c == pb.INVALID:
@@ -608,7 +618,7 @@ class Client:
             done, self._done_range_leases = self._done_range_leases, []
         r, m = self._rpc_life(self._stub.ReadRanges, spb.ReadRangesRequest(
             keys=pack_keys(keys), counts=counts.tolist(), ranges=blob, kind=errors.as_kind(kind),
-            lease_ms=self.lease_ms, verify_object=verify_object, release_lease_ids=done))
+            lease_ms=self.lease_ms, verify_object=verify_object, release_lease_ids=done), self.deadlines.read_seconds)
         return r, merged, pairs, m
 
     def _range_lease_done(self, lease_id: int) -> None:
@@ -703,11 +713,13 @@ class Client:
     def _read(self, keys: bytes, lease_id: int, kind: int) -> tuple[Any, _Arena]:
         """One Read (fast session or gRPC): (codes, offsets, sizes, lease_id), and the mapping
         of the sidecar life whose arena the offsets are in."""
+        bound = self.deadlines.read_seconds
         if self._fast is not None:
-            r = self._fast.read(keys, kind, self.lease_ms, lease_id)
+            r = self._fast.read(keys, kind, self.lease_ms, lease_id, timeout=bound)
             return r, self._life(r.incarnation)
         return self._rpc_life(self._stub.Read, spb.ReadRequest(keys=keys, lease_id=lease_id,
-                                                               kind=errors.as_kind(kind), lease_ms=self.lease_ms))
+                                                               kind=errors.as_kind(kind), lease_ms=self.lease_ms),
+                              bound)
 
     def _release_async(self, lease_id: int) -> None:
         """Drop a lease without waiting for the answer: the copy is done, so the caller need not
@@ -948,7 +960,9 @@ class Client:
         return cast(spb.SidecarStats, self._rpc(self._stub.Stats, pb.Empty()))
 
     def flush(self, timeout_ms: int = 10000) -> spb.FlushReply:
-        return cast(spb.FlushReply, self._rpc(self._stub.Flush, spb.FlushRequest(timeout_ms=timeout_ms)))
+        # Bounded by the flush's own deadline (the sidecar keeps trying until then), plus slack.
+        return cast(spb.FlushReply, self._rpc(self._stub.Flush, spb.FlushRequest(timeout_ms=timeout_ms),
+                                              max(self.timeout, timeout_ms / 1000 + 5)))
 
     def close(self) -> None:
         with self._lock:
@@ -979,6 +993,8 @@ class Client:
         self.close()
 
 
-def connect(address: str, block_tokens: int = 128, timeout: float = 30.0) -> Client:
-    """Connect to a sidecar at ``unix:///path/to/sidecar.sock``."""
-    return Client(address, block_tokens=block_tokens, timeout=timeout)
+def connect(address: str, block_tokens: int = 128, timeout: float = 30.0,
+            deadlines: ClientDeadlines | None = None) -> Client:
+    """Connect to a sidecar at ``unix:///path/to/sidecar.sock`` (``timeout``, ``deadlines``: the
+    calls' bounds, see :class:`Client`)."""
+    return Client(address, block_tokens=block_tokens, timeout=timeout, deadlines=deadlines)

@@ -8,8 +8,17 @@ part are computed while another part is on the wire).
 
 Thread-safe: each call takes connections from the pool and gives them back when the stream is in
 sync again; a connection that failed is closed, never reused.  Whole-call failures raise the
-``kvpool.errors`` tree (:class:`~kvpool.errors.Unavailable` when the node cannot be reached);
-per-item results are ``store_pb2.Code`` values.
+``kvpool.errors`` tree (:class:`~kvpool.errors.Unavailable` when the node cannot be reached,
+:class:`~kvpool.errors.DeadlineExceeded` when it did not answer in time); per-item results are
+``store_pb2.Code`` values.
+
+Deadlines: every call takes a ``timeout`` (seconds; the session's default when None), armed as
+the stall timeout of the connection it uses, so a hung node holds a caller's thread one deadline
+at most; a timed-out call is never retried (the node is hung, not restarted).  A read also takes
+a bandwidth floor: once the node has said how many bytes it sends, the payload gets
+:func:`kvpool.deadlines.read_seconds` of them.  A read cut in the middle (the node died or
+stopped, the deadline passed) still returns what arrived whole and verified; the items that did
+not arrive are LEASE_EXPIRED ("nothing was read"), and ``ReadResult.error`` says why.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -25,11 +35,12 @@ import numpy as np
 import numpy.typing as npt
 
 from . import errors, ranges
+from .deadlines import read_seconds
 from .keys import KEY_BYTES
 from .proto import store_pb2 as pb
 from .store import data_protocol as dp
 from .store.tiers import checksum
-from .transfer.stream import Stream, connect
+from .transfer.stream import STALL_ERRORS, Stream, connect
 from .transfer.tcp import parse_address
 
 Dest = Callable[[int, int], memoryview | None]
@@ -41,6 +52,8 @@ class ReadResult(NamedTuple):
     sizes: list[int]
     checksums: list[int]
     epoch: int
+    error: errors.KvpoolError | None = None
+    """Why some items did not arrive (their code is LEASE_EXPIRED): a read cut in the middle."""
 
 
 class ExistsReply(NamedTuple):
@@ -84,16 +97,35 @@ class DataSession:
 
     # -- connections -----------------------------------------------------------------------
 
-    def _take(self) -> tuple[Stream, bool]:
+    def _take(self, timeout: float | None = None) -> tuple[Stream, bool]:
+        """A connection (an idle one, else a new one), armed with ``timeout`` (default: the
+        session's) as its stall timeout."""
+        seconds = timeout or self.timeout
         with self._lock:
             if self._closed:
                 raise errors.Unavailable("data session closed")
-            if self._idle:
-                return self._idle.pop(), True
+            stream = self._idle.pop() if self._idle else None
+        if stream is not None:
+            try:
+                stream.set_timeout(seconds)
+            except OSError:
+                stream.close()
+                stream = None
+            else:
+                return stream, True
         try:
-            return connect(self._addr, self.timeout), False
+            return connect(self._addr, seconds), False
+        except STALL_ERRORS:
+            raise errors.DeadlineExceeded(f"data session to {self.address}: connect timed out") from None
         except OSError as exc:
             raise errors.Unavailable(f"data session to {self.address}: {exc}") from None
+
+    def _failure(self, exc: BaseException) -> errors.KvpoolError:
+        """The error a broken exchange raises: a stall is a missed deadline."""
+        what = f"data session to {self.address}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, STALL_ERRORS):
+            return errors.DeadlineExceeded(what)
+        return errors.Unavailable(what)
 
     def _give(self, stream: Stream) -> None:
         with self._lock:
@@ -102,11 +134,12 @@ class DataSession:
                 return
         stream.close()
 
-    def _call(self, fn: Callable[[Stream, int], Any]) -> Any:
-        """Run one exchange on a pooled connection; once more on a fresh one if a reused
-        connection turned out dead before the node answered (it may have closed it idle)."""
+    def _call(self, fn: Callable[[Stream, int], Any], timeout: float | None = None) -> Any:
+        """Run one exchange on a pooled connection (``timeout``: its stall timeout); once more on
+        a fresh one if a reused connection turned out dead before the node answered (it may have
+        closed it idle) — never after a stall: that node is hung, asking again waits again."""
         for attempt in (0, 1):
-            stream, reused = self._take()
+            stream, reused = self._take(timeout)
             mark = stream.received
             try:
                 result = fn(stream, next(self._ids) & 0xFFFFFFFF)
@@ -115,9 +148,10 @@ class DataSession:
                 raise
             except (OSError, dp.ProtocolError) as exc:
                 stream.close()
-                if attempt == 0 and reused and stream.received == mark and isinstance(exc, OSError):
+                if (attempt == 0 and reused and stream.received == mark and isinstance(exc, OSError)
+                        and not isinstance(exc, STALL_ERRORS)):
                     continue
-                raise errors.Unavailable(f"data session to {self.address}: {type(exc).__name__}: {exc}") from None
+                raise self._failure(exc) from None
             except BaseException:
                 stream.close()
                 raise
@@ -174,16 +208,17 @@ class DataSession:
             stream.recv_exact(body)
         return resp, body
 
-    def hello(self) -> int:
+    def hello(self, timeout: float | None = None) -> int:
         """Check that the node serves the data session (its ring epoch); raises
-        :class:`~kvpool.errors.Unavailable` when it does not (an older node closes the connection)."""
+        :class:`~kvpool.errors.Unavailable` when it does not (an older node closes the connection).
+        Also the sidecar's probe of a suspect node (``timeout``: the probe's deadline)."""
         def run(stream: Stream, rid: int) -> int:
             stream.send(dp.encode_request(dp.OP_HELLO, rid, dp.HELLO_PADDING, b""))
             return self._response(stream, rid, dp.OP_HELLO)[0].epoch
-        return int(self._call(run))
+        return int(self._call(run, timeout))
 
     def exists(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,
-               lease_ms: int = 0, epoch: int = 0, drop_lease: int = 0) -> ExistsReply:
+               lease_ms: int = 0, epoch: int = 0, drop_lease: int = 0, timeout: float | None = None) -> ExistsReply:
         """Prefix and presence of ``keys`` (pinned with ``pin``), after dropping ``drop_lease``."""
         flags = (dp.FLAG_PREFIX_ONLY if prefix_only else 0) | (dp.FLAG_PIN if pin else 0)
         n = len(keys) // KEY_BYTES
@@ -195,21 +230,23 @@ class DataSession:
             if resp.items != n:
                 raise dp.ProtocolError(f"EXISTS answered {resp.items} keys of {n}")
             return ExistsReply(resp.prefix, dp.decode_bitmap(body, n), resp.lease_id, resp.epoch)
-        return self._call(run)  # type: ignore[no-any-return]
+        return self._call(run, timeout)  # type: ignore[no-any-return]
 
     def exists_begin(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,
-                     lease_ms: int = 0, epoch: int = 0, drop_lease: int = 0) -> Callable[[], ExistsReply]:
+                     lease_ms: int = 0, epoch: int = 0, drop_lease: int = 0,
+                     timeout: float | None = None) -> Callable[[float | None], ExistsReply]:
         """:meth:`exists` in two halves: the request is sent now, the returned function waits
-        for the answer.  A caller asking several nodes sends to all of them first and then
-        collects, on one thread (no thread handoff per node).  A connection that fails before
-        the node answered is retried once with the whole call."""
+        for the answer (its argument: how long, default ``timeout``).  A caller asking several
+        nodes sends to all of them first and then collects, on one thread (no thread handoff per
+        node), each with what is left of one deadline.  A connection that fails before the node
+        answered is retried once with the whole call (not after a stall)."""
         flags = (dp.FLAG_PREFIX_ONLY if prefix_only else 0) | (dp.FLAG_PIN if pin else 0)
         n = len(keys) // KEY_BYTES
 
-        def again() -> ExistsReply:  # a def: strict mypy refuses calls of an (untyped) lambda
-            return self.exists(keys, kind, prefix_only, pin, lease_ms, epoch, drop_lease)
+        def again(left: float | None = None) -> ExistsReply:  # a def: strict mypy refuses calls of a lambda
+            return self.exists(keys, kind, prefix_only, pin, lease_ms, epoch, drop_lease, left or timeout)
 
-        stream, reused = self._take()
+        stream, reused = self._take(timeout)
         rid = next(self._ids) & 0xFFFFFFFF
         mark = stream.received
         try:
@@ -217,12 +254,14 @@ class DataSession:
                                           lease_ms=lease_ms, epoch=epoch, lease_id=drop_lease))
         except OSError as exc:
             stream.close()
-            if reused:
+            if reused and not isinstance(exc, STALL_ERRORS):
                 return again
-            raise errors.Unavailable(f"data session to {self.address}: {type(exc).__name__}: {exc}") from None
+            raise self._failure(exc) from None
 
-        def finish() -> ExistsReply:
+        def finish(left: float | None = None) -> ExistsReply:
             try:
+                if left is not None and left < 0.9 * stream.timeout:
+                    stream.set_timeout(left)  # (a syscall pair: skipped while the deadline is fresh)
                 resp, body = self._response(stream, rid, dp.OP_EXISTS)
                 if resp.items != n:
                     raise dp.ProtocolError(f"EXISTS answered {resp.items} keys of {n}")
@@ -232,9 +271,10 @@ class DataSession:
                 raise
             except (OSError, dp.ProtocolError) as exc:
                 stream.close()
-                if reused and stream.received == mark and isinstance(exc, OSError):
-                    return again()
-                raise errors.Unavailable(f"data session to {self.address}: {type(exc).__name__}: {exc}") from None
+                if (reused and stream.received == mark and isinstance(exc, OSError)
+                        and not isinstance(exc, STALL_ERRORS)):
+                    return again(left)
+                raise self._failure(exc) from None
             except BaseException:
                 stream.close()
                 raise
@@ -243,16 +283,25 @@ class DataSession:
         return finish
 
     def read(self, keys: bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True,
-             epoch: int = 0, streams: int | None = None) -> ReadResult:
+             epoch: int = 0, streams: int | None = None, timeout: float | None = None,
+             bytes_per_second: float = 0.0) -> ReadResult:
         """Read objects into the memory ``dest`` names for each (verified against their checksums:
         a mismatch is the item's CHECKSUM code, a too-small or missing buffer INVALID).
         ``streams``: connections to cut the batch over (default ``connections``; 1 when the
-        caller already reads from several nodes at once)."""
+        caller already reads from several nodes at once).  ``timeout``: the deadline until the
+        node says what it sends; ``bytes_per_second`` > 0: the payload then gets
+        ``timeout`` + its bytes at that rate in all (:func:`~kvpool.deadlines.read_seconds`).
+
+        A part cut in the middle (connection lost, deadline passed) does not fail the read when
+        something arrived: the objects received whole are verified and kept, the others are
+        LEASE_EXPIRED, and ``error`` is set.  When nothing arrived the error is raised."""
         n = len(keys) // KEY_BYTES
         codes: list[pb.Code] = [pb.NOT_FOUND] * n
         sizes = [0] * n
         sums = [0] * n
         epochs = [0]
+        settled = bytearray(n)  # 1: item i's code is final (answered, or landed and verified)
+        cut: list[errors.KvpoolError] = []
 
         def part(r: range) -> None:
             blob = keys[r.start * KEY_BYTES:r.stop * KEY_BYTES]
@@ -266,18 +315,37 @@ class DataSession:
                 if resp.items != len(r):
                     raise dp.ProtocolError(f"GET answered {resp.items} keys of {len(r)}")
                 table = dp.decode_get_table(resp, body)
-                self._land(stream, r, table, dest, codes, sizes, sums, verify)
                 epochs.append(resp.epoch)
-            self._call(run)
+                deadline = None
+                if bytes_per_second > 0:
+                    payload = int(table.sizes[table.codes == pb.OK].sum())
+                    seconds = read_seconds(payload, timeout or self.timeout, bytes_per_second)
+                    deadline = time.monotonic() + seconds
+                    if seconds > 1.1 * stream.timeout:
+                        # A syscall pair, for the payloads that need noticeably more time than
+                        # the header had (the deadline above bounds the whole in any case).
+                        stream.set_timeout(seconds)
+                self._land(stream, r, table, dest, codes, sizes, sums, verify, settled, deadline)
+            try:
+                self._call(run, timeout)
+            except errors.Unavailable as exc:
+                cut.append(exc)
+                for i in r:
+                    if not settled[i]:
+                        codes[i] = pb.LEASE_EXPIRED
 
         self._parallel(split_parts(n, min(streams or self.connections, self.connections)), part)
-        return ReadResult(codes, sizes, sums, max(epochs))
+        if cut and not any(settled):
+            raise cut[0]
+        return ReadResult(codes, sizes, sums, max(epochs), cut[0] if cut else None)
 
     @staticmethod
     def _land(stream: Stream, r: range, table: dp.GetTable, dest: Dest, codes: list[pb.Code], sizes: list[int],
-              sums: list[int], verify: bool) -> None:
+              sums: list[int], verify: bool, settled: bytearray, deadline: float | None = None) -> None:
         """Receive a GET payload into the callers' buffers (one scatter receive when every
-        object has a buffer), then verify it."""
+        object has a buffer), then verify it; ``settled[i]`` = 1 for each item whose code is
+        final.  When the stream breaks inside the payload, the objects that arrived whole before
+        the break are verified and settled, then the error propagates."""
         part_codes = table.codes.tolist()
         part_sizes = table.sizes.tolist()
         part_sums = table.checksums.tolist()
@@ -285,33 +353,50 @@ class DataSession:
         for j, i in enumerate(r):
             codes[i], sizes[i], sums[i] = part_codes[j], part_sizes[j], part_sums[j]
             if part_codes[j] != pb.OK:
+                settled[i] = 1
                 continue
             buf = dest(i, part_sizes[j])
             if buf is not None and buf.nbytes < part_sizes[j]:
                 buf = None
             targets.append((i, buf[:part_sizes[j]] if buf is not None else None))
+
+        def check(i: int, buf: memoryview) -> None:
+            if verify and checksum(buf) != sums[i]:
+                codes[i] = pb.CHECKSUM
+            settled[i] = 1
+
         if all(buf is not None for _, buf in targets):
             # One scatter receive, then the hashes.  Verifying each object as soon as it lands
             # (while it is in this core's cache, during the node's next bytes) measured no
             # faster here: 1, 2 and 4 MiB groups all 3.4-3.6 ms per 16 MiB, like the whole.
-            stream.recv_buffers([buf for _, buf in targets])  # type: ignore[misc]
-            if verify:
-                for i, buf in targets:
-                    if checksum(buf) != sums[i]:  # type: ignore[arg-type]
-                        codes[i] = pb.CHECKSUM
+            mark = stream.received
+            try:
+                stream.recv_buffers([buf for _, buf in targets], deadline)  # type: ignore[misc]
+            except BaseException:
+                got, end = stream.received - mark, 0
+                for i, buf in targets:  # the objects wholly received before the break
+                    assert buf is not None
+                    end += buf.nbytes
+                    if end > got:
+                        break
+                    check(i, buf)
+                raise
+            for i, buf in targets:
+                assert buf is not None
+                check(i, buf)
             return
         for i, buf in targets:
             if buf is None:
                 stream.discard(sizes[i])
                 codes[i] = pb.INVALID
+                settled[i] = 1
             else:
                 stream.recv_exact(buf)
-                if verify and checksum(buf) != sums[i]:
-                    codes[i] = pb.CHECKSUM
+                check(i, buf)
 
     def read_ranges(self, keys: bytes, per_key: Sequence[ranges.Pairs], buffers: Sequence[memoryview | None],
                     kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True, verify_object: bool = False,
-                    epoch: int = 0) -> ReadResult:
+                    epoch: int = 0, timeout: float | None = None) -> ReadResult:
         """Read only the byte ranges ``per_key[i]`` of each object into ``buffers[i]``, back to
         back in the order asked (a sparse read; :mod:`kvpool.ranges`; abutting ranges are sent
         as one, :func:`~kvpool.ranges.coalesce`).  A key without a buffer
@@ -373,7 +458,7 @@ class DataSession:
                                 break
                             pos += ln
                     at += len(pairs)
-            self._call(run)
+            self._call(run, timeout)
 
         self._parallel(split_parts(len(ask), self.connections), part)
         return ReadResult(codes, sizes, [0] * n, max(epochs))

@@ -102,6 +102,11 @@ INCARNATION_METADATA = "kvpool-incarnation"
 """gRPC call metadata: the sidecar incarnation the client knows (HelloReply.incarnation)."""
 
 
+class DeadlineExceeded(Unavailable):
+    """The peer did not answer within the call's deadline (it may be hung: a stopped process, a
+    long pause); the call was given up, the connection it used is closed."""
+
+
 class WrongTenant(PermissionDenied):
     """A handoff record of another tenant."""
 
@@ -205,7 +210,8 @@ def from_rpc_error(err: grpc.RpcError) -> KvpoolError:
     """Translate a failed call into the exception tree (client side)."""
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     detail = err.details() if hasattr(err, "details") else str(err)
-    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                  grpc.StatusCode.CANCELLED):
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"{status.name}: {detail}")
+    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return Unavailable(f"{status.name}: {detail}")
     return _FROM_GRPC.get(status, KvpoolError)(detail or status.name)

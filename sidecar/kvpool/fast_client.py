@@ -5,7 +5,10 @@
 one), each greeted with the tenant the client expects.  Every call is one frame out and one
 frame in; a release after a finished copy is one frame out and none in.  A connection that
 breaks or sends a frame that does not parse is closed and the call raises
-:class:`~kvpool.errors.Unavailable` (the caller's gRPC path is still there).
+:class:`~kvpool.errors.Unavailable` (the caller's gRPC path is still there).  Every call has a
+bound (``timeout``, per call or the session's): one that passes it raises
+:class:`~kvpool.errors.DeadlineExceeded` and its connection is closed (a late answer would put the
+stream out of step); the next call opens another, greeted within the same bound.
 
 Sidecar lives: every connection's HELLO reply names the sidecar's incarnation.  A connection to
 another life than the one the session holds (the sidecar was restarted) calls ``on_new_life``
@@ -67,6 +70,7 @@ class _Conn:
     def __init__(self, path: str, timeout: float) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
+        self.timeout = timeout
         self.sock.connect(path)
         self.header = bytearray(fp.RESPONSE_SIZE)
         self.next_id = 1
@@ -77,7 +81,16 @@ class _Conn:
         self.registered: set[int] = set()
         """Ids of the client's regions this connection's sidecar side has mapped."""
 
-    def call(self, op: int, fd: int | None = None, **kw: Any) -> tuple[fp.Response, bytearray]:
+    def bound(self, seconds: float) -> None:
+        """The bound of the next calls on this connection (until changed)."""
+        if seconds != self.timeout:
+            self.sock.settimeout(seconds)
+            self.timeout = seconds
+
+    def call(self, op: int, fd: int | None = None, timeout: float | None = None,
+             **kw: Any) -> tuple[fp.Response, bytearray]:
+        if timeout is not None:
+            self.bound(timeout)
         rid = self.next_id
         self.next_id = (rid + 1) & 0xFFFFFFFF
         frame = fp.encode_request(op, rid, **kw)
@@ -140,8 +153,9 @@ class FastSession:
         self._pid = os.getpid()
         self._put_back(self._connect())  # fails here (no such socket, wrong tenant) or never
 
-    def _connect(self) -> _Conn:
-        conn = _Conn(self.path, self.timeout)
+    def _connect(self, timeout: float | None = None) -> _Conn:
+        """A new connection, greeted within ``timeout`` (the bound of the call that needs it)."""
+        conn = _Conn(self.path, timeout or self.timeout)
         try:
             resp, body = conn.call(fp.OP_HELLO, text=self.tenant.encode())
             conn.incarnation = fp.decode_hello(resp, body)[0]
@@ -160,7 +174,7 @@ class FastSession:
             self._open += 1
         return conn
 
-    def _take(self) -> _Conn:
+    def _take(self, timeout: float | None = None) -> _Conn:
         with self._cond:
             if self._pid != os.getpid():
                 # A forked child (engines fork workers): the connections it inherited are its
@@ -182,7 +196,7 @@ class FastSession:
                     break
                 self._cond.wait()
         try:
-            conn = self._connect()
+            conn = self._connect(timeout)
         finally:
             with self._cond:
                 self._open -= 1
@@ -220,21 +234,28 @@ class FastSession:
             self._open -= 1
             self._cond.notify()
 
-    def call(self, op: int, **kw: Any) -> tuple[fp.Response, bytearray]:
-        return self._on_connection(lambda conn: conn.call(op, **kw))[0]
+    def call(self, op: int, timeout: float | None = None, **kw: Any) -> tuple[fp.Response, bytearray]:
+        """One exchange, bounded by ``timeout`` (default: the session's)."""
+        bound = timeout or self.timeout
+        return self._on_connection(lambda conn: conn.call(op, timeout=bound, **kw), bound)[0]
 
-    def _on_connection(self, exchange: Callable[[_Conn], T]) -> tuple[T, int]:
-        """Run ``exchange`` on a connection of the pool: its result and the connection's
-        sidecar incarnation.  A connection whose stream may be out of step afterwards is
-        dropped (and the call raises :class:`~kvpool.errors.Unavailable`); one that was dead
-        before the frame left (an idle connection to a sidecar that died) is replaced once."""
+    def _on_connection(self, exchange: Callable[[_Conn], T], timeout: float | None = None) -> tuple[T, int]:
+        """Run ``exchange`` on a connection of the pool (a new one greeted within ``timeout``):
+        its result and the connection's sidecar incarnation.  A connection whose stream may be
+        out of step afterwards is dropped (and the call raises :class:`~kvpool.errors.Unavailable`,
+        or :class:`~kvpool.errors.DeadlineExceeded` past the bound); one that was dead before the
+        frame left (an idle connection to a sidecar that died) is replaced once."""
         for _ in range(2):
             try:
-                conn = self._take()
+                conn = self._take(timeout)
+            except TimeoutError:
+                raise errors.DeadlineExceeded(
+                    f"fast session to {self.path}: no greeting within the call's bound") from None
             except OSError as exc:
                 raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
             fresh, conn.fresh = conn.fresh, False
             try:
+                conn.bound(timeout or self.timeout)  # every exchange has its bound, whatever ran before
                 out = exchange(conn)
             except _NotSent as exc:
                 self._drop(conn)
@@ -244,6 +265,10 @@ class FastSession:
             except errors.KvpoolError:
                 self._put_back(conn)  # a refused call: the stream is still in step
                 raise
+            except TimeoutError:
+                self._drop(conn)  # the answer may still come: this stream is out of step
+                raise errors.DeadlineExceeded(
+                    f"fast session to {self.path}: no answer within the call's bound") from None
             except (OSError, fp.ProtocolError) as exc:
                 self._drop(conn)
                 raise errors.Unavailable(f"fast session to {self.path}: {exc}") from None
@@ -256,28 +281,34 @@ class FastSession:
 
     # -- the calls ----------------------------------------------------------------------------
 
-    def match(self, keys: bytes, lease_ms: int, local_only: bool = False) -> tuple[int, int, int]:
+    def match(self, keys: bytes, lease_ms: int, local_only: bool = False,
+              timeout: float | None = None) -> tuple[int, int, int]:
         """(prefix, local prefix, lease id)."""
         r, _ = self.call(fp.OP_MATCH, keys=keys, lease_ms=lease_ms,
-                         flags=fp.FLAG_LOCAL_ONLY if local_only else 0)
+                         flags=fp.FLAG_LOCAL_ONLY if local_only else 0, timeout=timeout)
         return r.prefix, r.local, r.ref
 
-    def match_life(self, keys: bytes, lease_ms: int) -> tuple[int, int, int]:
+    def match_life(self, keys: bytes, lease_ms: int, timeout: float | None = None) -> tuple[int, int, int]:
         """(prefix, lease id, the incarnation the lease belongs to)."""
-        (r, _), inc = self._on_connection(lambda conn: conn.call(fp.OP_MATCH, keys=keys, lease_ms=lease_ms))
+        bound = timeout or self.timeout
+        (r, _), inc = self._on_connection(
+            lambda conn: conn.call(fp.OP_MATCH, keys=keys, lease_ms=lease_ms, timeout=bound), bound)
         return r.prefix, r.ref, inc
 
     def read(self, keys: bytes, kind: int, lease_ms: int, match_lease: int = 0,
-             releases: list[int] | None = None) -> ReadReply:
+             releases: list[int] | None = None, timeout: float | None = None) -> ReadReply:
+        bound = timeout or self.timeout
         (r, body), inc = self._on_connection(lambda conn: conn.call(
-            fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease, releases=releases))
+            fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease, releases=releases,
+            timeout=bound), bound)
         t = fp.decode_table(r, body, self.arena_bytes)
         if len(t.codes) != len(keys) // 32:
             raise errors.Unavailable("fast session: READ reply for another number of keys")
         return ReadReply(t.codes, t.offsets, t.sizes, r.ref, r.prefix, r.local, inc)
 
     def read_into(self, keys: bytes, kind: int, targets: np.ndarray, regions: dict[int, memfd.Region],
-                  match_lease: int = 0, transient: bool = False) -> tuple[list[int], list[int]]:
+                  match_lease: int = 0, transient: bool = False,
+                  timeout: float | None = None) -> tuple[list[int], list[int]]:
         """(codes, sizes) of objects read into spans of registered regions: ``targets`` is the
         region ids, then the offsets, then the lengths (u64 × n each).  A region this connection
         has not passed to the sidecar yet is registered first (one more round trip, once).
@@ -287,14 +318,15 @@ class FastSession:
 
         def exchange(conn: _Conn) -> tuple[list[int], list[int]]:
             try:
-                self._register(conn, named, regions)
+                self._register(conn, named, regions, self.timeout)
                 r, body = conn.call(fp.OP_READ_INTO, keys=keys, kind=kind, ref=match_lease, values=targets,
-                                    flags=fp.FLAG_TRANSIENT if transient else 0)
+                                    flags=fp.FLAG_TRANSIENT if transient else 0, timeout=bound)
                 return fp.decode_sizes(r, body)
             finally:
                 if transient:
                     conn.registered -= named
-        (codes, sizes), _ = self._on_connection(exchange)
+        bound = timeout or self.timeout
+        (codes, sizes), _ = self._on_connection(exchange, bound)
         if len(codes) != n:
             raise errors.Unavailable("fast session: READ_INTO reply for another number of keys")
         return codes, sizes
@@ -309,7 +341,7 @@ class FastSession:
 
         def exchange(conn: _Conn) -> list[int]:
             try:
-                self._register(conn, named, regions)
+                self._register(conn, named, regions, self.timeout)
                 r, body = conn.call(fp.OP_WRITE_FROM, keys=keys, kind=kind, text=traffic_class.encode(),
                                     values=np.concatenate([targets, np.asarray(checksums, np.uint64)]),
                                     flags=fp.FLAG_TRANSIENT if transient else 0)
@@ -323,14 +355,14 @@ class FastSession:
         return codes
 
     @staticmethod
-    def _register(conn: _Conn, named: set[int], regions: dict[int, memfd.Region]) -> None:
+    def _register(conn: _Conn, named: set[int], regions: dict[int, memfd.Region], timeout: float) -> None:
         """Pass the regions of ``named`` this connection has not mapped yet to the sidecar."""
         for rid in named - conn.registered:
             region = regions[rid]
             if region.fd is None:
                 raise errors.InvalidArgument(f"region {rid} was freed")
             try:
-                conn.call(fp.OP_REGISTER, fd=region.fd, ref=rid)
+                conn.call(fp.OP_REGISTER, fd=region.fd, ref=rid, timeout=timeout)
             except errors.KvpoolError as exc:
                 raise RegistrationRefused(rid, exc) from None
             conn.registered.add(rid)

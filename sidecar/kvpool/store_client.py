@@ -8,6 +8,11 @@ Reads, writes and existence checks go over the node's data session (:mod:`kvpool
 one round trip each on the transfer port) when the node serves one — found out once, with a
 ``HELLO`` on its transfer address — and over the gRPC calls plus the transfer engine otherwise
 (older nodes, ``data_session=False``).  Both paths give the same per-item codes.
+
+The calls an engine waits for (exists, read, ranged read, the sidecar's probe) take a per-call
+``timeout`` (the sidecar's :class:`~kvpool.deadlines.Deadlines`): armed on the data connection,
+or passed to gRPC; a node that misses it raises :class:`~kvpool.errors.DeadlineExceeded`, and the
+session is kept (a hung node is not a restarted one: asking where its session is would wait too).
 """
 
 from __future__ import annotations
@@ -109,26 +114,34 @@ class StoreClient:
             self.epoch_seen = epoch
         return reply
 
-    def session(self) -> DataSession | None:
-        """The node's data session, or None when the calls must go over gRPC (asked once)."""
+    def session(self, timeout: float | None = None) -> DataSession | None:
+        """The node's data session, or None when the calls must go over gRPC (asked once, within
+        ``timeout``; a node that cannot be asked raises :class:`~kvpool.errors.Unavailable` and is
+        asked again by the next call)."""
         if self._session_known:
             return self._session
         with self._session_lock:
             if not self._session_known:
-                self._session = self._open_session()
+                self._session = self._open_session(timeout)
                 self._session_known = True
         return self._session
 
-    def _open_session(self) -> DataSession | None:
+    def _open_session(self, timeout: float | None = None) -> DataSession | None:
+        seconds = min(timeout or self.timeout, 5.0)
         try:
-            address = self.health(min(self.timeout, 5.0)).transfer_address
+            address = self.health(seconds).transfer_address
             ds = DataSession(address, self._token, self.timeout, self._data_connections)
+        except errors.Unavailable:
+            raise  # not reachable now: not a node without a session
         except (errors.KvpoolError, ValueError):
             if self._want_session:
                 raise
             return None
         try:
-            self._seen(ds.hello())
+            self._seen(ds.hello(seconds))
+        except errors.DeadlineExceeded:
+            ds.close()
+            raise
         except errors.Unavailable:
             ds.close()
             if self._want_session:
@@ -142,6 +155,8 @@ class StoreClient:
         whether) it serves one: a node restarted on another transfer port, or without it."""
         try:
             yield
+        except errors.DeadlineExceeded:
+            raise  # hung, not restarted elsewhere: the session stays
         except errors.Unavailable:
             with self._session_lock:
                 if self._session is ds:
@@ -181,50 +196,63 @@ class StoreClient:
         return ExistsResult(reply.prefix, list(map(bool, reply.present)), reply.lease_id, reply.epoch)
 
     def exists_array(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
-                     kind: int = pb.BLOCK, epoch: int = 0) -> ExistsReply:
+                     kind: int = pb.BLOCK, epoch: int = 0, timeout: float | None = None) -> ExistsReply:
         """:meth:`exists` of packed keys, presence as a numpy array (the sidecar's match path)."""
-        ds = self.session()
+        ds = self.session(timeout)
         if ds is not None:
             with self._session_call(ds):
-                r = ds.exists(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch)
+                r = ds.exists(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, timeout=timeout)
             self._seen(r.epoch)
             return r
         reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
             keys=keys, pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=errors.as_kind(kind),
-            epoch=epoch))
+            epoch=epoch), timeout)
         return ExistsReply(reply.prefix, np.frombuffer(reply.present, np.uint8).astype(bool), reply.lease_id,
                            reply.epoch)
 
     def exists_array_begin(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
-                           kind: int = pb.BLOCK, epoch: int = 0, drop_lease: int = 0
-                           ) -> Callable[[], ExistsReply] | None:
+                           kind: int = pb.BLOCK, epoch: int = 0, drop_lease: int = 0, timeout: float | None = None
+                           ) -> Callable[[float | None], ExistsReply] | None:
         """:meth:`exists_array` in two halves over the data session (the request sent now, the
-        answer collected by the returned function); None when the node has no data session.
+        answer collected by the returned function, waiting at most its argument in seconds,
+        default ``timeout``); None when the node has no data session.
         ``drop_lease``: a lease of this node dropped before the lookup, in the same frame."""
-        ds = self.session()
+        ds = self.session(timeout)
         if ds is None:
             return None
         with self._session_call(ds):
-            finish = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, drop_lease)
+            finish = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, drop_lease,
+                                     timeout)
 
-        def done() -> ExistsReply:
+        def done(left: float | None = None) -> ExistsReply:
             with self._session_call(ds):
-                r = finish()
+                r = finish(left)
             self._seen(r.epoch)
             return r
         return done
 
-    def release(self, lease_ids: Sequence[int]) -> None:
+    def release(self, lease_ids: Sequence[int], timeout: float | None = None) -> None:
         ids = [i for i in lease_ids if i]
-        ds = self.session()
+        ds = self.session(timeout)
         if ds is not None and len(ids) <= 4:
             # One short frame each on the data session (~0.1 ms) instead of a gRPC call (~1 ms).
             with self._session_call(ds):
                 for lid in ids:
-                    ds.exists(b"", drop_lease=lid)
+                    ds.exists(b"", drop_lease=lid, timeout=timeout)
             return
         if ids:
-            self._rpc(self.stub.Release, pb.ReleaseRequest(lease_ids=ids))
+            self._rpc(self.stub.Release, pb.ReleaseRequest(lease_ids=ids), timeout)
+
+    def probe(self, timeout: float) -> int:
+        """One small call answered by the node itself (a data-session HELLO, else Health): its
+        ring epoch.  The sidecar's probe of a suspect node."""
+        ds = self.session(timeout)
+        if ds is not None:
+            with self._session_call(ds):
+                epoch = ds.hello(timeout)
+            self._seen(epoch)
+            return epoch
+        return self.health(timeout).epoch
 
     def release_async(self, lease_ids: Sequence[int]) -> None:
         """Drop leases without waiting for the answer (they expire by themselves if it is lost)."""
@@ -304,9 +332,9 @@ class StoreClient:
     # -- reads ------------------------------------------------------------------------------
 
     def get_plan(self, keys: Sequence[bytes], lease_ms: int = 0, lease_id: int = 0, kind: int = pb.BLOCK,
-                 epoch: int = 0) -> GetPlan:
+                 epoch: int = 0, timeout: float | None = None) -> GetPlan:
         r = self._rpc(self.stub.Get, pb.GetRequest(keys=pack_keys(keys), lease_ms=lease_ms, lease_id=lease_id,
-                                                   kind=errors.as_kind(kind), epoch=epoch))
+                                                   kind=errors.as_kind(kind), epoch=epoch), timeout)
         return GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums), list(r.tokens),
                        r.lease_id, r.location, r.epoch)
 
@@ -353,19 +381,23 @@ class StoreClient:
             self.release_async([plan.lease_id])
 
     def read(self, keys: Sequence[bytes] | bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0,
-             lease_ms: int = 0, streams: int | None = None) -> ReadResult:
+             lease_ms: int = 0, streams: int | None = None, timeout: float | None = None,
+             bytes_per_second: float = 0.0) -> ReadResult:
         """Read objects into the memory ``dest(i, size)`` hands out once each size is known (None:
         skip it, the item's code is then INVALID); per-item codes, sizes and checksums.
         ``lease_id``: a match lease of this node the read supersedes (dropped by it); ``streams``:
-        data connections to cut the batch over (:meth:`DataSession.read`)."""
+        data connections to cut the batch over; ``timeout`` and ``bytes_per_second``: the read's
+        deadline (:meth:`DataSession.read`: a read cut in the middle returns what arrived, with
+        ``error`` set)."""
         blob = keys if isinstance(keys, bytes) else pack_keys(keys)
-        ds = self.session()
+        ds = self.session(timeout)
         if ds is not None:
             with self._session_call(ds):
-                r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen, streams)
+                r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen, streams, timeout,
+                            bytes_per_second)
             self._seen(r.epoch)
             return r
-        plan = self.get_plan(unpack_keys(blob), lease_ms, lease_id, kind)
+        plan = self.get_plan(unpack_keys(blob), lease_ms, lease_id, kind, timeout=timeout)
         try:
             bufs = [dest(i, plan.sizes[i]) if c == pb.OK else None for i, c in enumerate(plan.codes)]
             codes = self.fetch_into(plan, [b if b is None or len(b) >= plan.sizes[i] else None
@@ -376,7 +408,8 @@ class StoreClient:
         return ReadResult(codes, plan.sizes, plan.checksums, plan.epoch)
 
     def read_ranges(self, keys: Sequence[bytes] | bytes, per_key: Sequence[Any], buffers: Sequence[memoryview | None],
-                    kind: int = pb.BLOCK, lease_id: int = 0, verify_object: bool = False) -> ReadResult:
+                    kind: int = pb.BLOCK, lease_id: int = 0, verify_object: bool = False,
+                    timeout: float | None = None) -> ReadResult:
         """Sparse read: only the byte ranges ``per_key[i]`` (``(offset, length)`` pairs) of each
         object, back to back into ``buffers[i]``; per-item codes (INVALID for ranges that break a
         rule of :mod:`kvpool.ranges` or a buffer too small, NOT_FOUND, CHECKSUM) and the objects'
@@ -393,14 +426,15 @@ class StoreClient:
             pairs.append(arr)
             if why:
                 bad.append(i)  # refused here: sent as no buffer, so never asked for
-        ds = self.session()
+        ds = self.session(timeout)
         if ds is None:
             raise errors.Unsupported(f"store node {self.address} serves no data session: no ranged reads")
         refused = set(bad)
         bufs = [None if i in refused else (as_bytes_view(b) if b is not None else None)
                 for i, b in enumerate(buffers)]
         with self._session_call(ds):
-            r = ds.read_ranges(blob, pairs, bufs, kind, lease_id, self.verify, verify_object, self.epoch_seen)
+            r = ds.read_ranges(blob, pairs, bufs, kind, lease_id, self.verify, verify_object, self.epoch_seen,
+                               timeout)
         self._seen(r.epoch)
         return r
 

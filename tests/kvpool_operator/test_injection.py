@@ -5,14 +5,16 @@ from typing import Any
 
 import pytest
 
+from kvpool.sidecar.server import build_parser, config_from_args
 from kvpool_operator.injection import (
     SIDECAR_NAME,
     Injection,
     PoolView,
+    deadline_args,
     plan_injection,
     pool_view_from_body,
 )
-from kvpool_operator.model import TenantSpec, parse_tenant
+from kvpool_operator.model import SidecarDeadlines, SpecError, TenantSpec, parse_pool, parse_tenant
 from kvpool_operator.settings import Settings
 from kvpool_operator.testing import apply_merge_patch, pool_body, tenant_body
 
@@ -160,3 +162,29 @@ def test_handoff_export_can_be_switched_off() -> None:
     side = apply_merge_patch(_pod(), r.patch)["spec"]["initContainers"][0]
     assert "--handoff-listen" not in side["args"] and "ports" not in side
     assert all(e["name"] != "POD_IP" for e in side["env"])
+
+
+def test_pool_deadlines_reach_the_sidecar_args() -> None:
+    """spec.sidecar.deadlines → the injected sidecar's flags (only those that differ from its defaults)."""
+    body = {"metadata": {"namespace": "pools", "name": "shared"},
+            "spec": {"tenancy": {"defaultTenant": "public"},
+                     "sidecar": {"localBytes": "64Mi", "deadlines": {"matchMs": 250, "readMs": 100,
+                                                                      "readBytesPerSecond": 50_000_000,
+                                                                      "suspectBackoffMs": 500}}}}
+    view = pool_view_from_body(body)
+    assert view.deadlines == SidecarDeadlines(match_ms=250, read_bytes_per_second=50_000_000, suspect_backoff_ms=500)
+    pools = {("pools", "shared"): view}
+    r = plan_injection(_pod(), "app", pools, [], S)
+    args = apply_merge_patch(_pod(), r.patch)["spec"]["initContainers"][0]["args"]
+    i = args.index("--match-deadline-ms")
+    assert args[i:i + 6] == ["--match-deadline-ms", "250", "--read-bytes-per-second", "50000000",
+                             "--suspect-backoff-ms", "500"]
+    assert "--read-deadline-ms" not in args and "--probe-deadline-ms" not in args
+    # The sidecar takes what the operator renders.
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert (cfg.match_deadline_ms, cfg.read_deadline_ms, cfg.read_bytes_per_second, cfg.suspect_backoff_ms) == (
+        250, 100, 50_000_000, 500)
+    # Defaults (what the CRD fills in) add no argument.
+    assert deadline_args(SidecarDeadlines()) == []
+    with pytest.raises(SpecError):
+        parse_pool({**body, "spec": {"sidecar": {"deadlines": {"matchMs": 0}}}})

@@ -58,6 +58,10 @@ class _StateCollector(Collector):
                                 value=s.backlog_bytes())
         yield GaugeMetricFamily("kvpool_ring_epoch", "Ring epoch the sidecar routes by", value=s.pool.ring.epoch)
         yield CounterMetricFamily("kvpool_pool_errors", "Failed pool calls", value=s.pool.errors)
+        yield CounterMetricFamily("kvpool_pool_deadline_misses", "Pool calls given up at their deadline",
+                                  value=s.pool.deadline_misses)
+        yield CounterMetricFamily("kvpool_pool_calls_skipped", "Pool calls not sent: their store node was suspect",
+                                  value=s.pool.calls_skipped)
         yield CounterMetricFamily("kvpool_local_evictions", "Objects evicted from the local tier",
                                   value=s.counters["evicted"])
         yield CounterMetricFamily("kvpool_pool_writes_shed", "Pool writes deferred because the backlog was full",

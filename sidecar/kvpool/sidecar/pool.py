@@ -6,6 +6,14 @@ session (one round trip per read, put or exists; :mod:`kvpool.data_client`), or 
 transfer engine for a node without one.  A node that is unreachable is marked down for a short backoff and its keys
 become misses: the engine never sees a pool error, and never wrong bytes.
 
+Deadlines (:class:`~kvpool.deadlines.Deadlines`): every exists and read to a node has one (about
+100 ms for a lookup; a read's grows with its bytes), armed on the node's data connection or
+passed to gRPC, so a hung node holds no thread longer than that, and its answer is waited for
+no longer either: the other nodes' answers are used without it.  A node that misses a deadline
+or cannot be reached is suspect (:mod:`kvpool.sidecar.breaker`): later calls skip it at once —
+its keys are misses, or are read at the other replicas through the fallback routes — and a probe
+on the pool's threads (one at a time per node) lets it back in when it answers.
+
 Reads that miss at a key's owner look further, in one more batched round: at a draining member
 (always), and during a ring transition (``transition_seconds`` after a ring change) at the
 lower-ranked owners and the owners of earlier epochs: on scale-up objects reach their new owner
@@ -21,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,14 +37,16 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from .. import errors
+from .. import errors, ranges
 from ..data_client import Dest, ExistsReply, ReadResult
+from ..deadlines import Deadlines, remaining
 from ..keys import KEY_BYTES
 from ..proto import store_pb2 as pb
 from ..ring import Member, Ring, owners
 from ..store.service import ring_from_pb
 from ..store_client import StoreClient
 from ..transfer import TransferEngine
+from . import breaker
 from .retry import UNREACHABLE
 
 log = logging.getLogger("kvpool.sidecar.pool")
@@ -45,11 +56,12 @@ log = logging.getLogger("kvpool.sidecar.pool")
 class NodeHandle:
     member: Member
     client: StoreClient
-    down_until: float = 0.0
+    health: breaker.Health = field(default_factory=breaker.Health)
+    """The node's circuit breaker (changed under ``Pool.lock``)."""
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self.down_until
+        return breaker.is_up(self.health)
 
 
 Routes = dict[str, npt.NDArray[np.intp]]
@@ -191,15 +203,29 @@ def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | Sequence[Ring]
     return out
 
 
+def _waiter(fut: Future[ExistsReply]) -> Callable[[float | None], ExistsReply]:
+    """Collect a call running on the pool's threads within a time limit; past it, the call is
+    given up (not joined: its own timeout frees the thread)."""
+    def collect(left: float | None) -> ExistsReply:
+        try:
+            return fut.result(timeout=left)
+        except FutureTimeout:
+            raise errors.DeadlineExceeded("no answer within the deadline") from None
+    return collect
+
+
 class Pool:
     """Membership + per-node clients, thread-safe."""
 
     def __init__(self, seeds: Sequence[str], token: str = "", backoff: float = 1.0,
                  rpc_timeout: float = 5.0, history_depth: int = 3, transition_seconds: float = 600.0,
-                 fallback_ranks: int = 2) -> None:
+                 fallback_ranks: int = 2, deadlines: Deadlines | None = None,
+                 max_backoff: float = 8.0) -> None:
         self.seeds = [s for s in seeds if s]
         self.token = token
-        self.backoff = backoff
+        self.policy = breaker.Policy(backoff, max(backoff, max_backoff))
+        """The circuit breaker's back-off after a failed probe (doubling up to the max)."""
+        self.deadlines = deadlines or Deadlines()
         self.rpc_timeout = rpc_timeout
         self.engine = TransferEngine()
         self.lock = threading.Lock()
@@ -217,6 +243,12 @@ class Pool:
         self._active_ids: list[str] = []
         self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pool")
         self.errors = 0
+        self.deadline_misses = 0
+        """Calls to a node given up at their deadline (the node was hung or slow)."""
+        self.calls_skipped = 0
+        """Calls not sent because their node was suspect (its keys were misses or read elsewhere)."""
+        self.probes_ok = 0
+        self.probes_failed = 0
         self.refresh_needed = threading.Event()
         self._seen_epoch = 0
         self.on_ring_change: Callable[[Ring], None] | None = None
@@ -247,8 +279,13 @@ class Pool:
         """Learn the newest ring any reachable node knows (all asked concurrently); without an
         operator (epoch 0) the seeds are the membership, named by their addresses."""
         with self.lock:
-            known = {n.member.address: n.client for n in self.nodes.values()}
-        temp = {a: StoreClient(a, self.token, engine=self.engine, timeout=2.0) for a in self.seeds if a not in known}
+            nodes = list(self.nodes.values())
+        # Suspect nodes are not asked (a hung one would hold this for the whole timeout, and
+        # catch_up runs on an engine's call) unless no node is up.
+        live = [n for n in nodes if n.up] or nodes
+        known = {n.member.address: n.client for n in live}
+        held = {n.member.address for n in nodes}
+        temp = {a: StoreClient(a, self.token, engine=self.engine, timeout=2.0) for a in self.seeds if a not in held}
         clients = {**known, **temp}
         best: Ring | None = None
         try:
@@ -324,13 +361,76 @@ class Pool:
         return self.ring.epoch != before
 
     def _failed(self, node: NodeHandle, exc: BaseException) -> None:
+        down = node_is_down(exc)
         with self.lock:
             self.errors += 1
-        if node_is_down(exc):
-            node.down_until = time.monotonic() + self.backoff
-            log.warning("pool node %s unreachable, backing off %.1fs: %s", node.member.id, self.backoff, exc)
-        else:
+            if isinstance(exc, errors.DeadlineExceeded):
+                self.deadline_misses += 1
+            was_up = node.up
+            if down:
+                node.health = breaker.on_failure(node.health, time.monotonic(), self.policy)
+        if not down:
             log.warning("pool node %s refused a call: %s", node.member.id, exc)
+            return
+        if was_up:
+            log.warning("pool node %s is suspect (calls skip it until a probe answers): %s", node.member.id, exc)
+        self._admit(node, False)  # the first probe goes out at once
+
+    def _answered(self, node: NodeHandle) -> None:
+        """A call to ``node`` was answered: a suspect node is healthy again."""
+        if not node.up:
+            with self.lock:
+                node.health = breaker.on_success(node.health)
+
+    def _up(self, nid: str) -> NodeHandle | None:
+        """The node ``nid`` if a call may go to it now; None when it is unknown or suspect (a
+        probe is started when one is due: the call itself never waits for a suspect node)."""
+        node = self.nodes.get(nid)
+        if node is None:
+            return None
+        return node if node.up or self._admit(node, True) else None
+
+    def _admit(self, node: NodeHandle, call: bool) -> bool:
+        """Whether a call (``call``; else the background loop) may go to a node that was not up;
+        starts its probe when one is due."""
+        with self.lock:
+            verdict = breaker.admit(node.health, time.monotonic())
+            if verdict is breaker.Admission.CALL:
+                return True
+            if call:
+                self.calls_skipped += 1
+            if verdict is breaker.Admission.PROBE:
+                node.health = breaker.probe_started(node.health)
+        if verdict is breaker.Admission.PROBE:
+            try:
+                self._executor.submit(self._probe, node)
+            except RuntimeError:  # shut down
+                pass
+        return False
+
+    def _probe(self, node: NodeHandle) -> None:
+        """One small call to a suspect node, on the pool's threads (bounded by the probe
+        deadline): it is let back in when it answers."""
+        try:
+            epoch = node.client.probe(self.deadlines.probe_seconds)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps it suspect
+            with self.lock:
+                self.probes_failed += 1
+                node.health = breaker.on_failure(node.health, time.monotonic(), self.policy, probe=True)
+            log.debug("probe of pool node %s failed: %s", node.member.id, exc)
+            return
+        with self.lock:
+            self.probes_ok += 1
+            node.health = breaker.on_success(node.health)
+        log.warning("pool node %s answered a probe: calls go to it again", node.member.id)
+        self._note_epoch(epoch)
+
+    def probe_due(self) -> None:
+        """Start the probes that are due (the sidecar's background loop calls this, so a node is
+        let back in even when no call goes its way)."""
+        for node in list(self.nodes.values()):
+            if not node.up:
+                self._admit(node, False)
 
     def nodes_up(self) -> int:
         return sum(1 for n in self.nodes.values() if n.up)
@@ -363,10 +463,6 @@ class Pool:
     def in_transition(self) -> bool:
         return time.monotonic() < self._transition_until
 
-    def _up(self, nid: str) -> NodeHandle | None:
-        node = self.nodes.get(nid)
-        return node if node is not None and node.up else None
-
     def exists_many(self, key_array: npt.NDArray[Any], calls: Sequence[tuple[str, npt.NDArray[np.intp], bool]],
                     prefix_only: bool, lease_ms: int, kind: int = pb.BLOCK
                     ) -> list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]]:
@@ -377,7 +473,11 @@ class Pool:
         # handoff (the pool's threads cost more than a 2048-key EXISTS on a busy machine).
         # Nodes without a session are asked on the pool's threads, as gRPC futures would
         # start a thread per call (~0.5 ms each here).
-        pending: list[tuple[str, npt.NDArray[np.intp], Callable[[], ExistsReply] | None]] = []
+        # One deadline for the whole round: each answer is waited for with what is left of it, so
+        # hung nodes cost the round one deadline together, not one each.
+        limit = self.deadlines.match_seconds
+        deadline = time.monotonic() + limit
+        pending: list[tuple[str, npt.NDArray[np.intp], Callable[[float], ExistsReply] | None]] = []
         for nid, idx, pin in calls:
             node = self._up(nid)
             if node is None:
@@ -385,23 +485,28 @@ class Pool:
                 continue
             args = (key_array[idx].tobytes(), pin, lease_ms if pin else 0, prefix_only, kind, self.ring.epoch)
             try:
-                finish = node.client.exists_array_begin(*args, drop_lease=self._take_deferred(nid))
+                finish = node.client.exists_array_begin(*args, drop_lease=self._take_deferred(nid), timeout=limit)
             except (grpc.RpcError, errors.KvpoolError, OSError) as exc:
                 self._failed(node, exc)
                 pending.append((nid, idx, None))
                 continue
             if finish is None:
-                finish = self._executor.submit(node.client.exists_array, *args).result
+                # gRPC (a node without a data session) on the pool's threads, with the deadline as
+                # its timeout: the thread is free again when it passes, whatever the node does.
+                fut = self._executor.submit(node.client.exists_array, *args, timeout=limit)
+                finish = _waiter(fut)
             pending.append((nid, idx, finish))
         out: list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]] = []
         for nid, idx, collect in pending:
             reply = None
             if collect is not None:
+                node = self.nodes[nid]
                 try:
-                    reply = collect()
+                    reply = collect(remaining(deadline, time.monotonic()))
                     self._note_epoch(reply.epoch)
+                    self._answered(node)
                 except (grpc.RpcError, errors.KvpoolError, OSError) as exc:
-                    self._failed(self.nodes[nid], exc)
+                    self._failed(node, exc)
                     reply = None
             out.append((nid, idx, reply))
         return out
@@ -497,7 +602,11 @@ class Pool:
             node = self._up(nid)
             if node is None:
                 continue
-            if node.client.session() is not None:
+            try:
+                has_session = node.client.session(self.deadlines.match_seconds) is not None
+            except errors.KvpoolError:
+                continue  # not reachable now: the leases expire by themselves
+            if has_session:
                 with self._deferred_lock:
                     before = self._deferred.get(nid)
                     self._deferred[nid] = (lids[-1], now)
@@ -544,10 +653,10 @@ class Pool:
         with self._deferred_lock:
             self._releasing.discard(fut)
 
-    @staticmethod
-    def _release_quietly(node: NodeHandle, lids: list[int]) -> None:
+    def _release_quietly(self, node: NodeHandle, lids: list[int]) -> None:
         try:
-            node.client.release(lids)
+            # Bounded like a probe: a hung node must not hold the pool's threads.
+            node.client.release(lids, timeout=self.deadlines.probe_seconds)
         except Exception:  # noqa: BLE001 - best effort: leases expire by themselves
             pass
 
@@ -561,12 +670,19 @@ class Pool:
         node = self._up(nid)
         if node is None or len(key_array) == 0:
             return None
+        d = self.deadlines
         try:
             r = node.client.read(key_array.tobytes(), dest, kind, drop_lease or self._take_deferred(nid), lease_ms,
-                                 streams)
+                                 streams, d.read_base_seconds, d.read_bytes_per_second)
         except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
             return None
+        if r.error is not None:
+            # Cut in the middle: what arrived whole and verified is kept (per-item codes); the
+            # node is suspect all the same.
+            self._failed(node, r.error)
+        else:
+            self._answered(node)
         self._note_epoch(r.epoch)
         return r
 
@@ -578,14 +694,17 @@ class Pool:
         node = self._up(nid)
         if node is None or len(key_array) == 0:
             return None
+        nbytes = sum(ranges.total_bytes(p) for p in per_key)
         try:
-            r = node.client.read_ranges(key_array.tobytes(), per_key, buffers, kind, verify_object=verify_object)
+            r = node.client.read_ranges(key_array.tobytes(), per_key, buffers, kind, verify_object=verify_object,
+                                        timeout=self.deadlines.read_seconds(nbytes))
         except errors.Unsupported:
             n = len(key_array)
             return ReadResult([pb.UNSUPPORTED] * n, [0] * n, [0] * n, 0)
         except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
             return None
+        self._answered(node)
         self._note_epoch(r.epoch)
         return r
 

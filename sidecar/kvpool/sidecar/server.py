@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import __version__, errors, ranges
 from ..cli import parse_bytes
+from ..deadlines import Deadlines
 from ..events import MEDIUM_LOCAL, EventPublisher, EventsConfig, add_event_args, events_config
 from ..keys import KEY_BYTES
 from ..proto import sidecar_pb2 as spb
@@ -104,6 +105,24 @@ class SidecarConfig:
     for a passing reason (busy or unreachable owner, another writer's reservation, ...:
     ``kvpool.sidecar.retry``), with doubling delays (0.2 s up to 5 s: about 30 s in all); then it
     is counted as dropped (a block stays local-only, a copy is lost)."""
+    match_deadline_ms: int = 100
+    """Deadline of a match or exists at one store node (``--match-deadline-ms``): a node that
+    has not answered by then is given up for this call (its keys are misses) and is suspect."""
+    read_deadline_ms: int = 100
+    """Base deadline of a read from one store node (``--read-deadline-ms``): until the node says
+    what it sends, and then plus the payload at ``read_bytes_per_second``."""
+    read_bytes_per_second: int = 100_000_000
+    """Bandwidth floor a read's payload is given time for (``--read-bytes-per-second``)."""
+    probe_deadline_ms: int = 1000
+    """How long a probe of a suspect node waits (``--probe-deadline-ms``; in the background)."""
+    suspect_backoff_ms: int = 1000
+    """Back-off after a failed probe before the next one (doubling up to 8x;
+    ``--suspect-backoff-ms``).  The first probe goes out right after the failure."""
+
+    def deadlines(self) -> Deadlines:
+        """The pool's per-call deadlines (:class:`kvpool.deadlines.Deadlines`)."""
+        return Deadlines(self.match_deadline_ms / 1000.0, self.read_deadline_ms / 1000.0,
+                         float(self.read_bytes_per_second), self.probe_deadline_ms / 1000.0)
 
 
 class ReadResult(NamedTuple):
@@ -135,7 +154,8 @@ class Sidecar(spbg.SidecarServicer):
         self.local.on_evict = self._on_evict
         self.events = EventPublisher(cfg.events, MEDIUM_LOCAL, self.local.events_snapshot) if cfg.events else None
         self.local.events = self.events
-        self.pool = Pool(cfg.pool, cfg.token, transition_seconds=cfg.transition_seconds)
+        self.pool = Pool(cfg.pool, cfg.token, transition_seconds=cfg.transition_seconds, deadlines=cfg.deadlines(),
+                         backoff=cfg.suspect_backoff_ms / 1000.0, max_backoff=8 * cfg.suspect_backoff_ms / 1000.0)
         self.pool.on_ring_change = self._ring_changed
         self.match_leases: dict[int, _MatchLease] = {}
         # Match lease ids start at a random base, as the local tier's: an id a client kept from
@@ -225,6 +245,8 @@ class Sidecar(spbg.SidecarServicer):
             # Match leases released with no frame to their node since: dropped now (their pins
             # hold objects against eviction until then).
             self.pool.flush_deferred(older_than=0.5)
+            # Suspect nodes whose probe is due are probed even when no call goes their way.
+            self.pool.probe_due()
             if self.pool.refresh_needed.wait(1.0) and not self._stop.is_set():
                 try:
                     self.pool.refresh_ring()
@@ -1190,6 +1212,10 @@ class Sidecar(spbg.SidecarServicer):
         counters["pool_errors"] = self.pool.errors
         counters["pool_match_releases_sent"] = self.pool.releases_sent
         counters["pool_match_releases_carried"] = self.pool.releases_carried
+        counters["pool_deadline_misses"] = self.pool.deadline_misses
+        counters["pool_calls_skipped"] = self.pool.calls_skipped
+        counters["pool_probes_ok"] = self.pool.probes_ok
+        counters["pool_probes_failed"] = self.pool.probes_failed
         counters["local_only_objects"] = len(self.local.local_only())
         counters["ring_transition"] = int(self.pool.in_transition)
         if self.copy_over is not None:
@@ -1224,6 +1250,16 @@ def load_credentials(path: str) -> tuple[str, str]:
         raise SystemExit(f"kvpool sidecar: cannot read credentials {path}: {exc}") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvpool sidecar", description="Serve an engine's kvpool client")
     ap.add_argument("--socket", required=True, help="unix socket path (the arena is created beside it)")
@@ -1247,6 +1283,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-registered-bytes", type=parse_bytes, default=1 << 40,
                     help="client memory (Client.alloc_buffer) mapped at most, over all clients; a "
                          "registration beyond it is refused and that client reads through the arena")
+    ap.add_argument("--match-deadline-ms", type=_positive_int, default=100,
+                    help="deadline of a match/exists at one store node; a node that misses it is skipped "
+                         "(its keys are misses) until a probe lets it back in")
+    ap.add_argument("--read-deadline-ms", type=_positive_int, default=100,
+                    help="base deadline of a read from one store node (plus its payload at --read-bytes-per-second)")
+    ap.add_argument("--read-bytes-per-second", type=parse_bytes, default=100_000_000,
+                    help="bandwidth floor a read's payload gets time for (e.g. 100000000, 200MiB; 0: none)")
+    ap.add_argument("--probe-deadline-ms", type=_positive_int, default=1000,
+                    help="how long a background probe of a suspect store node waits for its answer")
+    ap.add_argument("--suspect-backoff-ms", type=_positive_int, default=1000,
+                    help="back-off between probes of a suspect store node (doubling up to 8x)")
     ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
     ap.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", ""),
                     help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
@@ -1285,7 +1332,9 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          handoff_advertise=args.handoff_advertise, handoff_key=key,
                          transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes,
                          arena_dir=args.arena_dir, pool_write_retries=args.pool_write_retries,
-                         max_registered_bytes=args.max_registered_bytes)
+                         max_registered_bytes=args.max_registered_bytes, match_deadline_ms=args.match_deadline_ms,
+                         read_deadline_ms=args.read_deadline_ms, read_bytes_per_second=args.read_bytes_per_second,
+                         probe_deadline_ms=args.probe_deadline_ms, suspect_backoff_ms=args.suspect_backoff_ms)
 
 
 class IncarnationCheck(grpc.ServerInterceptor):  # type: ignore[misc]

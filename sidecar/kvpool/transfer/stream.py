@@ -11,6 +11,7 @@ inside every call.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Sequence
 
 from kvpool.transfer import _sockio
@@ -29,6 +30,15 @@ class Stream:
         self.closed = False
         self.received = 0
         """Bytes received so far (a caller can tell whether a peer answered at all)."""
+        self.timeout = 0.0
+        """The stall timeout armed on the socket now (seconds; 0: not known)."""
+
+    def set_timeout(self, seconds: float) -> None:
+        """Arm the kernel's send/receive stall timeouts for the next calls (a call's deadline; a
+        syscall only when it changes)."""
+        if seconds != self.timeout:
+            _sockio.set_stall_timeout(self._sock, seconds)
+            self.timeout = seconds
 
     def recv_exact(self, view: memoryview | bytearray) -> None:
         """Fill ``view`` or raise ``ConnectionError`` (EOF) / ``TimeoutError`` (stall)."""
@@ -41,9 +51,11 @@ class Stream:
         self.received += n
         return n
 
-    def recv_buffers(self, views: Sequence[memoryview]) -> None:
+    def recv_buffers(self, views: Sequence[memoryview], deadline: float | None = None) -> None:
         """Fill every view in order, scattering with ``recvmsg_into`` (one call per ``MAX_IOV``
-        buffers when the kernel has the bytes)."""
+        buffers when the kernel has the bytes).  ``deadline`` (monotonic seconds): a peer still
+        sending after it raises ``TimeoutError`` (the stall timeout bounds each syscall; this
+        bounds the whole, against a peer that trickles)."""
         pending = [v for v in views if v.nbytes]
         i = 0
         while i < len(pending):
@@ -64,6 +76,8 @@ class Stream:
                 pending[i + j] = v[got:]
                 i += j
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("payload not received by its deadline")
 
     def discard(self, length: int) -> None:
         """Consume ``length`` bytes nobody wants (keeps the stream in sync)."""
@@ -95,4 +109,6 @@ def connect(address: tuple[str, int], timeout: float) -> Stream:
     except OSError:
         sock.close()
         raise
-    return Stream(sock)
+    stream = Stream(sock)
+    stream.timeout = timeout
+    return stream
