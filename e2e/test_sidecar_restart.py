@@ -346,10 +346,10 @@ def ready_lines(log: Path) -> list[str]:
     return re.findall(r"^READY .*$", log.read_text(errors="replace"), re.M) if log.exists() else []
 
 
-def kill_and_restart_sidecar(cluster: Cluster, kube: Kube, ns: str, name: str, drop_arena: bool) -> dict[str, Any]:
+def kill_and_restart_sidecar(cluster: Cluster, k8s: Kube, ns: str, name: str, drop_arena: bool) -> dict[str, Any]:
     """Run the engine pod, SIGKILL its sidecar once it is warm, let the node agent restart it, and
     return what was seen: the engine's reports, the sidecar's READY lines, the pod's statuses."""
-    pod = create_pod_injected(kube, ns, engine_pod(name, f"{ns}/{name}"))
+    pod = create_pod_injected(k8s, ns, engine_pod(name, f"{ns}/{name}"))
     uid = pod["metadata"]["uid"]
     assert pod["metadata"]["annotations"]["kvpool.io/injected"] == f"{ns}.p"
     side = pod["spec"]["initContainers"][0]
@@ -361,7 +361,7 @@ def kill_and_restart_sidecar(cluster: Cluster, kube: Kube, ns: str, name: str, d
     assert put["put_failed"] == 0 and put["pending"] == 0, put
     warm = wait_report(engine_log, "warm", 60)
     (old_pid,) = wait_for(lambda: container_root_pids(uid, b"sidecar"), 10, "the sidecar's process")
-    got = kube.get("v1", "Pod", name, ns) or {}
+    got = k8s.get("v1", "Pod", name, ns) or {}
     before = container_status(got, SIDECAR)
     assert before.get("restartCount") == 0 and "running" in before.get("state", {}), before
     assert len(ready_lines(sidecar_log)) == 1
@@ -379,7 +379,7 @@ def kill_and_restart_sidecar(cluster: Cluster, kube: Kube, ns: str, name: str, d
     wait_for(lambda: not Path(f"/proc/{old_pid}").exists() or _zombie(old_pid), 10, "the old sidecar gone")
 
     def restarted() -> dict[str, Any] | None:
-        p = kube.get("v1", "Pod", name, ns) or {}
+        p = k8s.get("v1", "Pod", name, ns) or {}
         s = container_status(p, SIDECAR)
         return p if s.get("restartCount", 0) >= 1 and "running" in s.get("state", {}) else None
 
@@ -389,7 +389,7 @@ def kill_and_restart_sidecar(cluster: Cluster, kube: Kube, ns: str, name: str, d
     (new_pid,) = container_root_pids(uid, b"sidecar")
     (ctl / "restarted").touch()
     final = wait_report(engine_log, "final", 120)
-    end_pod = kube.get("v1", "Pod", name, ns) or {}
+    end_pod = k8s.get("v1", "Pod", name, ns) or {}
     return {"warm": warm, "final": final, "ready": ready_lines(sidecar_log), "ready_seconds": ready_s,
             "old_pid": old_pid, "new_pid": new_pid, "before": before, "pod_after": after_pod, "pod_end": end_pod,
             "arena_files": arena_files, "volume_before": volume,
@@ -409,11 +409,12 @@ def _adopted(line: str) -> tuple[int, int] | None:
 
 def _summary(seen: dict[str, Any]) -> str:
     t, final = seen["final"]["tally"], seen["final"]
-    keep = ("ops", "objects", "wrong_bytes", "errors", "short_matches", "missing", "error_kinds")
+    keep = ("ops", "objects", "wrong_objects", "wrong_bytes", "errors", "short_matches", "missing", "error_kinds")
     counters = {k: v for k, v in final["counters"].items() if k.startswith(("read_", "hit_blocks", "restart_"))}
     return json.dumps({"phases": {p: {k: t[p][k] for k in keep} for p in t}, "rounds": final["rounds"],
                        "new_life_counters": counters, "restarts_seen": final["restarts_seen"],
-                       "ready_after_kill_s": round(seen["ready_seconds"], 2), "ready": seen["ready"][-1]})
+                       "ready_after_kill_s": round(seen["ready_seconds"], 2), "ready": seen["ready"][-1],
+                       "shm_volume": seen["volume_after"]})
 
 
 def _client_kept_working(seen: dict[str, Any]) -> None:
