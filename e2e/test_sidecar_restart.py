@@ -381,9 +381,9 @@ def kill_and_restart_sidecar(cluster: Cluster, k8s: Kube, ns: str, name: str, dr
     def restarted() -> dict[str, Any] | None:
         p = k8s.get("v1", "Pod", name, ns) or {}
         s = container_status(p, SIDECAR)
-        return p if s.get("restartCount", 0) >= 1 and "running" in s.get("state", {}) else None
+        return p if s.get("restartCount", 0) >= 1 and "running" in s.get("state", {}) and s.get("started") else None
 
-    after_pod = wait_for(restarted, 60, "the node agent to restart the sidecar (restartCount 1, running)")
+    after_pod = wait_for(restarted, 60, "the node agent to restart the sidecar (restartCount 1, running, started)")
     wait_for(lambda: len(ready_lines(sidecar_log)) >= 2, 90, "the restarted sidecar's READY line")
     ready_s = time.monotonic() - killed_at
     (new_pid,) = container_root_pids(uid, b"sidecar")
