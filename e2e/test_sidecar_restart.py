@@ -497,3 +497,29 @@ def test_the_store_memory_volume_holds_its_arena(cluster: Cluster, kube: Kube, p
     print(f"store memory volume: {vol}")
     assert vol["files"] >= 1 and 0 < vol["apparent"] <= vol["limit"], vol
     assert vol["allocated"] <= vol["limit"], vol
+
+
+def test_the_default_local_tier_fits_the_memory_volume_the_operator_sized(cluster: Cluster, kube: Kube,  # noqa: F811
+                                                                          pool_ns: str) -> None:
+    """The default local tier (256Mi): its arena below the 0.95 watermark and its journal take
+    more than the payload + 16 MiB a volume used to get (kvpool.sizing, commit 128b5e1).  The
+    node agent would not stop an overflow, so the files the sidecar made are measured."""
+    from kvpool.sizing import sidecar_shm_bytes
+
+    create(kube, kvpool("d", storage={"replicas": 1, "tiers": [f"t-{pool_ns}"]}, tenancy={"defaultTenant": "public"}),
+           pool_ns)
+    wait_status(kube, pool_ns, "d", lambda s: s.get("readyReplicas") == 1, 120, "the second pool's store node ready")
+    pod = create_pod_injected(kube, pool_ns, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "default-tier", "labels": {"kvpool.io/pool": "d"}},
+        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "engine", "image": "unused", "command": ["sleep", "600"]}]}})
+    side = pod["spec"]["initContainers"][0]
+    local = int(side["args"][side["args"].index("--local") + 1])
+    assert local == 256 << 20
+    log = cluster.pod_dir(pool_ns, "default-tier", pod["metadata"]["uid"]) / f"{SIDECAR}.log"
+    wait_for(lambda: ready_lines(log), 90, "the sidecar's READY line")
+    vol = memory_volume(cluster, kube.get("v1", "Pod", "default-tier", pool_ns) or {}, "kvpool-shm")
+    print(f"default local tier's memory volume: {vol}")
+    assert vol["apparent"] >= sidecar_shm_bytes(local) > local + (16 << 20), vol  # what the old sizing gave
+    assert vol["apparent"] <= vol["limit"] and vol["allocated"] <= vol["limit"], vol
+    kube.delete("v1", "Pod", "default-tier", pool_ns)
