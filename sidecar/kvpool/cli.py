@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--config", default=None, help="JSON node configuration (the operator's ConfigMap)")
     st.add_argument("--tenants", default=None, help="JSON file of tenants (id, token, salt, quota, ttl)")
     st.add_argument("--closed", action="store_true", help="refuse calls without a tenant token")
+    st.add_argument("--fault-tier-delay-file", default=None,
+                    help="test hook: while this file exists, each SSD/shared-fs I/O sleeps the seconds it holds")
     st.add_argument("--admin-token", default=None)
     st.add_argument("--admin-token-file", default=None)
     add_event_args(st)

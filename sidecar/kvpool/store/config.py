@@ -97,6 +97,12 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
     if cfg.max_range_bytes <= 0 or not isinstance(per_key, int) or isinstance(per_key, bool) or per_key <= 0:
         raise ConfigError("maxRangeBytes and maxRangesPerKey must be positive")
     cfg.max_ranges_per_key = per_key
+    for name, attr in (("tierReadSeconds", "tier_read_seconds"), ("demoteWaitSeconds", "demote_wait_seconds")):
+        v = doc.get(name, getattr(cfg, attr))
+        if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"{name} must be a non-negative number of seconds, got {v!r}")
+        setattr(cfg, attr, float(v))
+    cfg.fault_tier_delay_file = str(getattr(args, "fault_tier_delay_file", None) or doc.get("faultTierDelayFile", ""))
     if "shmDir" in doc:
         cfg.shm_dir = str(doc["shmDir"])
     return cfg

@@ -3,8 +3,8 @@
 This module is transport-free: the gRPC service (``service.py``) adapts protobuf to these
 methods, the transfer server moves bytes into the offsets they hand out and calls the
 :class:`StoreNode` as its :class:`~kvpool.transfer.Guard` (so a recycled slot is never read and
-an expired reservation is never written).  One lock guards the index; no bytes are copied while
-holding it except SSD promotion/demotion of single objects.
+an expired reservation is never written).  One lock guards the index; no bytes are copied and
+no tier below DRAM is read or written while holding it (moves between tiers: ``demoter``).
 
 Index: tenant → key → :class:`Entry`.  Each tenant has its own partition, so the same key of two
 tenants names two different objects.
@@ -30,8 +30,9 @@ from ..proto import store_pb2 as pb
 from ..ring import Ring, stale_wrong_owner
 from .allocator import OutOfSpace
 from .atrest import AtRest, sealed_size
+from .demoter import TierMover
 from .eviction import choose_victims, is_expired, watermark_need
-from .tiers import DramTier, SharedFsTier, SsdTier, checksum
+from .tiers import DramTier, FaultDelay, SharedFsTier, SsdTier, checksum
 
 log = logging.getLogger("kvpool.store")
 
@@ -64,7 +65,7 @@ class Entry:
     """One object in the index.  Per object, never per byte."""
 
     __slots__ = ("key", "tenant", "kind", "traffic_class", "size", "checksum", "tier", "offset",
-                 "token", "last_access", "state", "pins", "inflight", "expires", "on_fs", "gen")
+                 "token", "last_access", "state", "pins", "inflight", "expires", "on_fs", "gen", "moving")
 
     def __init__(self, key: bytes, tenant: str, kind: int, traffic_class: str, size: int) -> None:
         self.key = key
@@ -83,6 +84,11 @@ class Entry:
         self.expires = 0.0  # reservation expiry (RESERVED only)
         self.on_fs = False  # a copy exists on the shared-filesystem tier (removed with the object)
         self.gen = 0  # generation its SSD copy was sealed under (encryption at rest)
+        self.moving = 0  # a tier move in progress (demoter.DEMOTING / PROMOTING)
+
+
+Promoted = tuple[dict[int, int], list["Entry"]]
+"""What a read's promotion left: id(entry) → code of the failed ones, and the entries it pinned."""
 
 
 @dataclass
@@ -174,6 +180,15 @@ class NodeConfig:
     """Where the keys came from: re-read when they change (a rotated Secret), see ``keywatch``."""
     master_key_reload_seconds: float = 10.0
     """How often the key files are checked for a change (0: never)."""
+    tier_read_seconds: float = 0.25
+    """Bound of the SSD/shared-fs reads a read call waits for (promotion to DRAM): what has not
+    arrived by then is a miss of that call, so a slow or hung disk never stalls a reader."""
+    demote_wait_seconds: float = 0.5
+    """How long a write that needs DRAM waits for demotions to the SSD (with the index lock
+    released); then what does not fit is NO_SPACE: a slow disk sheds writes, never blocks reads."""
+    fault_tier_delay_file: str = ""
+    """Test hook (``--fault-tier-delay-file``): while this file exists, every SSD/shared-fs read
+    and write sleeps the seconds it holds (``tiers.FaultDelay``).  Never set in production."""
 
 
 class StoreNode:
@@ -182,8 +197,10 @@ class StoreNode:
         self.node_id = cfg.node_id
         # dram_bytes is a payload capacity: that much fits before eviction starts at the high watermark.
         self.dram = DramTier(payload_arena_bytes(cfg.dram_bytes, cfg.high_watermark), cfg.shm_dir, label=cfg.node_id)
-        self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id) if cfg.ssd_path and cfg.ssd_bytes else None
-        self.sharedfs = SharedFsTier(cfg.sharedfs_path) if cfg.sharedfs_path else None
+        fault = FaultDelay(cfg.fault_tier_delay_file)
+        self.ssd = (SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id, fault=fault)
+                    if cfg.ssd_path and cfg.ssd_bytes else None)
+        self.sharedfs = SharedFsTier(cfg.sharedfs_path, fault=fault) if cfg.sharedfs_path else None
         self.at_rest = AtRest(cfg.master_key, cfg.previous_master_keys) if cfg.master_key else None
         self.events: Any = None  # a kvpool.events.EventPublisher, set by the service when configured
         self.lock = threading.RLock()
@@ -211,6 +228,8 @@ class StoreNode:
         self._ids = itertools.count(1)
         self._last_id = 0
         self.ssd_used = 0
+        # Moves between tiers, outside the lock; None without a tier below DRAM (evictions drop).
+        self.mover = TierMover(self) if self.ssd is not None or self.sharedfs is not None else None
 
     # ------------------------------------------------------------------ tenancy
 
@@ -441,6 +460,8 @@ class StoreNode:
         offsets = [0] * len(keys)
         tokens = [0] * len(keys)
         entries: list[Entry | None] = [None] * len(keys)
+        if self.mover is not None:
+            self._make_room(tenant, keys, sizes, kind)
         with self.lock:
             self._sweep(now)
             if self.draining:
@@ -473,7 +494,7 @@ class StoreNode:
                     incoming += self.dram.alloc.rounded(size)
             self._admit_quota(t, keys, sizes, codes, now)
             incoming = sum(self.dram.alloc.rounded(s) for s, c in zip(sizes, codes, strict=True) if c == pb.OK)
-            need = watermark_need(self.dram.alloc.used, incoming, self.dram.capacity,
+            need = watermark_need(self.dram.alloc.used - self._pending_demotions(), incoming, self.dram.capacity,
                                   self.cfg.high_watermark, self.cfg.low_watermark)
             if need:
                 self._evict_dram(need, now)
@@ -507,6 +528,23 @@ class StoreNode:
                 self.reservations[rid] = Reservation(rid, tenant, entries, expires)
                 heapq.heappush(self._res_heap, (expires, rid))
             return codes, offsets, tokens, rid
+
+    def _pending_demotions(self) -> int:
+        """DRAM bytes on their way down (still allocated; freed when their copies land)."""
+        return self.mover.pending_bytes if self.mover is not None else 0
+
+    def _make_room(self, tenant: str, keys: list[bytes], sizes: Sequence[int], kind: int) -> None:
+        """Before a write reserves: start the demotions its new objects need, then wait for them
+        at most ``demote_wait_seconds`` with the lock released (``demoter.TierMover.make_room``).
+        The reservation that follows takes what fits; the rest is NO_SPACE."""
+        assert self.mover is not None
+        with self.lock:
+            part = self.index.get(tenant, {})
+            cap = min(self.cfg.max_object_bytes, self.dram.capacity)
+            sizes_new = [self.dram.alloc.rounded(s) for k, s in zip(keys, sizes, strict=True)
+                         if 0 < s <= cap and index_key(k, kind) not in part]
+        if sizes_new:
+            self.mover.make_room(sizes_new, time.monotonic() + self.cfg.demote_wait_seconds)
 
     def _admit_quota(self, t: Tenant, keys: list[bytes], sizes: Sequence[int], codes: list[pb.Code],
                      now: float) -> None:
@@ -695,31 +733,62 @@ class StoreNode:
             lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None], Lease | None]:
         """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer.
 
-        Each object is pinned as soon as it is found, so promoting a later object of the same
-        batch can never evict (and recycle the slot of) an earlier one.  The lease's
+        Objects below DRAM are promoted first, without the lock and for at most
+        ``tier_read_seconds`` (the rest are misses); then each is pinned.  The lease's
         ``read_tokens`` are the transfer tokens, index-parallel to the found objects.
         """
         check_kind(kind)
-        now = time.time()
+        promoted = self._promote_for_read(tenant, keys, kind)
         with self.lock:
-            codes, found = self._pin_found(tenant, keys, kind, lease_id, now)
-            lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), [], tenant)
+            return self._get_locked(tenant, keys, kind, lease_ms, lease_id, promoted)
+
+    def _get_locked(self, tenant: str, keys: list[bytes], kind: int, lease_ms: int, lease_id: int,
+                    promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None], Lease | None]:
+        """:meth:`get` once its promotions are done (``promoted``); caller holds the lock."""
+        now = time.time()
+        codes, found = self._pin_found(tenant, keys, kind, lease_id, now, promoted)
+        lease = Lease(self._next_id(), self._lease_expiry(lease_ms, now), [], tenant)
+        for e in found:
+            if e is None:
+                continue
+            lease.entries.append(e)
+            t = self._new_token()
+            self.read_tokens[t] = (e, lease)
+            lease.read_tokens.append(t)
+        if not lease.entries:
+            return codes, found, None
+        self._register_lease(lease)
+        return codes, found, lease
+
+    def _promote_for_read(self, tenant: str, keys: list[bytes], kind: int) -> Promoted:
+        """Bring a read's objects that are below DRAM up, without the lock, waiting at most
+        ``tier_read_seconds``: id(entry) → code of those that failed (``TierMover.promote``),
+        and the read's objects, pinned meanwhile (making room for one must not demote
+        another); :meth:`_pin_found` unpins them."""
+        if self.mover is None:
+            return {}, []
+        with self.lock:
+            part = self.index.get(tenant, {})
+            found = [e for e in (self._lookup(part, tenant, k, kind) for k in keys) if e is not None]
+            if all(e.tier == "dram" for e in found):
+                return {}, []
             for e in found:
-                if e is None:
-                    continue
-                lease.entries.append(e)
-                t = self._new_token()
-                self.read_tokens[t] = (e, lease)
-                lease.read_tokens.append(t)
-            if not lease.entries:
-                return codes, found, None
-            self._register_lease(lease)
-            return codes, found, lease
+                e.pins += 1
+        try:
+            return self.mover.promote(found, self.cfg.tier_read_seconds), found
+        except BaseException:
+            with self.lock:
+                for e in found:
+                    e.pins -= 1
+            raise
 
     def _pin_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
-                   now: float) -> tuple[list[pb.Code], list[Entry | None]]:
-        """Look up, promote to DRAM and pin (``pins`` + 1) each object of a read; drop the
-        caller's ``drop_lease_id`` (a match lease the read supersedes).  Caller holds the lock."""
+                   now: float, promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None]]:
+        """Look up and pin (``pins`` + 1) each object of a read; drop the caller's
+        ``drop_lease_id`` (a match lease the read supersedes).  An object below DRAM (its
+        promotion, :meth:`_promote_for_read`, failed or is still on its way) is a miss: no tier
+        I/O here.  Caller holds the lock."""
+        failed, held = promoted
         self._sweep(now)
         part = self.index.get(tenant, {})
         codes = [pb.OK] * len(keys)
@@ -730,17 +799,16 @@ class StoreNode:
             if e is None:
                 codes[i] = pb.NOT_FOUND
                 continue
-            e.pins += 1  # at once: promoting a later object must not evict this one
             if e.tier != "dram":
-                code = self._promote(e, now)
-                if code != pb.OK:
-                    e.pins -= 1
-                    codes[i] = code
-                    continue
+                codes[i] = pb.Code.ValueType(failed.get(id(e), pb.NOT_FOUND))
+                continue
+            e.pins += 1
             e.last_access = now
             self.lru_dram.move_to_end(id(e))
             found[i] = e
             hits += 1
+        for e in held:
+            e.pins -= 1  # the promotion's hold: the read's own pins are taken
         self.counters["get_blocks"] += len(keys)
         self.counters["get_hits"] += hits
         old = self.leases.get(drop_lease_id) if drop_lease_id else None
@@ -772,8 +840,9 @@ class StoreNode:
         is still being sent succeeds (the extent is freed after the send, as an unlinked open
         file), rather than the caller who just got its bytes seeing IN_FLIGHT for its own read."""
         check_kind(kind)
+        promoted = self._promote_for_read(tenant, keys, kind)
         with self.lock:
-            codes, found = self._pin_found(tenant, keys, kind, drop_lease_id, time.time())
+            codes, found = self._pin_found(tenant, keys, kind, drop_lease_id, time.time(), promoted)
             for e in found:
                 if e is not None:
                     e.pins -= 1
@@ -802,8 +871,10 @@ class StoreNode:
                  lease_id: int = 0) -> tuple[list[pb.Code], list[int], list[int], list[int], list[int], Lease | None]:
         """:meth:`get` as plain numbers (codes, offsets, sizes, checksums, tokens, lease), taken
         under the lock: a lease that expires right away must not leave a half-read answer."""
+        check_kind(kind)
+        promoted = self._promote_for_read(tenant, keys, kind)
         with self.lock:
-            codes, found, lease = self.get(tenant, keys, kind, lease_ms, lease_id)
+            codes, found, lease = self._get_locked(tenant, keys, kind, lease_ms, lease_id, promoted)
             tokens = self.get_tokens(lease, found)
             offsets = [e.offset if e is not None else 0 for e in found]
             sizes = [e.size if e is not None else 0 for e in found]
@@ -909,6 +980,8 @@ class StoreNode:
         return expired + plan.victims  # type: ignore[operator]
 
     def _evict_dram(self, need: int, now: float, expire_all: bool = True) -> int:
+        """Drop expired victims, start the demotion of the others (or drop them without a tier
+        below); the DRAM bytes freed now (a demotion frees its bytes when its copy lands)."""
         freed = 0
         for e in self._dram_victims(need, now, expire_all):
             expired = is_expired(e, now, self._ttl_map_for(e), self._ttl_for(e))
@@ -916,14 +989,17 @@ class StoreNode:
                 self._discard(e)
                 self.counters["expired"] += 1
                 self._tenant(e.tenant).counters["expired"] += 1
-            elif e.kind == pb.BLOCK and self._demote(e, now):
-                self.counters["demoted"] += 1
+            elif e.kind == pb.BLOCK and self.mover is not None and self.mover.plan_demotion(e):
+                continue
             else:
                 self._discard(e)
-                self.counters["evicted"] += 1
-                self._tenant(e.tenant).counters["evicted"] += 1
+                self._count_evicted(e)
             freed += e.size
         return freed
+
+    def _count_evicted(self, e: Entry) -> None:
+        self.counters["evicted"] += 1
+        self._tenant(e.tenant).counters["evicted"] += 1
 
     def _ttl_map(self) -> dict[str, float]:
         return self.cfg.ttl_seconds
@@ -943,177 +1019,10 @@ class StoreNode:
             t.counters["evicted_quota"] += 1
         return plan.freed_bytes
 
-    def _demote(self, e: Entry, now: float) -> bool:
-        """Move a DRAM object to the SSD tier (or the shared filesystem); False if neither can."""
-        src = self._at_rest_blob(e, self.dram.slice(e.offset, e.size))
-        if self.ssd is not None and self.ssd.alloc.rounded(len(src)) <= self.ssd.capacity:
-            try:
-                off = self.ssd.alloc.alloc(len(src))
-            except OutOfSpace:
-                self._evict_ssd(self.ssd.alloc.rounded(len(src)) + int(self.ssd.capacity * 0.05))
-                try:
-                    off = self.ssd.alloc.alloc(len(src))
-                except OutOfSpace:
-                    return self._demote_sharedfs(e, src)
-            try:
-                self.ssd.write(off, src)
-            except OSError as exc:
-                log.warning("SSD write failed, dropping instead of demoting: %s", exc)
-                self.ssd.alloc.free(off)
-                return self._demote_sharedfs(e, src)
-            self._move(e, "ssd", off)
-            self.lru_ssd[id(e)] = e
-            return True
-        return self._demote_sharedfs(e, src)
-
-    def _demote_sharedfs(self, e: Entry, src: memoryview) -> bool:
-        """``src``: the object's bytes as :meth:`_at_rest_blob` made them (sealed or not)."""
-        if self.sharedfs is None:
-            return False
-        salt = self._fs_salt(e.tenant)
-        # An object promoted from the shared tier still has its (immutable) file there.
-        if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
-            try:
-                self._write_sharedfs(salt, e, src)
-            except OSError as exc:
-                log.warning("shared-fs write failed, dropping instead of demoting: %s", exc)
-                return False
-        e.on_fs = True
-        self._move(e, "sharedfs", -1)
-        self._tenant(e.tenant).used_bytes -= e.size  # shared tier is outside the node's quota
-        return True
-
-    def _move(self, e: Entry, tier: str, offset: int) -> None:
-        self.lru_dram.pop(id(e), None)
-        self.by_token.pop(e.token, None)
-        self.dram.alloc.free(e.offset)
-        e.tier, e.offset, e.token = tier, offset, 0
-
-    def _evict_ssd(self, need: int) -> None:
-        assert self.ssd is not None
-        self._settle_pins()
-        freed = 0
-        for e in list(self.lru_ssd.values()):
-            if freed >= need:
-                break
-            if e.pins:
-                continue
-            if self.sharedfs is not None and self._ssd_to_sharedfs(e):
-                self.counters["demoted"] += 1
-            else:
-                self._discard(e)
-                self.counters["evicted"] += 1
-                self._tenant(e.tenant).counters["evicted"] += 1
-            freed += e.size
-
-    def _ssd_to_sharedfs(self, e: Entry) -> bool:
-        assert self.ssd is not None and self.sharedfs is not None
-        salt = self._fs_salt(e.tenant)
-        if not (e.on_fs and self.sharedfs.stat(salt, e.key) is not None):
-            buf = bytearray(self._stored_size(e))  # a sealed copy moves as it is, same generation
-            try:
-                self.ssd.read_into(e.offset, memoryview(buf))
-                self._write_sharedfs(salt, e, memoryview(buf))
-            except OSError as exc:
-                log.warning("SSD to shared-fs demotion failed: %s", exc)
-                return False
-        self.lru_ssd.pop(id(e), None)
-        self.ssd.alloc.free(e.offset)
-        self._tenant(e.tenant).used_bytes -= e.size
-        e.tier, e.offset, e.on_fs = "sharedfs", -1, True
-        return True
-
-    def _promote(self, e: Entry, now: float) -> pb.Code:
-        """Bring an SSD/shared-fs object into DRAM, verifying its checksum.
-
-        The caller pins ``e`` first (so making room cannot evict the object being promoted).
-        Returns OK, NO_SPACE (nothing could be evicted; the object stays where it is), or
-        CHECKSUM/NOT_FOUND (the copy was bad or gone: the object is forgotten, a miss).
-        """
-        try:
-            off = self._alloc_dram(e.size, now)
-        except OutOfSpace:
-            return pb.NO_SPACE
-        dst = self.dram.slice(off, e.size)
-        code: pb.Code = pb.NOT_FOUND
-        try:
-            if e.tier == "ssd" and self.ssd is not None and e.offset >= 0:
-                code = self._read_ssd(e, dst)
-            elif e.tier == "sharedfs" and self.sharedfs is not None:
-                code = self._read_sharedfs(e, dst)
-        except OSError as exc:
-            log.warning("promotion read failed: %s", exc)
-        if code == pb.OK and checksum(dst) != e.checksum:
-            code = pb.CHECKSUM
-            self.counters["checksum_failures"] += 1
-            self._tenant(e.tenant).counters["checksum_failures"] += 1
-        if code != pb.OK:
-            self.dram.alloc.free(off)
-            self._discard(e)
-            return code
-        if e.tier == "ssd" and self.ssd is not None:
-            self.lru_ssd.pop(id(e), None)
-            self.ssd.alloc.free(e.offset)
-        elif e.tier == "sharedfs":
-            self._tenant(e.tenant).used_bytes += e.size
-        e.tier, e.offset, e.token = "dram", off, self._new_token()
-        self.by_token[e.token] = e
-        self.lru_dram[id(e)] = e
-        self.counters["promoted"] += 1
-        return pb.OK
-
     # ------------------------------------------------------------------ encryption at rest
-
-    def _at_rest_blob(self, e: Entry, src: memoryview) -> memoryview:
-        """What a tier below DRAM stores: the bytes, or them sealed under a new generation."""
-        if self.at_rest is None:
-            return src
-        e.gen = secrets.randbits(63)
-        self.counters["sealed"] += 1
-        # Into the scratch buffer: every caller holds the lock, and the blob is written before
-        # anything else seals or opens (SSD-to-shared-fs moves use their own buffer).
-        return self.at_rest.seal(e.tenant, e.key, e.kind, e.gen, src, self.at_rest.scratch(sealed_size(e.size)))
 
     def _stored_size(self, e: Entry) -> int:
         return sealed_size(e.size) if self.at_rest is not None else e.size
-
-    def _write_sharedfs(self, salt: bytes, e: Entry, src: memoryview) -> None:
-        assert self.sharedfs is not None
-        if self.at_rest is None:
-            self.sharedfs.write(salt, e.key, e.kind, src, e.checksum)
-        else:
-            self.sharedfs.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=e.gen)
-
-    def _read_ssd(self, e: Entry, dst: memoryview) -> pb.Code:
-        assert self.ssd is not None
-        if self.at_rest is None:
-            self.ssd.read_into(e.offset, dst)
-            return pb.OK
-        blob = self.at_rest.scratch(sealed_size(e.size))
-        self.ssd.read_into(e.offset, blob)
-        if self.at_rest.open_into(e.tenant, e.key, e.kind, e.gen, blob, dst):
-            self._opened(blob)
-            return pb.OK
-        return self._at_rest_failure(e)
-
-    def _read_sharedfs(self, e: Entry, dst: memoryview) -> pb.Code:
-        assert self.sharedfs is not None
-        salt = self._fs_salt(e.tenant)
-        if self.at_rest is None:
-            hdr = self.sharedfs.read_into(salt, e.key, dst)
-            return pb.OK if hdr is not None and not hdr.sealed else pb.NOT_FOUND
-        blob = self.at_rest.scratch(sealed_size(e.size))
-        hdr = self.sharedfs.read_into(salt, e.key, blob)
-        if hdr is None:
-            # Gone (another node removed it) is a plain miss; present but unreadable is damage.
-            return self._at_rest_failure(e) if self.sharedfs.stat(salt, e.key) is not None else pb.NOT_FOUND
-        if not (hdr.sealed and hdr.size == e.size and hdr.kind == e.kind
-                and self.at_rest.open_into(e.tenant, e.key, e.kind, hdr.generation, blob, dst)):
-            return self._at_rest_failure(e)
-        self._opened(blob)
-        if not e.checksum:
-            e.checksum = checksum(dst)  # adopted: a sealed file carries no checksum; the tag vouched
-        return pb.OK
 
     def set_master_keys(self, current: bytes, previous: Sequence[bytes]) -> None:
         """A rotation: seal under ``current`` from now on, open what any of the keys sealed."""
@@ -1122,19 +1031,6 @@ class StoreNode:
         with self.lock:  # no seal or open is half-way through a key swap
             self.at_rest.set_keys(current, previous)
             self.counters["master_key_reloads"] += 1
-
-    def _opened(self, blob: memoryview) -> None:
-        assert self.at_rest is not None
-        if not self.at_rest.sealed_with_current(blob):
-            # Still sealed under a previous key: when this stays at 0, the old key can go.
-            self.counters["at_rest_previous_key_opens"] += 1
-
-    def _at_rest_failure(self, e: Entry) -> pb.Code:
-        """A copy below DRAM that does not authenticate (tampered, truncated, sealed for another
-        tenant or under another master key): counted, never served; the caller drops it."""
-        self.counters["at_rest_auth_failures"] += 1
-        self._tenant(e.tenant).counters["at_rest_auth_failures"] += 1
-        return pb.CHECKSUM
 
     def expire_sweep(self) -> int:
         """Drop every expired object (timer-driven, so expired objects do not wait for pressure)."""
@@ -1179,17 +1075,13 @@ class StoreNode:
         while it runs; objects gone or not promotable meanwhile are left out.  How many were."""
         held: list[Entry] = []
         views: list[memoryview] = []
+        if self.mover is not None:
+            # A background push (drain, warm-up): it may wait for a slow disk longer than a read.
+            self.mover.promote(entries, max(self.cfg.tier_read_seconds, 30.0))
         with self.lock:
             for e in entries:
-                if e.state != COMMITTED:
+                if e.state != COMMITTED or e.tier != "dram":
                     continue
-                if e.tier != "dram":
-                    e.pins += 1
-                    try:
-                        if self._promote(e, time.time()) != pb.OK:
-                            continue
-                    finally:
-                        e.pins -= 1
                 e.inflight += 1
                 held.append(e)
                 views.append(self.dram.slice(e.offset, e.size))
@@ -1224,6 +1116,8 @@ class StoreNode:
     def close(self) -> None:
         if self.events is not None:
             self.events.close()
+        if self.mover is not None:
+            self.mover.close()
         self.dram.close()
         if self.ssd is not None:
             self.ssd.close()

@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 
 import xxhash
@@ -24,6 +25,30 @@ from .allocator import ExtentAllocator
 def checksum(view: memoryview | bytes) -> int:
     """XXH3-64 of a buffer (the checksum carried by every blob)."""
     return int(xxhash.xxh3_64_intdigest(view))
+
+
+class FaultDelay:
+    """Test hook (fault injection): while the file at ``path`` exists, each SSD or shared-fs read
+    and write first sleeps the seconds it holds (a float; unreadable or empty: none).
+
+    Set by the store's ``--fault-tier-delay-file`` (or ``faultTierDelayFile``) only: it stands in
+    for a slow or hung disk in tests, where no throttled device (dm-delay) or FUSE mount is at
+    hand.  Unset, it costs one attribute test per I/O.
+    """
+
+    def __init__(self, path: str = "") -> None:
+        self.path = path
+
+    def __call__(self) -> None:
+        if not self.path:
+            return
+        try:
+            with open(self.path) as f:
+                delay = float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return
+        if delay > 0:
+            time.sleep(delay)
 
 
 class DramTier:
@@ -101,7 +126,9 @@ class SsdTier:
 
     name = "ssd"
 
-    def __init__(self, directory: str, capacity: int, node_id: str, align: int = 4096) -> None:
+    def __init__(self, directory: str, capacity: int, node_id: str, align: int = 4096,
+                 fault: FaultDelay | None = None) -> None:
+        self.fault = fault or FaultDelay()
         os.makedirs(directory, exist_ok=True)
         self.alloc = ExtentAllocator(capacity, align)
         self.capacity = self.alloc.capacity
@@ -122,11 +149,13 @@ class SsdTier:
             os.ftruncate(self._fd, self.capacity)
 
     def write(self, offset: int, src: memoryview) -> None:
+        self.fault()
         done = 0
         while done < len(src):
             done += os.pwritev(self._fd, [src[done:]], offset + done)
 
     def read_into(self, offset: int, dst: memoryview) -> None:
+        self.fault()
         done = 0
         while done < len(dst):
             n = os.preadv(self._fd, [dst[done:]], offset + done)
@@ -194,7 +223,8 @@ class SharedFsTier:
 
     name = "sharedfs"
 
-    def __init__(self, directory: str, capacity: int = 0) -> None:
+    def __init__(self, directory: str, capacity: int = 0, fault: FaultDelay | None = None) -> None:
+        self.fault = fault or FaultDelay()
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.capacity = capacity
@@ -206,6 +236,7 @@ class SharedFsTier:
     def write(self, salt: bytes, key: bytes, kind: int, src: memoryview, csum: int, *,
               sealed_size: int | None = None, generation: int = 0) -> str:
         """Write an object's file; with ``sealed_size`` (its plaintext size), ``src`` is sealed."""
+        self.fault()
         path = self.path_for(salt, key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
@@ -241,6 +272,7 @@ class SharedFsTier:
     def read_into(self, salt: bytes, key: bytes, dst: memoryview) -> SharedFsHeader | None:
         """Read the object's payload into ``dst`` (its size from :meth:`stat`, plus the sealing
         overhead for a sealed file); None if gone, damaged or not exactly that long."""
+        self.fault()
         try:
             fd = os.open(self.path_for(salt, key), os.O_RDONLY)
         except FileNotFoundError:

@@ -1,0 +1,427 @@
+"""Tier moves of a store node, with every byte of tier I/O and sealing outside the index lock.
+
+A slow or hung disk must never stall DRAM hits or other tenants, so no SSD or shared-filesystem
+read or write, and no sealing (encryption at rest), runs under the node's ``lock``.  A move of
+an object between tiers (DRAM → SSD or shared fs, SSD → shared fs, and back to DRAM for a read)
+has three steps:
+
+1. *Plan*, under the lock (no I/O): allocate the destination extent, mark the entry ``moving``
+   and hold it — a demotion holds it ``inflight`` (it stays readable from DRAM, and victim choice
+   skips it, so it is never demoted twice), a promotion or an SSD → shared-fs move ``pins`` it
+   (neither eviction, expiry nor a removal takes it meanwhile) — and queue the copy.
+2. *Copy*, without the lock: read, seal or open, verify, write.
+3. *Publish*, under the lock: the entry points at its new place and its old extent is freed —
+   unless it changed meanwhile (removed; read or pinned by a lease, for a demotion: the new copy
+   is dropped and the entry stays where it was, readable).
+
+Demotions and SSD → shared-fs moves run on one background thread, first in first out (a later
+move of the same object never overtakes an earlier one).  A writer that needs DRAM waits for
+them at most ``NodeConfig.demote_wait_seconds``, with the lock released, and then gets NO_SPACE
+for what does not fit: when the disk cannot keep up, writes are shed, reads never wait.
+Promotions run on a small pool; a reader waits at most ``NodeConfig.tier_read_seconds`` and the
+objects that did not arrive by then are misses of that call (the copy still lands for the next).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..proto import store_pb2 as pb
+from .allocator import OutOfSpace
+from .atrest import sealed_size
+from .eviction import watermark_need
+from .tiers import checksum
+
+if TYPE_CHECKING:
+    from .node import Entry, StoreNode
+
+log = logging.getLogger("kvpool.store")
+
+IDLE, DEMOTING, PROMOTING = 0, 1, 2
+"""``Entry.moving``: what a planned move is doing to the entry."""
+
+COMMITTED = 1  # node.COMMITTED (not imported: node imports this module)
+
+
+@dataclass
+class _Move:
+    entry: Entry
+    src: str
+    dst: str
+    offset: int = -1
+    """Destination extent (SSD or DRAM); -1 for the shared filesystem."""
+    gen: int = 0
+    code: int = pb.OK
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class TierMover:
+    """The move engine of one :class:`~kvpool.store.node.StoreNode` (see the module docstring).
+
+    ``plan_demotion``, ``ssd_alloc`` and ``pending_bytes`` are called and read with the node's
+    lock held; ``make_room`` and ``promote`` take it themselves and must be called without it.
+    """
+
+    def __init__(self, node: StoreNode, promote_workers: int = 4, max_promotions: int = 256) -> None:
+        self.node = node
+        self.room = threading.Condition(node.lock)
+        """Notified when a move is published (DRAM freed, or a copy landed)."""
+        self.pending_bytes = 0
+        """DRAM bytes of demotions planned and not yet published (freed soon, if the disk allows)."""
+        self._queue: deque[_Move] = deque()
+        self._wake = threading.Condition(threading.Lock())
+        self._promoting: dict[int, _Move] = {}
+        self._max_promotions = max_promotions
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=promote_workers, thread_name_prefix="kvpool-promote")
+        self._thread = threading.Thread(target=self._run, name="kvpool-demoter", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ demotion
+
+    def plan_demotion(self, e: Entry) -> bool:
+        """Queue a DRAM object's move to the SSD (or the shared filesystem); False when no tier
+        below can take it (the caller drops it).  Caller holds the lock."""
+        n = self.node
+        move: _Move | None = None
+        if n.ssd is not None:
+            off = self.ssd_alloc(n._stored_size(e))
+            if off is not None:
+                move = _Move(e, "dram", "ssd", off)
+        if move is None and n.sharedfs is not None:
+            move = _Move(e, "dram", "sharedfs")
+        if move is None:
+            return False
+        e.moving = DEMOTING
+        e.inflight += 1
+        self.pending_bytes += e.size
+        self._enqueue(move)
+        return True
+
+    def ssd_alloc(self, size: int) -> int | None:
+        """An SSD extent of ``size`` bytes, making room by dropping (or, with a shared-fs tier,
+        queueing the move of) the coldest SSD objects; None when it cannot.  Caller holds the lock."""
+        n = self.node
+        assert n.ssd is not None
+        if n.ssd.alloc.rounded(size) > n.ssd.capacity:
+            return None
+        try:
+            return n.ssd.alloc.alloc(size)
+        except OutOfSpace:
+            pass
+        n._settle_pins()
+        need = n.ssd.alloc.rounded(size) + int(n.ssd.capacity * 0.05)
+        freed = 0
+        for v in list(n.lru_ssd.values()):
+            if freed >= need:
+                break
+            if v.pins or v.moving:
+                continue
+            if n.sharedfs is not None:
+                # Moved, not lost: but its extent is free only once the copy is out.
+                v.moving = DEMOTING
+                v.pins += 1
+                self._enqueue(_Move(v, "ssd", "sharedfs"))
+            else:
+                n._discard(v)
+                n._count_evicted(v)
+                freed += v.size
+        try:
+            return n.ssd.alloc.alloc(size)
+        except OutOfSpace:
+            return None
+
+    def make_room(self, sizes: Sequence[int], deadline: float) -> None:
+        """Before a write reserves extents of ``sizes`` (rounded) bytes: start the demotions that
+        make them fit (down to the low watermark, as a synchronous eviction did), then wait for
+        them, with the lock released, until the extents would fit, nothing more can be moved, or
+        ``deadline`` (monotonic) passes.  Call without the lock."""
+        n = self.node
+        total = sum(sizes)
+        with self.room:
+            need = watermark_need(n.dram.alloc.used - self.pending_bytes, total, n.dram.capacity,
+                                  n.cfg.high_watermark, n.cfg.low_watermark)
+            if need:
+                n._evict_dram(need, time.time())
+            step = max(need, max(sizes))
+            while not self._fits(sizes):
+                if not self.pending_bytes:
+                    # Nothing on its way down (a fragmented arena): move more, geometrically.
+                    used = n.dram.alloc.used
+                    n._evict_dram(step, time.time(), expire_all=False)
+                    if not self.pending_bytes and n.dram.alloc.used == used:
+                        return  # nothing left to move: the reservation sheds what does not fit
+                    step *= 2
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    n.counters["demote_waits_timed_out"] += 1
+                    return
+                self.room.wait(left)
+
+    def _fits(self, sizes: Sequence[int]) -> bool:
+        """Whether extents of ``sizes`` could be allocated now (a trial, undone).  Lock held."""
+        alloc = self.node.dram.alloc
+        if alloc.largest_free >= sum(sizes):
+            return True
+        got: list[int] = []
+        try:
+            for size in sizes:
+                got.append(alloc.alloc(size))
+            return True
+        except OutOfSpace:
+            return False
+        finally:
+            for off in got:
+                alloc.free(off)
+
+    def _enqueue(self, move: _Move) -> None:
+        with self._wake:
+            self._queue.append(move)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                move = self._queue.popleft()
+            try:
+                self._copy_down(move)
+            except Exception as exc:  # noqa: BLE001 - a failed copy drops the object, never the thread
+                log.warning("tier move of an object failed: %s", exc)
+                move.code = pb.CHECKSUM
+            cleanup = self._publish_down(move)
+            if cleanup is not None:
+                self._remove_fs(*cleanup)
+
+    def _copy_down(self, m: _Move) -> None:
+        """Read the object, seal it when encrypting at rest, write it below.  No lock held: the
+        entry's source extent is held by the plan (``inflight`` or ``pins``)."""
+        n, e = self.node, m.entry
+        if m.src == "dram":
+            src: memoryview = n.dram.slice(e.offset, e.size)
+            if n.at_rest is not None:
+                m.gen = secrets.randbits(63)
+                src = n.at_rest.seal(e.tenant, e.key, e.kind, m.gen, src)
+        else:  # ssd → sharedfs: a sealed copy moves as it is, under the same generation
+            assert n.ssd is not None
+            m.gen = e.gen
+            buf = memoryview(bytearray(n._stored_size(e)))
+            n.ssd.read_into(e.offset, buf)
+            src = buf
+        if m.dst == "ssd":
+            assert n.ssd is not None
+            n.ssd.write(m.offset, src)
+            return
+        assert n.sharedfs is not None
+        salt = n._fs_salt(e.tenant)
+        # An object promoted from the shared tier still has its (immutable) file there.
+        if not (e.on_fs and n.sharedfs.stat(salt, e.key) is not None):
+            if n.at_rest is None:
+                n.sharedfs.write(salt, e.key, e.kind, src, e.checksum)
+            else:
+                n.sharedfs.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=m.gen)
+
+    def _publish_down(self, m: _Move) -> tuple[str, bytes] | None:
+        """Make a finished copy the object's place (or undo it); returns a shared-fs file to
+        remove outside the lock when the copy is not wanted any more."""
+        n, e = self.node, m.entry
+        with self.room:
+            e.moving = IDLE
+            if m.src == "dram":
+                e.inflight -= 1
+                self.pending_bytes -= e.size
+            else:
+                e.pins -= 1
+            n._settle_pins()
+            gone = e.state != COMMITTED
+            if gone or m.code != pb.OK:
+                if m.dst == "ssd" and m.offset >= 0:
+                    assert n.ssd is not None
+                    n.ssd.alloc.free(m.offset)
+                if gone:
+                    if m.src == "dram" and e.inflight == 0 and e.offset >= 0:
+                        n.dram.alloc.free(e.offset)  # removed meanwhile: the last holder frees
+                        e.offset = -1
+                else:
+                    log.warning("tier write failed: dropping the object instead of moving it")
+                    n._discard(e)
+                    n._count_evicted(e)
+                self.room.notify_all()
+                # A file written for an object removed meanwhile goes too (FIFO: before any later
+                # copy of the same key), or a lookup would bring the removed object back.
+                return (e.tenant, e.key) if gone and m.dst == "sharedfs" else None
+            if m.src == "dram" and (e.pins or e.inflight):
+                # Read or leased while it was copied: it stays in DRAM (it is hot), the copy goes.
+                if m.dst == "ssd":
+                    assert n.ssd is not None
+                    n.ssd.alloc.free(m.offset)
+                else:
+                    e.on_fs = True  # the file is there: a removal must take it too
+                n.counters["demotions_abandoned"] += 1
+                self.room.notify_all()
+                return None
+            if m.src == "dram":
+                n.lru_dram.pop(id(e), None)
+                n.by_token.pop(e.token, None)
+                n.dram.alloc.free(e.offset)
+                e.token = 0
+            else:
+                assert n.ssd is not None
+                n.lru_ssd.pop(id(e), None)
+                n.ssd.alloc.free(e.offset)
+            e.tier, e.offset, e.gen = m.dst, m.offset, m.gen
+            if m.dst == "ssd":
+                n.lru_ssd[id(e)] = e
+            else:
+                e.on_fs = True
+                n._tenant(e.tenant).used_bytes -= e.size  # shared tier is outside the node's quota
+            if m.src == "dram" and n.at_rest is not None:
+                n.counters["sealed"] += 1
+            n.counters["demoted"] += 1
+            self.room.notify_all()
+            return None
+
+    def _remove_fs(self, tenant: str, key: bytes) -> None:
+        n = self.node
+        if n.sharedfs is not None:
+            try:
+                n.sharedfs.remove(n._fs_salt(tenant), key)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ promotion
+
+    def promote(self, entries: Sequence[Entry], timeout: float) -> dict[int, int]:
+        """Bring the committed objects of ``entries`` that are below DRAM up, waiting at most
+        ``timeout`` seconds; returns id(entry) → code for those that failed (NO_SPACE,
+        CHECKSUM, NOT_FOUND); those still on their way are neither there nor in DRAM (misses).
+        Call without the lock."""
+        n = self.node
+        failed: dict[int, int] = {}
+        waits: list[_Move] = []
+        deadline = time.monotonic() + timeout
+        with n.lock:
+            sizes = [n.dram.alloc.rounded(e.size) for e in entries
+                     if e.state == COMMITTED and e.tier != "dram" and not e.moving]
+        if sizes:
+            self.make_room(sizes, deadline)  # a full DRAM: what comes up needs demotions first
+        with n.lock:
+            now = time.time()
+            for e in entries:
+                if e.state != COMMITTED or e.tier == "dram":
+                    continue
+                m = self._promoting.get(id(e))
+                if m is None:
+                    if e.moving or len(self._promoting) >= self._max_promotions:
+                        continue  # moving down right now, or too many reads stuck: a miss
+                    try:
+                        off = n._alloc_dram(e.size, now)
+                    except OutOfSpace:
+                        failed[id(e)] = pb.NO_SPACE
+                        continue
+                    m = _Move(e, e.tier, "dram", off)
+                    e.moving = PROMOTING
+                    e.pins += 1
+                    self._promoting[id(e)] = m
+                    self._pool.submit(self._promote_one, m)
+                waits.append(m)
+        for m in waits:
+            if not m.done.wait(max(0.0, deadline - time.monotonic())):
+                continue
+            if m.code != pb.OK:
+                failed[id(m.entry)] = m.code
+        return failed
+
+    def _promote_one(self, m: _Move) -> None:
+        n, e = self.node, m.entry
+        dst = n.dram.slice(m.offset, e.size)
+        code = pb.NOT_FOUND
+        auth_failed = previous_key = False
+        try:
+            if n.at_rest is None:
+                if m.src == "ssd" and n.ssd is not None:
+                    n.ssd.read_into(e.offset, dst)
+                    code = pb.OK
+                elif m.src == "sharedfs" and n.sharedfs is not None:
+                    hdr = n.sharedfs.read_into(n._fs_salt(e.tenant), e.key, dst)
+                    code = pb.OK if hdr is not None and not hdr.sealed else pb.NOT_FOUND
+            else:
+                blob = memoryview(bytearray(sealed_size(e.size)))
+                gen = e.gen
+                if m.src == "ssd" and n.ssd is not None:
+                    n.ssd.read_into(e.offset, blob)
+                    present = True
+                elif m.src == "sharedfs" and n.sharedfs is not None:
+                    salt = n._fs_salt(e.tenant)
+                    hdr = n.sharedfs.read_into(salt, e.key, blob)
+                    present = hdr is not None or n.sharedfs.stat(salt, e.key) is not None
+                    ok_hdr = hdr is not None and hdr.sealed and hdr.size == e.size and hdr.kind == e.kind
+                    gen = hdr.generation if hdr is not None and ok_hdr else -1
+                else:
+                    present = False
+                if not present:
+                    code = pb.NOT_FOUND  # gone (another node removed it): a plain miss
+                elif gen >= 0 and n.at_rest.open_into(e.tenant, e.key, e.kind, gen, blob, dst):
+                    code = pb.OK
+                    previous_key = not n.at_rest.sealed_with_current(blob)
+                else:
+                    code, auth_failed = pb.CHECKSUM, True
+            if code == pb.OK:
+                actual = checksum(dst)
+                if not e.checksum and m.src == "sharedfs" and n.at_rest is not None:
+                    e.checksum = actual  # adopted: a sealed file carries no checksum; the tag vouched
+                elif actual != e.checksum:
+                    code = pb.CHECKSUM
+        except Exception as exc:  # noqa: BLE001 - an unreadable copy is a miss, never a crash
+            log.warning("promotion read failed: %s", exc)
+            code = pb.NOT_FOUND
+        with n.lock:
+            e.pins -= 1
+            e.moving = IDLE
+            self._promoting.pop(id(e), None)
+            if previous_key:
+                n.counters["at_rest_previous_key_opens"] += 1
+            if code == pb.OK and e.state == COMMITTED and e.tier == m.src:
+                if m.src == "ssd" and n.ssd is not None:
+                    n.lru_ssd.pop(id(e), None)
+                    n.ssd.alloc.free(e.offset)
+                else:
+                    n._tenant(e.tenant).used_bytes += e.size
+                e.tier, e.offset, e.token = "dram", m.offset, n._new_token()
+                e.last_access = time.time()
+                n.by_token[e.token] = e
+                n.lru_dram[id(e)] = e
+                n.counters["promoted"] += 1
+            else:
+                n.dram.alloc.free(m.offset)
+                if code == pb.OK:
+                    code = pb.NOT_FOUND  # removed or moved meanwhile
+                elif e.state == COMMITTED:
+                    if code == pb.CHECKSUM:
+                        # A copy that does not authenticate (tampered, truncated, sealed for another
+                        # tenant or key) is counted as such; the tag caught it before the checksum.
+                        what = "at_rest_auth_failures" if auth_failed else "checksum_failures"
+                        n.counters[what] += 1
+                        n._tenant(e.tenant).counters[what] += 1
+                    n._discard(e)  # the copy was bad or gone: forgotten, a miss
+            m.code = code
+            self.room.notify_all()
+        m.done.set()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
