@@ -571,6 +571,10 @@ class StoreNode:
             return self.dram.alloc.alloc(size)
         except OutOfSpace:
             pass
+        if self._pending_demotions():
+            # Demotions are on their way (a slow disk, or room made for another writer): more of
+            # them would free nothing now and only push hot objects down.  This write sheds.
+            raise OutOfSpace("DRAM full while demotions are in flight")
         # A full or fragmented arena: evict LRU objects (in batches of what this one needs) until a
         # contiguous extent appears or nothing evictable is left.  Free bytes alone are not enough.
         need = self.dram.alloc.rounded(size)
