@@ -92,6 +92,8 @@ class DataSession:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
+        self.incarnation = 0
+        """The node's incarnation as its last HELLO told (:meth:`hello`)."""
         self._pool = ThreadPoolExecutor(max_workers=self.connections - 1,
                                         thread_name_prefix="kvpool-data") if self.connections > 1 else None
 
@@ -214,7 +216,9 @@ class DataSession:
         Also the sidecar's probe of a suspect node (``timeout``: the probe's deadline)."""
         def run(stream: Stream, rid: int) -> int:
             stream.send(dp.encode_request(dp.OP_HELLO, rid, dp.HELLO_PADDING, b""))
-            return self._response(stream, rid, dp.OP_HELLO)[0].epoch
+            resp = self._response(stream, rid, dp.OP_HELLO)[0]
+            self.incarnation = resp.lease_id  # the node's life (its HELLO reply's lease id; 0: older node)
+            return resp.epoch
         return int(self._call(run, timeout))
 
     def exists(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,

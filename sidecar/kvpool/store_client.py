@@ -100,6 +100,9 @@ class StoreClient:
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()
         self.epoch_seen = 0
+        self.incarnation = 0
+        """The node's life as its last reply that carries one said (HELLO, gRPC replies): a
+        change means it restarted, and its leases and reservations of before are gone."""
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -112,6 +115,7 @@ class StoreClient:
         epoch = getattr(reply, "epoch", 0)
         if epoch > self.epoch_seen:
             self.epoch_seen = epoch
+        self.incarnation = getattr(reply, "incarnation", 0) or self.incarnation
         return reply
 
     def session(self, timeout: float | None = None) -> DataSession | None:
@@ -139,6 +143,7 @@ class StoreClient:
             return None
         try:
             self._seen(ds.hello(seconds))
+            self.incarnation = ds.incarnation or self.incarnation
         except errors.DeadlineExceeded:
             ds.close()
             raise
@@ -324,7 +329,8 @@ class StoreClient:
             if not st.ok:
                 revoke[i] = 1
         commit = self._rpc(self.stub.PutCommit, pb.PutCommitRequest(
-            reservation_id=start.reservation_id, checksums=sums, revoke=bytes(revoke)))
+            reservation_id=start.reservation_id, checksums=sums, revoke=bytes(revoke),
+            incarnation=start.incarnation))  # a node restarted meanwhile refuses it: nothing applied
         for i in todo:
             codes[i] = pb.LEASE_EXPIRED if revoke[i] else commit.codes[i]
         return codes

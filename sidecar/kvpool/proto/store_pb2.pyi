@@ -66,18 +66,20 @@ class ExistsRequest(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., pin: bool = ..., lease_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., prefix_only: bool = ..., kind: _Optional[_Union[Kind, str]] = ...) -> None: ...
 
 class ExistsReply(_message.Message):
-    __slots__ = ("prefix", "present", "lease_id", "lease_expires_unix_ms", "epoch")
+    __slots__ = ("prefix", "present", "lease_id", "lease_expires_unix_ms", "epoch", "incarnation")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     prefix: int
     present: bytes
     lease_id: int
     lease_expires_unix_ms: int
     epoch: int
-    def __init__(self, prefix: _Optional[int] = ..., present: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, prefix: _Optional[int] = ..., present: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("keys", "sizes", "traffic_class", "kind", "epoch", "timeout_ms")
@@ -96,30 +98,34 @@ class PutStartRequest(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., traffic_class: _Optional[str] = ..., kind: _Optional[_Union[Kind, str]] = ..., epoch: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
-    __slots__ = ("codes", "offsets", "tokens", "reservation_id", "location", "epoch")
+    __slots__ = ("codes", "offsets", "tokens", "reservation_id", "location", "epoch", "incarnation")
     CODES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     codes: _containers.RepeatedScalarFieldContainer[Code]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     reservation_id: int
     location: Location
     epoch: int
-    def __init__(self, codes: _Optional[_Iterable[_Union[Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., reservation_id: _Optional[int] = ..., location: _Optional[_Union[Location, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, codes: _Optional[_Iterable[_Union[Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., reservation_id: _Optional[int] = ..., location: _Optional[_Union[Location, _Mapping]] = ..., epoch: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PutCommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "checksums", "revoke")
+    __slots__ = ("reservation_id", "checksums", "revoke", "incarnation")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     REVOKE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
     revoke: bytes
-    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., revoke: _Optional[bytes] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., revoke: _Optional[bytes] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PutCommitReply(_message.Message):
     __slots__ = ("codes",)
@@ -148,7 +154,7 @@ class GetRequest(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ...) -> None: ...
 
 class GetReply(_message.Message):
-    __slots__ = ("codes", "offsets", "sizes", "checksums", "tokens", "lease_id", "lease_expires_unix_ms", "location", "epoch")
+    __slots__ = ("codes", "offsets", "sizes", "checksums", "tokens", "lease_id", "lease_expires_unix_ms", "location", "epoch", "incarnation")
     CODES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +164,7 @@ class GetReply(_message.Message):
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     codes: _containers.RepeatedScalarFieldContainer[Code]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -167,7 +174,8 @@ class GetReply(_message.Message):
     lease_expires_unix_ms: int
     location: Location
     epoch: int
-    def __init__(self, codes: _Optional[_Iterable[_Union[Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., location: _Optional[_Union[Location, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, codes: _Optional[_Iterable[_Union[Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., location: _Optional[_Union[Location, _Mapping]] = ..., epoch: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Location(_message.Message):
     __slots__ = ("segment", "transfer_address", "shm_path")
@@ -180,10 +188,12 @@ class Location(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., transfer_address: _Optional[str] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids",)
+    __slots__ = ("lease_ids", "incarnation")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
     __slots__ = ("keys", "kind")
@@ -237,7 +247,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "tiers", "tenants", "counters", "hit_blocks", "lookup_blocks", "draining")
+    __slots__ = ("node_id", "epoch", "tiers", "tenants", "counters", "hit_blocks", "lookup_blocks", "draining", "incarnation")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +263,7 @@ class StatsReply(_message.Message):
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -261,7 +272,8 @@ class StatsReply(_message.Message):
     hit_blocks: int
     lookup_blocks: int
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., hit_blocks: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., draining: bool = ...) -> None: ...
+    incarnation: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., hit_blocks: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., draining: bool = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RingMember(_message.Message):
     __slots__ = ("id", "address", "state", "transfer_address")
@@ -364,16 +376,18 @@ class PolicyRequest(_message.Message):
     def __init__(self, ttl_seconds: _Optional[_Mapping[str, int]] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ok", "node_id", "epoch", "transfer_address")
+    __slots__ = ("ok", "node_id", "epoch", "transfer_address", "incarnation")
     OK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     node_id: str
     epoch: int
     transfer_address: str
-    def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("ring", "added", "deadline_unix_ms", "max_bytes_per_second", "fraction", "removed")

@@ -254,10 +254,11 @@ class Pool:
         self.on_ring_change: Callable[[Ring], None] | None = None
         """Called (outside the lock) after the ring moved to a newer epoch."""
         self._refresh_lock = threading.Lock()
-        self._deferred: dict[str, tuple[int, float]] = {}
-        """Node id -> (a released match lease, when): it is dropped by the next frame to that
-        node (an EXISTS or a GET carries one lease to drop), or by :meth:`flush_deferred`; a
-        match released without a read costs no round trip of its own."""
+        self._deferred: dict[str, tuple[int, float, int]] = {}
+        """Node id -> (a released match lease, when, the node's incarnation then): it is dropped
+        by the next frame to that node (an EXISTS or a GET carries one lease to drop), or by
+        :meth:`flush_deferred`; a match released without a read costs no round trip of its own.
+        A node that failed or restarted since (another incarnation) lost it: it is not sent."""
         self._deferred_lock = threading.Lock()
         self.releases_sent = 0
         """Match leases dropped by a release frame of their own."""
@@ -369,6 +370,10 @@ class Pool:
             was_up = node.up
             if down:
                 node.health = breaker.on_failure(node.health, time.monotonic(), self.policy)
+        if down:
+            with self._deferred_lock:
+                # It may come back as another life: its leases die with this one, never sent there.
+                self._deferred.pop(node.member.id, None)
         if not down:
             log.warning("pool node %s refused a call: %s", node.member.id, exc)
             return
@@ -609,8 +614,8 @@ class Pool:
             if has_session:
                 with self._deferred_lock:
                     before = self._deferred.get(nid)
-                    self._deferred[nid] = (lids[-1], now)
-                lids = lids[:-1] + ([before[0]] if before else [])
+                    self._deferred[nid] = (lids[-1], now, node.client.incarnation)
+                lids = lids[:-1] + ([before[0]] if before and before[2] == node.client.incarnation else [])
                 if not lids:
                     continue
             self._send_release(node, lids)
@@ -619,8 +624,9 @@ class Pool:
         """The lease waiting to be dropped at ``nid`` (0: none), handed to a frame going there."""
         with self._deferred_lock:
             d = self._deferred.pop(nid, None)
-            if d is None:
-                return 0
+            node = self.nodes.get(nid)
+            if d is None or node is None or d[2] != node.client.incarnation:
+                return 0  # none, or of the node's previous life: it died with it
             self.releases_carried += 1
         return d[0]
 
@@ -629,12 +635,12 @@ class Pool:
         background loop: a node no frame goes to still has its pins dropped soon); how many."""
         now = time.monotonic()
         with self._deferred_lock:
-            due = [(nid, lid) for nid, (lid, at) in self._deferred.items() if now - at >= older_than]
-            for nid, _ in due:
+            due = [(nid, lid, inc) for nid, (lid, at, inc) in self._deferred.items() if now - at >= older_than]
+            for nid, _, _ in due:
                 del self._deferred[nid]
-        for nid, lid in due:
+        for nid, lid, inc in due:
             node = self._up(nid)
-            if node is not None:
+            if node is not None and node.client.incarnation == inc:
                 self._send_release(node, [lid])
         return len(due)
 

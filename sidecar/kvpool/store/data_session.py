@@ -69,7 +69,9 @@ class DataSessionHandler:
                pairs: ranges.Pairs | None = None) -> None:
         reply_op = dp.OP_PUT_READY if req.op == dp.OP_PUT else req.op
         if req.op == dp.OP_HELLO:
-            stream.send([dp.encode_response(dp.OP_HELLO, req.request_id, epoch=self.node.ring.epoch)])
+            # The node's incarnation rides in the HELLO reply's lease id (unused by HELLO).
+            stream.send([dp.encode_response(dp.OP_HELLO, req.request_id, lease_id=self.node.incarnation,
+                                            epoch=self.node.ring.epoch)])
             return
         try:
             tenant = self.node.authenticate(body.token)

@@ -225,8 +225,13 @@ class StoreNode:
         self.counters: Counter[str] = Counter()
         self.ring = Ring(epoch=0)
         self.draining = False
-        self._ids = itertools.count(1)
-        self._last_id = 0
+        # This life of the node: lease and reservation ids start at a random base, so an id held
+        # across a restart (a writer between reserve and commit, a matcher holding a lease) names
+        # nothing here, instead of whatever this life issued under the same number.
+        self.incarnation = 1 + secrets.randbits(62)
+        self._first_id = 1 + secrets.randbits(62)
+        self._ids = itertools.count(self._first_id)
+        self._last_id = self._first_id - 1
         self.ssd_used = 0
         # Moves between tiers, outside the lock; None without a tier below DRAM (evictions drop).
         self.mover = TierMover(self) if self.ssd is not None or self.sharedfs is not None else None
@@ -592,12 +597,18 @@ class StoreNode:
         return bool(self.token_to_tenant) if v is None else v
 
     def put_commit(self, tenant: str, reservation_id: int, checksums: Sequence[int],
-                   revoke: bytes = b"") -> list[pb.Code]:
+                   revoke: bytes = b"", incarnation: int = 0) -> list[pb.Code]:
+        """Commit (or revoke, per item) a reservation.  ``incarnation``: the life that issued it
+        (0: unchecked); a reservation of another life is gone: LEASE_EXPIRED, nothing applied."""
         now = time.time()
+        if incarnation and incarnation != self.incarnation:
+            with self.lock:
+                self.counters["refused_other_incarnation"] += 1
+            return [pb.LEASE_EXPIRED] * max(len(checksums), 1)
         with self.lock:
             self._sweep(now)
-            if reservation_id <= 0 or reservation_id > self._last_id:
-                raise InvalidArgument(f"reservation {reservation_id} was never issued by this node")
+            if not self._first_id <= reservation_id <= self._last_id:
+                raise InvalidArgument(f"reservation {reservation_id} was never issued by this life of the node")
             res = self.reservations.get(reservation_id)
             if res is None or res.tenant != tenant:
                 return [pb.LEASE_EXPIRED] * max(len(checksums), 1)
@@ -892,7 +903,11 @@ class StoreNode:
         it = iter(lease.read_tokens)
         return [next(it) if e is not None else 0 for e in found]
 
-    def release(self, lease_ids: Sequence[int], tenant: str | None = None) -> None:
+    def release(self, lease_ids: Sequence[int], tenant: str | None = None, incarnation: int = 0) -> None:
+        """Drop leases of ``tenant``; ``incarnation``: the life that issued them (0: unchecked),
+        another life's release drops nothing."""
+        if incarnation and incarnation != self.incarnation:
+            return
         with self.lock:
             for lid in lease_ids:
                 lease = self.leases.get(lid)
@@ -1102,6 +1117,7 @@ class StoreNode:
             dram_objects = len(self.lru_dram)
             return {
                 "node_id": self.node_id, "epoch": self.ring.epoch, "draining": self.draining,
+                "incarnation": self.incarnation,
                 "tiers": [
                     ("dram", self.dram.capacity, self.dram.alloc.used, dram_objects),
                     *([("ssd", self.ssd.capacity, self.ssd.alloc.used, len(self.lru_ssd))] if self.ssd else []),

@@ -149,7 +149,7 @@ class StoreService(pbg.StoreServicer):
                 request.lease_ms)
             return pb.ExistsReply(prefix=prefix, present=present, lease_id=lease.lease_id if lease else 0,
                                   lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
-                                  epoch=self.node.ring.epoch)
+                                  epoch=self.node.ring.epoch, incarnation=self.node.incarnation)
         return self._call(context, run)
 
     def PutStart(self, request: pb.PutStartRequest, context: grpc.ServicerContext) -> pb.PutStartReply:
@@ -160,13 +160,14 @@ class StoreService(pbg.StoreServicer):
                 tenant, self._keys(request.keys), list(request.sizes), request.traffic_class or "chatbot",
                 request.kind, request.timeout_ms, request.epoch)
             return pb.PutStartReply(codes=codes, offsets=offsets, tokens=tokens, reservation_id=rid,
-                                    location=self.location, epoch=self.node.ring.epoch)
+                                    location=self.location, epoch=self.node.ring.epoch,
+                                    incarnation=self.node.incarnation)
         return self._call(context, run)
 
     def PutCommit(self, request: pb.PutCommitRequest, context: grpc.ServicerContext) -> pb.PutCommitReply:
         tenant = self._tenant(context)
         return self._call(context, lambda: pb.PutCommitReply(codes=self.node.put_commit(
-            tenant, request.reservation_id, list(request.checksums), request.revoke)))
+            tenant, request.reservation_id, list(request.checksums), request.revoke, request.incarnation)))
 
     def PutRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
         tenant = self._tenant(context)
@@ -183,12 +184,14 @@ class StoreService(pbg.StoreServicer):
             return pb.GetReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums, tokens=tokens,
                                lease_id=lease.lease_id if lease else 0,
                                lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
-                               location=self.location, epoch=self.node.ring.epoch)
+                               location=self.location, epoch=self.node.ring.epoch,
+                               incarnation=self.node.incarnation)
         return self._call(context, run)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.Empty:
         tenant = self._tenant(context)
-        self.node.release(list(request.lease_ids), tenant)  # only the caller's own leases
+        # Only the caller's own leases, of this life.
+        self.node.release(list(request.lease_ids), tenant, request.incarnation)
         return pb.Empty()
 
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.CodesReply:
@@ -198,7 +201,7 @@ class StoreService(pbg.StoreServicer):
 
     def Health(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.HealthReply:
         return pb.HealthReply(ok=True, node_id=self.node.node_id, epoch=self.node.ring.epoch,
-                              transfer_address=self.transfer_address)
+                              transfer_address=self.transfer_address, incarnation=self.node.incarnation)
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
         # The admin (operator) sees every tenant; a tenant sees only its own usage and counters.
@@ -219,7 +222,7 @@ class StoreService(pbg.StoreServicer):
             tenants=[pb.TenantStats(tenant_id=t, used_bytes=u, quota_bytes=q, objects=max(o, 0), counters=c)
                      for t, u, q, o, c in s["tenants"]],
             counters=counters, hit_blocks=counters.get("hit_blocks", 0),
-            lookup_blocks=counters.get("lookup_blocks", 0))
+            lookup_blocks=counters.get("lookup_blocks", 0), incarnation=s["incarnation"])
 
     # -- admin calls ------------------------------------------------------------------------
 
