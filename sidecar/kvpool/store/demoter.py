@@ -28,9 +28,10 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ from ..proto import store_pb2 as pb
 from .allocator import OutOfSpace
 from .atrest import sealed_size
 from .eviction import watermark_need
-from .tiers import checksum
+from .tiers import SharedFsHeader, checksum
 
 if TYPE_CHECKING:
     from .node import Entry, StoreNode
@@ -63,6 +64,15 @@ class _Move:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass
+class _Unlink:
+    """The removal of an object's shared-fs file (queued, FIFO with the moves)."""
+
+    tenant: str
+    salt: bytes
+    key: bytes
+
+
 class TierMover:
     """The move engine of one :class:`~kvpool.store.node.StoreNode` (see the module docstring).
 
@@ -76,7 +86,9 @@ class TierMover:
         """Notified when a move is published (DRAM freed, or a copy landed)."""
         self.pending_bytes = 0
         """DRAM bytes of demotions planned and not yet published (freed soon, if the disk allows)."""
-        self._queue: deque[_Move] = deque()
+        self._queue: deque[_Move | _Unlink] = deque()
+        self.fs_removing: Counter[tuple[str, bytes]] = Counter()
+        """(tenant, key) of shared-fs files whose unlink is on its way: never adopted meanwhile."""
         self._wake = threading.Condition(threading.Lock())
         self._promoting: dict[int, _Move] = {}
         self._max_promotions = max_promotions
@@ -183,7 +195,51 @@ class TierMover:
             for off in got:
                 alloc.free(off)
 
-    def _enqueue(self, move: _Move) -> None:
+    def remove_file(self, tenant: str, salt: bytes, key: bytes) -> None:
+        """Unlink an object's shared-fs file off the lock (FIFO: before any later copy of the same
+        key is written); until then no lookup adopts it.  Caller holds the lock."""
+        self.fs_removing[(tenant, key)] += 1
+        self._enqueue(_Unlink(tenant, salt, key))
+
+    def _unlink(self, job: _Unlink) -> None:
+        assert self.node.sharedfs is not None
+        try:
+            self.node.sharedfs.remove(job.salt, job.key)
+        except OSError as exc:
+            log.warning("shared-fs removal failed: %s", exc)
+        with self.node.lock:
+            k = (job.tenant, job.key)
+            self.fs_removing[k] -= 1
+            if self.fs_removing[k] <= 0:
+                del self.fs_removing[k]
+
+    def stat_files(self, salt: bytes, keys: list[bytes], prefix_only: bool,
+                   timeout: float) -> dict[bytes, SharedFsHeader]:
+        """Headers of the shared-fs files of ``keys`` (with ``prefix_only`` up to the first key
+        with none), read on the pool's threads for at most ``timeout`` seconds: a hung file
+        system makes the keys not read by then misses.  Call without the lock."""
+        fs = self.node.sharedfs
+        assert fs is not None
+        got: list[tuple[bytes, SharedFsHeader]] = []
+
+        def run() -> None:
+            for k in keys:
+                hdr = fs.stat(salt, k)
+                if hdr is None:
+                    if prefix_only:
+                        return
+                    continue
+                got.append((k, hdr))
+        try:
+            self._pool.submit(run).result(timeout)
+        except FutureTimeout:
+            with self.node.lock:
+                self.node.counters["tier_stat_timeouts"] += 1
+        except (OSError, RuntimeError) as exc:  # an unreadable directory, or shut down: misses
+            log.warning("shared-fs lookup failed: %s", exc)
+        return dict(list(got))  # a copy: the stats may still be running
+
+    def _enqueue(self, move: _Move | _Unlink) -> None:
         with self._wake:
             self._queue.append(move)
             self._wake.notify()
@@ -196,6 +252,9 @@ class TierMover:
                 if self._closed:
                     return
                 move = self._queue.popleft()
+            if isinstance(move, _Unlink):
+                self._unlink(move)
+                continue
             try:
                 self._copy_down(move)
             except Exception as exc:  # noqa: BLE001 - a failed copy drops the object, never the thread
@@ -203,7 +262,7 @@ class TierMover:
                 move.code = pb.CHECKSUM
             cleanup = self._publish_down(move)
             if cleanup is not None:
-                self._remove_fs(*cleanup)
+                self._unlink(cleanup)  # now, on this thread: ahead of any later copy of the key
 
     def _copy_down(self, m: _Move) -> None:
         """Read the object, seal it when encrypting at rest, write it below.  No lock held: the
@@ -233,7 +292,7 @@ class TierMover:
             else:
                 n.sharedfs.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=m.gen)
 
-    def _publish_down(self, m: _Move) -> tuple[str, bytes] | None:
+    def _publish_down(self, m: _Move) -> _Unlink | None:
         """Make a finished copy the object's place (or undo it); returns a shared-fs file to
         remove outside the lock when the copy is not wanted any more."""
         n, e = self.node, m.entry
@@ -261,7 +320,10 @@ class TierMover:
                 self.room.notify_all()
                 # A file written for an object removed meanwhile goes too (FIFO: before any later
                 # copy of the same key), or a lookup would bring the removed object back.
-                return (e.tenant, e.key) if gone and m.dst == "sharedfs" else None
+                if gone and m.dst == "sharedfs":
+                    self.fs_removing[(e.tenant, e.key)] += 1
+                    return _Unlink(e.tenant, n._fs_salt(e.tenant), e.key)
+                return None
             if m.src == "dram" and (e.pins or e.inflight):
                 # Read or leased while it was copied: it stays in DRAM (it is hot), the copy goes.
                 if m.dst == "ssd":
@@ -292,14 +354,6 @@ class TierMover:
             n.counters["demoted"] += 1
             self.room.notify_all()
             return None
-
-    def _remove_fs(self, tenant: str, key: bytes) -> None:
-        n = self.node
-        if n.sharedfs is not None:
-            try:
-                n.sharedfs.remove(n._fs_salt(tenant), key)
-            except OSError:
-                pass
 
     # ------------------------------------------------------------------ promotion
 

@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from .allocator import OutOfSpace
 from .atrest import AtRest, sealed_size
 from .demoter import TierMover
 from .eviction import choose_victims, is_expired, watermark_need
-from .tiers import DramTier, FaultDelay, SharedFsTier, SsdTier, checksum
+from .tiers import DramTier, FaultDelay, SharedFsHeader, SharedFsTier, SsdTier, checksum
 
 log = logging.getLogger("kvpool.store")
 
@@ -372,20 +372,39 @@ class StoreNode:
 
     # ------------------------------------------------------------------ lookups
 
-    def _lookup(self, part: dict[bytes, Entry], tenant: str, key: bytes, kind: int) -> Entry | None:
+    def _lookup(self, part: dict[bytes, Entry], tenant: str, key: bytes, kind: int,
+                fs: Mapping[bytes, SharedFsHeader] | None = None) -> Entry | None:
+        """The committed object of ``key``, or one adopted from ``fs``: the headers of the
+        shared-fs files of unknown keys, read without the lock (:meth:`_stat_sharedfs`)."""
         e = part.get(index_key(key, kind))
         if e is not None and e.state == COMMITTED and e.kind == kind:
             return e
-        if e is None and self.sharedfs is not None and kind == pb.BLOCK:
-            return self._adopt_sharedfs(tenant, key)
+        if e is None and fs and kind == pb.BLOCK:
+            hdr = fs.get(key)
+            if hdr is not None:
+                return self._adopt_sharedfs(tenant, key, hdr)
         return None
 
-    def _adopt_sharedfs(self, tenant: str, key: bytes) -> Entry | None:
+    def _stat_sharedfs(self, tenant: str, keys: list[bytes], kind: int,
+                       prefix_only: bool) -> dict[bytes, SharedFsHeader]:
+        """Headers of the shared-fs files of those ``keys`` this node does not hold, read without
+        the lock for at most ``tier_read_seconds`` (``TierMover.stat_files``; what is not read by
+        then is a miss); with ``prefix_only`` up to the first key with no file."""
+        if self.sharedfs is None or self.mover is None or kind != pb.BLOCK:
+            return {}
+        with self.lock:
+            part = self.index.get(tenant, {})
+            missing = [k for k in keys if part.get(k) is None]
+            salt = self._fs_salt(tenant) if missing else b""
+        if not missing:
+            return {}
+        return self.mover.stat_files(salt, missing, prefix_only, self.cfg.tier_read_seconds)
+
+    def _adopt_sharedfs(self, tenant: str, key: bytes, hdr: SharedFsHeader) -> Entry | None:
         """A shared-filesystem object written by any node (or a previous life) becomes known."""
-        assert self.sharedfs is not None
-        hdr = self.sharedfs.stat(self._fs_salt(tenant), key)
-        if hdr is None or hdr.kind != pb.BLOCK:
-            return None
+        assert self.sharedfs is not None and self.mover is not None
+        if hdr.kind != pb.BLOCK or (tenant, key) in self.mover.fs_removing:
+            return None  # a file of an object removed here, its unlink still on its way
         if hdr.sealed != (self.at_rest is not None):
             # A file in the clear is not trusted by an encrypting node (anyone with write access
             # to the mount could have planted it); a sealed one cannot be opened without a key.
@@ -403,6 +422,7 @@ class StoreNode:
                pin: bool = False, lease_ms: int = 0) -> tuple[int, bytes, Lease | None]:
         """Longest present prefix and per-key presence; optionally pin the prefix."""
         check_kind(kind)
+        fs = self._stat_sharedfs(tenant, keys, kind, prefix_only)
         now = time.time()
         with self.lock:
             self._sweep(now)
@@ -425,8 +445,7 @@ class StoreNode:
                 prefix = 0
                 hits = []
                 for i, k in enumerate(keys):
-                    # Lazily: with a shared-fs tier a miss costs a stat(), so stop at the first one.
-                    e = self._lookup(part, tenant, k, kind)
+                    e = self._lookup(part, tenant, k, kind, fs)
                     if e is None or e.state != COMMITTED or e.kind != kind:
                         if prefix_only:
                             break
@@ -731,9 +750,10 @@ class StoreNode:
             self.lru_ssd.pop(id(e), None)
             self.ssd.alloc.free(e.offset)
             t.used_bytes -= e.size
-        if (e.on_fs or e.tier == "sharedfs") and self.sharedfs is not None:
-            # The copy below goes too, or the next lookup would bring a removed object back.
-            self.sharedfs.remove(self._fs_salt(e.tenant), e.key)
+        if (e.on_fs or e.tier == "sharedfs") and self.sharedfs is not None and self.mover is not None:
+            # The copy below goes too (unlinked off the lock; meanwhile no lookup adopts it), or
+            # the next lookup would bring a removed object back.
+            self.mover.remove_file(e.tenant, self._fs_salt(e.tenant), e.key)
             e.on_fs = False
         if was_committed:
             t.objects -= 1
@@ -782,9 +802,10 @@ class StoreNode:
         another); :meth:`_pin_found` unpins them."""
         if self.mover is None:
             return {}, []
+        fs = self._stat_sharedfs(tenant, keys, kind, prefix_only=False)
         with self.lock:
             part = self.index.get(tenant, {})
-            found = [e for e in (self._lookup(part, tenant, k, kind) for k in keys) if e is not None]
+            found = [e for e in (self._lookup(part, tenant, k, kind, fs) for k in keys) if e is not None]
             if all(e.tier == "dram" for e in found):
                 return {}, []
             for e in found:

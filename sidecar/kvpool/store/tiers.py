@@ -28,8 +28,8 @@ def checksum(view: memoryview | bytes) -> int:
 
 
 class FaultDelay:
-    """Test hook (fault injection): while the file at ``path`` exists, each SSD or shared-fs read
-    and write first sleeps the seconds it holds (a float; unreadable or empty: none).
+    """Test hook (fault injection): while the file at ``path`` exists, each SSD or shared-fs read,
+    write, stat and removal first sleeps the seconds it holds (a float; unreadable or empty: none).
 
     Set by the store's ``--fault-tier-delay-file`` (or ``faultTierDelayFile``) only: it stands in
     for a slow or hung disk in tests, where no throttled device (dm-delay) or FUSE mount is at
@@ -262,6 +262,7 @@ class SharedFsTier:
         return path
 
     def stat(self, salt: bytes, key: bytes) -> SharedFsHeader | None:
+        self.fault()
         try:
             with open(self.path_for(salt, key), "rb") as f:
                 raw = f.read(_SFS_HEADER.size)
@@ -292,6 +293,7 @@ class SharedFsTier:
             os.close(fd)
 
     def remove(self, salt: bytes, key: bytes) -> None:
+        self.fault()
         try:
             os.unlink(self.path_for(salt, key))
         except FileNotFoundError:

@@ -1,8 +1,9 @@
-"""A store node whose SSD stalls (issue 19): DRAM hits stay fast, the stalled objects are misses.
+"""A store node whose disk stalls (issue 19): DRAM hits stay fast, the stalled objects are misses.
 
-The disk is slowed by the node's fault-injection hook (``--fault-tier-delay-file``: every SSD
-read and write sleeps the seconds the file holds) — device-mapper (dm-delay) is not in this
-kernel and no FUSE library is installed, so a throttled device is not at hand here.
+The disk (the SSD tier, or the shared-filesystem tier) is slowed by the node's fault-injection
+hook (``--fault-tier-delay-file``: every read, write, stat and removal of the tier sleeps the
+seconds the file holds) — device-mapper (dm-delay) is not in this kernel and no FUSE library is
+installed, so a throttled device is not at hand here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvpool.proto import store_pb2 as pb
 
@@ -25,23 +28,26 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * 0.99))]
 
 
-def test_stalled_ssd_never_stalls_dram_hits(stores: Any, h: Any, rng: random.Random, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", ["ssd", "sharedfs"])
+def test_stalled_disk_never_stalls_dram_hits(stores: Any, h: Any, rng: random.Random, tmp_path: Path,
+                                             tier: str) -> None:
     delay_file = tmp_path / "tier-delay"
-    node = stores.start("4MiB", ssd="64MiB", extra=["--fault-tier-delay-file", str(delay_file)])
+    below: dict[str, Any] = {"ssd": "64MiB"} if tier == "ssd" else {"sharedfs": tmp_path / "fs"}
+    node = stores.start("4MiB", **below, extra=["--fault-tier-delay-file", str(delay_file)])
     c = node.client()
     # Cold objects, most of them demoted to the SSD (the disk is fast for now).
     cold = h.rand_keys(rng, 32)
     cold_vals = h.rand_values(rng, [256 * KiB] * 32)
     for i in range(0, 32, 4):
         assert c.put(cold[i:i + 4], cold_vals[i:i + 4]) == [pb.OK] * 4
-    h.wait_for(lambda: c.stats().counters["demoted"] >= 12, what="demotions to the SSD")
+    h.wait_for(lambda: c.stats().counters["demoted"] >= 12, what="demotions to the tier below")
     # Hot objects: written last and read all along, so they stay in DRAM.
     hot = h.rand_keys(rng, 16)
     hot_vals = h.rand_values(rng, [16 * KiB] * 16)
     assert c.put(hot, hot_vals) == [pb.OK] * 16
     assert [bytes(v) if v is not None else None for v in c.get(hot)] == hot_vals
 
-    delay_file.write_text(str(DELAY))  # the disk hangs: each SSD read or write takes 2 s
+    delay_file.write_text(str(DELAY))  # the disk hangs: each of its reads or writes takes 2 s
     stop = threading.Event()
     wrong: list[str] = []
     cold_lat: list[float] = []
@@ -59,7 +65,7 @@ def test_stalled_ssd_never_stalls_dram_hits(stores: Any, h: Any, rng: random.Ran
             assert set(codes) <= {pb.OK, pb.NO_SPACE}, codes
             n += 1
 
-    def cold_reader() -> None:  # asks for objects that are on the stalled SSD
+    def cold_reader() -> None:  # asks for objects that are on the stalled disk
         rc = node.client()
         for i in range(len(cold)):
             if stop.is_set():
@@ -96,7 +102,7 @@ def test_stalled_ssd_never_stalls_dram_hits(stores: Any, h: Any, rng: random.Ran
         for t in threads:
             t.join(30)
     delay_file.unlink()
-    print(f"DRAM get p99 {_p99(hot_lat) * 1e3:.1f} ms max {max(hot_lat) * 1e3:.1f} ms (n={len(hot_lat)}); "
+    print(f"{tier}: DRAM get p99 {_p99(hot_lat) * 1e3:.1f} ms max {max(hot_lat) * 1e3:.1f} ms (n={len(hot_lat)}); "
           f"match p99 {_p99(match_lat) * 1e3:.1f} ms max {max(match_lat) * 1e3:.1f} ms; "
           f"stalled gets max {max(cold_lat) * 1e3:.0f} ms, misses {cold_misses[0]}/{len(cold_lat)}; "
           f"puts max {max(put_lat) * 1e3:.0f} ms (n={len(put_lat)})")
