@@ -187,8 +187,8 @@ class NodeConfig:
     """How long a write that needs DRAM waits for demotions to the SSD (with the index lock
     released); then what does not fit is NO_SPACE: a slow disk sheds writes, never blocks reads."""
     fault_tier_delay_file: str = ""
-    """Test hook (``--fault-tier-delay-file``): while this file exists, every SSD/shared-fs read
-    and write sleeps the seconds it holds (``tiers.FaultDelay``).  Never set in production."""
+    """Test hook (``--fault-tier-delay-file``): while this file exists, every SSD/shared-fs read,
+    write, stat and unlink sleeps the seconds it holds (``tiers.FaultDelay``).  Not for production."""
 
 
 class StoreNode:

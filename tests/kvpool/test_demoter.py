@@ -1,0 +1,147 @@
+"""Tier moves of a store node in-process (``kvpool.store.demoter``): a demotion in flight keeps its
+object readable from DRAM and is undone when the object is read or removed meanwhile; a read of
+an object on a stalled disk is a miss within its bound.  The disk is slowed by the tier's
+fault hook (a file holding the seconds each SSD I/O sleeps)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.proto import store_pb2 as pb
+from kvpool.store.node import NodeConfig, StoreNode
+from kvpool.store.tiers import checksum
+
+KiB = 1 << 10
+T = "default"
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[StoreNode]:
+    n = StoreNode(NodeConfig(node_id="d", shm_dir=str(tmp_path), dram_bytes=1 << 20, ssd_path=str(tmp_path / "ssd"),
+                             ssd_bytes=8 << 20, fault_tier_delay_file=str(tmp_path / "delay"),
+                             tier_read_seconds=0.2, demote_wait_seconds=0.05))
+    yield n
+    n.close()
+
+
+def _slow(node: StoreNode, seconds: float) -> None:
+    Path(node.cfg.fault_tier_delay_file).write_text(str(seconds))
+
+
+def _put(node: StoreNode, key: bytes, value: bytes) -> None:
+    codes, offs, toks, rid = node.put_start(T, [key], [len(value)], "chatbot", pb.BLOCK)
+    assert codes == [pb.OK]
+    e = node.acquire("write", offs[0], len(value), toks[0])
+    assert e is not None
+    node.dram.view[offs[0]:offs[0] + len(value)] = value
+    node.release_guard(e)
+    assert node.put_commit(T, rid, [checksum(value)]) == [pb.OK]
+
+
+def _read(node: StoreNode, key: bytes) -> bytes | None:
+    codes, found = node.read_pin(T, [key])
+    e = found[0]
+    try:
+        return bytes(node.dram.slice(e.offset, e.size)) if codes == [pb.OK] and e is not None else None
+    finally:
+        node.read_unpin(found)
+
+
+def _demote(node: StoreNode, key: bytes) -> None:
+    with node.lock:
+        e = node.index[T][key]
+        assert node.mover is not None and node.mover.plan_demotion(e)
+
+
+def _settled(node: StoreNode, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while node.mover is not None and (node.mover.pending_bytes or node.mover._queue):
+        assert time.monotonic() < deadline, "demotions never finished"
+        time.sleep(0.01)
+    time.sleep(0.05)  # the last publish
+
+
+def test_a_demotion_lands_and_the_object_comes_back_byte_exact(node: StoreNode) -> None:
+    k, v = b"a" * 32, bytes(range(256)) * 256
+    _put(node, k, v)
+    used = node.dram.alloc.used
+    _demote(node, k)
+    _settled(node)
+    e = node.index[T][k]
+    assert e.tier == "ssd" and node.dram.alloc.used == used - node.dram.alloc.rounded(len(v))
+    assert node.counters["demoted"] == 1
+    assert _read(node, k) == v
+    assert e.tier == "dram" and node.counters["promoted"] == 1 and node.ssd is not None and node.ssd.alloc.used == 0
+
+
+def test_an_object_being_demoted_stays_readable_and_a_read_keeps_it_in_dram(node: StoreNode) -> None:
+    k, v = b"b" * 32, b"x" * (64 * KiB)
+    _put(node, k, v)
+    _slow(node, 0.3)
+    _demote(node, k)
+    e = node.index[T][k]
+    assert e.moving and e.inflight == 1
+    # Never chosen twice while its copy is on the way.
+    with node.lock:
+        assert e not in node._dram_victims(1 << 30, time.time(), True)
+    codes, found = node.read_pin(T, [k])  # a read from DRAM, held across the copy's end
+    assert codes == [pb.OK] and bytes(node.dram.slice(found[0].offset, len(v))) == v  # type: ignore[union-attr]
+    _settled(node)
+    node.read_unpin(found)
+    assert e.tier == "dram" and node.counters["demotions_abandoned"] == 1
+    assert node.ssd is not None and node.ssd.alloc.used == 0
+    assert _read(node, k) == v
+
+
+def test_an_object_removed_while_it_is_demoted_leaves_nothing_behind(node: StoreNode) -> None:
+    k, v = b"c" * 32, b"y" * (64 * KiB)
+    _put(node, k, v)
+    _slow(node, 0.3)
+    _demote(node, k)
+    assert node.remove(T, [k]) == [pb.OK]
+    assert _read(node, k) is None
+    _settled(node)
+    assert node.dram.alloc.used == 0 and node.ssd is not None and node.ssd.alloc.used == 0
+    assert node.mover is not None and node.mover.pending_bytes == 0
+
+
+def test_a_read_from_a_stalled_disk_is_a_miss_within_its_bound_and_lands_later(node: StoreNode) -> None:
+    k, v = b"d" * 32, b"z" * (64 * KiB)
+    _put(node, k, v)
+    _demote(node, k)
+    _settled(node)
+    _slow(node, 1.0)
+    t0 = time.monotonic()
+    assert _read(node, k) is None  # the SSD read takes 1 s, the read waits 0.2 s
+    assert time.monotonic() - t0 < 0.8
+    # DRAM hits meanwhile are not held up by the stalled read.
+    k2, v2 = b"e" * 32, b"w" * 4096
+    _put(node, k2, v2)
+    t0 = time.monotonic()
+    assert _read(node, k2) == v2
+    assert time.monotonic() - t0 < 0.1
+    Path(node.cfg.fault_tier_delay_file).unlink()
+    deadline = time.monotonic() + 5
+    while node.index[T][k].tier != "dram":  # the copy started while stalled still lands
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert _read(node, k) == v
+
+
+def test_a_write_sheds_rather_than_waits_for_a_stalled_disk(node: StoreNode) -> None:
+    vals = [bytes([i]) * (128 * KiB) for i in range(7)]
+    for i, v in enumerate(vals):
+        _put(node, bytes([i]) * 32, v)
+    _slow(node, 2.0)
+    t0 = time.monotonic()
+    codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], "chatbot", pb.BLOCK)
+    assert time.monotonic() - t0 < 1.0  # demote_wait_seconds (0.05 s), not the disk's 2 s
+    assert pb.NO_SPACE in codes
+    if rid:
+        node.put_revoke(T, rid)
+    for i, v in enumerate(vals):  # everything is still readable from DRAM meanwhile
+        assert _read(node, bytes([i]) * 32) == v
