@@ -9,11 +9,13 @@ import random
 import socket
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvpool import errors
-from kvpool.keys import pack_keys
+from kvpool.keys import KEY_BYTES, pack_keys
 from kvpool.proto import store_pb2 as pb
+from kvpool.sidecar.pool import Pool
 from kvpool.store.tiers import checksum
 from kvpool.store_client import StoreClient
 from kvpool.transfer import TransferEngine, TransferRequest
@@ -108,3 +110,55 @@ def test_a_match_lease_of_the_previous_life_never_drops_another(stores: Any, h: 
         for cl in (a, b, c):
             if cl is not None:
                 cl.close()
+
+
+def _pool_match(stores: Any, h: Any, rng: random.Random) -> tuple[Any, Any, Any, list[str]]:
+    listen = _same_address()
+    first = stores.start("8MiB", extra=listen)
+    keys = h.rand_keys(rng, 4)
+    assert first.client().put(keys, [b"p" * 4096] * 4) == [pb.OK] * 4
+    pool = Pool([first.address])
+    arr = np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}")
+    m = pool.match(arr, lease_ms=60_000)
+    assert m.prefix == 4 and len(m.leases) == 1
+    pool.release(m.leases)  # deferred: it waits for the next frame to the node
+    assert pool.releases_sent == 0 and pool._deferred
+    return pool, first, arr, listen
+
+
+def test_a_deferred_release_of_this_life_is_carried_by_the_next_frame(stores: Any, h: Any,
+                                                                       rng: random.Random) -> None:
+    pool, _, arr, _ = _pool_match(stores, h, rng)  # the control: no restart, the drop goes out
+    try:
+        assert pool.match(arr, lease_ms=1000).prefix == 4
+        assert pool.releases_carried == 1 and not pool._deferred
+    finally:
+        pool.close()
+
+
+def test_the_pool_drops_a_deferred_release_of_a_node_that_failed(stores: Any, h: Any, rng: random.Random) -> None:
+    pool, first, arr, listen = _pool_match(stores, h, rng)
+    try:
+        first.kill()
+        assert pool.match(arr, lease_ms=1000).prefix == 0  # the node is down: misses, and its lease died
+        assert not pool._deferred
+        stores.start("8MiB", extra=listen)
+        assert pool.flush_deferred() == 0 and pool.releases_sent == 0
+    finally:
+        pool.close()
+
+
+def test_the_pool_never_sends_a_release_to_the_next_life(stores: Any, h: Any, rng: random.Random) -> None:
+    pool, first, arr, listen = _pool_match(stores, h, rng)
+    try:
+        [node] = pool.nodes.values()
+        before = node.client.incarnation
+        assert before
+        first.kill()
+        stores.start("8MiB", extra=listen)
+        node.client.health()  # any reply of the new life tells its incarnation
+        assert node.client.incarnation not in (0, before)
+        pool.flush_deferred()  # due, but of the previous life: dropped, not sent
+        assert pool.releases_sent == 0 and pool.releases_carried == 0 and not pool._deferred
+    finally:
+        pool.close()
