@@ -23,7 +23,7 @@ T = "default"
 def node(tmp_path: Path) -> Iterator[StoreNode]:
     n = StoreNode(NodeConfig(node_id="d", shm_dir=str(tmp_path), dram_bytes=1 << 20, ssd_path=str(tmp_path / "ssd"),
                              ssd_bytes=8 << 20, fault_tier_delay_file=str(tmp_path / "delay"),
-                             tier_read_seconds=0.2, demote_wait_seconds=0.05))
+                             tier_read_seconds=10.0, demote_wait_seconds=10.0))  # each test sets its bound
     yield n
     n.close()
 
@@ -114,6 +114,7 @@ def test_a_read_from_a_stalled_disk_is_a_miss_within_its_bound_and_lands_later(n
     _put(node, k, v)
     _demote(node, k)
     _settled(node)
+    node.cfg.tier_read_seconds = 0.2
     _slow(node, 1.0)
     t0 = time.monotonic()
     assert _read(node, k) is None  # the SSD read takes 1 s, the read waits 0.2 s
@@ -136,6 +137,7 @@ def test_a_write_sheds_rather_than_waits_for_a_stalled_disk(node: StoreNode) -> 
     vals = [bytes([i]) * (128 * KiB) for i in range(7)]
     for i, v in enumerate(vals):
         _put(node, bytes([i]) * 32, v)
+    node.cfg.demote_wait_seconds = 0.05
     _slow(node, 2.0)
     t0 = time.monotonic()
     codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], "chatbot", pb.BLOCK)

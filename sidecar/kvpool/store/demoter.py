@@ -61,7 +61,19 @@ class _Move:
     """Destination extent (SSD or DRAM); -1 for the shared filesystem."""
     gen: int = 0
     code: int = pb.OK
+    started: float = field(default_factory=time.monotonic)
+    guarded: bool = False
+    """A shared-fs destination whose object was removed meanwhile: already in ``fs_removing``."""
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class FsView:
+    """Headers of shared-fs files read off the lock (:meth:`TierMover.stat_files`), and when the
+    reading started: a file unlinked after that is not adopted (``TierMover.may_adopt``)."""
+
+    headers: dict[bytes, SharedFsHeader]
+    since: float
 
 
 @dataclass
@@ -89,9 +101,18 @@ class TierMover:
         self._queue: deque[_Move | _Unlink] = deque()
         self.fs_removing: Counter[tuple[str, bytes]] = Counter()
         """(tenant, key) of shared-fs files whose unlink is on its way: never adopted meanwhile."""
+        self._unlinked: dict[tuple[str, bytes], float] = {}
+        """(tenant, key) → when its file was unlinked (monotonic), recent ones: a header read
+        before that is stale."""
         self._wake = threading.Condition(threading.Lock())
         self._promoting: dict[int, _Move] = {}
+        self._demoting: dict[int, _Move] = {}
+        """Moves down in flight by id(entry) (to guard a removed object's file, see ``discarding``)."""
+        self._promoting_bytes = 0
         self._max_promotions = max_promotions
+        self._max_promoting_bytes = node.dram.capacity // 4
+        """Past this many DRAM bytes held by promotions stuck past their read's bound, a read
+        starts no more."""
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=promote_workers, thread_name_prefix="kvpool-promote")
         self._thread = threading.Thread(target=self._run, name="kvpool-demoter", daemon=True)
@@ -115,6 +136,7 @@ class TierMover:
         e.moving = DEMOTING
         e.inflight += 1
         self.pending_bytes += e.size
+        self._demoting[id(e)] = move
         self._enqueue(move)
         return True
 
@@ -141,7 +163,8 @@ class TierMover:
                 # Moved, not lost: but its extent is free only once the copy is out.
                 v.moving = DEMOTING
                 v.pins += 1
-                self._enqueue(_Move(v, "ssd", "sharedfs"))
+                self._demoting[id(v)] = move = _Move(v, "ssd", "sharedfs")
+                self._enqueue(move)
             else:
                 n._discard(v)
                 n._count_evicted(v)
@@ -195,6 +218,14 @@ class TierMover:
             for off in got:
                 alloc.free(off)
 
+    def discarding(self, e: Entry) -> None:
+        """``e`` is being removed: if a copy of it to the shared filesystem is on its way, no
+        lookup may adopt that file from now on (it is unlinked once written).  Lock held."""
+        m = self._demoting.get(id(e))
+        if m is not None and m.dst == "sharedfs" and not m.guarded:
+            m.guarded = True
+            self.fs_removing[(e.tenant, e.key)] += 1
+
     def remove_file(self, tenant: str, salt: bytes, key: bytes) -> None:
         """Unlink an object's shared-fs file off the lock (FIFO: before any later copy of the same
         key is written); until then no lookup adopts it.  Caller holds the lock."""
@@ -212,15 +243,26 @@ class TierMover:
             self.fs_removing[k] -= 1
             if self.fs_removing[k] <= 0:
                 del self.fs_removing[k]
+            now = self._unlinked[k] = time.monotonic()
+            if len(self._unlinked) > 4096:
+                # A header is used within its read's bound of being read: older marks are moot.
+                horizon = now - max(60.0, 10 * self.node.cfg.tier_read_seconds)
+                self._unlinked = {x: t for x, t in self._unlinked.items() if t >= horizon}
 
-    def stat_files(self, salt: bytes, keys: list[bytes], prefix_only: bool,
-                   timeout: float) -> dict[bytes, SharedFsHeader]:
+    def may_adopt(self, tenant: str, key: bytes, since: float) -> bool:
+        """Whether a shared-fs file seen by a read that started at ``since`` may be adopted: not
+        when its unlink is on its way or happened since.  Lock held."""
+        k = (tenant, key)
+        return k not in self.fs_removing and self._unlinked.get(k, -1.0) < since
+
+    def stat_files(self, salt: bytes, keys: list[bytes], prefix_only: bool, timeout: float) -> FsView:
         """Headers of the shared-fs files of ``keys`` (with ``prefix_only`` up to the first key
         with none), read on the pool's threads for at most ``timeout`` seconds: a hung file
         system makes the keys not read by then misses.  Call without the lock."""
         fs = self.node.sharedfs
         assert fs is not None
         got: list[tuple[bytes, SharedFsHeader]] = []
+        since = time.monotonic()
 
         def run() -> None:
             for k in keys:
@@ -237,7 +279,7 @@ class TierMover:
                 self.node.counters["tier_stat_timeouts"] += 1
         except (OSError, RuntimeError) as exc:  # an unreadable directory, or shut down: misses
             log.warning("shared-fs lookup failed: %s", exc)
-        return dict(list(got))  # a copy: the stats may still be running
+        return FsView(dict(list(got)), since)  # a copy: the stats may still be running
 
     def _enqueue(self, move: _Move | _Unlink) -> None:
         with self._wake:
@@ -252,17 +294,21 @@ class TierMover:
                 if self._closed:
                     return
                 move = self._queue.popleft()
-            if isinstance(move, _Unlink):
-                self._unlink(move)
-                continue
             try:
-                self._copy_down(move)
-            except Exception as exc:  # noqa: BLE001 - a failed copy drops the object, never the thread
-                log.warning("tier move of an object failed: %s", exc)
-                move.code = pb.CHECKSUM
-            cleanup = self._publish_down(move)
-            if cleanup is not None:
-                self._unlink(cleanup)  # now, on this thread: ahead of any later copy of the key
+                if isinstance(move, _Unlink):
+                    self._unlink(move)
+                    continue
+                try:
+                    self._copy_down(move)
+                except Exception as exc:  # noqa: BLE001 - a failed copy drops the object, never the thread
+                    log.warning("tier move of an object failed: %s", exc)
+                    move.code = pb.CHECKSUM
+                cleanup = self._publish_down(move)
+                if cleanup is not None:
+                    self._unlink(cleanup)  # now, on this thread: ahead of any later copy of the key
+            except Exception as exc:  # noqa: BLE001 - e.g. the node closing its tiers under a copy
+                if not self._closed:
+                    log.error("tier mover: %s", exc)
 
     def _copy_down(self, m: _Move) -> None:
         """Read the object, seal it when encrypting at rest, write it below.  No lock held: the
@@ -298,6 +344,7 @@ class TierMover:
         n, e = self.node, m.entry
         with self.room:
             e.moving = IDLE
+            self._demoting.pop(id(e), None)
             if m.src == "dram":
                 e.inflight -= 1
                 self.pending_bytes -= e.size
@@ -321,7 +368,8 @@ class TierMover:
                 # A file written for an object removed meanwhile goes too (FIFO: before any later
                 # copy of the same key), or a lookup would bring the removed object back.
                 if gone and m.dst == "sharedfs":
-                    self.fs_removing[(e.tenant, e.key)] += 1
+                    if not m.guarded:
+                        self.fs_removing[(e.tenant, e.key)] += 1
                     return _Unlink(e.tenant, n._fs_salt(e.tenant), e.key)
                 return None
             if m.src == "dram" and (e.pins or e.inflight):
@@ -366,37 +414,60 @@ class TierMover:
         failed: dict[int, int] = {}
         waits: list[_Move] = []
         deadline = time.monotonic() + timeout
-        with n.lock:
-            sizes = [n.dram.alloc.rounded(e.size) for e in entries
-                     if e.state == COMMITTED and e.tier != "dram" and not e.moving]
-        if sizes:
-            self.make_room(sizes, deadline)  # a full DRAM: what comes up needs demotions first
-        with n.lock:
-            now = time.time()
-            for e in entries:
-                if e.state != COMMITTED or e.tier == "dram":
-                    continue
-                m = self._promoting.get(id(e))
-                if m is None:
-                    if e.moving or len(self._promoting) >= self._max_promotions:
-                        continue  # moving down right now, or too many reads stuck: a miss
-                    try:
-                        off = n._alloc_dram(e.size, now)
-                    except OutOfSpace:
-                        failed[id(e)] = pb.NO_SPACE
-                        continue
-                    m = _Move(e, e.tier, "dram", off)
-                    e.moving = PROMOTING
-                    e.pins += 1
-                    self._promoting[id(e)] = m
-                    self._pool.submit(self._promote_one, m)
-                waits.append(m)
+        todo = list(entries)
+        # Room first (demotions, waited for without the lock), then the reservations; another
+        # reader or writer may take the room meanwhile, so what did not fit tries again.
+        for _ in range(4):
+            with n.lock:
+                sizes = [n.dram.alloc.rounded(e.size) for e in todo
+                         if e.state == COMMITTED and e.tier != "dram" and not e.moving and id(e) not in self._promoting]
+            if sizes:
+                self.make_room(sizes, deadline)  # a full DRAM: what comes up needs demotions first
+            todo = self._plan_promotions(todo, waits, timeout)
+            if not todo or time.monotonic() >= deadline:
+                break
+        for e in todo:
+            failed[id(e)] = pb.NO_SPACE
         for m in waits:
             if not m.done.wait(max(0.0, deadline - time.monotonic())):
                 continue
             if m.code != pb.OK:
                 failed[id(m.entry)] = m.code
         return failed
+
+    def _plan_promotions(self, entries: Sequence[Entry], waits: list[_Move], timeout: float) -> list[Entry]:
+        """Start the promotion of each of ``entries`` below DRAM that has room now (or join the
+        one under way), appending to ``waits``; returns those that found no room."""
+        n = self.node
+        short: list[Entry] = []
+        with n.lock:
+            now = time.time()
+            # Promotions that outlived their reads' bound (a slow disk) holding much of the arena:
+            # this read starts none (its objects below DRAM are misses), so a hung disk cannot tie
+            # up all of it.
+            stuck = self._promoting_bytes > self._max_promoting_bytes and sum(
+                m.entry.size for m in self._promoting.values()
+                if time.monotonic() - m.started > timeout) > self._max_promoting_bytes
+            for e in entries:
+                if e.state != COMMITTED or e.tier == "dram":
+                    continue
+                m = self._promoting.get(id(e))
+                if m is None:
+                    if e.moving or stuck or len(self._promoting) >= self._max_promotions:
+                        continue  # moving down right now, or too many reads stuck: a miss
+                    try:
+                        off = n._alloc_dram(e.size, now)
+                    except OutOfSpace:
+                        short.append(e)
+                        continue
+                    m = _Move(e, e.tier, "dram", off)
+                    e.moving = PROMOTING
+                    e.pins += 1
+                    self._promoting[id(e)] = m
+                    self._promoting_bytes += e.size
+                    self._pool.submit(self._promote_one, m)
+                waits.append(m)
+        return short
 
     def _promote_one(self, m: _Move) -> None:
         n, e = self.node, m.entry
@@ -445,6 +516,7 @@ class TierMover:
             e.pins -= 1
             e.moving = IDLE
             self._promoting.pop(id(e), None)
+            self._promoting_bytes -= e.size
             if previous_key:
                 n.counters["at_rest_previous_key_opens"] += 1
             if code == pb.OK and e.state == COMMITTED and e.tier == m.src:

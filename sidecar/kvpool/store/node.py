@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from ..proto import store_pb2 as pb
 from ..ring import Ring, stale_wrong_owner
 from .allocator import OutOfSpace
 from .atrest import AtRest, sealed_size
-from .demoter import TierMover
+from .demoter import FsView, TierMover
 from .eviction import choose_victims, is_expired, watermark_need
 from .tiers import DramTier, FaultDelay, SharedFsHeader, SharedFsTier, SsdTier, checksum
 
@@ -373,38 +373,39 @@ class StoreNode:
     # ------------------------------------------------------------------ lookups
 
     def _lookup(self, part: dict[bytes, Entry], tenant: str, key: bytes, kind: int,
-                fs: Mapping[bytes, SharedFsHeader] | None = None) -> Entry | None:
+                fs: FsView | None = None) -> Entry | None:
         """The committed object of ``key``, or one adopted from ``fs``: the headers of the
         shared-fs files of unknown keys, read without the lock (:meth:`_stat_sharedfs`)."""
         e = part.get(index_key(key, kind))
         if e is not None and e.state == COMMITTED and e.kind == kind:
             return e
-        if e is None and fs and kind == pb.BLOCK:
-            hdr = fs.get(key)
+        if e is None and fs is not None and kind == pb.BLOCK:
+            hdr = fs.headers.get(key)
             if hdr is not None:
-                return self._adopt_sharedfs(tenant, key, hdr)
+                return self._adopt_sharedfs(tenant, key, hdr, fs.since)
         return None
 
     def _stat_sharedfs(self, tenant: str, keys: list[bytes], kind: int,
-                       prefix_only: bool) -> dict[bytes, SharedFsHeader]:
+                       prefix_only: bool) -> FsView | None:
         """Headers of the shared-fs files of those ``keys`` this node does not hold, read without
         the lock for at most ``tier_read_seconds`` (``TierMover.stat_files``; what is not read by
         then is a miss); with ``prefix_only`` up to the first key with no file."""
         if self.sharedfs is None or self.mover is None or kind != pb.BLOCK:
-            return {}
+            return None
         with self.lock:
             part = self.index.get(tenant, {})
             missing = [k for k in keys if part.get(k) is None]
             salt = self._fs_salt(tenant) if missing else b""
         if not missing:
-            return {}
+            return None
         return self.mover.stat_files(salt, missing, prefix_only, self.cfg.tier_read_seconds)
 
-    def _adopt_sharedfs(self, tenant: str, key: bytes, hdr: SharedFsHeader) -> Entry | None:
-        """A shared-filesystem object written by any node (or a previous life) becomes known."""
+    def _adopt_sharedfs(self, tenant: str, key: bytes, hdr: SharedFsHeader, since: float) -> Entry | None:
+        """A shared-filesystem object written by any node (or a previous life) becomes known;
+        ``hdr``: its header, read off the lock from ``since``."""
         assert self.sharedfs is not None and self.mover is not None
-        if hdr.kind != pb.BLOCK or (tenant, key) in self.mover.fs_removing:
-            return None  # a file of an object removed here, its unlink still on its way
+        if hdr.kind != pb.BLOCK or not self.mover.may_adopt(tenant, key, since):
+            return None  # the file of an object removed here (its unlink on its way, or done since)
         if hdr.sealed != (self.at_rest is not None):
             # A file in the clear is not trusted by an encrypting node (anyone with write access
             # to the mount could have planted it); a sealed one cannot be opened without a key.
@@ -750,6 +751,8 @@ class StoreNode:
             self.lru_ssd.pop(id(e), None)
             self.ssd.alloc.free(e.offset)
             t.used_bytes -= e.size
+        if e.moving and self.mover is not None:
+            self.mover.discarding(e)
         if (e.on_fs or e.tier == "sharedfs") and self.sharedfs is not None and self.mover is not None:
             # The copy below goes too (unlinked off the lock; meanwhile no lookup adopts it), or
             # the next lookup would bring a removed object back.
@@ -806,10 +809,12 @@ class StoreNode:
         with self.lock:
             part = self.index.get(tenant, {})
             found = [e for e in (self._lookup(part, tenant, k, kind, fs) for k in keys) if e is not None]
-            if all(e.tier == "dram" for e in found):
-                return {}, []
+            # Pinned even when all are in DRAM: a demotion in flight would otherwise move one down
+            # before the read's own pass takes its pin (then a miss).
             for e in found:
                 e.pins += 1
+            if all(e.tier == "dram" for e in found):
+                return {}, found
         try:
             return self.mover.promote(found, self.cfg.tier_read_seconds), found
         except BaseException:

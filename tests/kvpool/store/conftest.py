@@ -149,7 +149,11 @@ class Stores:
                node_id: str | None = None, closed: bool = False, extra: Sequence[str] = ()) -> StoreProcess:
         self._n += 1
         node_id = node_id or f"node-{self._n}"
-        doc = {"shmDir": self.shm_dir, **(config or {})}
+        # Reads and writes that wait for the disk (promotion, demotion) are bounded by the node
+        # (tierReadSeconds, demoteWaitSeconds: a miss or NO_SPACE after that); on a loaded test
+        # machine those bounds are generous, so that tests of bytes are not tests of latency.
+        # The slow-disk tests set them explicitly.
+        doc = {"shmDir": self.shm_dir, "tierReadSeconds": 10.0, "demoteWaitSeconds": 10.0, **(config or {})}
         cfg_path = self.tmp / f"{node_id}-{self._n}.json"
         cfg_path.write_text(json.dumps(doc))
         argv = [sys.executable, "-m", "kvpool", "store", "--listen", "127.0.0.1:0", "--dram", dram,

@@ -33,7 +33,8 @@ def test_stalled_disk_never_stalls_dram_hits(stores: Any, h: Any, rng: random.Ra
                                              tier: str) -> None:
     delay_file = tmp_path / "tier-delay"
     below: dict[str, Any] = {"ssd": "64MiB"} if tier == "ssd" else {"sharedfs": tmp_path / "fs"}
-    node = stores.start("4MiB", **below, extra=["--fault-tier-delay-file", str(delay_file)])
+    node = stores.start("4MiB", **below, extra=["--fault-tier-delay-file", str(delay_file)],
+                        config={"tierReadSeconds": 0.25, "demoteWaitSeconds": 0.5})  # the defaults
     c = node.client()
     # Cold objects, most of them demoted to the SSD (the disk is fast for now).
     cold = h.rand_keys(rng, 32)
