@@ -29,6 +29,8 @@ def make_node(tmp_path: Path) -> Iterator[object]:
     made: list[StoreNode] = []
 
     def make(**kw: object) -> StoreNode:
+        # Generous bounds of the waits for the disk (a loaded test machine): bytes, not latency.
+        kw = {"tier_read_seconds": 10.0, "demote_wait_seconds": 10.0, **kw}
         cfg = NodeConfig(node_id=f"n{len(made)}", shm_dir=str(tmp_path), **kw)  # type: ignore[arg-type]
         n = StoreNode(cfg)
         made.append(n)
