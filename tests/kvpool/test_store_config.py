@@ -35,6 +35,15 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert load_node_config(_args(tmp_path, {"verifyOnCommit": False})).verify_on_commit is False
 
 
+def test_tier_bounds_and_the_fault_hook(tmp_path: Path) -> None:
+    cfg = load_node_config(_args(tmp_path))
+    assert cfg.tier_read_seconds == 0.25 and cfg.demote_wait_seconds == 0.5 and cfg.fault_tier_delay_file == ""
+    cfg = load_node_config(_args(tmp_path, {"tierReadSeconds": 1, "demoteWaitSeconds": 0, "faultTierDelayFile": "/a"}))
+    assert cfg.tier_read_seconds == 1.0 and cfg.demote_wait_seconds == 0.0 and cfg.fault_tier_delay_file == "/a"
+    cfg = load_node_config(_args(tmp_path, {"faultTierDelayFile": "/a"}, fault_tier_delay_file="/b"))
+    assert cfg.fault_tier_delay_file == "/b"  # the flag wins over the file
+
+
 @pytest.mark.parametrize("doc,field", [
     ({"verifyOnCommit": "yes"}, "verifyOnCommit"),
     ({"reservationSeconds": 0}, "reservationSeconds"),
@@ -42,6 +51,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     ({"ttlSeconds": {"chatbot": -1}}, "ttlSeconds"),
     ({"watermarks": {"high": 0.5, "low": 0.9}}, "watermarks"),
     ({"dramBytes": -5}, "dramBytes"),
+    ({"tierReadSeconds": -1}, "tierReadSeconds"),
+    ({"demoteWaitSeconds": "1"}, "demoteWaitSeconds"),
 ])
 def test_bad_fields_fail_fast_with_their_name(tmp_path: Path, doc: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError) as ei:
