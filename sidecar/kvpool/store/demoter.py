@@ -20,6 +20,13 @@ them at most ``NodeConfig.demote_wait_seconds``, with the lock released, and the
 for what does not fit: when the disk cannot keep up, writes are shed, reads never wait.
 Promotions run on a small pool; a reader waits at most ``NodeConfig.tier_read_seconds`` and the
 objects that did not arrive by then are misses of that call (the copy still lands for the next).
+When DRAM is full while demotions are on their way, a writer sheds rather than demoting more
+(the choice of victims stays ``eviction.choose_victims``, pure, made under the lock).
+
+The shared filesystem's metadata is handled the same way: the headers of unknown keys are read
+off the lock (:meth:`TierMover.stat_files`, bounded like a read) and adopted under it, and a
+removed object's file is unlinked by the background thread, FIFO with the copies; until then,
+and for a header read before the unlink, the file is not adopted (:meth:`TierMover.may_adopt`).
 """
 
 from __future__ import annotations
