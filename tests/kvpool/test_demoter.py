@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,25 @@ def test_a_write_sheds_rather_than_waits_for_a_stalled_disk(node: StoreNode) -> 
         node.put_revoke(T, rid)
     for i, v in enumerate(vals):  # everything is still readable from DRAM meanwhile
         assert _read(node, bytes([i]) * 32) == v
+
+
+def test_a_push_batch_gets_all_its_objects_whichever_tier_they_are_in(node: StoreNode) -> None:
+    """The drain's batched read: objects on the SSD come up without pushing the batch's DRAM
+    objects down (each of 7 x 128 KiB; the arena holds about 7)."""
+    vals = {bytes([i]) * 32: bytes([i]) * (128 * KiB) for i in range(14)}
+    for k, v in vals.items():
+        _put(node, k, v)
+    _settled(node)
+    for k in list(vals)[10:]:
+        assert _read(node, k) == vals[k]  # the batch's DRAM objects are now the least recently used
+    keys = list(vals)[3:10]  # some demoted, some still in DRAM
+    with node.lock:
+        tiers = {node.index[T][k].tier for k in keys}
+    assert tiers == {"dram", "ssd"}
+    got: dict[bytes, bytes] = {}
+
+    def sink(held: list[Any], views: list[memoryview]) -> None:
+        got.update((e.key, bytes(v)) for e, v in zip(held, views, strict=True))
+    entries = [node.index[T][k] for k in keys]
+    assert node.read_objects(entries, sink) == len(keys)
+    assert got == {k: vals[k] for k in keys}

@@ -1120,9 +1120,20 @@ class StoreNode:
         while it runs; objects gone or not promotable meanwhile are left out.  How many were."""
         held: list[Entry] = []
         views: list[memoryview] = []
+        pinned: list[Entry] = []
         if self.mover is not None:
-            # A background push (drain, warm-up): it may wait for a slow disk longer than a read.
-            self.mover.promote(entries, max(self.cfg.tier_read_seconds, 30.0))
+            with self.lock:  # pinned, so making room for one never demotes another of the batch
+                pinned = [e for e in entries if e.state == COMMITTED]
+                for e in pinned:
+                    e.pins += 1
+            try:
+                # A background push (drain, warm-up): it may wait for a slow disk longer than a read.
+                self.mover.promote(pinned, max(self.cfg.tier_read_seconds, 30.0))
+            except BaseException:
+                with self.lock:
+                    for e in pinned:
+                        e.pins -= 1
+                raise
         with self.lock:
             for e in entries:
                 if e.state != COMMITTED or e.tier != "dram":
@@ -1130,6 +1141,8 @@ class StoreNode:
                 e.inflight += 1
                 held.append(e)
                 views.append(self.dram.slice(e.offset, e.size))
+            for e in pinned:
+                e.pins -= 1
         try:
             if held:
                 sink(held, views)
