@@ -44,7 +44,7 @@ from e2e import procs
 from e2e.cluster import Cluster, free_port
 from e2e.nodeagent import POD_MARKER_ENV
 from e2e.test_e2e_chart import CHART, Release, cond, create_namespace, kvpool_doc, kvtier, sts_replicas
-from e2e.testutil import wait_for
+from e2e.testutil import list_pods, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -135,9 +135,11 @@ class HA:
     tag: str
     pods_ready: list[dict[str, Any]] = field(default_factory=list)
 
+    api: Any = None  # kubernetes ApiClient: polled often, kubectl would load the machine
+
     def operator_pods(self) -> list[dict[str, Any]]:
-        got = self.rel.get("pods", "-n", self.rel.namespace, "-l", f"app.kubernetes.io/instance={self.rel.name}")
-        return [p for p in (got or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")]
+        pods = list_pods(self.api, self.rel.namespace, f"app.kubernetes.io/instance={self.rel.name}")
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
     def ready_pods(self) -> list[dict[str, Any]]:
         return [p for p in self.operator_pods() if p["status"].get("phase") == "Running" and any(
@@ -145,7 +147,16 @@ class HA:
 
     def peers(self) -> dict[str, dict[str, Any]]:
         """kopf's peering records by identity (the pod name: the chart sets POD_ID)."""
-        got = self.rel.get("clusterkopfpeerings.kopf.dev", self.peering) or {}
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            got = cast(dict[str, Any], client.CustomObjectsApi(self.api).get_cluster_custom_object(
+                "kopf.dev", "v1", "clusterkopfpeerings", self.peering))
+        except ApiException as exc:
+            if exc.status == 404:
+                return {}
+            raise
         return {k: v for k, v in (got.get("status") or {}).items() if isinstance(v, dict)}
 
     def log_path(self, pod: dict[str, Any]) -> Path:
@@ -193,7 +204,7 @@ def ha(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[H
         return [] if h is None else [(p["status"]["podIP"], webhook_port) for p in h.pods_ready]
 
     fanout = Fanout(backends)
-    h = HA(rel, f"kvpool-ha-{tag}", webhook_port, fanout, tag)
+    h = HA(rel, f"kvpool-ha-{tag}", webhook_port, fanout, tag, api=cluster.api_client())
     holder["ha"] = h
     stop = threading.Event()
 
@@ -228,6 +239,7 @@ def ha(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[H
         stop.set()
         refresher.join(5)
         fanout.close()
+        h.api.close()
 
 
 # ------------------------------------------------------------------------------------ helpers
