@@ -37,6 +37,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     (API_VERSION, "KVTier"): ("kvtiers", False),
     (API_VERSION, "TenantNamespace"): ("tenantnamespaces", False),
     ("kopf.dev/v1", "ClusterKopfPeering"): ("clusterkopfpeerings", False),
+    ("kopf.dev/v1", "KopfPeering"): ("kopfpeerings", True),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
 }
 

@@ -3,7 +3,7 @@
     kvpool operator [--namespace NS] [--watch-namespace NS ...] [--image IMAGE]
                     [--webhook-port 9443 --webhook-cert F --webhook-key F [--webhook-host H]
                      [--webhook-addr A] [--webhook-ca F] [--webhook-managed NAME]]
-                    [--peering NAME | --standalone] [--liveness URL] [--metrics-port N]
+                    [--peering NAME | --standalone] [--liveness URL] [--metrics-port N] [--metrics-addr A]
 
 Certificates are given as files (kopf's self-signed generation needs oscrypto, which is not
 usable here; the Helm chart or cert-manager provides them).
@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,11 +28,26 @@ from .settings import Settings
 
 log = logging.getLogger("kvpool.operator")
 PEERING_CRD = "clusterkopfpeerings.kopf.dev"
+NAMESPACED_PEERING_CRD = "kopfpeerings.kopf.dev"
 PEERING_LIFETIME_SECONDS = 15
 """How long a replica's peering record counts as alive.  A replica that replaces a killed one
 of higher priority pauses until the dead one's record expires: with kopf's 60 s, deleting a
 KVTier right after an operator pod was killed waited a minute for its finalizer (seen in CI).
 Live replicas refresh their record 5-10 s before it expires."""
+PRIORITY_EPOCH_SECONDS = 10**10
+"""Far beyond any start time (year 2286): a replica's default priority counts down from it."""
+
+
+def seniority_priority(started_unix: float, tiebreak: int) -> int:
+    """The default peering priority: the longer a replica has run, the higher (kopf's active
+    replica is the one of highest priority).  A replica that starts later, a restarted or a
+    rolled-out one, stands by instead of taking the work from one that is busy with it (with a
+    random priority, every second restart did, mid-drain), and when the active one dies the
+    oldest standby takes over.  ``tiebreak`` (0..999) keeps two replicas started in the same
+    second apart: kopf freezes every replica when two have the same priority."""
+    if not 0 <= tiebreak < 1000:
+        raise ValueError(f"tiebreak must be in 0..999, got {tiebreak}")
+    return (PRIORITY_EPOCH_SECONDS - int(started_unix)) * 1000 + tiebreak
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,13 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peering", default="kvpool-operator", help="kopf peering name (several replicas)")
     ap.add_argument("--standalone", action="store_true", help="no peering: this replica handles everything")
     ap.add_argument("--priority", type=int, default=None,
-                    help="peering priority (default: random, so that of several replicas exactly one is active "
-                         "and the others stand by; kopf freezes replicas of equal priority)")
+                    help="peering priority (default: from the start time, the oldest replica is active and "
+                         "the others stand by; kopf freezes replicas of equal priority)")
     ap.add_argument("--peering-lifetime", type=int, default=PEERING_LIFETIME_SECONDS,
                     help="seconds a replica's peering record counts as alive: a replica that replaces a "
                          "killed one of higher priority stands by this long (kopf's default is 60)")
     ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL ('' off)")
     ap.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0 off)")
+    ap.add_argument("--metrics-addr", default="0.0.0.0", help="address the metrics server listens on")
     return ap
 
 
@@ -93,16 +110,28 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port)
 
 
+def peering_objects(name: str, watch_namespaces: Sequence[str]) -> list[dict[str, Any]]:
+    """The kopf peering objects the replicas meet in: kopf uses one ClusterKopfPeering for a
+    cluster-wide operator and a KopfPeering in each watched namespace otherwise.  A replica whose
+    peering object is missing stays paused for good (kopf waits for its first event)."""
+    if not watch_namespaces:
+        return [{"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}]
+    return [{"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name, "namespace": ns}}
+            for ns in dict.fromkeys(watch_namespaces)]
+
+
 def _peering(kube: Kube, args: argparse.Namespace) -> tuple[bool, str | None]:
     """(standalone, peering name): peer only where kopf's peering CRD is installed."""
     if args.standalone:
         return True, None
     try:
-        if kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", PEERING_CRD) is None:
+        crd = NAMESPACED_PEERING_CRD if args.watch_namespace else PEERING_CRD
+        if kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", crd) is None:
             log.warning("%s is not installed: running standalone (install crds/kopf-peering.yaml for "
-                        "several replicas)", PEERING_CRD)
+                        "several replicas)", crd)
             return True, None
-        kube.create({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": args.peering}})
+        for obj in peering_objects(args.peering, args.watch_namespace):
+            kube.create(obj)  # None when it exists already: another replica made it
     except KubeError as exc:
         log.warning("cannot set up peering (%s): running standalone", exc)
         return True, None
@@ -149,8 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 settings.admission.managed = args.webhook_managed
 
     standalone, peering_name = _peering(kube, args)
-    metrics.serve(args.metrics_port)
-    priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 1_000_000)
+    metrics.serve(args.metrics_port, args.metrics_addr)
+    priority = args.priority if args.priority is not None else seniority_priority(
+        time.time(), random.SystemRandom().randrange(1000))
+    log.info("peering %s with priority %d", "off (standalone)" if standalone else repr(peering_name), priority)
     kopf.run(registry=registry, standalone=standalone, peering_name=peering_name, priority=priority,
              clusterwide=not args.watch_namespace, namespaces=args.watch_namespace,
              liveness_endpoint=args.liveness or None)

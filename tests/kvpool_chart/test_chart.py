@@ -176,6 +176,43 @@ def test_url_mode_existing_secret_peering_and_service_monitor(tmp_path: Path) ->
 
 
 @needs_helm
+def test_two_replicas_peer_with_a_pdb_and_listen_where_told(tmp_path: Path) -> None:
+    """replicaCount 2 (issue 19): a PodDisruptionBudget keeps one replica through drains, the
+    replicas prefer different nodes, kopf's peering identity is the pod name, and the servers
+    listen on listenAddress (the e2e harness's pods share one network namespace)."""
+    docs = render(tmp_path)
+    assert not by_kind(docs, "PodDisruptionBudget")  # one replica: nothing to keep
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--webhook-addr") + 1] == "0.0.0.0" and args[args.index("--metrics-addr") + 1] == "0.0.0.0"
+    assert args[args.index("--liveness") + 1].startswith("http://0.0.0.0:")
+    assert "affinity" not in pod
+
+    docs = render(tmp_path, "replicaCount=2", "listenAddress=$(POD_IP)")
+    pdb = one(docs, "PodDisruptionBudget")
+    dep = one(docs, "Deployment")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    pod = dep["spec"]["template"]["spec"]
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    c = pod["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    args = c["args"]
+    assert args[args.index("--webhook-addr") + 1] == args[args.index("--metrics-addr") + 1] == "$(POD_IP)"
+    assert args[args.index("--liveness") + 1].startswith("http://$(POD_IP):")
+    assert not by_kind(render(tmp_path, "replicaCount=2", "podDisruptionBudget.enabled=false"), "PodDisruptionBudget")
+
+    # Watching namespaces, the replicas peer in a KopfPeering in each: the Roles allow it.
+    docs = render(tmp_path, "replicaCount=2", "watchNamespaces={team-a}")
+    (role,) = by_kind(docs, "Role")
+    granted = {(g, res, v) for r in role["rules"] for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
+    assert {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "create", "patch")} <= granted
+
+
+@needs_helm
 @pytest.mark.parametrize("setting, message", [
     ("replicaCount=0", "/replicaCount"),
     ("webhook.timeoutSeconds=30", "/webhook/timeoutSeconds"),

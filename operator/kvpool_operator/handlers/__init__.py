@@ -16,6 +16,5 @@ def register_all(registry: Any, rt: Runtime, with_webhook: bool = True) -> None:
     kvpool.register(registry, rt)
     kvtier.register(registry, rt)
     tenantnamespace.register(registry, rt)
-    webhook.register_indexes(registry, rt)
     if with_webhook:
         webhook.register(registry, rt)
