@@ -25,6 +25,7 @@ class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDOFF_INVALID: _ClassVar[Code]
     HANDOFF_EXPIRED: _ClassVar[Code]
     UNSUPPORTED: _ClassVar[Code]
+    UNAVAILABLE: _ClassVar[Code]
 
 class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ WRONG_TENANT: Code
 HANDOFF_INVALID: Code
 HANDOFF_EXPIRED: Code
 UNSUPPORTED: Code
+UNAVAILABLE: Code
 BLOCK: Kind
 STATE: Kind
 
@@ -226,7 +228,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
-    __slots__ = ("tenant_id", "used_bytes", "quota_bytes", "objects", "counters")
+    __slots__ = ("tenant_id", "used_bytes", "quota_bytes", "objects", "counters", "share_bytes")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,12 +241,14 @@ class TenantStats(_message.Message):
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     used_bytes: int
     quota_bytes: int
     objects: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, tenant_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    share_bytes: int
+    def __init__(self, tenant_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., share_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("node_id", "epoch", "tiers", "tenants", "counters", "hit_blocks", "lookup_blocks", "draining", "incarnation")

@@ -32,6 +32,7 @@ from .allocator import OutOfSpace
 from .atrest import AtRest, sealed_size
 from .demoter import FsView, TierMover
 from .eviction import choose_victims, is_expired, watermark_need
+from .quota import Held, ring_share, trim_to_share
 from .tiers import DramTier, FaultDelay, SharedFsHeader, SharedFsTier, SsdTier, checksum
 
 log = logging.getLogger("kvpool.store")
@@ -97,8 +98,11 @@ class Tenant:
     token: str = ""
     salt: bytes = b""
     quota_bytes: int = 0
+    """The tenant's limit for the whole pool (logical bytes); 0 = none."""
     ttl_seconds: dict[str, float] = field(default_factory=dict)
     evict_own_on_quota: bool = False
+    share_bytes: int = 0
+    """What this node admits of the quota under its ring (:func:`kvpool.store.quota.ring_share`)."""
     used_bytes: int = 0
     objects: int = 0
     counters: Counter[str] = field(default_factory=Counter)
@@ -258,6 +262,7 @@ class StoreNode:
                 if t.token and t.token != c.token:
                     self.token_to_tenant.pop(t.token, None)
                 t.token, t.salt, t.quota_bytes = c.token, c.salt, c.quota_bytes
+                t.share_bytes = ring_share(c.quota_bytes, self.ring)
                 t.ttl_seconds = dict(c.ttl_seconds)
                 t.evict_own_on_quota = c.evict_own_on_quota
                 if c.token:
@@ -573,23 +578,52 @@ class StoreNode:
 
     def _admit_quota(self, t: Tenant, keys: list[bytes], sizes: Sequence[int], codes: list[pb.Code],
                      now: float) -> None:
-        if not t.quota_bytes:
+        """Refuse (QUOTA_EXCEEDED) the items that would take the tenant past this node's share of
+        its pool quota (:mod:`kvpool.store.quota`), evicting its own objects first when it asked."""
+        limit = t.share_bytes
+        if not limit:
             return
         want = t.used_bytes
         evictable = t.evict_own_on_quota
         for i, size in enumerate(sizes):
             if codes[i] != pb.OK:
                 continue
-            if want + size > t.quota_bytes and evictable and size <= t.quota_bytes:
-                if not self._evict_tenant(t, want + size - t.quota_bytes, now):
+            if want + size > limit and evictable and size <= limit:
+                if not self._evict_tenant(t, want + size - limit, now):
                     evictable = False  # nothing of its own left to evict: stop scanning for this batch
                 want = t.used_bytes + sum(s for j, s in enumerate(sizes[:i]) if codes[j] == pb.OK)
-            if want + size > t.quota_bytes:
+            if want + size > limit:
                 codes[i] = pb.QUOTA_EXCEEDED
                 self.counters["refused_quota"] += 1
                 t.counters["refused_quota"] += 1
                 continue
             want += size
+
+    def _fit_quota_shares(self) -> None:
+        """After a ring change (caller holds the lock): each tenant's share under the new ring;
+        a tenant now over its share here drops what :func:`kvpool.store.quota.trim_to_share`
+        picks (objects this node no longer owns first), so a scale-up does not let the pool
+        hold the old shares plus the new node's."""
+        for t in self.tenants.values():
+            t.share_bytes = ring_share(t.quota_bytes, self.ring)
+            if not t.share_bytes or t.used_bytes <= t.share_bytes:
+                continue
+            self._settle_pins()
+            mine = [e for e in itertools.chain(self.lru_ssd.values(), self.lru_dram.values())
+                    if e.tenant == t.tenant_id and e.state == COMMITTED and not e.pins and not e.inflight]
+            owned = [False] * len(mine)
+            for kind in (pb.BLOCK, pb.STATE):
+                idx = [i for i, e in enumerate(mine) if e.kind == kind]
+                if idx and self.ring.active:
+                    got = self.ring.write_owned(self.node_id, [mine[i].key for i in idx],
+                                                1 if kind == pb.STATE else None)
+                    for i, o in zip(idx, got.tolist(), strict=True):
+                        owned[i] = o
+            held = [Held(e.size, e.last_access, o) for e, o in zip(mine, owned, strict=True)]
+            for i in trim_to_share(t.used_bytes, t.share_bytes, held, t.evict_own_on_quota):
+                self._discard(mine[i])
+                self.counters["evicted_quota"] += 1
+                t.counters["evicted_quota"] += 1
 
     def _alloc_dram(self, size: int, now: float) -> int:
         try:
@@ -1101,6 +1135,7 @@ class StoreNode:
                 self.ring = ring
                 me = ring.member(self.node_id)
                 self.draining = me is not None and me.state == "draining"
+                self._fit_quota_shares()
             return self.ring
 
     def objects_hottest_first(self) -> Iterator[Entry]:
@@ -1161,7 +1196,7 @@ class StoreNode:
                     ("dram", self.dram.capacity, self.dram.alloc.used, dram_objects),
                     *([("ssd", self.ssd.capacity, self.ssd.alloc.used, len(self.lru_ssd))] if self.ssd else []),
                 ],
-                "tenants": [(t.tenant_id, t.used_bytes, t.quota_bytes, t.objects, dict(t.counters))
+                "tenants": [(t.tenant_id, t.used_bytes, t.quota_bytes, t.objects, dict(t.counters), t.share_bytes)
                             for t in self.tenants.values()],
                 "counters": dict(self.counters),
             }

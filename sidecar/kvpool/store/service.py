@@ -219,8 +219,9 @@ class StoreService(pbg.StoreServicer):
         return pb.StatsReply(
             node_id=s["node_id"], epoch=s["epoch"], draining=s["draining"],
             tiers=[pb.TierStats(name=n, capacity_bytes=c, used_bytes=u, objects=o) for n, c, u, o in s["tiers"]],
-            tenants=[pb.TenantStats(tenant_id=t, used_bytes=u, quota_bytes=q, objects=max(o, 0), counters=c)
-                     for t, u, q, o, c in s["tenants"]],
+            tenants=[pb.TenantStats(tenant_id=t, used_bytes=u, quota_bytes=q, objects=max(o, 0), counters=c,
+                                    share_bytes=share)
+                     for t, u, q, o, c, share in s["tenants"]],
             counters=counters, hit_blocks=counters.get("hit_blocks", 0),
             lookup_blocks=counters.get("lookup_blocks", 0), incarnation=s["incarnation"])
 
