@@ -754,8 +754,16 @@ class Client:
     # -- writing ------------------------------------------------------------------------------
 
     def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = "chatbot",
-            kind: int = pb.BLOCK) -> list[int]:
+            kind: int = pb.BLOCK, wait: bool = False, wait_seconds: float = 5.0) -> list[int]:
         """Store objects: visible locally at once, written to the pool by the sidecar; per-item codes.
+
+        By default the codes are the local tier's and the pool write follows in the background
+        (its refusals show only in counters).  ``wait=True``: the sidecar writes the objects to
+        the pool before answering, and the code of each object stored locally is the pool's
+        verdict — OK (or ALREADY_EXISTS), QUOTA_EXCEEDED, NO_SPACE, TOO_LARGE, ... or UNAVAILABLE
+        when no owner took it within ``wait_seconds`` (it may still arrive; refused or not, the
+        object stays readable from the local tier).  An object not stored locally keeps the
+        local code (ALREADY_EXISTS: it was there before; IN_FLIGHT, INVALID, ...).
 
         A batch larger than the free local tier goes in rounds (:func:`kvpool.spill.next_round`):
         each round reserves what fits, and the sidecar writes a round that left items out to the
@@ -765,15 +773,21 @@ class Client:
         straight from the client's memory (fast session), its code the pool's.  With no pool
         behind the sidecar, what does not fit stays NO_SPACE (nowhere to stream to: a later round
         would only evict the batch's own objects)."""
+        bound = min(self.timeout, self.deadlines.other_seconds)
+        if wait and not 0 < wait_seconds < bound:
+            raise errors.InvalidArgument(
+                f"wait_seconds must be > 0 and under the client's bound on a write ({bound}s), got {wait_seconds}")
+        wait_ms = max(1, int(wait_seconds * 1000)) if wait else 0
         if len(keys) != len(values):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
-        start, codes = self._put_round(keys, views, traffic_class, kind)
+        start, codes = self._put_round(keys, views, traffic_class, kind, wait_ms)
         todo = spill.next_round(range(len(keys)), start) if self._pool_behind and pb.NO_SPACE in start else []
         while todo:
-            start, got = self._put_round([keys[i] for i in todo], [views[i] for i in todo], traffic_class, kind)
+            start, got = self._put_round([keys[i] for i in todo], [views[i] for i in todo], traffic_class, kind,
+                                         wait_ms)
             for i, c in zip(todo, got, strict=True):
                 codes[i] = c
             todo = spill.next_round(todo, start)
@@ -817,8 +831,9 @@ class Client:
             codes[i] = c
 
     def _put_round(self, keys: Sequence[bytes], views: list[memoryview], traffic_class: str,
-                   kind: int) -> tuple[list[int], list[int]]:
-        """One WriteStart, copy and WriteCommit: the reservation's codes and the final codes."""
+                   kind: int, wait_ms: int = 0) -> tuple[list[int], list[int]]:
+        """One WriteStart, copy and WriteCommit: the reservation's codes and the final codes
+        (with ``wait_ms``: the pool's, :meth:`put`)."""
         blob, sizes = pack_keys(keys), [len(v) for v in views]
         if self._fast is not None:
             codes, offsets, rid, life = self._fast.write_start(blob, sizes, kind, traffic_class)
@@ -839,10 +854,10 @@ class Client:
         for i in ok:
             sums[i] = checksum(views[i])
         if self._fast is not None:
-            final = self._fast.write_commit(rid, sums, m.incarnation)
+            final = self._fast.write_commit(rid, sums, m.incarnation, wait_ms)
         else:
-            final = list(self._rpc(self._stub.WriteCommit, spb.WriteCommitRequest(reservation_id=rid,
-                                                                                  checksums=sums)).codes)
+            final = list(self._rpc(self._stub.WriteCommit, spb.WriteCommitRequest(
+                reservation_id=rid, checksums=sums, pool_wait_ms=wait_ms)).codes)
         for i, c in enumerate(codes):
             if c == pb.OK:
                 codes[i] = final[i]

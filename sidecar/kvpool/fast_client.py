@@ -379,14 +379,17 @@ class FastSession:
                 raise errors.Unavailable("fast session: reservation outside the arena")
         return t.codes, t.offsets, r.ref, inc
 
-    def write_commit(self, reservation_id: int, checksums: list[int], incarnation: int = 0) -> list[int]:
+    def write_commit(self, reservation_id: int, checksums: list[int], incarnation: int = 0,
+                     pool_wait_ms: int = 0) -> list[int]:
         """Per-item codes; a reservation of another life than ``incarnation`` (when given) is
-        not sent: LEASE_EXPIRED for all (its sidecar is gone)."""
+        not sent: LEASE_EXPIRED for all (its sidecar is gone).  With ``pool_wait_ms`` the codes
+        are the pool's verdict (``FLAG_POOL_WAIT``)."""
 
         def exchange(conn: _Conn) -> list[int]:
             if incarnation and conn.incarnation != incarnation:
                 return [pb.LEASE_EXPIRED] * len(checksums)
-            r, body = conn.call(fp.OP_WRITE_COMMIT, ref=reservation_id, values=np.asarray(checksums, np.uint64))
+            r, body = conn.call(fp.OP_WRITE_COMMIT, ref=reservation_id, values=np.asarray(checksums, np.uint64),
+                                flags=fp.FLAG_POOL_WAIT if pool_wait_ms else 0, lease_ms=pool_wait_ms)
             return fp.decode_table(r, body, self.arena_bytes).codes
         return self._on_connection(exchange)[0]
 

@@ -128,12 +128,14 @@ class WriteStartReply(_message.Message):
     def __init__(self, codes: _Optional[_Iterable[_Union[_store_pb2.Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., reservation_id: _Optional[int] = ...) -> None: ...
 
 class WriteCommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "checksums")
+    __slots__ = ("reservation_id", "checksums", "pool_wait_ms")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    POOL_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    pool_wait_ms: int
+    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., pool_wait_ms: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_ids",)

@@ -38,7 +38,7 @@ per-item results are ``kvpool.proto.store_pb2.Code`` bytes.  Bodies when the sta
 * READ: codes u8 × n, offsets u64 × n, sizes u64 × n (arena extents; ``ref`` = the read lease,
   ``prefix`` = local hits, ``local`` = pool hits).
 * WRITE_START: codes u8 × n, offsets u64 × n (``ref`` = the reservation id).
-* WRITE_COMMIT: codes u8 × n.
+* WRITE_COMMIT: codes u8 × n (with ``FLAG_POOL_WAIT``: the pool's codes, see the flag).
 * WRITE_FROM: codes u8 × n, the pool's per object (an owner that could not be reached: NO_SPACE).
 * REGISTER: none.  READ_INTO: codes u8 × n, sizes u64 × n (``prefix`` = local hits, ``local`` =
   pool hits); OK means the object's bytes are in the caller's buffer.
@@ -106,6 +106,9 @@ FLAG_TRANSIENT = 8
 """READ_INTO, WRITE_FROM: the regions it names are unmapped once it is answered (one-call
 memory: the client's read of objects its sidecar's arena had no room for, a READ's NO_SPACE
 rows; a put's objects copied for the pool)."""
+FLAG_POOL_WAIT = 16
+"""WRITE_COMMIT: write the objects to the pool before answering, waiting at most ``lease_ms``
+milliseconds; the codes are then the pool's verdict (``Client.put(..., wait=True)``)."""
 
 REQUEST = struct.Struct("<4sBBBBIIIHHQ")
 RESPONSE = struct.Struct("<4sBBBBIIIIIQI")
@@ -223,6 +226,8 @@ def decode_request(data: bytes | bytearray | memoryview) -> Request:
         raise ProtocolError("HELLO, RELEASE and REGISTER carry no items")
     if flags & FLAG_NO_REPLY and op != OP_RELEASE:
         raise ProtocolError("only RELEASE may go without a reply")
+    if flags & FLAG_POOL_WAIT and op != OP_WRITE_COMMIT:
+        raise ProtocolError("only WRITE_COMMIT may wait for the pool")
     return Request(op, kind, flags, rid, count, lease_ms, tlen, nrel, ref)
 
 

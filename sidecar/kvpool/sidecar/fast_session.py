@@ -294,7 +294,8 @@ class _Connection:
                 return [fp.encode_response(fp.OP_WRITE_START, req.request_id, req.items, ref=rid),
                         fp.encode_table(codes, [e.offset if e else 0 for e in entries])]
             assert req.op == fp.OP_WRITE_COMMIT and body.values is not None
-            codes = sc.write_commit(req.ref, body.values.tolist())
+            codes = sc.write_commit(req.ref, body.values.tolist(),
+                                    req.lease_ms if req.flags & fp.FLAG_POOL_WAIT else 0)
             return [fp.encode_response(fp.OP_WRITE_COMMIT, req.request_id, req.items), fp.encode_table(codes)]
         except _Refused as r:
             exc: errors.KvpoolError = r.exc

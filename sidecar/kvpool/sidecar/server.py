@@ -754,13 +754,17 @@ class Sidecar(spbg.SidecarServicer):
 
     def WriteCommit(self, request: spb.WriteCommitRequest, context: grpc.ServicerContext) -> pb.CodesReply:
         try:
-            return pb.CodesReply(codes=self.write_commit(request.reservation_id, list(request.checksums)))
+            return pb.CodesReply(codes=self.write_commit(request.reservation_id, list(request.checksums),
+                                                         request.pool_wait_ms))
         except errors.InvalidArgument as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # not reached: abort raises
 
-    def write_commit(self, reservation_id: int, sums: list[int]) -> list[pb.Code]:
-        """Make a reservation's objects visible (and queue them for the pool): per-item codes."""
+    def write_commit(self, reservation_id: int, sums: list[int], pool_wait_ms: int = 0) -> list[pb.Code]:
+        """Make a reservation's objects visible (and queue them for the pool): per-item codes.
+
+        ``pool_wait_ms``: write them to the pool now and answer, for each object committed
+        here, the pool's verdict (:meth:`_write_waited`) instead of the local tier's."""
         t0 = time.perf_counter()
         with self.local.lock:
             res = self.local.reservations.get(reservation_id)
@@ -775,25 +779,36 @@ class Sidecar(spbg.SidecarServicer):
         with self._lock:
             spilling = self._spilling.pop(reservation_id, None) is not None
         if spilling:
-            return self._commit_spilling(reservation_id, sums, t0)
+            return self._commit_spilling(reservation_id, sums, t0, pool_wait_ms > 0)
         kind_state = any(e is not None and e.kind == pb.STATE for e in entries)
         # State objects are single-copy host-memory objects: only flushed on drain/eviction.
         dirty = self.cfg.write_back or kind_state or not self.pool.enabled
         through = self.pool.enabled and not dirty
+        waited = pool_wait_ms > 0 and self.pool.enabled
         codes, done, pin = self.local.commit(reservation_id, sums, dirty=dirty and self.pool.enabled,
-                                             pin_ms=600_000 if through else 0)
-        if pin is not None:
+                                             pin_ms=600_000 if through or waited else 0)
+        if pin is not None and waited:
+            verdict = self._write_waited(done, pin, pool_wait_ms / 1000.0)
+            for i, e in enumerate(entries):
+                if codes[i] == pb.OK and e is not None:
+                    codes[i] = verdict.get(id(e), pb.UNAVAILABLE)
+        elif pin is not None:
             self._enqueue(done, pin=pin)
         self.counters["put_blocks"] += len(done)
         metrics.record_put(self.cfg.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
         return codes
 
-    def _commit_spilling(self, reservation_id: int, sums: list[int], t0: float) -> list[pb.Code]:
+    def _commit_spilling(self, reservation_id: int, sums: list[int], t0: float, verdict: bool = False
+                         ) -> list[pb.Code]:
         """Commit a round of a batch larger than the free local tier and write it to the pool
         now, from the arena (pinned meanwhile), on the caller's thread: when the client's next
         round asks, these are clean copies it may evict.  Whatever the write policy (the tier
         cannot keep the batch anyway); a write that failed leaves its objects local-only, handed
-        over on eviction like any other (and retried, :meth:`_retry_later`)."""
+        over on eviction like any other (and retried, :meth:`_retry_later`).  ``verdict`` (a put
+        with wait): the codes of the objects committed are the pool's."""
+        with self.local.lock:
+            res = self.local.reservations.get(reservation_id)
+            entries = list(res[1]) if res else []
         codes, done, pin = self.local.commit(reservation_id, sums, dirty=True, pin_ms=600_000)
         pool_codes: dict[int, int] = {}
         try:
@@ -805,6 +820,11 @@ class Sidecar(spbg.SidecarServicer):
             if pin is not None:
                 self.local.release([pin.lease_id])
         self._retry_later(done, None, pool_codes)
+        if verdict:
+            for i, e in enumerate(entries):
+                if codes[i] == pb.OK and e is not None:
+                    c = pool_codes.get(id(e), UNREACHABLE)
+                    codes[i] = pb.UNAVAILABLE if c == UNREACHABLE else errors.as_code(c)
         self.counters["put_blocks"] += len(done)
         self.counters["put_spilled_rounds"] += 1
         metrics.record_put(self.cfg.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
@@ -831,6 +851,35 @@ class Sidecar(spbg.SidecarServicer):
         self.counters["put_streamed"] += ok
         self.counters["pool_writes"] += ok
         return codes
+
+    def _write_waited(self, entries: list[LocalEntry], pin: LocalLease, seconds: float) -> dict[int, pb.Code]:
+        """Write committed objects (pinned by ``pin``) to the pool on a thread of their own and
+        wait for it at most ``seconds``: id(entry) → the pool's code, UNAVAILABLE for an object
+        no owner took (down, unreachable) and missing for one whose write was still on its way
+        at the deadline.  What happens after is what happens to any write-through: a passing
+        failure is tried again later, a refusal leaves the object local-only."""
+        got: dict[int, int] = {}
+        verdict: dict[int, pb.Code] = {}
+        lock = threading.Lock()
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                self._push(entries, None, got)
+            except Exception:
+                log.exception("pool write (put with wait) failed")
+            finally:
+                self.local.release([pin.lease_id])
+                with lock:  # all at once: a caller past its deadline sees none of it, never half
+                    verdict.update((k, pb.UNAVAILABLE if c == UNREACHABLE else errors.as_code(c))
+                                   for k, c in got.items())
+                finished.set()
+            self._retry_later(entries, None, got)
+
+        threading.Thread(target=run, name="kvpool-put-wait", daemon=True).start()
+        finished.wait(seconds)
+        with lock:
+            return dict(verdict)
 
     def WriteRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
         self.local.revoke(request.reservation_id)

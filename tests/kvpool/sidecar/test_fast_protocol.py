@@ -28,6 +28,10 @@ def test_requests_round_trip() -> None:
     assert body.text == "batch" and body.values is not None and body.values.tolist() == [10, 1 << 33]
     req, body = _request(fp.encode_request(fp.OP_WRITE_COMMIT, 9, ref=5, values=[1, 2, 3]))
     assert req.items == 3 and req.ref == 5 and body.keys == b"" and body.values.tolist() == [1, 2, 3]
+    # Put with wait: the commit carries how long to wait for the pool.
+    req, body = _request(fp.encode_request(fp.OP_WRITE_COMMIT, 9, ref=5, values=[1], flags=fp.FLAG_POOL_WAIT,
+                                           lease_ms=2500))
+    assert req.flags == fp.FLAG_POOL_WAIT and req.lease_ms == 2500 and body.values.tolist() == [1]
     req, body = _request(fp.encode_request(fp.OP_RELEASE, 10, releases=[1, 2], flags=fp.FLAG_NO_REPLY))
     assert req.items == 0 and body.releases == [1, 2]
     req, body = _request(fp.encode_request(fp.OP_HELLO, 11, text="tenant-é".encode()))
@@ -59,6 +63,7 @@ def _header(**over: int) -> bytes:
     ({"count": fp.MAX_KEYS + 1}, "at most"), ({"tlen": fp.MAX_TEXT_BYTES + 1}, "limit"),
     ({"nrel": fp.MAX_RELEASES + 1}, "limit"), ({"op": fp.OP_HELLO, "count": 1}, "no items"),
     ({"op": fp.OP_RELEASE, "count": 2}, "no items"), ({"flags": fp.FLAG_NO_REPLY}, "without a reply"),
+    ({"flags": fp.FLAG_POOL_WAIT}, "wait for the pool"),
 ])
 def test_malformed_request_headers_are_refused(over: dict[str, int], why: str) -> None:
     with pytest.raises(fp.ProtocolError, match=why):

@@ -30,7 +30,7 @@ TENANT = "t"
 
 def _cluster(replication: int, stores: int = 4, sidecars: int = 1, **kw: Any) -> LocalCluster:
     return LocalCluster(stores=stores, sidecars=sidecars, tenants=[TENANT] * sidecars, quotas={TENANT: QUOTA},
-                        replication=replication, store_bytes=32 * MiB, local_bytes=32 * MiB, **kw)
+                        replication=replication, store_bytes=32 * MiB, local_bytes=32 * MiB, drain_seconds=3, **kw)
 
 
 def _physical(lc: LocalCluster) -> int:
