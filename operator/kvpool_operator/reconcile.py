@@ -172,7 +172,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
 
     node_capacity = layout.capacity_bytes
     answered = [s for s in obs.stats.values() if s is not None]
-    usage = status.aggregate(answered)
+    usage = status.aggregate(answered, pool.replication)
     current = obs.sts_replicas if obs.sts_replicas is not None else 0
     state = DrainState.from_status(st.get("drain"))
     events: list[Event] = []

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.store.quota import pool_usage
+
 from .drain import DrainState, Event
 from .rebalance import RebalanceState
 from .scaling import ScaleDecision
@@ -25,11 +27,22 @@ CONDITION_TYPES = ("Ready", "Progressing", "Draining", "Degraded", "ScaleDownBlo
 
 @dataclass(frozen=True)
 class TenantUsage:
+    """A tenant's usage as one store node reports it (bytes and objects on that node; every
+    replica counts there) or, out of :func:`aggregate`, as the pool's.
+
+    Pool quota and pool usage are in one unit, logical bytes (``kvpool.store.quota``): an object
+    counts once however many replicas the ring keeps, so ``used_bytes`` of the pool is the bytes
+    on all nodes divided by the copies kept (min(R, nodes)), and ``physical_bytes`` the bytes on
+    all nodes.  ``quota_bytes`` is the tenant's quota for the whole pool (each node reports it,
+    and admits its share of it)."""
+
     tenant_id: str
     used_bytes: int = 0
     quota_bytes: int = 0
     objects: int = 0
     counters: Mapping[str, int] = field(default_factory=dict)
+    physical_bytes: int = 0
+    """Pool only: the bytes on all nodes (a node's report: its ``used_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -69,28 +82,40 @@ REFUSAL_COUNTERS = ("refused_quota",)
 EVICTION_COUNTERS = ("evicted", "evicted_quota", "expired")
 
 
-def aggregate(stats: Iterable[NodeStats]) -> PoolUsage:
-    cap = used = hits = lookups = 0
-    tenants: dict[str, TenantUsage] = {}
+def aggregate(stats: Iterable[NodeStats], replicas: int = 1) -> PoolUsage:
+    """The pool's usage from the nodes' reports; ``replicas``: the ring's replication (R).
+
+    Capacity and ``used_bytes`` of the pool are physical (what the nodes hold: autoscaling and
+    utilization).  A tenant's usage is in its quota's unit (:class:`TenantUsage`): the bytes on
+    all nodes over the copies kept, min(R, nodes that answered), rounded up; its quota is the
+    pool quota the nodes report (the largest, should one still have an older configuration)."""
+    cap = used = hits = lookups = nodes = 0
+    physical: dict[str, int] = {}
+    objects: dict[str, int] = {}
+    quotas: dict[str, int] = {}
+    counters: dict[str, dict[str, int]] = {}
     for s in stats:
+        nodes += 1
         cap += s.capacity_bytes
         used += s.used_bytes
         hits += s.hit_blocks
         lookups += s.lookup_blocks
         for t in s.tenants:
-            prev = tenants.get(t.tenant_id)
-            counters = dict(prev.counters) if prev else {}
+            physical[t.tenant_id] = physical.get(t.tenant_id, 0) + t.used_bytes
+            objects[t.tenant_id] = objects.get(t.tenant_id, 0) + t.objects
+            quotas[t.tenant_id] = max(quotas.get(t.tenant_id, 0), t.quota_bytes)
+            mine = counters.setdefault(t.tenant_id, {})
             for k, v in t.counters.items():
-                counters[k] = counters.get(k, 0) + int(v)
-            tenants[t.tenant_id] = TenantUsage(
-                t.tenant_id, (prev.used_bytes if prev else 0) + t.used_bytes,
-                max(prev.quota_bytes if prev else 0, t.quota_bytes), (prev.objects if prev else 0) + t.objects,
-                counters)
+                mine[k] = mine.get(k, 0) + int(v)
+    tenants = {tid: TenantUsage(tid, pool_usage(b, replicas, nodes), quotas[tid],
+                                pool_usage(objects[tid], replicas, nodes), counters[tid], physical_bytes=b)
+               for tid, b in physical.items()}
     return PoolUsage(cap, used, hits, lookups, tenants)
 
 
 def tenant_status(u: TenantUsage) -> dict[str, Any]:
-    return {"tenantId": u.tenant_id, "usedBytes": u.used_bytes, "quotaBytes": u.quota_bytes, "objects": u.objects,
+    return {"tenantId": u.tenant_id, "usedBytes": u.used_bytes, "physicalBytes": u.physical_bytes,
+            "quotaBytes": u.quota_bytes, "objects": u.objects,
             "refusals": sum(int(u.counters.get(k, 0)) for k in REFUSAL_COUNTERS),
             "evictions": sum(int(u.counters.get(k, 0)) for k in EVICTION_COUNTERS)}
 

@@ -157,7 +157,10 @@ def tenant_pool_status(tn: TenantSpec, pool_statuses: Mapping[str, Mapping[str, 
     for p in tn.pools:
         st = pool_statuses.get(p.key) or {}
         mine: Mapping[str, Any] = next((t for t in st.get("tenants") or [] if t.get("tenantId") == tn.tenant_id), {})
+        # usedBytes and quotaBytes in one unit, logical bytes: the pool's quota against the pool's
+        # usage (replicas count once; physicalBytes is what all replicas take).
         rows.append({"pool": p.key, "usedBytes": int(mine.get("usedBytes", 0)),
+                     "physicalBytes": int(mine.get("physicalBytes", 0)),
                      "quotaBytes": p.quota_bytes or int(mine.get("quotaBytes", 0)),
                      "objects": int(mine.get("objects", 0)), "refusals": int(mine.get("refusals", 0)),
                      "evictions": int(mine.get("evictions", 0))})

@@ -138,6 +138,7 @@ _BY_CODE: dict[int, type[KvpoolError]] = {
     pb.TOO_LARGE: TooLarge, pb.WRONG_TENANT: WrongTenant, pb.HANDOFF_INVALID: HandoffInvalid,
     pb.HANDOFF_EXPIRED: HandoffExpired,
     pb.UNSUPPORTED: Unsupported,
+    pb.UNAVAILABLE: Unavailable,
 }
 
 GRPC_STATUS: dict[type[KvpoolError], grpc.StatusCode] = {

@@ -26,10 +26,32 @@ def test_aggregate_is_block_weighted() -> None:
     assert (u.capacity_bytes, u.used_bytes, u.utilization) == (200, 40, 0.2)
     assert u.hit_rate == 0.09  # 90 of 1000 blocks, not the mean of 0.9 and 0.0
     s = usage_status(u)
-    assert s["tenants"] == [{"tenantId": "t", "usedBytes": 15, "quotaBytes": 50, "objects": 3, "refusals": 4,
-                             "evictions": 1}]
+    assert s["tenants"] == [{"tenantId": "t", "usedBytes": 15, "physicalBytes": 15, "quotaBytes": 50, "objects": 3,
+                             "refusals": 4, "evictions": 1}]
     assert s["utilizationPercent"] == "20.0%" and s["hitRatePercent"] == "9.0%"
     assert aggregate([]).hit_rate == 0.0 and aggregate([]).utilization == 0.0
+
+
+def test_tenant_quota_and_usage_are_the_pools_in_one_unit() -> None:
+    """Issue 19, finding 3: status put max(quota) of the nodes beside the sum of their usage.
+    Now every node reports the pool quota (and enforces its share of it: ``share_bytes``), and
+    the pool's usage of a tenant is in the quota's unit, logical bytes: with R=2 each object is
+    on two nodes, so 4 nodes holding 2 MiB of a tenant's replicas hold 1 MiB of its quota."""
+    mib = 1 << 20
+    nodes = [NodeStats(f"n{i}", capacity_bytes=64 * mib, used_bytes=mib // 2,
+                       tenants=(TenantUsage("t", mib // 2, mib, 128, {"refused_quota": 5}),)) for i in range(4)]
+    u = aggregate(nodes, replicas=2)
+    t = u.tenants["t"]
+    assert (t.used_bytes, t.physical_bytes, t.quota_bytes, t.objects) == (mib, 2 * mib, mib, 256)
+    assert u.used_bytes == 2 * mib  # the pool's capacity use stays physical (utilization, autoscaling)
+    row = usage_status(u)["tenants"][0]
+    assert row["usedBytes"] <= row["quotaBytes"] == mib and row["physicalBytes"] == 2 * mib
+    # R=1: logical is physical; R above the nodes that answered: each holds every copy.
+    assert aggregate(nodes, replicas=1).tenants["t"].used_bytes == 2 * mib
+    assert aggregate(nodes[:1], replicas=3).tenants["t"].used_bytes == mib // 2
+    # Rounded up: a usage at the limit never reads under it.
+    odd = [NodeStats("a", tenants=(TenantUsage("t", 3, 2),)), NodeStats("b", tenants=(TenantUsage("t", 2, 2),))]
+    assert aggregate(odd, replicas=2).tenants["t"].used_bytes == 3
 
 
 def test_conditions_as_pods_become_ready() -> None:

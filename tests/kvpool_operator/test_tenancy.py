@@ -60,8 +60,8 @@ def test_node_tenants_only_for_listed_pools() -> None:
 
 def test_tenant_pool_status() -> None:
     rows = tenant_pool_status(TN, {"pools.shared": {"tenants": [
-        {"tenantId": "team-a", "usedBytes": 5, "objects": 1, "refusals": 2, "evictions": 3},
+        {"tenantId": "team-a", "usedBytes": 5, "physicalBytes": 10, "objects": 1, "refusals": 2, "evictions": 3},
         {"tenantId": "team-b", "usedBytes": 99}]}})
-    assert rows == [{"pool": "pools.shared", "usedBytes": 5, "quotaBytes": 1 << 30, "objects": 1, "refusals": 2,
-                     "evictions": 3}]
+    assert rows == [{"pool": "pools.shared", "usedBytes": 5, "physicalBytes": 10, "quotaBytes": 1 << 30,
+                     "objects": 1, "refusals": 2, "evictions": 3}]
     assert tenant_pool_status(TN, {})[0]["usedBytes"] == 0
