@@ -604,9 +604,13 @@ class StoreNode:
         a tenant now over its share here drops what :func:`kvpool.store.quota.trim_to_share`
         picks (objects this node no longer owns first), so a scale-up does not let the pool
         hold the old shares plus the new node's."""
+        me = self.ring.member(self.node_id)
+        # A draining node (or one the ring left out) owns nothing and takes no writes: what it
+        # holds is on its way to the owners (the drain), not to be dropped here.
+        trim = me is not None and me.state == "active"
         for t in self.tenants.values():
             t.share_bytes = ring_share(t.quota_bytes, self.ring)
-            if not t.share_bytes or t.used_bytes <= t.share_bytes:
+            if not trim or not t.share_bytes or t.used_bytes <= t.share_bytes:
                 continue
             self._settle_pins()
             mine = [e for e in itertools.chain(self.lru_ssd.values(), self.lru_dram.values())
@@ -614,7 +618,7 @@ class StoreNode:
             owned = [False] * len(mine)
             for kind in (pb.BLOCK, pb.STATE):
                 idx = [i for i, e in enumerate(mine) if e.kind == kind]
-                if idx and self.ring.active:
+                if idx:
                     got = self.ring.write_owned(self.node_id, [mine[i].key for i in idx],
                                                 1 if kind == pb.STATE else None)
                     for i, o in zip(idx, got.tolist(), strict=True):

@@ -4,14 +4,18 @@ quota under a ring, the usage in the quota's unit, and what a node over its shar
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
+from kvpool.proto import store_pb2 as pb
 from kvpool.ring import Member, Ring, owners
+from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.store.quota import Held, pool_usage, quota_share, ring_share, trim_to_share
+from kvpool.store.tiers import checksum
 
 MiB = 1 << 20
 
 
-def _ring(n: int, replicas: int = 1, draining: int = 0) -> Ring:
+def _ring(n: int, replicas: int = 1, draining: int = 0) -> Ring:  # s0 .. s<draining - 1> drain
     return Ring(1, tuple(Member(f"s{i}", f"a{i}", "draining" if i < draining else "active") for i in range(n)),
                 replicas=replicas)
 
@@ -78,3 +82,72 @@ def test_trim_drops_foreign_objects_first_then_own_only_when_asked() -> None:
     assert trim_to_share(40, 40, held, evict_own=True) == []
     assert trim_to_share(40, 0, held, evict_own=True) == []
     assert trim_to_share(40, 10, [], evict_own=True) == []
+
+
+# -- a store node applying it, in-process (the ring change is what SetRing calls) -----------------
+
+def _node(tmp_path: Path, node_id: str = "a") -> StoreNode:
+    return StoreNode(NodeConfig(node_id=node_id, dram_bytes=4 * MiB, shm_dir=str(tmp_path)))
+
+
+def _put(node: StoreNode, keys: list[bytes], size: int) -> list[int]:
+    codes, offs, toks, rid = node.put_start("q", keys, [size] * len(keys), "chatbot", pb.BLOCK)
+    sums = [0] * len(keys)
+    for i, c in enumerate(codes):
+        if c == pb.OK:
+            e = node.acquire("write", offs[i], size, toks[i])
+            assert e is not None
+            node.dram.view[offs[i]:offs[i] + size] = bytes([i % 251]) * size
+            node.release_guard(e)
+            sums[i] = checksum(bytes([i % 251]) * size)
+    if not rid:
+        return codes
+    done = node.put_commit("q", rid, sums)
+    return [done[i] if c == pb.OK else c for i, c in enumerate(codes)]
+
+
+def _members(*ids: str, draining: tuple[str, ...] = ()) -> tuple[Member, ...]:
+    return tuple(Member(i, f"addr-{i}", "draining" if i in draining else "active") for i in ids)
+
+
+def test_a_node_admits_its_share_and_follows_the_ring(tmp_path: Path) -> None:
+    kib = 1 << 10
+    rng = random.Random(3)
+    node = _node(tmp_path)
+    try:
+        node.set_tenants([Tenant("q", "tok-q", quota_bytes=256 * kib)])
+        # No ring yet (a standalone node): the whole quota.
+        assert node.tenants["q"].share_bytes == 256 * kib
+        node.set_ring(Ring(1, _members("a", "b", "c", "d")))
+        assert node.tenants["q"].share_bytes == 64 * kib
+        keys = [rng.randbytes(32) for _ in range(600)]
+        mine = [k for k, o in zip(keys, Ring(1, _members("a", "b", "c", "d")).write_owned("a", keys), strict=True) if o]
+        codes = _put(node, mine, kib)
+        assert codes.count(pb.OK) == 64 and set(codes) == {pb.OK, pb.QUOTA_EXCEEDED}
+        # A node lost: the share grows, and the node takes more of the tenant.
+        node.set_ring(Ring(2, _members("a", "b", "c")))
+        assert node.tenants["q"].share_bytes == -(-256 * kib // 3)
+        more = [rng.randbytes(32) for _ in range(40)]
+        assert _put(node, more, kib).count(pb.OK) == 21
+        assert node.tenants["q"].used_bytes == 85 * kib
+        # A scale-up to 5: over the new share, the node drops objects it no longer owns, never
+        # more than it must, and none it still owns (no evictOwnOnQuota).
+        ring = Ring(3, _members("a", "b", "c", "x", "y"))
+        held = [k for k in mine + more if node.exists("q", [k])[0]]
+        assert len(held) == 85
+        node.set_ring(ring)
+        t = node.tenants["q"]
+        assert t.share_bytes == -(-256 * kib // 5)
+        kept = [k for k in held if node.exists("q", [k])[0]]
+        dropped = set(held) - set(kept)
+        owned = dict(zip(held, ring.write_owned("a", held).tolist(), strict=True))
+        assert dropped and not any(owned[k] for k in dropped)
+        assert t.used_bytes <= t.share_bytes or all(owned[k] for k in kept)
+        assert t.used_bytes > t.share_bytes - kib  # dropped down to the share, not below it
+        assert t.counters["evicted_quota"] == len(dropped)
+        # Draining: the node owns nothing, and drops nothing (its objects are on their way out).
+        before = t.used_bytes
+        node.set_ring(Ring(4, _members("a", "b", draining=("a",))))
+        assert t.used_bytes == before
+    finally:
+        node.close()
