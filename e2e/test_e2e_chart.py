@@ -417,11 +417,11 @@ def test_6_two_tenants_same_prompts_no_cross_hits_quota_refused(release: Release
         # Refused, not silently dropped, and the quota is the pool's: each of the 2 store nodes
         # admits its share (512Ki), so b holds its 1Mi (usage and quota in one unit, logical
         # bytes) and never more than the stated slack over it (README "Quotas"), of the 4Mi written.
-        quota = 1 << 20
+        b_quota = 1 << 20
         b = wait_for(lambda: row(teams["b"][0]) if row(teams["b"][0]).get("refusals")
-                     and row(teams["b"][0]).get("usedBytes", 0) >= 0.75 * quota else None, 60,
+                     and row(teams["b"][0]).get("usedBytes", 0) >= 0.75 * b_quota else None, 60,
                      "refusals and b's usage in its status", interval=0.5)
-        assert b["quotaBytes"] == quota and b["usedBytes"] <= quota * (1 + QUOTA_SLACK), b
+        assert b["quotaBytes"] == b_quota and b["usedBytes"] <= b_quota * (1 + QUOTA_SLACK), b
         assert b["physicalBytes"] == b["usedBytes"], b  # R=1: one copy of each object
         a = wait_for(lambda: row(teams["a"][0]) if row(teams["a"][0]).get("usedBytes", 0) >= 4 << 20 else None, 60,
                      "tenant a's usage in its status", interval=0.5)
