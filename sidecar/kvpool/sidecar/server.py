@@ -787,8 +787,9 @@ class Sidecar(spbg.SidecarServicer):
         waited = pool_wait_ms > 0 and self.pool.enabled
         codes, done, pin = self.local.commit(reservation_id, sums, dirty=dirty and self.pool.enabled,
                                              pin_ms=600_000 if through or waited else 0)
-        if pin is not None and waited:
-            verdict = self._write_waited(done, pin, pool_wait_ms / 1000.0)
+        if pool_wait_ms > 0:
+            # The pool's verdict was asked for; with no pool there is none to take the objects.
+            verdict = self._write_waited(done, pin, pool_wait_ms / 1000.0) if pin is not None and waited else {}
             for i, e in enumerate(entries):
                 if codes[i] == pb.OK and e is not None:
                     codes[i] = verdict.get(id(e), pb.UNAVAILABLE)

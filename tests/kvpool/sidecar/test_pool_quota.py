@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -131,3 +132,28 @@ def test_writer_sees_quota_exceeded(fast: bool, h: Any, rng: random.Random) -> N
         with lc.connect(1) as fresh:
             got = fresh.get_into(keys, [bytearray(OBJECT) for _ in keys])
         assert [i for i, n in enumerate(got) if n == OBJECT] == ok
+
+
+def test_put_wait_is_bounded_by_its_deadline(h: Any, rng: random.Random) -> None:
+    """A pool that does not answer (its one store node stopped): ``put(wait=True)`` returns within
+    its ``wait_seconds`` (plus a generous margin for a loaded machine), every object UNAVAILABLE,
+    and the object stays readable locally; the write lands once the node is back."""
+    with LocalCluster(stores=1, sidecars=1, store_bytes=32 * MiB, local_bytes=32 * MiB, drain_seconds=3) as lc:
+        keys = h.keys(rng, 8)
+        values = [rng.randbytes(OBJECT) for _ in keys]
+        with lc.connect(0) as c:
+            assert c.put(keys[:4], values[:4], wait=True) == [pb.OK] * 4
+            store = lc.store_procs[0]
+            os.kill(store.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                codes = c.put(keys[4:], values[4:], wait=True, wait_seconds=1.0)
+                took = time.monotonic() - t0
+            finally:
+                os.kill(store.pid, signal.SIGCONT)
+            assert codes == [pb.UNAVAILABLE] * 4 and took < 1.0 + 4.0, (codes, took)
+            with c.get(keys[4:]) as got:
+                assert [bytes(v) for v in got] == values[4:]
+            assert c.flush(timeout_ms=20000).dropped_objects == 0
+        with lc.admin(lc.stores[0]) as a:
+            h.wait_for(lambda: sum(t.objects for t in a.stats().tenants) == 8, what="the late writes to land")
