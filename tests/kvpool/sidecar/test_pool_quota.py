@@ -78,11 +78,17 @@ def _assert_within_quota(lc: LocalCluster, what: str) -> float:
 @pytest.mark.parametrize("replication", [1, 2])
 def test_quota_holds_across_the_pool(replication: int, h: Any, rng: random.Random) -> None:
     """Finding 3: 4 MiB written under a 1 MiB quota on 4 store nodes (633cc92: 3.69 MiB held)."""
-    with _cluster(replication) as lc:
-        _write(lc, rng, 4 * MiB, h)
+    with _cluster(replication, sidecars=2) as lc:
+        keys = _write(lc, rng, 4 * MiB, h)
         held = _assert_within_quota(lc, f"R={replication}")
         # A limit, not a refusal of everything: the tenant gets (nearly) its quota.
         assert held >= 0.75 * QUOTA
+        # Counted another way: the distinct objects a fresh sidecar of the tenant reads from the
+        # pool (with R=2 an object one owner admitted and the other refused has one copy).
+        with lc.connect(1) as fresh:
+            readable = sum(n == OBJECT for n in fresh.get_into(keys, [bytearray(OBJECT) for _ in keys])) * OBJECT
+        print(f"R={replication}: {readable / MiB:.3f} MiB readable from the pool")
+        assert 0.75 * QUOTA <= readable <= QUOTA * (1 + SLACK)
 
 
 @pytest.mark.parametrize("replication", [1, 2])
