@@ -235,3 +235,20 @@ def test_replication_reaches_the_ring_pushed_to_the_nodes() -> None:
     again, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, epoch=plan.ring.epoch))
     assert again.ring is not None and again.ring.epoch == plan.ring.epoch + 1 and again.ring.replicas == 3
     assert len(again.push_ring) == 3
+
+
+def test_a_tenants_pool_usage_is_in_its_quotas_unit() -> None:
+    """Issue 19, finding 3: with R=2 every object is on two nodes; the pool's status shows the
+    tenant's usage as its quota counts it (once per object) beside what the replicas take."""
+    from kvpool_operator.status import TenantUsage
+
+    mib = 1 << 20
+    stats: dict[str, NodeStats | None] = {
+        f"p-store-{i}": NodeStats(f"p-store-{i}", capacity_bytes=GI, used_bytes=mib // 2,
+                                  tenants=(TenantUsage("t", mib // 2, mib, 128, {"refused_quota": 1}),))
+        for i in range(4)}
+    body = pool_body(storage={"replicas": 4, "replication": 2})
+    plan, _ = _run(body, pods=_pods(4), sts_replicas=4, stats=stats)
+    row = next(t for t in plan.status["tenants"] if t["tenantId"] == "t")
+    assert (row["usedBytes"], row["physicalBytes"], row["quotaBytes"]) == (mib, 2 * mib, mib)
+    assert plan.status["usedBytes"] == 2 * mib  # the pool's capacity use stays physical
