@@ -163,3 +163,24 @@ def test_put_wait_is_bounded_by_its_deadline(h: Any, rng: random.Random) -> None
             assert c.flush(timeout_ms=20000).dropped_objects == 0
         with lc.admin(lc.stores[0]) as a:
             h.wait_for(lambda: sum(t.objects for t in a.stats().tenants) == 8, what="the late writes to land")
+
+
+def test_writer_sees_the_pools_codes_for_a_batch_larger_than_the_local_tier(h: Any, rng: random.Random) -> None:
+    """A put of 2 MiB into a 512 KiB local tier goes in rounds (and from the client's memory);
+    with ``wait=True`` every code is still the pool's, and the pool's is the truth."""
+    with LocalCluster(stores=4, sidecars=2, tenants=[TENANT] * 2, quotas={TENANT: QUOTA}, store_bytes=32 * MiB,
+                      local_bytes=512 * KiB, drain_seconds=3) as lc:
+        keys = h.keys(rng, 2 * MiB // OBJECT)
+        values = [rng.randbytes(OBJECT) for _ in keys]
+        with lc.connect(0) as c:
+            h.wait_for(lambda: c.stats().ring_epoch == lc.epoch, what="the sidecar to learn the ring")
+            codes = c.put(keys, values, wait=True)
+            counters = h.counters(c)
+        assert counters.get("put_spilled_rounds", 0) + counters.get("put_streamed", 0) > 0, counters
+        assert set(codes) <= {pb.OK, pb.QUOTA_EXCEEDED}, sorted(set(codes))
+        ok = [i for i, code in enumerate(codes) if code == pb.OK]
+        assert 0.75 * QUOTA <= len(ok) * OBJECT <= QUOTA * (1 + SLACK)
+        _assert_within_quota(lc, "after a spilling put(wait=True)")
+        with lc.connect(1) as fresh:
+            got = fresh.get_into(keys, [bytearray(OBJECT) for _ in keys])
+        assert [i for i, n in enumerate(got) if n == OBJECT] == ok
