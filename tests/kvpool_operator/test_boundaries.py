@@ -1,8 +1,9 @@
 """Boundaries of the operator (STYLE 3), checked on the source until an import-linter contract
 covers them: only ``kube`` imports the Kubernetes client, only ``nodes`` gRPC, only handlers and
 ``main`` kopf, and of the data plane only the ring, the proto modules, the store client, the
-master-key format of encryption at rest (the operator checks a Secret by the nodes' own rules) and
-the sizes of the tiers' memory files (the operator sizes pod volumes by the processes' own rules)."""
+master-key format of encryption at rest (the operator checks a Secret by the nodes' own rules),
+the sizes of the tiers' memory files (the operator sizes pod volumes by the processes' own rules)
+and the pool quota's arithmetic (status counts a tenant's usage in the unit the nodes enforce)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import ast
 import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "operator" / "kvpool_operator"
-DATA_PLANE_ALLOWED = ("kvpool.ring", "kvpool.proto", "kvpool.store_client", "kvpool.store.atrest", "kvpool.sizing")
+DATA_PLANE_ALLOWED = ("kvpool.ring", "kvpool.proto", "kvpool.store_client", "kvpool.store.atrest", "kvpool.sizing",
+                      "kvpool.store.quota")
 
 
 def _imports() -> dict[str, set[str]]:
