@@ -273,6 +273,11 @@ def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) ->
     assert not node.read_tokens and not node.by_token and not node.lru_dram and not node.lru_ssd
     for t in tenants:
         assert node.exists(t, keys, prefix_only=False)[1] == bytes(len(keys))
+    # Shared-fs files are unlinked off the index lock, in the mover's order (store/demoter.py):
+    # wait (bounded) until the removals queued above have run.
+    deadline = time.monotonic() + 30
+    while node.mover is not None and node.mover.fs_removing and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert [p for p in (tmp_path / "fs").rglob("*") if p.is_file()] == []
 
 
