@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from .proto import store_pb2 as pb
 from .store_client import StoreClient
@@ -238,6 +238,30 @@ class LocalCluster:
         addr = self._register_store(*self._launch_store())
         if publish:
             self.publish_ring()
+        return addr
+
+    def restart_store(self, i: int, timeout: float = 60.0) -> str:
+        """Start store node ``i`` again on the same address, transfer port and node id, in its
+        own directory (what a pod's ``restartPolicy: Always`` does after a crash), killing it
+        first if it still runs; the current ring is pushed to it at the current epoch, as the
+        operator re-pushes it to a node that restarted.  Its DRAM tier starts empty."""
+        old = self.store_procs[i]
+        if old.popen.poll() is None:
+            old.popen.kill()
+        old.popen.wait(timeout)
+        close_pipes(old)
+        node_id, addr = self.store_ids[i], self.stores[i]
+        transfer = next((w.split("=", 1)[1] for w in old.ready_line.split() if w.startswith("transfer=")), "")
+        argv = list(cast(list[str], old.popen.args))[3:]  # [python, -m, kvpool, *argv]
+        argv[argv.index("--listen") + 1] = addr
+        argv[argv.index("--transfer-port") + 1] = transfer.rpartition(":")[2] or "0"
+        lives = sum(1 for name in os.listdir(os.path.dirname(old.log_path)) if name.startswith(f"{node_id}.")) + 1
+        proc = launch(f"{node_id}.{lives}", argv, os.path.dirname(old.log_path))
+        self.store_procs[i] = proc
+        wait_ready(proc, timeout)
+        if self.epoch:
+            with self.admin(addr) as c:
+                c.set_ring(self._ring_pb())
         return addr
 
     def _launch_sidecar(self, tenant: str, local_bytes: int | None = None,

@@ -1,0 +1,46 @@
+"""The fault matrix of issue 19 on real processes: a checked load of 4 clients over 2 sidecars
+and 2 store nodes, and one fault per test (SIGKILL + restart, SIGSTOP + SIGCONT; of a sidecar
+and of a store node).  The driver is ``bench/faults.py`` (its docstring says what is run and
+counted); ``python bench/faults.py`` runs the same over several rounds and prints latencies.
+
+Asserted: no wrong byte; no hang (every call returns, none takes longer than HANG_BOUND_S,
+generous for a loaded 2-core CI machine — the latency targets of the issue, p99 ≤ 250 ms and
+max ≤ 1 s during a SIGSTOP, are measured by the bench, not asserted here); every client reads
+correctly again after the fault; across a sidecar SIGKILL at least 90 % of the objects in its
+local tier are served from that tier again (adopted, without a pool read).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+if str(ROOT) not in sys.path:  # --import-mode=importlib does not put the rootdir on sys.path
+    sys.path.insert(0, str(ROOT))
+
+from bench import faults  # noqa: E402
+
+HANG_BOUND_S = 2.0
+KEPT_SHARE = 0.9
+
+
+@pytest.mark.parametrize("name", list(faults.FAULTS))
+def test_fault_matrix(name: str) -> None:
+    fault = faults.FAULTS[name]
+    o = faults.run_fault(fault)
+    detail = f"{faults.summary_line(o)}\n{json.dumps(o.to_json(), default=str)}"
+    # The setup did what it says: the probe was in sidecar 0's local tier, nothing was evicted
+    # before the fault, and the exposed clients were calling during the fault window.
+    assert o.probe_local_before == o.probe_objects, detail
+    assert o.evicted_before == 0, detail
+    assert o.match_exposed.n > 0 and o.read_objects > 0, detail
+    assert o.wrong_bytes == 0 and o.probe_wrong_bytes == 0, detail
+    assert not o.hung, detail
+    assert o.max_call_ms <= HANG_BOUND_S * 1e3, detail
+    assert all(o.recovered), detail
+    if fault.name == "sidecar-kill":
+        assert o.kept_share is not None and o.kept_share >= KEPT_SHARE, detail
