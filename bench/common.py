@@ -410,9 +410,15 @@ def python_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(parts), "PYTHONUNBUFFERED": "1"}
 
 
+KVPOOL_SRC_ENV = "KVPOOL_BENCH_SRC"
+"""Names another checkout's source root (its ``sidecar/``) to measure instead of this one's:
+bench/compare.py runs the same harness over two versions of kvpool."""
+
+
 def ensure_kvpool_importable() -> None:
-    """Make `import kvpool` work from a plain checkout (sidecar/ is the source root)."""
-    src = str(REPO_ROOT / "sidecar")
+    """Make `import kvpool` work from a plain checkout (sidecar/ is the source root; the
+    directory in $KVPOOL_BENCH_SRC instead when set)."""
+    src = os.environ.get(KVPOOL_SRC_ENV) or str(REPO_ROOT / "sidecar")
     # First on the path, for this process and the servers it starts (`python -m kvpool ...`):
     # a kvpool installed elsewhere (another checkout's editable install) must not be what a
     # run from this checkout measures.

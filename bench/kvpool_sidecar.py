@@ -250,7 +250,6 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
         total = plan.warmup + reps
         pattern(src[:v * nb], nb + v // MiB)
         vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
-        outs = [dst[j * v:(j + 1) * v] for j in range(nb)]
 
         keys: list[bytes] = []
         times: list[float] = []
@@ -267,21 +266,7 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
         # does not run into the local_get timings below (Mooncake's put pays it inside put).
         drained = _wait_written_through(a)
 
-        read_how = "get_into" if hasattr(a, "get_into") else "get + copy into caller buffers"
-        dst[:v * nb].fill(0)
-        times = []
-        failures = 0
-        for i in range(total):
-            t0 = time.perf_counter()
-            failures += _read_into(a, keys, outs)
-            dt = time.perf_counter() - t0
-            if i >= plan.warmup:
-                times.append(dt)
-        note = f"A.{read_how}" + ("" if drained else "; write-through backlog not drained") + (
-            f"; {failures} item failures" if failures else "")
-        if not np.array_equal(dst[:v * nb], src[:v * nb]):
-            note += "; VERIFY FAILED"
-        rows.append(row_from_times(SYSTEM, "local_get", v, nb, times, note=note))
+        rows.append(_local_get(plan, a, keys, src, dst, v, nb, drained))
 
         times = []
         bad = 0
@@ -307,6 +292,33 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
                 f"{rows[-5].gbps:.2f} remote {remote.gbps:.2f} (promoting {rows[-2].gbps:.2f}, views "
                 f"{rows[-1].gbps:.2f}) GB/s")
 
+    rows.append(_match_row(plan, a, b, src))
+    return rows
+
+
+def _local_get(plan: Any, a: Any, keys: list[bytes], src: np.ndarray, dst: np.ndarray, v: int, nb: int,
+               drained: bool) -> Row:
+    """local_get: what A just put (a local-tier hit) read into caller buffers ``dst``."""
+    outs = [dst[j * v:(j + 1) * v] for j in range(nb)]
+    read_how = "get_into" if hasattr(a, "get_into") else "get + copy into caller buffers"
+    dst[:v * nb].fill(0)
+    times = []
+    failures = 0
+    for i in range(plan.warmup + plan.reps(v, nb)):
+        t0 = time.perf_counter()
+        failures += _read_into(a, keys, outs)
+        dt = time.perf_counter() - t0
+        if i >= plan.warmup:
+            times.append(dt)
+    note = f"A.{read_how}" + ("" if drained else "; write-through backlog not drained") + (
+        f"; {failures} item failures" if failures else "")
+    if not np.array_equal(dst[:v * nb], src[:v * nb]):
+        note += "; VERIFY FAILED"
+    return row_from_times(SYSTEM, "local_get", v, nb, times, note=note)
+
+
+def _match_row(plan: Any, a: Any, b: Any, src: np.ndarray) -> Row:
+    """match: B.match of 8192 keys A put (4 KiB each), none in B's local tier."""
     keys = keys32("sc-match", EXISTS_KEYS)
     ev, eb = 4096, 512
     small = [src[j * ev:(j + 1) * ev].data for j in range(eb)]
@@ -323,6 +335,27 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
         if i >= plan.warmup:
             times.append(dt)
     note = f"B.match, {STORES} store nodes" + ("" if n == EXISTS_KEYS else f"; WRONG {n}")
-    rows.append(row_from_times(SYSTEM, "match", None, EXISTS_KEYS, times, note=note,
-                               with_bytes=False))
-    return rows
+    return row_from_times(SYSTEM, "match", None, EXISTS_KEYS, times, note=note, with_bytes=False)
+
+
+HOT_PATHS = ("match", "local_get", "remote_get")
+"""The rows whose cost issue 19 bounds (bench/compare.py): match of 8192 keys, local get and
+remote get (into registered buffers) of 1 MiB x 16."""
+
+
+def hot_path_rows(ctx: Context) -> list[Row]:
+    """Only the :data:`HOT_PATHS` rows (1 MiB x 16; match of 8192 keys), each measured as
+    :func:`measure` does, on one fresh cluster."""
+    kvpool = import_api()
+    plan = ctx.plan
+    v, nb = MiB, 16
+    with _two_clients(kvpool, STORES, 256 * MiB, 256 * MiB + 2 * v * nb) as (a, b):
+        src = touched(v * nb, 1)
+        pattern(src, nb + 1)
+        dst = touched(v * nb, 0)
+        vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
+        keys = keys32(f"sc-hot-{v}-{nb}", nb)
+        a.put(keys, vals)
+        drained = _wait_written_through(a)
+        return [_match_row(plan, a, b, src), _local_get(plan, a, keys, src, dst, v, nb, drained),
+                _remote_get(plan, a, b, vals, src, registered(b, v * nb), v, nb, "remote_get")]

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -44,3 +45,32 @@ def test_fault_matrix(name: str) -> None:
     assert all(o.recovered), detail
     if fault.name == "sidecar-kill":
         assert o.kept_share is not None and o.kept_share >= KEPT_SHARE, detail
+
+
+# -- the harness's own pure parts (what the assertions above rest on) -----------------------------
+
+
+def test_wrong_bytes_sees_another_objects_bytes_and_a_wrong_size() -> None:
+    sizes = faults.Settings().sizes
+    a, b = faults.chain(0, "x", 2)
+    right = faults.expected(a, sizes)
+    assert faults.wrong_bytes(a, right, sizes) == 0
+    assert faults.wrong_bytes(a, faults.expected(b, sizes), sizes) > 0
+    assert faults.wrong_bytes(a, np.resize(faults.expected(b, sizes), len(right)), sizes) > 0
+    assert faults.wrong_bytes(a, right[:-1], sizes) == 1
+    flipped = right.copy()
+    flipped[100] ^= 1
+    assert faults.wrong_bytes(a, flipped, sizes) == 1
+
+
+def test_window_takes_calls_that_overlap_it_and_recovery_needs_a_right_read_and_no_wrong_one() -> None:
+    c = faults.Call
+    calls = [c(0, 0, "get", 0.0, 1.0, True), c(0, 0, "get", 9.0, 5.0, False, "InFlight"),
+             c(0, 0, "match", 4.0, 0.1, True), c(0, 0, "get", 11.0, 0.1, True)]
+    assert faults.in_window(calls, 5.0, 10.0) == [calls[1]]
+    assert faults.in_window(calls, 0.5, 4.0) == [calls[0], calls[2]]
+    assert faults.recovered(calls, 10.0)
+    assert not faults.recovered([*calls, c(0, 0, "get", 12.0, 0.1, False, "WrongBytes")], 10.0)
+    assert not faults.recovered(calls[:3], 10.0)
+    lat = faults.latency([0.001, 0.002, 0.003])
+    assert lat.n == 3 and lat.p50_ms == 2.0 and lat.max_ms == 3.0
