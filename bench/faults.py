@@ -443,11 +443,17 @@ class Outcome:
     kept_share: float | None = None
     """sidecar-kill only: probe objects the restarted sidecar served as local hits / probe objects."""
     evicted_before: int | None = None
+    reader_pool_hits: int = 0
+    """Objects sidecar 1 read from the store nodes during the run (a store fault is in their way)."""
     adoption_counters: dict[str, int] = dataclasses.field(default_factory=dict)
-    """The restarted sidecar's counters whose names say adoption (absent before that exists)."""
+    """The restarted sidecar's counters whose names speak of adoption or restart (none before
+    sidecars adopt their arena)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+ADOPTION_WORDS = ("adopt", "restor", "kept", "incarnation", "generation")
 
 
 def _counters(c: Client) -> dict[str, int]:
@@ -557,9 +563,12 @@ def run_fault(fault: Fault, settings: Settings = Settings(), log: Log = _stderr)
             load.stop_now()
             load.close()
         _measure(out, load, calls, fault, t0, t_end, s.clients)
+        with kvpool.connect(lc.sidecars[1]) as reader:
+            out.reader_pool_hits = _counters(reader).get("read_hits_pool", 0)
         if fault.target == "sidecar" and fault.action == "kill":
             with kvpool.connect(lc.sidecars[0]) as prober:
-                out.adoption_counters = {k: v for k, v in _counters(prober).items() if "adopt" in k}
+                out.adoption_counters = {k: v for k, v in _counters(prober).items()
+                                         if any(w in k for w in ADOPTION_WORDS)}
                 local, pool, bad = _probe(prober, probe, s.sizes)
             out.probe_local_after, out.probe_pool_after = local, pool
             out.probe_wrong_bytes += bad

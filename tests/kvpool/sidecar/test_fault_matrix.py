@@ -35,10 +35,12 @@ def test_fault_matrix(name: str) -> None:
     o = faults.run_fault(fault)
     detail = f"{faults.summary_line(o)}\n{json.dumps(o.to_json(), default=str)}"
     # The setup did what it says: the probe was in sidecar 0's local tier, nothing was evicted
-    # before the fault, and the exposed clients were calling during the fault window.
+    # before the fault, the exposed clients were calling during the fault window, and sidecar 1's
+    # reads went to the store nodes.
     assert o.probe_local_before == o.probe_objects, detail
     assert o.evicted_before == 0, detail
     assert o.match_exposed.n > 0 and o.read_objects > 0, detail
+    assert o.reader_pool_hits > 0, detail  # sidecar 1's clients read from the store nodes
     assert o.wrong_bytes == 0 and o.probe_wrong_bytes == 0, detail
     assert not o.hung, detail
     assert o.max_call_ms <= HANG_BOUND_S * 1e3, detail
