@@ -3,10 +3,10 @@ and 2 store nodes, and one fault per test (SIGKILL + restart, SIGSTOP + SIGCONT;
 and of a store node).  The driver is ``bench/faults.py`` (its docstring says what is run and
 counted); ``python bench/faults.py`` runs the same over several rounds and prints latencies.
 
-Asserted: no wrong byte; no hang (every call returns, none takes longer than HANG_BOUND_S,
-generous for a loaded 2-core CI machine — the latency targets of the issue, p99 ≤ 250 ms and
-max ≤ 1 s during a SIGSTOP, are measured by the bench, not asserted here); every client reads
-correctly again after the fault; across a sidecar SIGKILL at least 90 % of the objects in its
+Asserted: no wrong byte; no hang (every call, match, get or put, returns, none after more than
+HANG_BOUND_S — the latency targets of the issue, p99 ≤ 250 ms and max ≤ 1 s during a SIGSTOP,
+are measured by the bench, not asserted here); every client reads correctly again after the
+fault; across a sidecar SIGKILL at least 90 % of the objects in its
 local tier are served from that tier again (adopted, without a pool read).
 """
 
@@ -25,7 +25,9 @@ if str(ROOT) not in sys.path:  # --import-mode=importlib does not put the rootdi
 
 from bench import faults  # noqa: E402
 
-HANG_BOUND_S = 2.0
+HANG_BOUND_S = 2.5
+"""No call may take longer, whatever the fault: the issue's target is 1 s during a SIGSTOP; this is
+a hang bound for a loaded 2-core CI machine, above a client-side match bound of 2 s."""
 KEPT_SHARE = 0.9
 
 
