@@ -47,7 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -368,28 +368,12 @@ def _arena_of(ready_line: str) -> str:
     return next((w.split("=", 1)[1] for w in ready_line.split() if w.startswith("arena=")), "")
 
 
-def restart_sidecar(cluster: LocalCluster, i: int, timeout: float = 60.0) -> None:
-    """Start sidecar ``i`` again on the same socket (after a SIGKILL).  ``LocalCluster.
-    restart_sidecar`` where the cluster has it; else the same command line in the same
-    directory.  An arena the dead sidecar left in /dev/shm that the new one did not adopt is
-    removed (it would hold its memory until reboot)."""
-    from kvpool.local import close_pipes, launch, wait_ready
-    old = cluster.sidecar_procs[i]
-    old_arena = _arena_of(old.ready_line)
-    restart = getattr(cluster, "restart_sidecar", None)
-    if restart is not None:
-        restart(i)
-    else:
-        if old.popen.poll() is None:
-            old.popen.kill()
-        old.popen.wait(timeout)
-        close_pipes(old)
-        workdir = os.path.dirname(old.log_path)
-        lives = sum(1 for name in os.listdir(workdir) if name.startswith(old.name.split(".")[0] + "."))
-        argv = list(cast(list[str], old.popen.args))[3:]  # [python, -m, kvpool, *argv]
-        proc = launch(f"{old.name.split('.')[0]}.{lives + 1}", argv, workdir)
-        cluster.sidecar_procs[i] = proc
-        wait_ready(proc, timeout)
+def restart_sidecar(cluster: LocalCluster, i: int) -> None:
+    """Start sidecar ``i`` again on the same socket (after a SIGKILL): ``LocalCluster.
+    restart_sidecar``.  An arena the dead sidecar left in /dev/shm that the new one did not adopt
+    is removed (it would hold its memory until reboot)."""
+    old_arena = _arena_of(cluster.sidecar_procs[i].ready_line)
+    cluster.restart_sidecar(i)
     new_arena = _arena_of(cluster.sidecar_procs[i].ready_line)
     if old_arena and old_arena != new_arena:
         with contextlib.suppress(FileNotFoundError):
