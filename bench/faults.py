@@ -585,20 +585,23 @@ def _med(xs: Sequence[float | None]) -> float | None:
 
 def format_table(results: dict[str, list[Outcome]]) -> str:
     """One line per fault: medians over its rounds of the window latencies of the exposed
-    clients (:func:`exposed_sidecar`; ``all p99``: every client) and of the kept share; wrong
-    bytes, errors and hung calls summed over rounds (one is one too many)."""
+    clients (:func:`exposed_sidecar`; ``all p99``: every client) and of the kept share; the
+    slowest call of all rounds, any op and client (``worst call``); wrong bytes, errors and hung
+    calls summed over rounds (one is one too many)."""
     head = ("fault", "rounds", "match p50", "p99", "max", "all p99", "get p50", "p99", "max", "all p99",
-            "wrong B", "errors", "hung", "recov", "kept")
+            "worst call", "wrong B", "errors", "hung", "recov", "kept")
     rows = []
     for name, outs in results.items():
         def m(f: Callable[[Outcome], float | None], outs: list[Outcome] = outs) -> str:
             return _ms(_med([f(o) for o in outs]))
         kept = _med([o.kept_share for o in outs])
+        worst = max(outs, key=lambda o: o.max_call_ms)
         rows.append((name, str(len(outs)),
                      m(lambda o: o.match_exposed.p50_ms), m(lambda o: o.match_exposed.p99_ms),
                      m(lambda o: o.match_exposed.max_ms), m(lambda o: o.match.p99_ms),
                      m(lambda o: o.get_exposed.p50_ms), m(lambda o: o.get_exposed.p99_ms),
                      m(lambda o: o.get_exposed.max_ms), m(lambda o: o.get.p99_ms),
+                     f"{_ms(worst.max_call_ms)} {worst.slowest[0][0] if worst.slowest else ''}".strip(),
                      str(sum(o.wrong_bytes + o.probe_wrong_bytes for o in outs)),
                      str(sum(sum(o.errors.values()) for o in outs)), str(sum(len(o.hung) for o in outs)),
                      f"{sum(sum(o.recovered) for o in outs)}/{sum(len(o.recovered) for o in outs)}",
