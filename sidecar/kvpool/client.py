@@ -217,7 +217,8 @@ class Client:
     def __init__(self, address: str, block_tokens: int = 128, timeout: float = 30.0,
                  lease_ms: int = 10000, fast: bool | None = None, deadlines: ClientDeadlines | None = None) -> None:
         """``timeout``: the bound of every call without one of its own; ``deadlines``: the bounds
-        of match and get (default :class:`~kvpool.deadlines.ClientDeadlines`: 2 s and 10 s).  A
+        of match, get and put (default :class:`~kvpool.deadlines.ClientDeadlines`: 1 s each, a
+        ``get_into`` 1 s more per 100 MB of its buffers).  A
         call past its bound raises :class:`~kvpool.errors.DeadlineExceeded`; the client stays
         usable."""
         if not address.startswith("unix://"):
@@ -446,7 +447,7 @@ class Client:
         try:
             got, got_sizes = self._fast.read_into(pack_keys([keys[i] for i in spill_at]), kind, targets,
                                                   {rid: region}, transient=True,
-                                                  timeout=self.deadlines.read_seconds)
+                                                  timeout=self.deadlines.read_bound(total))
         except (RegistrationRefused, errors.Unavailable) as exc:
             log.warning("kvpool: %d objects with no room in the local tier not read: %s", n, exc)
             region.close()
@@ -582,8 +583,9 @@ class Client:
         assert self._fast is not None
         with self._lock:
             regions = dict(self._regions)
+        n = len(keys)
         codes, sizes = self._fast.read_into(pack_keys(keys), pb.BLOCK, spans, regions, self._consume_match(keys),
-                                            timeout=self.deadlines.read_seconds)
+                                            timeout=self.deadlines.read_bound(int(spans[2 * n:].sum())))
         out = []
         for i, (c, size) in enumerate(zip(codes, sizes, strict=True)):
             if c == pb.INVALID:
@@ -745,11 +747,18 @@ class Client:
             self._inflight.discard(fut)
 
     def release(self, lease_id: int) -> None:
+        """Drop a lease, within the write bound.  A sidecar that does not answer in time (hung,
+        restarting) is not an error here: the lease ends by itself at its expiry, and raising
+        would fail the engine's ``with`` block after its read had succeeded."""
         if lease_id and not self._closed:
-            if self._fast is not None:
-                self._fast.release([lease_id])
-                return
-            self._rpc(self._stub.Release, spb.LeaseRequest(lease_ids=[lease_id]))
+            bound = self.deadlines.write_seconds
+            try:
+                if self._fast is not None:
+                    self._fast.release([lease_id], timeout=bound)
+                    return
+                self._rpc(self._stub.Release, spb.LeaseRequest(lease_ids=[lease_id]), bound)
+            except errors.Unavailable as exc:  # DeadlineExceeded too
+                log.debug("kvpool: lease %d not released (it expires by itself): %s", lease_id, exc)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -835,12 +844,13 @@ class Client:
         """One WriteStart, copy and WriteCommit: the reservation's codes and the final codes
         (with ``wait_ms``: the pool's, :meth:`put`)."""
         blob, sizes = pack_keys(keys), [len(v) for v in views]
+        bound = self.deadlines.write_seconds
         if self._fast is not None:
-            codes, offsets, rid, life = self._fast.write_start(blob, sizes, kind, traffic_class)
+            codes, offsets, rid, life = self._fast.write_start(blob, sizes, kind, traffic_class, timeout=bound)
             m = self._life(life)
         else:
             start, m = self._rpc_life(self._stub.WriteStart, spb.WriteStartRequest(
-                keys=blob, sizes=sizes, traffic_class=traffic_class, kind=errors.as_kind(kind)))
+                keys=blob, sizes=sizes, traffic_class=traffic_class, kind=errors.as_kind(kind)), bound)
             codes, offsets, rid = list(start.codes), list(start.offsets), start.reservation_id
         reserved = list(codes)
         if not rid:
@@ -853,11 +863,15 @@ class Client:
         self._copier.copy([(views[i], arena[offsets[i]:offsets[i] + len(views[i])]) for i in ok])
         for i in ok:
             sums[i] = checksum(views[i])
+        # A commit the sidecar answers from its local tier is quick; one that waits for the pool
+        # (wait=True, or a round that left items out: the sidecar writes it to the pool first).
+        if wait_ms or pb.NO_SPACE in reserved:
+            bound = min(self.timeout, self.deadlines.other_seconds)
         if self._fast is not None:
-            final = self._fast.write_commit(rid, sums, m.incarnation, wait_ms)
+            final = self._fast.write_commit(rid, sums, m.incarnation, wait_ms, timeout=bound)
         else:
             final = list(self._rpc(self._stub.WriteCommit, spb.WriteCommitRequest(
-                reservation_id=rid, checksums=sums, pool_wait_ms=wait_ms)).codes)
+                reservation_id=rid, checksums=sums, pool_wait_ms=wait_ms), bound).codes)
         for i, c in enumerate(codes):
             if c == pb.OK:
                 codes[i] = final[i]

@@ -68,14 +68,25 @@ class ClientDeadlines:
     connection it used is dropped (its stream may be out of step) and the next call opens another.
     """
 
-    match_seconds: float = 2.0
-    """``match`` / ``match_lease``."""
-    read_seconds: float = 10.0
-    """``get`` / ``get_into`` (the sidecar may fetch the batch from the pool first)."""
+    match_seconds: float = 0.8
+    """``match`` / ``match_lease`` (the sidecar's own lookups in the pool take ~0.1 s at most)."""
+    read_seconds: float = 0.8
+    """``get`` / ``get_into``: the base (the sidecar may fetch the batch from the pool first)."""
+    read_bytes_per_second: float = 100e6
+    """``get_into``'s bound grows by its buffers' bytes at this rate (``get`` does not know its
+    bytes before the answer: reads of more than ~50 MB with ``get`` want a larger base)."""
+    write_seconds: float = 0.8
+    """``put``'s reservation, and a commit the sidecar answers from its local tier; a commit that
+    waits for the pool (``wait=True``, or a round of a batch larger than the local tier) has
+    ``other_seconds``."""
     other_seconds: float = 30.0
-    """Everything else (writes, stats, flush, handoff): the client's ``timeout``."""
+    """Everything else (stats, flush, handoff): the client's ``timeout``."""
+
+    def read_bound(self, nbytes: int = 0) -> float:
+        """The bound of a read of ``nbytes`` (0: not known)."""
+        return self.read_seconds + nbytes / self.read_bytes_per_second
 
     def __post_init__(self) -> None:
-        for name in ("match_seconds", "read_seconds", "other_seconds"):
+        for name in ("match_seconds", "read_seconds", "read_bytes_per_second", "write_seconds", "other_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"client deadline {name} must be > 0, got {getattr(self, name)!r}")

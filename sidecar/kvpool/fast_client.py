@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from . import errors
 from .proto import store_pb2 as pb
+from .sidecar import breaker
 from .sidecar import fast_protocol as fp
 from .transfer import memfd
 from .transfer._sockio import recv_exact, send_buffers, send_with_fd
@@ -151,6 +153,10 @@ class FastSession:
         self._cond = threading.Condition()
         self._closed = False
         self._pid = os.getpid()
+        self._health = breaker.Health()
+        """The sidecar's circuit breaker (guarded by ``_cond``): after a call missed its bound
+        (a hung sidecar: SIGSTOP, a long pause), calls fail at once instead of each waiting out
+        its bound, until one let through as the probe is answered (``kvpool.sidecar.breaker``)."""
         self._put_back(self._connect())  # fails here (no such socket, wrong tenant) or never
 
     def _connect(self, timeout: float | None = None) -> _Conn:
@@ -245,6 +251,40 @@ class FastSession:
         out of step afterwards is dropped (and the call raises :class:`~kvpool.errors.Unavailable`,
         or :class:`~kvpool.errors.DeadlineExceeded` past the bound); one that was dead before the
         frame left (an idle connection to a sidecar that died) is replaced once."""
+        probe = self._admit()
+        try:
+            out = self._exchange(exchange, timeout)
+        except errors.DeadlineExceeded:
+            self._judge(False, probe)
+            raise
+        except BaseException:
+            if probe:
+                self._judge(False, probe)  # the probe must decide, or the breaker stays open
+            raise
+        self._judge(True, probe)
+        return out
+
+    def _admit(self) -> bool:
+        """Whether this call is the breaker's probe; raises Unavailable (at once) when the
+        sidecar is suspect and another call is probing it or its back-off runs."""
+        with self._cond:
+            admission = breaker.admit(self._health, time.monotonic())
+            if admission is breaker.Admission.CALL:
+                return False
+            if admission is breaker.Admission.SKIP:
+                raise errors.Unavailable(f"fast session to {self.path}: the sidecar missed a call's bound and has "
+                                         "not answered since (calls fail at once until a probe is answered)")
+            self._health = breaker.probe_started(self._health)
+            return True
+
+    def _judge(self, answered: bool, probe: bool) -> None:
+        with self._cond:
+            if answered:
+                self._health = breaker.on_success(self._health)
+            else:
+                self._health = breaker.on_failure(self._health, time.monotonic(), breaker.Policy(), probe)
+
+    def _exchange(self, exchange: Callable[[_Conn], T], timeout: float | None) -> tuple[T, int]:
         for _ in range(2):
             try:
                 conn = self._take(timeout)
@@ -318,7 +358,7 @@ class FastSession:
 
         def exchange(conn: _Conn) -> tuple[list[int], list[int]]:
             try:
-                self._register(conn, named, regions, self.timeout)
+                self._register(conn, named, regions, bound)
                 r, body = conn.call(fp.OP_READ_INTO, keys=keys, kind=kind, ref=match_lease, values=targets,
                                     flags=fp.FLAG_TRANSIENT if transient else 0, timeout=bound)
                 return fp.decode_sizes(r, body)
@@ -367,12 +407,13 @@ class FastSession:
                 raise RegistrationRefused(rid, exc) from None
             conn.registered.add(rid)
 
-    def write_start(self, keys: bytes, sizes: list[int], kind: int,
-                    traffic_class: str) -> tuple[list[int], list[int], int, int]:
+    def write_start(self, keys: bytes, sizes: list[int], kind: int, traffic_class: str,
+                    timeout: float | None = None) -> tuple[list[int], list[int], int, int]:
         """(codes, arena offsets, reservation id, the incarnation whose arena the offsets are in)."""
+        bound = timeout or self.timeout
         (r, body), inc = self._on_connection(lambda conn: conn.call(
             fp.OP_WRITE_START, keys=keys, kind=kind, text=traffic_class.encode(),
-            values=np.asarray(sizes, np.uint64)))
+            values=np.asarray(sizes, np.uint64), timeout=bound), bound)
         t = fp.decode_table(r, body, self.arena_bytes)
         for c, o, s in zip(t.codes, t.offsets, sizes, strict=True):
             if c == 0 and o + s > self.arena_bytes:
@@ -380,7 +421,7 @@ class FastSession:
         return t.codes, t.offsets, r.ref, inc
 
     def write_commit(self, reservation_id: int, checksums: list[int], incarnation: int = 0,
-                     pool_wait_ms: int = 0) -> list[int]:
+                     pool_wait_ms: int = 0, timeout: float | None = None) -> list[int]:
         """Per-item codes; a reservation of another life than ``incarnation`` (when given) is
         not sent: LEASE_EXPIRED for all (its sidecar is gone).  With ``pool_wait_ms`` the codes
         are the pool's verdict (``FLAG_POOL_WAIT``)."""
@@ -389,15 +430,17 @@ class FastSession:
             if incarnation and conn.incarnation != incarnation:
                 return [pb.LEASE_EXPIRED] * len(checksums)
             r, body = conn.call(fp.OP_WRITE_COMMIT, ref=reservation_id, values=np.asarray(checksums, np.uint64),
-                                flags=fp.FLAG_POOL_WAIT if pool_wait_ms else 0, lease_ms=pool_wait_ms)
+                                flags=fp.FLAG_POOL_WAIT if pool_wait_ms else 0, lease_ms=pool_wait_ms,
+                                timeout=bound)
             return fp.decode_table(r, body, self.arena_bytes).codes
-        return self._on_connection(exchange)[0]
+        bound = timeout or self.timeout
+        return self._on_connection(exchange, bound)[0]
 
-    def release(self, lease_ids: list[int], wait: bool = True) -> None:
+    def release(self, lease_ids: list[int], wait: bool = True, timeout: float | None = None) -> None:
         """Drop leases; ``wait=False`` sends the frame and returns (no reply comes)."""
         for i in range(0, len(lease_ids), fp.MAX_RELEASES):
             self.call(fp.OP_RELEASE, releases=lease_ids[i:i + fp.MAX_RELEASES],
-                      flags=0 if wait else fp.FLAG_NO_REPLY)
+                      flags=0 if wait else fp.FLAG_NO_REPLY, timeout=timeout)
 
     def close(self) -> None:
         with self._cond:
