@@ -217,7 +217,7 @@ class Client:
     def __init__(self, address: str, block_tokens: int = 128, timeout: float = 30.0,
                  lease_ms: int = 10000, fast: bool | None = None, deadlines: ClientDeadlines | None = None) -> None:
         """``timeout``: the bound of every call without one of its own; ``deadlines``: the bounds
-        of match, get and put (default :class:`~kvpool.deadlines.ClientDeadlines`: 1 s each, a
+        of match, get and put (default :class:`~kvpool.deadlines.ClientDeadlines`: 0.8 s each, a
         ``get_into`` 1 s more per 100 MB of its buffers).  A
         call past its bound raises :class:`~kvpool.errors.DeadlineExceeded`; the client stays
         usable."""
