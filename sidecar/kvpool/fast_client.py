@@ -129,6 +129,11 @@ class _Conn:
         self.sock.close()  # a client dropped without close(): no unclosed-socket warning
 
 
+_SIDECAR_BREAKER = breaker.Policy(backoff_seconds=0.1, max_backoff_seconds=1.0)
+"""A suspect sidecar is probed again 0.1 s after a failed probe, doubling up to 1 s: an engine's
+calls fail at once for at most about a second after its sidecar resumes."""
+
+
 class FastSession:
     """Connections to one sidecar's fast session."""
 
@@ -282,7 +287,7 @@ class FastSession:
             if answered:
                 self._health = breaker.on_success(self._health)
             else:
-                self._health = breaker.on_failure(self._health, time.monotonic(), breaker.Policy(), probe)
+                self._health = breaker.on_failure(self._health, time.monotonic(), _SIDECAR_BREAKER, probe)
 
     def _exchange(self, exchange: Callable[[_Conn], T], timeout: float | None) -> tuple[T, int]:
         for _ in range(2):
