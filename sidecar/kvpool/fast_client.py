@@ -272,6 +272,8 @@ class FastSession:
     def _admit(self) -> bool:
         """Whether this call is the breaker's probe; raises Unavailable (at once) when the
         sidecar is suspect and another call is probing it or its back-off runs."""
+        if self._health.state is breaker.State.CLOSED:
+            return False  # the hot path: no lock, no clock (a call racing a failure just goes)
         with self._cond:
             admission = breaker.admit(self._health, time.monotonic())
             if admission is breaker.Admission.CALL:
@@ -283,6 +285,8 @@ class FastSession:
             return True
 
     def _judge(self, answered: bool, probe: bool) -> None:
+        if answered and not probe and self._health.failures == 0:
+            return  # healthy and answered: nothing to record (the hot path)
         with self._cond:
             if answered:
                 self._health = breaker.on_success(self._health)
