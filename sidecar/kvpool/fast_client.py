@@ -129,6 +129,8 @@ class _Conn:
         self.sock.close()  # a client dropped without close(): no unclosed-socket warning
 
 
+PROBE_SECONDS = 0.1
+"""How long a probe waits for a suspect sidecar's greeting (a healthy one greets in well under 1 ms)."""
 _SIDECAR_BREAKER = breaker.Policy(backoff_seconds=0.1, max_backoff_seconds=1.0)
 """A suspect sidecar is probed again 0.1 s after a failed probe, doubling up to 1 s: an engine's
 calls fail at once for at most about a second after its sidecar resumes."""
@@ -256,33 +258,44 @@ class FastSession:
         out of step afterwards is dropped (and the call raises :class:`~kvpool.errors.Unavailable`,
         or :class:`~kvpool.errors.DeadlineExceeded` past the bound); one that was dead before the
         frame left (an idle connection to a sidecar that died) is replaced once."""
-        probe = self._admit()
+        self._admit()
         try:
             out = self._exchange(exchange, timeout)
         except errors.DeadlineExceeded:
-            self._judge(False, probe)
+            self._judge(False, False)
             raise
-        except BaseException:
-            if probe:
-                self._judge(False, probe)  # the probe must decide, or the breaker stays open
-            raise
-        self._judge(True, probe)
+        self._judge(True, False)
         return out
 
-    def _admit(self) -> bool:
-        """Whether this call is the breaker's probe; raises Unavailable (at once) when the
-        sidecar is suspect and another call is probing it or its back-off runs."""
+    def _admit(self) -> None:
+        """Let a call go to the sidecar; raises Unavailable (at once) when the sidecar is
+        suspect: another call is probing it, its back-off runs, or this call's probe failed."""
         if self._health.state is breaker.State.CLOSED:
-            return False  # the hot path: no lock, no clock (a call racing a failure just goes)
+            return  # the hot path: no lock, no clock (a call racing a failure just goes)
         with self._cond:
             admission = breaker.admit(self._health, time.monotonic())
             if admission is breaker.Admission.CALL:
-                return False
+                return
             if admission is breaker.Admission.SKIP:
                 raise errors.Unavailable(f"fast session to {self.path}: the sidecar missed a call's bound and has "
                                          "not answered since (calls fail at once until a probe is answered)")
             self._health = breaker.probe_started(self._health)
-            return True
+        answered = self._probe()
+        self._judge(answered, True)
+        if not answered:
+            raise errors.Unavailable(f"fast session to {self.path}: the sidecar missed a call's bound and did not "
+                                     f"greet a probe within {PROBE_SECONDS}s (calls fail at once until it does)")
+
+    def _probe(self) -> bool:
+        """Whether a suspect sidecar greets a new connection within :data:`PROBE_SECONDS`; the
+        connection then serves the calls that follow.  A short greeting, not the engine's call,
+        is the probe: a hung sidecar then costs a call its bound once, not once per probe."""
+        try:
+            conn = self._connect(PROBE_SECONDS)
+        except (OSError, errors.KvpoolError):  # TimeoutError too
+            return False
+        self._put_back(conn)
+        return True
 
     def _judge(self, answered: bool, probe: bool) -> None:
         if answered and not probe and self._health.failures == 0:
