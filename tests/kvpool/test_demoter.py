@@ -170,3 +170,25 @@ def test_a_push_batch_gets_all_its_objects_whichever_tier_they_are_in(node: Stor
     entries = [node.index[T][k] for k in keys]
     assert node.read_objects(entries, sink) == len(keys)
     assert got == {k: vals[k] for k in keys}
+
+
+def test_a_full_ssd_moves_only_what_the_new_object_needs_to_the_shared_fs(tmp_path: Path) -> None:
+    # ssd_alloc making room: the coldest SSD objects go to the shared filesystem until the new
+    # extent (plus 5% headroom) is freed, not every object the SSD holds.
+    n = StoreNode(NodeConfig(node_id="f", shm_dir=str(tmp_path), dram_bytes=1 << 20, ssd_path=str(tmp_path / "ssd"),
+                             ssd_bytes=256 * KiB, sharedfs_path=str(tmp_path / "fs"),
+                             tier_read_seconds=10.0, demote_wait_seconds=10.0))
+    try:
+        keys = [bytes([65 + i]) * 32 for i in range(5)]
+        for i, k in enumerate(keys[:4]):
+            _put(n, k, bytes([i]) * (64 * KiB))
+            _demote(n, k)
+            _settled(n)
+        assert [n.index[T][k].tier for k in keys[:4]] == ["ssd"] * 4
+        _put(n, keys[4], b"\x09" * (64 * KiB))
+        _demote(n, keys[4])
+        _settled(n)
+        tiers = [n.index[T][k].tier for k in keys[:4]]
+        assert tiers.count("sharedfs") == 2 and tiers.count("ssd") == 2, tiers
+    finally:
+        n.close()

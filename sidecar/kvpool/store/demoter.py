@@ -175,7 +175,7 @@ class TierMover:
             else:
                 n._discard(v)
                 n._count_evicted(v)
-                freed += v.size
+            freed += v.size  # moved or dropped: either way its extent is on its way out
         try:
             return n.ssd.alloc.alloc(size)
         except OutOfSpace:
