@@ -1149,11 +1149,6 @@ class StoreNode:
         items.sort(key=lambda e: e.last_access, reverse=True)
         return iter(items)
 
-    def read_object(self, e: Entry, sink: Callable[[memoryview], None]) -> bool:
-        """Hand an object's bytes to ``sink`` (the drain's pusher), in flight while it runs;
-        False when it is gone or cannot be promoted."""
-        return self.read_objects([e], lambda _held, views: sink(views[0])) == 1
-
     def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> int:
         """Hand several objects' bytes to ``sink`` at once (a batched push), each held in flight
         while it runs; objects gone or not promotable meanwhile are left out.  How many were."""
