@@ -350,13 +350,6 @@ class FastSession:
                          flags=fp.FLAG_LOCAL_ONLY if local_only else 0, timeout=timeout)
         return r.prefix, r.local, r.ref
 
-    def match_life(self, keys: bytes, lease_ms: int, timeout: float | None = None) -> tuple[int, int, int]:
-        """(prefix, lease id, the incarnation the lease belongs to)."""
-        bound = timeout or self.timeout
-        (r, _), inc = self._on_connection(
-            lambda conn: conn.call(fp.OP_MATCH, keys=keys, lease_ms=lease_ms, timeout=bound), bound)
-        return r.prefix, r.ref, inc
-
     def read(self, keys: bytes, kind: int, lease_ms: int, match_lease: int = 0,
              releases: list[int] | None = None, timeout: float | None = None) -> ReadReply:
         bound = timeout or self.timeout
