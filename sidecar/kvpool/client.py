@@ -59,6 +59,11 @@ def pack_keys(keys: Sequence[bytes]) -> bytes:
         raise errors.InvalidArgument(str(exc)) from None
 
 
+def _leading_ok(codes: Sequence[int]) -> int:
+    """How many codes from the start are OK (a prefix ends at the first that is not)."""
+    return next((i for i, c in enumerate(codes) if c != pb.OK), len(codes))
+
+
 class _Leased:
     """What holds one sidecar lease: released once, by :meth:`release`, the ``with`` block's end
     or the lease's expiry."""
@@ -119,12 +124,7 @@ class HandoffResult(_Leased):
     @property
     def local_blocks(self) -> int:
         """Leading blocks of the record that are local now."""
-        n = 0
-        for c in self.block_codes:
-            if c != pb.OK:
-                break
-            n += 1
-        return n
+        return _leading_ok(self.block_codes)
 
     @property
     def missing_blocks(self) -> int:
@@ -154,12 +154,7 @@ class Reads(_Leased):
     @property
     def prefix(self) -> int:
         """How many keys from the start were read (what an engine can use of a matched prefix)."""
-        n = 0
-        for c in self.codes:
-            if c != pb.OK:
-                break
-            n += 1
-        return n
+        return _leading_ok(self.codes)
 
 
 class RangeReads(_Leased):
@@ -971,7 +966,7 @@ class Client:
         rec = _ho.from_bytes(blob)
         codes = list(r.codes)
         ro = m.ro
-        n = next((i for i, c in enumerate(codes) if c != pb.OK), len(codes))
+        n = _leading_ok(codes)
         blocks = Blocks([ro[o:o + s] for o, s in zip(r.offsets[:n], r.sizes[:n], strict=True)], self, r.lease_id)
         outcome = _ho.StateOutcome(r.state)
         state_ok = outcome in (_ho.StateOutcome.PEER, _ho.StateOutcome.POOL, _ho.StateOutcome.LOCAL)

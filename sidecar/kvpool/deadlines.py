@@ -84,7 +84,7 @@ class ClientDeadlines:
 
     def read_bound(self, nbytes: int = 0) -> float:
         """The bound of a read of ``nbytes`` (0: not known)."""
-        return self.read_seconds + nbytes / self.read_bytes_per_second
+        return read_seconds(nbytes, self.read_seconds, self.read_bytes_per_second)
 
     def __post_init__(self) -> None:
         for name in ("match_seconds", "read_seconds", "read_bytes_per_second", "write_seconds", "other_seconds"):

@@ -89,10 +89,8 @@ class _Conn:
             self.sock.settimeout(seconds)
             self.timeout = seconds
 
-    def call(self, op: int, fd: int | None = None, timeout: float | None = None,
-             **kw: Any) -> tuple[fp.Response, bytearray]:
-        if timeout is not None:
-            self.bound(timeout)
+    def call(self, op: int, fd: int | None = None, **kw: Any) -> tuple[fp.Response, bytearray]:
+        """One exchange, within the connection's bound (:meth:`bound`)."""
         rid = self.next_id
         self.next_id = (rid + 1) & 0xFFFFFFFF
         frame = fp.encode_request(op, rid, **kw)
@@ -250,7 +248,7 @@ class FastSession:
     def call(self, op: int, timeout: float | None = None, **kw: Any) -> tuple[fp.Response, bytearray]:
         """One exchange, bounded by ``timeout`` (default: the session's)."""
         bound = timeout or self.timeout
-        return self._on_connection(lambda conn: conn.call(op, timeout=bound, **kw), bound)[0]
+        return self._on_connection(lambda conn: conn.call(op, **kw), bound)[0]
 
     def _on_connection(self, exchange: Callable[[_Conn], T], timeout: float | None = None) -> tuple[T, int]:
         """Run ``exchange`` on a connection of the pool (a new one greeted within ``timeout``):
@@ -350,19 +348,11 @@ class FastSession:
                          flags=fp.FLAG_LOCAL_ONLY if local_only else 0, timeout=timeout)
         return r.prefix, r.local, r.ref
 
-    def match_life(self, keys: bytes, lease_ms: int, timeout: float | None = None) -> tuple[int, int, int]:
-        """(prefix, lease id, the incarnation the lease belongs to)."""
-        bound = timeout or self.timeout
-        (r, _), inc = self._on_connection(
-            lambda conn: conn.call(fp.OP_MATCH, keys=keys, lease_ms=lease_ms, timeout=bound), bound)
-        return r.prefix, r.ref, inc
-
     def read(self, keys: bytes, kind: int, lease_ms: int, match_lease: int = 0,
              releases: list[int] | None = None, timeout: float | None = None) -> ReadReply:
         bound = timeout or self.timeout
         (r, body), inc = self._on_connection(lambda conn: conn.call(
-            fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease, releases=releases,
-            timeout=bound), bound)
+            fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease, releases=releases), bound)
         t = fp.decode_table(r, body, self.arena_bytes)
         if len(t.codes) != len(keys) // 32:
             raise errors.Unavailable("fast session: READ reply for another number of keys")
@@ -380,9 +370,9 @@ class FastSession:
 
         def exchange(conn: _Conn) -> tuple[list[int], list[int]]:
             try:
-                self._register(conn, named, regions, bound)
+                self._register(conn, named, regions)
                 r, body = conn.call(fp.OP_READ_INTO, keys=keys, kind=kind, ref=match_lease, values=targets,
-                                    flags=fp.FLAG_TRANSIENT if transient else 0, timeout=bound)
+                                    flags=fp.FLAG_TRANSIENT if transient else 0)
                 return fp.decode_sizes(r, body)
             finally:
                 if transient:
@@ -403,7 +393,7 @@ class FastSession:
 
         def exchange(conn: _Conn) -> list[int]:
             try:
-                self._register(conn, named, regions, self.timeout)
+                self._register(conn, named, regions)
                 r, body = conn.call(fp.OP_WRITE_FROM, keys=keys, kind=kind, text=traffic_class.encode(),
                                     values=np.concatenate([targets, np.asarray(checksums, np.uint64)]),
                                     flags=fp.FLAG_TRANSIENT if transient else 0)
@@ -417,14 +407,14 @@ class FastSession:
         return codes
 
     @staticmethod
-    def _register(conn: _Conn, named: set[int], regions: dict[int, memfd.Region], timeout: float) -> None:
+    def _register(conn: _Conn, named: set[int], regions: dict[int, memfd.Region]) -> None:
         """Pass the regions of ``named`` this connection has not mapped yet to the sidecar."""
         for rid in named - conn.registered:
             region = regions[rid]
             if region.fd is None:
                 raise errors.InvalidArgument(f"region {rid} was freed")
             try:
-                conn.call(fp.OP_REGISTER, fd=region.fd, ref=rid, timeout=timeout)
+                conn.call(fp.OP_REGISTER, fd=region.fd, ref=rid)
             except errors.KvpoolError as exc:
                 raise RegistrationRefused(rid, exc) from None
             conn.registered.add(rid)
@@ -435,7 +425,7 @@ class FastSession:
         bound = timeout or self.timeout
         (r, body), inc = self._on_connection(lambda conn: conn.call(
             fp.OP_WRITE_START, keys=keys, kind=kind, text=traffic_class.encode(),
-            values=np.asarray(sizes, np.uint64), timeout=bound), bound)
+            values=np.asarray(sizes, np.uint64)), bound)
         t = fp.decode_table(r, body, self.arena_bytes)
         for c, o, s in zip(t.codes, t.offsets, sizes, strict=True):
             if c == 0 and o + s > self.arena_bytes:
@@ -452,8 +442,7 @@ class FastSession:
             if incarnation and conn.incarnation != incarnation:
                 return [pb.LEASE_EXPIRED] * len(checksums)
             r, body = conn.call(fp.OP_WRITE_COMMIT, ref=reservation_id, values=np.asarray(checksums, np.uint64),
-                                flags=fp.FLAG_POOL_WAIT if pool_wait_ms else 0, lease_ms=pool_wait_ms,
-                                timeout=bound)
+                                flags=fp.FLAG_POOL_WAIT if pool_wait_ms else 0, lease_ms=pool_wait_ms)
             return fp.decode_table(r, body, self.arena_bytes).codes
         bound = timeout or self.timeout
         return self._on_connection(exchange, bound)[0]

@@ -123,9 +123,9 @@ SOCKET_SUFFIX = ".fast"
 _U64 = np.dtype("<u8")
 _KEYED = (OP_MATCH, OP_READ, OP_WRITE_START, OP_READ_INTO, OP_WRITE_FROM)
 _TARGET_COLUMNS = 3
+"""READ_INTO: region ids, offsets, lengths."""
 _COLUMNS = {OP_WRITE_START: 1, OP_WRITE_COMMIT: 1, OP_READ_INTO: _TARGET_COLUMNS, OP_WRITE_FROM: _TARGET_COLUMNS + 1}
 """u64 values per item after the keys: sizes; checksums; targets; targets then checksums."""
-"""READ_INTO: region ids, offsets, lengths."""
 
 
 def socket_path(grpc_socket: str) -> str:
@@ -146,9 +146,7 @@ class Request(NamedTuple):
 
     def body_bytes(self) -> int:
         """Bytes that follow the header."""
-        per_item = {OP_MATCH: KEY_BYTES, OP_READ: KEY_BYTES, OP_WRITE_START: KEY_BYTES + 8,
-                    OP_WRITE_COMMIT: 8, OP_READ_INTO: KEY_BYTES + 8 * _TARGET_COLUMNS,
-                    OP_WRITE_FROM: KEY_BYTES + 8 * (_TARGET_COLUMNS + 1)}.get(self.op, 0)
+        per_item = (KEY_BYTES if self.op in _KEYED else 0) + 8 * _COLUMNS.get(self.op, 0)
         return self.text_len + 8 * self.release_count + self.items * per_item
 
 
@@ -157,7 +155,8 @@ class RequestBody(NamedTuple):
     releases: list[int]
     keys: bytes
     values: npt.NDArray[np.uint64] | None
-    """WRITE_START: sizes; WRITE_COMMIT: checksums; READ_INTO: region ids, offsets, lengths (3 × n)."""
+    """WRITE_START: sizes; WRITE_COMMIT: checksums; READ_INTO: region ids, offsets, lengths (3 × n);
+    WRITE_FROM: those, then checksums (4 × n)."""
 
 
 class Response(NamedTuple):
@@ -248,10 +247,8 @@ def decode_request_body(req: Request, body: bytes | bytearray | memoryview) -> R
         keys = bytes(mv[at:at + req.items * KEY_BYTES])
         at += req.items * KEY_BYTES
     values = None
-    if req.op in (OP_READ_INTO, OP_WRITE_FROM):
+    if req.op in _COLUMNS:
         values = np.frombuffer(mv, _U64, _COLUMNS[req.op] * req.items, at)
-    elif req.op in (OP_WRITE_START, OP_WRITE_COMMIT):
-        values = np.frombuffer(mv, _U64, req.items, at)
         if req.op == OP_WRITE_START and req.items and int(values.max()) > MAX_OBJECT_BYTES:
             raise ProtocolError("object size over the protocol limit")
     return RequestBody(text, releases, keys, values)
