@@ -370,13 +370,12 @@ class Pool:
             was_up = node.up
             if down:
                 node.health = breaker.on_failure(node.health, time.monotonic(), self.policy)
-        if down:
-            with self._deferred_lock:
-                # It may come back as another life: its leases die with this one, never sent there.
-                self._deferred.pop(node.member.id, None)
         if not down:
             log.warning("pool node %s refused a call: %s", node.member.id, exc)
             return
+        with self._deferred_lock:
+            # It may come back as another life: its leases die with this one, never sent there.
+            self._deferred.pop(node.member.id, None)
         if was_up:
             log.warning("pool node %s is suspect (calls skip it until a probe answers): %s", node.member.id, exc)
         self._admit(node, False)  # the first probe goes out at once
