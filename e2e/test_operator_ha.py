@@ -40,10 +40,9 @@ from typing import Any, cast
 
 import pytest
 
-from e2e import procs
 from e2e.cluster import Cluster, free_port
-from e2e.nodeagent import POD_MARKER_ENV
 from e2e.test_e2e_chart import CHART, Release, cond, create_namespace, kvpool_doc, kvtier, sts_replicas
+from e2e.test_operator_pool import CrashLoop
 from e2e.testutil import list_pods, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -506,7 +505,8 @@ def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_p
     t0 = time.monotonic()
     timeline = StatusTimeline(rel, "ha", t0)
     load = DataPath(reader, writer, preloaded)
-    crash: CrashLoop | None = None
+    crash = contextlib.ExitStack()  # the killed replica, kept dead until released below
+    killed = False
     try:
         time.sleep(3)  # some traffic before anything happens
         pods = {p["metadata"]["name"]: p for p in ha.ready_pods()}
@@ -533,8 +533,9 @@ def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_p
                 return d if d.get("movedObjects", 0) > 0 else None
 
             at_kill = wait_for(drain, 90, "the drain moving objects (in status)", interval=0.1)
-        crash = CrashLoop(victim["metadata"]["uid"])
-        t_kill = crash.start()
+        crash.enter_context(CrashLoop(victim["metadata"]["uid"]))
+        t_kill = time.monotonic()
+        killed = True
         killed_drain = {k: at_kill.get(k) for k in ("movedObjects", "movedBytes", "remainingObjects")}
 
         # The standby takes over: its log says it resumes, and the dead record leaves the peering.
@@ -563,9 +564,8 @@ def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_p
     finally:
         load.stop()
         timeline.close()
-        if crash is not None:
-            crash.stop()
-        victim_log_at_release = len(ha.log(victim)) if crash is not None else 0
+        crash.close()
+        victim_log_at_release = len(ha.log(victim)) if killed else 0
         reader.close()
         writer.close()
 
@@ -628,29 +628,3 @@ def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_p
     assert active_of(ha.peers()) == standby, ha.peers()
     wait_for(lambda: paused(ha.log(victim)[victim_log_at_release:]), 30, f"{active} standing by", interval=0.5)
     assert not paused(ha.log(heir)), f"the heir paused again: {ha.log(heir)[-3000:]}"
-
-
-class CrashLoop:
-    """SIGKILL every process of a pod, and keep killing what the node agent restarts: the
-    replica is gone as on a lost node (no clean exit, its peering record left behind)."""
-
-    def __init__(self, uid: str) -> None:
-        self.uid = uid
-        self.kills = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> float:
-        self.kills = procs.kill_marked(POD_MARKER_ENV, self.uid)
-        t = time.monotonic()
-        assert self.kills > 0, f"no process of pod {self.uid} was found"
-        self._thread.start()
-        return t
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.kills += procs.kill_marked(POD_MARKER_ENV, self.uid)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)

@@ -81,7 +81,7 @@ def on_failure(h: Health, now: float, policy: Policy, probe: bool = False) -> He
 
 def on_success(h: Health) -> Health:
     """The node answered (a call or a probe): it is healthy again."""
-    return Health() if h != Health() else h
+    return Health()
 
 
 def probe_started(h: Health) -> Health:

@@ -370,13 +370,12 @@ class Pool:
             was_up = node.up
             if down:
                 node.health = breaker.on_failure(node.health, time.monotonic(), self.policy)
-        if down:
-            with self._deferred_lock:
-                # It may come back as another life: its leases die with this one, never sent there.
-                self._deferred.pop(node.member.id, None)
         if not down:
             log.warning("pool node %s refused a call: %s", node.member.id, exc)
             return
+        with self._deferred_lock:
+            # It may come back as another life: its leases die with this one, never sent there.
+            self._deferred.pop(node.member.id, None)
         if was_up:
             log.warning("pool node %s is suspect (calls skip it until a probe answers): %s", node.member.id, exc)
         self._admit(node, False)  # the first probe goes out at once
@@ -482,30 +481,32 @@ class Pool:
         # hung nodes cost the round one deadline together, not one each.
         limit = self.deadlines.match_seconds
         deadline = time.monotonic() + limit
-        pending: list[tuple[str, npt.NDArray[np.intp], Callable[[float], ExistsReply] | None]] = []
+        # Each call keeps the handle it was sent to: a ring refresh meanwhile (``_note_epoch`` below)
+        # may drop or replace the node's entry in ``self.nodes``.
+        pending: list[tuple[str, npt.NDArray[np.intp], NodeHandle | None,
+                            Callable[[float], ExistsReply] | None]] = []
         for nid, idx, pin in calls:
             node = self._up(nid)
             if node is None:
-                pending.append((nid, idx, None))
+                pending.append((nid, idx, None, None))
                 continue
             args = (key_array[idx].tobytes(), pin, lease_ms if pin else 0, prefix_only, kind, self.ring.epoch)
             try:
                 finish = node.client.exists_array_begin(*args, drop_lease=self._take_deferred(nid), timeout=limit)
             except (grpc.RpcError, errors.KvpoolError, OSError) as exc:
                 self._failed(node, exc)
-                pending.append((nid, idx, None))
+                pending.append((nid, idx, None, None))
                 continue
             if finish is None:
                 # gRPC (a node without a data session) on the pool's threads, with the deadline as
                 # its timeout: the thread is free again when it passes, whatever the node does.
                 fut = self._executor.submit(node.client.exists_array, *args, timeout=limit)
                 finish = _waiter(fut)
-            pending.append((nid, idx, finish))
+            pending.append((nid, idx, node, finish))
         out: list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]] = []
-        for nid, idx, collect in pending:
+        for nid, idx, node, collect in pending:
             reply = None
-            if collect is not None:
-                node = self.nodes[nid]
+            if node is not None and collect is not None:
                 try:
                     reply = collect(remaining(deadline, time.monotonic()))
                     self._note_epoch(reply.epoch)

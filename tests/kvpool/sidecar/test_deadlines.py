@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import threading
 import time
 from typing import Any
@@ -30,6 +29,7 @@ from kvpool.proto import store_pb2 as pb
 from kvpool.ring import owners
 from kvpool.store import data_protocol as dp
 from kvpool.store_client import StoreClient
+from kvpool.transfer.testing import CuttingProxy
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -146,68 +146,6 @@ def test_stopped_node_keys_are_read_at_replicas(h: Any, rng: random.Random) -> N
                 os.kill(pid, signal.SIGCONT)
 
 
-class _CuttingProxy:
-    """A TCP proxy to one address that forwards every byte to it, and at most ``cut_after``
-    bytes back (counted from when it is set), then cuts both connections: a node that dies in
-    the middle of a reply, at a byte of the test's choosing."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.cut_after: int | None = None
-        self.lock = threading.Lock()
-        self.threads: list[threading.Thread] = []
-        self.socks: list[socket.socket] = []
-        self.listener.settimeout(30)
-        t = threading.Thread(target=self._accept, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            node = socket.create_connection(self.target, timeout=30)
-            self.socks += [client, node]
-            for args in ((client, node, False), (node, client, True)):
-                t = threading.Thread(target=self._pump, args=args, daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, limited: bool) -> None:
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                if limited:
-                    with self.lock:
-                        if self.cut_after is not None:
-                            data = data[:self.cut_after]
-                            self.cut_after -= len(data)
-                if data:
-                    dst.sendall(data)
-                if limited and self.cut_after == 0:
-                    break
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in self.socks:
-            s.close()
-        for t in self.threads:
-            t.join(timeout=10)
-
-
 def test_read_cut_mid_batch_serves_what_arrived_verified(h: Any, rng: random.Random) -> None:
     """Item 4 at the data session: the node's reply is cut inside the 11th object's payload.
     On 633cc92 the whole read raised Unavailable (nothing served)."""
@@ -218,14 +156,13 @@ def test_read_cut_mid_batch_serves_what_arrived_verified(h: Any, rng: random.Ran
         with StoreClient(lc.stores[0]) as sc:
             assert sc.put(keys, values) == [pb.OK] * len(keys)
             host, port = sc.health().transfer_address.rsplit(":", 1)
-        proxy = _CuttingProxy((host, int(port)))
+        # The read's connection is the proxy's first; its reply is the GET's header and table,
+        # then the payloads back to back.  Cut 10.5 objects into the payload: 10 arrive whole,
+        # the 11th is torn.  (The request, of 32 keys, is far below the cut.)
+        head = dp.RESPONSE_SIZE + 17 * len(keys)  # header, then code + size + checksum per key
+        proxy = CuttingProxy(f"{host}:{port}", lambda i: head + 10 * size + size // 2 if i == 0 else None)
         ds = DataSession(proxy.address, timeout=10.0, connections=1)
         try:
-            ds.hello()  # the connection is open and idle: the read reuses it
-            # The GET reply: its header and table, then the payloads back to back.  Cut 10.5
-            # objects into the payload: 10 arrive whole, the 11th is torn.
-            head = dp.RESPONSE_SIZE + 17 * len(keys)  # header, then code + size + checksum per key
-            proxy.cut_after = head + 10 * size + size // 2
             out = [bytearray(size) for _ in keys]
             r = ds.read(b"".join(keys), lambda i, n: memoryview(out[i]))
         finally:
