@@ -188,3 +188,17 @@ def test_pool_deadlines_reach_the_sidecar_args() -> None:
     assert deadline_args(SidecarDeadlines()) == []
     with pytest.raises(SpecError):
         parse_pool({**body, "spec": {"sidecar": {"deadlines": {"matchMs": 0}}}})
+
+
+def test_pool_deadline_defaults_are_the_sidecars() -> None:
+    """``deadline_args`` leaves out a setting equal to the operator's default, so that default must
+    be the sidecar's own (its config and its command line): if they drifted apart, a pool asking
+    for the operator's default would silently get the sidecar's."""
+    from kvpool.sidecar.server import SidecarConfig, build_parser, config_from_args
+    from kvpool_operator.model import SidecarDeadlines
+    d = SidecarDeadlines()
+    want = (d.match_ms, d.read_ms, d.read_bytes_per_second, d.probe_ms, d.suspect_backoff_ms)
+    for cfg in (SidecarConfig(socket="/s", pool=[]),
+                config_from_args(build_parser().parse_args(["--socket", "/s", "--pool", ""]))):
+        assert (cfg.match_deadline_ms, cfg.read_deadline_ms, cfg.read_bytes_per_second, cfg.probe_deadline_ms,
+                cfg.suspect_backoff_ms) == want
