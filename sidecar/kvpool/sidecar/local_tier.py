@@ -24,9 +24,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..proto import store_pb2 as pb
+from ..sizing import payload_arena_bytes
 from ..store.allocator import OutOfSpace
 from ..store.eviction import watermark_need
-from ..store.node import payload_arena_bytes
 from ..store.tiers import DramTier, checksum
 from .journal import Journal, PersistentArena, new_id
 
