@@ -356,7 +356,7 @@ def open_arena(directory: str, socket_path: str, layout: Layout) -> Opened:
     except BlockingIOError:
         os.close(lock_fd)
         raise RuntimeError(f"the local tier at {arena_path} belongs to another live sidecar") from None
-    journal_bytes = HEADER_BYTES + layout.slots * SLOT.itemsize
+    journal_bytes = sizing.journal_bytes(layout.arena_bytes, layout.align)  # what the operator sizes the volume for
     reason = ""
     found = os.path.exists(journal_path) and os.path.exists(arena_path)
     if found:
