@@ -98,11 +98,13 @@ def spawn(name: str, argv: list[str], workdir: str, timeout: float = 60.0,
         raise
 
 
-def stop_procs(procs: Sequence[Proc], grace: float = 10.0) -> None:
+def stop_procs(procs: Sequence[Proc], grace: float = 10.0, sig: signal.Signals = signal.SIGTERM) -> None:
+    """Send ``sig`` to each process still running, wait ``grace`` seconds for them all to exit
+    (SIGKILL after), and close their pipes."""
     for p in procs:
         if p.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                p.popen.send_signal(signal.SIGTERM)
+                p.popen.send_signal(sig)
     deadline = time.time() + grace
     for p in procs:
         try:
@@ -246,10 +248,7 @@ class LocalCluster:
         first if it still runs; the current ring is pushed to it at the current epoch, as the
         operator re-pushes it to a node that restarted.  Its DRAM tier starts empty."""
         old = self.store_procs[i]
-        if old.popen.poll() is None:
-            old.popen.kill()
-        old.popen.wait(timeout)
-        close_pipes(old)
+        stop_procs([old], timeout, signal.SIGKILL)
         node_id, addr = self.store_ids[i], self.stores[i]
         transfer = next((w.split("=", 1)[1] for w in old.ready_line.split() if w.startswith("transfer=")), "")
         argv = list(cast(list[str], old.popen.args))[3:]  # [python, -m, kvpool, *argv]
@@ -315,16 +314,7 @@ class LocalCluster:
         again on the same socket and arena directory, as a pod's ``restartPolicy: Always``
         does; waits for READY.  ``local_bytes`` / ``extra_args`` (appended to the first
         start's) change its configuration for this life.  Its address is unchanged."""
-        proc = self.sidecar_procs[i]
-        if proc.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.popen.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            proc.popen.wait(timeout=self.drain_seconds + 10)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait()
-        close_pipes(proc)
+        stop_procs([self.sidecar_procs[i]], self.drain_seconds + 10, signal.SIGKILL if kill else signal.SIGTERM)
         tenant, first_local, first_extra = self._sidecar_launches[i]
         extra = list(first_extra) + list(extra_args or ())
         new, addr = self._launch_sidecar(tenant, first_local if local_bytes is None else local_bytes, extra, index=i)

@@ -253,6 +253,11 @@ def plan_adoption(slots: npt.NDArray[Any], align: int, arena_bytes: int) -> Adop
     return AdoptionPlan(np.sort(cand), reserved, bad)
 
 
+def _flags(e: Any) -> int:
+    """A slot's flags byte for a local entry's ``dirty`` / ``pooled``."""
+    return (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0)
+
+
 class Journal:
     """The slot table of one arena, mapped (writes are stores into shared memory)."""
 
@@ -274,8 +279,7 @@ class Journal:
         mm, shift, size, pack = self._mmap, self.shift, SLOT.itemsize, _COMMIT.pack_into
         at = [HEADER_BYTES + (e.offset >> shift) * size for e in entries]
         for pos, e in zip(at, entries, strict=True):
-            pack(mm, pos + _CHECKSUM_AT, e.checksum, e.kind,
-                 (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0))
+            pack(mm, pos + _CHECKSUM_AT, e.checksum, e.kind, _flags(e))
         for pos in at:
             mm[pos + _STATE_AT] = COMMITTED
 
@@ -283,8 +287,7 @@ class Journal:
         """The dirty/pooled flags of committed objects changed."""
         mm, shift, size = self._mmap, self.shift, SLOT.itemsize
         for e in entries:
-            mm[HEADER_BYTES + (e.offset >> shift) * size + _FLAGS_AT] = \
-                (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0)
+            mm[HEADER_BYTES + (e.offset >> shift) * size + _FLAGS_AT] = _flags(e)
 
     def freed(self, offset: int) -> None:
         """The object at ``offset`` left the index (its extent is free, or will be at its last unpin)."""
@@ -294,8 +297,7 @@ class Journal:
         mm, shift, size, pack = self._mmap, self.shift, SLOT.itemsize, _RECORD.pack_into
         for e in entries:
             pack(mm, HEADER_BYTES + (e.offset >> shift) * size, e.key, e.offset, e.size, e.checksum, e.kind,
-                 (FLAG_DIRTY if e.dirty else 0) | (FLAG_POOLED if e.pooled else 0), state,
-                 e.traffic_class.encode()[:TCLASS_BYTES])
+                 _flags(e), state, e.traffic_class.encode()[:TCLASS_BYTES])
 
     def close(self) -> None:
         self.slots = np.zeros(0, SLOT)
@@ -356,7 +358,7 @@ def open_arena(directory: str, socket_path: str, layout: Layout) -> Opened:
     except BlockingIOError:
         os.close(lock_fd)
         raise RuntimeError(f"the local tier at {arena_path} belongs to another live sidecar") from None
-    journal_bytes = HEADER_BYTES + layout.slots * SLOT.itemsize
+    journal_bytes = sizing.journal_bytes(layout.arena_bytes, layout.align)  # what the operator sizes the volume for
     reason = ""
     found = os.path.exists(journal_path) and os.path.exists(arena_path)
     if found:

@@ -24,11 +24,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ..proto import store_pb2 as pb
+from ..sizing import payload_arena_bytes
 from ..store.allocator import OutOfSpace
 from ..store.eviction import watermark_need
-from ..store.node import payload_arena_bytes
 from ..store.tiers import DramTier, checksum
-from .journal import Journal, PersistentArena, new_id
+from .journal import FLAG_DIRTY, FLAG_POOLED, Journal, PersistentArena, new_id
 
 RESERVED, COMMITTED, DEAD = 0, 1, 2
 
@@ -513,8 +513,8 @@ class LocalTier:
             e = LocalEntry(bytes(r["key"]), int(r["kind"]), r["tclass"].decode("utf-8", "replace"), size, off)
             e.checksum = int(r["checksum"])
             e.state = COMMITTED
-            e.dirty = bool(r["flags"] & 1)
-            e.pooled = bool(r["flags"] & 2)
+            e.dirty = bool(r["flags"] & FLAG_DIRTY)
+            e.pooled = bool(r["flags"] & FLAG_POOLED)
             kept.append(e)
         # Uncommitted extents that do not overlap a kept object: quarantined, then free.
         rounded = self.arena.alloc.rounded

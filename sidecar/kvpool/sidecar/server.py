@@ -143,6 +143,19 @@ class _MatchLease:
     expires: float
 
 
+def _verdict(got: dict[int, int]) -> dict[int, pb.Code]:
+    """A pool write's codes (:meth:`Sidecar._push`) as a put's answer: UNAVAILABLE where no
+    owner was reached."""
+    return {k: pb.UNAVAILABLE if c == UNREACHABLE else errors.as_code(c) for k, c in got.items()}
+
+
+def _take_verdict(codes: list[pb.Code], entries: Sequence[LocalEntry | None], verdict: dict[int, pb.Code]) -> None:
+    """Answer, for each object committed here, the pool's verdict (UNAVAILABLE for one without)."""
+    for i, e in enumerate(entries):
+        if codes[i] == pb.OK and e is not None:
+            codes[i] = verdict.get(id(e), pb.UNAVAILABLE)
+
+
 class Sidecar(spbg.SidecarServicer):
     def __init__(self, cfg: SidecarConfig) -> None:
         self.cfg = cfg
@@ -790,9 +803,7 @@ class Sidecar(spbg.SidecarServicer):
         if pool_wait_ms > 0:
             # The pool's verdict was asked for; with no pool there is none to take the objects.
             verdict = self._write_waited(done, pin, pool_wait_ms / 1000.0) if pin is not None and waited else {}
-            for i, e in enumerate(entries):
-                if codes[i] == pb.OK and e is not None:
-                    codes[i] = verdict.get(id(e), pb.UNAVAILABLE)
+            _take_verdict(codes, entries, verdict)
         elif pin is not None:
             self._enqueue(done, pin=pin)
         self.counters["put_blocks"] += len(done)
@@ -811,21 +822,10 @@ class Sidecar(spbg.SidecarServicer):
             res = self.local.reservations.get(reservation_id)
             entries = list(res[1]) if res else []
         codes, done, pin = self.local.commit(reservation_id, sums, dirty=True, pin_ms=600_000)
-        pool_codes: dict[int, int] = {}
-        try:
-            if done:
-                self._push(done, None, pool_codes)
-        except Exception:
-            log.exception("pool write of a spilling put failed")
-        finally:
-            if pin is not None:
-                self.local.release([pin.lease_id])
+        pool_codes = self._push_pinned(done, pin, "a spilling put")
         self._retry_later(done, None, pool_codes)
         if verdict:
-            for i, e in enumerate(entries):
-                if codes[i] == pb.OK and e is not None:
-                    c = pool_codes.get(id(e), UNREACHABLE)
-                    codes[i] = pb.UNAVAILABLE if c == UNREACHABLE else errors.as_code(c)
+            _take_verdict(codes, entries, _verdict(pool_codes))
         self.counters["put_blocks"] += len(done)
         self.counters["put_spilled_rounds"] += 1
         metrics.record_put(self.cfg.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
@@ -853,6 +853,20 @@ class Sidecar(spbg.SidecarServicer):
         self.counters["pool_writes"] += ok
         return codes
 
+    def _push_pinned(self, entries: list[LocalEntry], pin: LocalLease | None, what: str) -> dict[int, int]:
+        """Write committed arena entries (pinned by ``pin``) to the pool now, then unpin them:
+        id(entry) → the pool's code, missing for one not sent (the push raised)."""
+        got: dict[int, int] = {}
+        try:
+            if entries:
+                self._push(entries, None, got)
+        except Exception:
+            log.exception("pool write (%s) failed", what)
+        finally:
+            if pin is not None:
+                self.local.release([pin.lease_id])
+        return got
+
     def _write_waited(self, entries: list[LocalEntry], pin: LocalLease, seconds: float) -> dict[int, pb.Code]:
         """Write committed objects (pinned by ``pin``) to the pool on a thread of their own and
         wait for it at most ``seconds``: id(entry) → the pool's code, UNAVAILABLE for an object
@@ -866,14 +880,10 @@ class Sidecar(spbg.SidecarServicer):
 
         def run() -> None:
             try:
-                self._push(entries, None, got)
-            except Exception:
-                log.exception("pool write (put with wait) failed")
+                got.update(self._push_pinned(entries, pin, "put with wait"))
             finally:
-                self.local.release([pin.lease_id])
                 with lock:  # all at once: a caller past its deadline sees none of it, never half
-                    verdict.update((k, pb.UNAVAILABLE if c == UNREACHABLE else errors.as_code(c))
-                                   for k, c in got.items())
+                    verdict.update(_verdict(got))
                 finished.set()
             self._retry_later(entries, None, got)
 

@@ -28,6 +28,7 @@ from .. import ranges
 from ..errors import InvalidArgument
 from ..proto import store_pb2 as pb
 from ..ring import Ring, stale_wrong_owner
+from ..sizing import payload_arena_bytes
 from .allocator import OutOfSpace
 from .atrest import AtRest, sealed_size
 from .demoter import FsView, TierMover
@@ -54,12 +55,6 @@ def check_kind(kind: int) -> int:
     if kind not in KINDS:
         raise InvalidArgument(f"unknown object kind {kind}")
     return kind
-
-
-def payload_arena_bytes(payload: int, high_watermark: float, align: int = 4096) -> int:
-    """Arena size so that ``payload`` bytes fit below the high watermark."""
-    raw = int(payload / high_watermark) + align
-    return -(-raw // align) * align
 
 
 class Entry:

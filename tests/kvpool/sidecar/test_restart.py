@@ -53,7 +53,7 @@ def _wrong(client: Any, keys: list[bytes], values: list[bytes]) -> tuple[int, in
 @pytest.mark.parametrize(("kill", "fast"), [(True, True), (False, True), (True, False)],
                          ids=["sigkill", "sigterm", "sigkill-grpc-only"])
 def test_old_client_never_reads_another_objects_bytes_after_a_restart(kill: bool, fast: bool,
-                                                                      rng: random.Random) -> None:
+                                                                      rng: random.Random, h: Any) -> None:
     """Finding 1: the client kept its mapping of the dead sidecar's arena and applied the new
     sidecar's offsets to it (32 of 32 objects came back with other objects' bytes).  A clean
     stop (SIGTERM: the drain, then the same files) is a restart too; a client without the fast
@@ -66,9 +66,8 @@ def test_old_client_never_reads_another_objects_bytes_after_a_restart(kill: bool
         try:
             assert c.put(keys, values) == [pb.OK] * len(keys)
             assert [bytes(v) for v in c.get(keys)] == values
-            deadline = time.monotonic() + 30
-            while c.stats().pending_pool_bytes and time.monotonic() < deadline:
-                time.sleep(0.05)  # in the pool too: a new sidecar can fetch what it did not keep
+            # In the pool too: a new sidecar can fetch what it did not keep.
+            h.wait_for(lambda: c.stats().pending_pool_bytes == 0, 30, what="write-through")
             lc.restart_sidecar(0, kill=kill)
             right, wrong, failed = _wrong(c, keys, values)
             assert wrong == 0, f"{wrong} reads returned other bytes ({right} right, {failed} errors)"
@@ -77,7 +76,7 @@ def test_old_client_never_reads_another_objects_bytes_after_a_restart(kill: bool
             right, wrong, failed = _wrong(c, keys, values)
             assert (wrong, failed) == (0, 0) and right == 2 * len(keys)
             assert c.restarts_seen == 1
-            st = _counters(c)
+            st = h.counters(c)
             assert st["restart_adopted_objects"] == len(keys)  # served from the kept arena
             assert st.get("restart_resumed_pool_writes", 0) == 0  # the journal knew they were in the pool
             # A put through the old client lands where the new sidecar reads it.
@@ -101,23 +100,12 @@ def _log(lc: LocalCluster, i: int) -> str:
     return "".join(out)
 
 
-def _counters(c: Any) -> dict[str, int]:
-    return dict(c.stats().counters)
-
-
-def _wait(pred: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _view_offset(c: Any, view: memoryview) -> int:
     base = np.frombuffer(c._arena_ro, np.uint8).ctypes.data
     return int(np.frombuffer(view, np.uint8).ctypes.data - base)
 
 
-def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: random.Random) -> None:
+def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: random.Random, h: Any) -> None:
     """Finding 5: a crash lost the pod's whole local tier, write-back blocks and state objects
     included.  Now the new sidecar adopts the arena: at least 90 % of the objects are served
     from it without a pool read; what was never committed, or whose bytes no longer match their
@@ -130,7 +118,7 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
         try:
             assert c.put(keys, values) == [pb.OK] * len(keys)
             assert c.put_state(state_key, 128, state) == pb.OK
-            assert _counters(c).get("local_only_objects", 0) == len(keys) + 1  # write-back: only here
+            assert h.counters(c).get("local_only_objects", 0) == len(keys) + 1  # write-back: only here
             # A write the crash interrupts: reserved, bytes copied, never committed.
             torn_key = rng.randbytes(32)
             from kvpool.proto import sidecar_pb2 as spb
@@ -142,7 +130,7 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
                 off = _view_offset(c, got[0])
             c._arena[off] ^= 0xFF
             lc.restart_sidecar(0, kill=True)
-            before = _counters(c)
+            before = h.counters(c)
             assert before.get("restart_adopted_objects", 0) == len(keys)  # 95 good blocks, the state object
             assert f"adopted={len(keys)} dropped=2" in lc.sidecar_procs[0].ready_line
             assert before["restart_dropped_checksum"] == 1 and before["restart_dropped_uncommitted"] == 1
@@ -156,7 +144,7 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
             got = c.get(keys[1:])
             assert [bytes(v) for v in got] == values[1:]
             got.release()
-            after = _counters(c)
+            after = h.counters(c)
             local = after["read_hits_local"] - before.get("read_hits_local", 0)
             pool = after["read_hits_pool"] - before.get("read_hits_pool", 0)
             assert local >= 0.9 * (len(keys) + 1) and pool == 0, (local, pool)
@@ -167,13 +155,13 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
             other = lc.add_sidecar()
             with lc.connect(lc.sidecars.index(other)) as d:
                 assert [bytes(v) for v in d.get(keys[1:])] == values[1:]
-                assert _counters(d)["read_hits_pool"] == len(keys) - 1
+                assert h.counters(d)["read_hits_pool"] == len(keys) - 1
                 assert bytes(d.get_state(state_key, 128) or b"") == state
         finally:
             c.close()
 
 
-def test_write_through_blocks_not_yet_in_the_pool_are_written_after_a_restart(rng: random.Random) -> None:
+def test_write_through_blocks_not_yet_in_the_pool_are_written_after_a_restart(rng: random.Random, h: Any) -> None:
     """Blocks put while the pool was unreachable (a stopped store node) and the sidecar then
     killed: the new sidecar writes them to the pool (the write-behind queue) once it is back."""
     with LocalCluster(stores=1, sidecars=1, local_bytes=16 * MiB) as lc:
@@ -188,19 +176,19 @@ def test_write_through_blocks_not_yet_in_the_pool_are_written_after_a_restart(rn
                 lc.restart_sidecar(0, kill=True)
             finally:
                 os.kill(store.pid, signal.SIGCONT)
-            _wait(lambda: c.stats().pending_pool_bytes == 0, "the write-behind backlog")
+            h.wait_for(lambda: c.stats().pending_pool_bytes == 0, 60, what="the write-behind backlog")
             other = lc.add_sidecar()
             with lc.connect(lc.sidecars.index(other)) as d:
                 assert d.match(keys) == len(keys)  # in the pool
                 assert [bytes(v) for v in d.get(keys)] == values
-                assert _counters(d)["read_hits_pool"] == len(keys)
-            st = _counters(c)
+                assert h.counters(d)["read_hits_pool"] == len(keys)
+            st = h.counters(c)
             assert st["restart_resumed_pool_writes"] == len(keys) and st["pool_writes"] >= len(keys)
         finally:
             c.close()
 
 
-def test_a_kill_during_writes_loses_only_those_writes(rng: random.Random) -> None:
+def test_a_kill_during_writes_loses_only_those_writes(rng: random.Random, h: Any) -> None:
     """A writer keeps putting while the sidecar is SIGKILLed: afterwards every key it was told
     OK for (before the kill or after) is served with its bytes, and no key with other bytes;
     what the kill interrupted is lost (a miss), nothing else."""
@@ -225,10 +213,10 @@ def test_a_kill_during_writes_loses_only_those_writes(rng: random.Random) -> Non
         t = threading.Thread(target=writer)
         t.start()
         try:
-            _wait(lambda: len(acked) >= 200, "some writes")
+            h.wait_for(lambda: len(acked) >= 200, 60, what="some writes")
             lc.restart_sidecar(0, kill=True)
             before = len(acked)
-            _wait(lambda: len(acked) >= before + 40 or len(tried) >= 1000, "writes after the restart")
+            h.wait_for(lambda: len(acked) >= before + 40 or len(tried) >= 1000, 60, what="writes after the restart")
             assert len(acked) >= before + 40  # the writer's client carries on with the new life
             stop.set()
             t.join(timeout=60)
@@ -242,21 +230,22 @@ def test_a_kill_during_writes_loses_only_those_writes(rng: random.Random) -> Non
                     except errors.NotFound:
                         lost_acked += k in acked
                 assert (wrong, lost_acked) == (0, 0)
-                assert _counters(fresh)["restart_adopted_objects"] >= 200
+                assert h.counters(fresh)["restart_adopted_objects"] >= 200
         finally:
             stop.set()
             c.close()
 
 
 @pytest.mark.parametrize("change", ["local-bytes", "tenant"])
-def test_a_restart_with_another_configuration_starts_empty_and_says_why(change: str, rng: random.Random) -> None:
+def test_a_restart_with_another_configuration_starts_empty_and_says_why(change: str, rng: random.Random,
+                                                                          h: Any) -> None:
     with LocalCluster(stores=1, sidecars=1, local_bytes=16 * MiB) as lc:
         keys = [rng.randbytes(32) for _ in range(8)]
         values = [rng.randbytes(32 * KiB) for _ in keys]
         c = lc.connect()
         try:
             assert c.put(keys, values) == [pb.OK] * len(keys)
-            _wait(lambda: c.stats().pending_pool_bytes == 0, "write-through")
+            h.wait_for(lambda: c.stats().pending_pool_bytes == 0, 60, what="write-through")
             if change == "local-bytes":
                 lc.restart_sidecar(0, kill=True, local_bytes=24 * MiB)
                 why = "local tier size changed"
@@ -269,7 +258,7 @@ def test_a_restart_with_another_configuration_starts_empty_and_says_why(change: 
                 with pytest.raises(errors.PermissionDenied):
                     c.get(keys)
                 return
-            st = _counters(c)
+            st = h.counters(c)
             assert st["restart_arena_reset"] == 1 and st.get("restart_adopted_objects", 0) == 0
             assert c.stats().local_objects == 0
             # The old client remapped the new arena: the pool's copies, right bytes.
