@@ -28,7 +28,7 @@ from ..sizing import payload_arena_bytes
 from ..store.allocator import OutOfSpace
 from ..store.eviction import watermark_need
 from ..store.tiers import DramTier, checksum
-from .journal import FLAG_DIRTY, FLAG_POOLED, Journal, PersistentArena, new_id
+from .journal import FLAG_DIRTY, FLAG_POOLED, FREE, Journal, PersistentArena, new_id
 
 RESERVED, COMMITTED, DEAD = 0, 1, 2
 
@@ -542,7 +542,7 @@ class LocalTier:
         # Every slot but the kept objects' is free now (the quarantine lives in memory only).
         keep = np.zeros(len(slots), bool)
         keep[[e.offset // align for e in kept]] = True
-        slots["state"][~keep] = 0
+        slots["state"][~keep] = FREE
         now = time.time()
         with self.lock:
             self.arena.alloc = type(self.arena.alloc).with_allocated(self.capacity, align, extents)
