@@ -30,11 +30,11 @@ from bench.common import KiB, MiB, ensure_kvpool_importable  # noqa: E402
 
 ensure_kvpool_importable()
 
-from kvpool.local import LocalCluster  # noqa: E402
-from kvpool.proto import store_pb2 as pb  # noqa: E402
-from kvpool.ring import owners  # noqa: E402
+from kvpool.apps.cluster import LocalCluster  # noqa: E402
+from kvpool.core.ring import owners  # noqa: E402
+from kvpool.pool.node_client import StoreClient  # noqa: E402
 from kvpool.store.push import batches  # noqa: E402
-from kvpool.store_client import StoreClient  # noqa: E402
+from kvpool.wire.proto import store_pb2 as pb  # noqa: E402
 
 
 class _Obj:

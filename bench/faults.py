@@ -57,8 +57,8 @@ if __package__ in (None, ""):
 from bench.common import KiB, MiB, ensure_kvpool_importable  # noqa: E402
 
 if TYPE_CHECKING:
-    from kvpool.client import Client
-    from kvpool.local import LocalCluster
+    from kvpool.apps.cluster import LocalCluster
+    from kvpool.client.client import Client
 
 Log = Callable[[str], None]
 
@@ -333,7 +333,7 @@ class Load:
         sizes = self.s.sizes
         ok, codes = self._call(i, "put", lambda: c.put(keys, [expected(k, sizes) for k in keys]))
         if ok:
-            from kvpool.proto import store_pb2 as pb
+            from kvpool.wire.proto import store_pb2 as pb
             with self._lock:
                 for code in codes:
                     if code not in (pb.OK, pb.ALREADY_EXISTS):
@@ -515,7 +515,7 @@ def run_fault(fault: Fault, settings: Settings = Settings(), log: Log = _stderr)
     """Start a cluster, preload it, run the load, inject ``fault`` once, measure (see module doc)."""
     ensure_kvpool_importable()
     import kvpool
-    from kvpool.local import LocalCluster
+    from kvpool.apps.cluster import LocalCluster
 
     s = settings
     out = Outcome(fault.name, probe_objects=s.probe_objects)

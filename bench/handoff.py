@@ -40,11 +40,11 @@ from bench.common import KiB, MiB, ensure_kvpool_importable  # noqa: E402
 
 ensure_kvpool_importable()
 
-from kvpool import handoff as ho  # noqa: E402
-from kvpool.client import Client  # noqa: E402
-from kvpool.local import LocalCluster  # noqa: E402
-from kvpool.proto import store_pb2 as pb  # noqa: E402
-from kvpool.store_client import StoreClient  # noqa: E402
+from kvpool.apps.cluster import LocalCluster  # noqa: E402
+from kvpool.client.client import Client  # noqa: E402
+from kvpool.core import handoff_record as ho  # noqa: E402
+from kvpool.pool.node_client import StoreClient  # noqa: E402
+from kvpool.wire.proto import store_pb2 as pb  # noqa: E402
 
 BLOCK_BYTES = 256 * KiB
 STATE_BYTES = 1_415_040

@@ -1,6 +1,6 @@
 """kvpool's store node, measured the way Mooncake is: one node started with
 `python -m kvpool store --listen 127.0.0.1:PORT --dram BYTES` (ready when it prints
-`READY <address>`), the benchmark process as its client (`kvpool.store_client.StoreClient`):
+`READY <address>`), the benchmark process as its client (`kvpool.pool.node_client.StoreClient`):
 put (fresh keys every repetition: a repeated put of a committed key is a no-op), get_into
 preallocated buffers, exists of 8192 present keys.
 
@@ -9,7 +9,7 @@ Same treatment as Mooncake: the same capacity (common.pool_bytes), the DRAM tier
 (untimed) before the next. Without a `remove` in the client the node gets room for every put
 instead and the pre-touch is skipped (the row note says so).
 
-If `kvpool.store_client` cannot be imported yet, the rows say "not available yet".
+If `kvpool.pool.node_client` cannot be imported yet, the rows say "not available yet".
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def bad_items(statuses: Any, seen: Counter[str] | None = None) -> int:
 
 def _status_name(status: Any) -> str:
     try:
-        from kvpool.proto import store_pb2 as pb  # the store's status enum, when it is there
+        from kvpool.wire.proto import store_pb2 as pb  # the store's status enum, when it is there
         return str(pb.Code.Name(status))
     except Exception:
         return str(getattr(status, "name", status))
@@ -88,7 +88,7 @@ def _failures_note(n: int, seen: Counter[str]) -> str:
 
 def import_client() -> Any:
     ensure_kvpool_importable()
-    import kvpool.store_client as mod
+    import kvpool.pool.node_client as mod
     return mod
 
 
@@ -105,7 +105,7 @@ def measure(ctx: Context) -> list[Row]:
     try:
         mod = import_client()
     except Exception as e:
-        return [unavailable(SYSTEM, f"not available yet (import kvpool.store_client failed: "
+        return [unavailable(SYSTEM, f"not available yet (import kvpool.pool.node_client failed: "
                                     f"{type(e).__name__}: {e})")]
     try:
         with ctx.procs.scope() as procs:

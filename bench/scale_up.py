@@ -39,8 +39,8 @@ from bench.common import KiB, MiB, ensure_kvpool_importable  # noqa: E402
 
 ensure_kvpool_importable()
 
-from kvpool.local import LocalCluster  # noqa: E402
-from kvpool.ring import owners  # noqa: E402
+from kvpool.apps.cluster import LocalCluster  # noqa: E402
+from kvpool.core.ring import owners  # noqa: E402
 
 
 def _pass(c: Any, keys: list[bytes], size: int, batch: int = 64) -> tuple[float, float]:

@@ -44,10 +44,10 @@ ensure_kvpool_importable()
 
 import numpy as np  # noqa: E402
 
-from kvpool.local import LocalCluster  # noqa: E402
-from kvpool.proto import store_pb2 as pb  # noqa: E402
-from kvpool.ring import owners  # noqa: E402
-from kvpool.store_client import StoreClient  # noqa: E402
+from kvpool.apps.cluster import LocalCluster  # noqa: E402
+from kvpool.core.ring import owners  # noqa: E402
+from kvpool.pool.node_client import StoreClient  # noqa: E402
+from kvpool.wire.proto import store_pb2 as pb  # noqa: E402
 
 FRACTIONS = (0.01, 0.10, 1.00)
 

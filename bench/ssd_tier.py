@@ -38,8 +38,8 @@ from bench.common import KiB, MiB, Procs, ensure_kvpool_importable, free_port, p
 
 ensure_kvpool_importable()
 
-from kvpool.store.atrest import AtRest, sealed_size  # noqa: E402
-from kvpool.store.tiers import SsdTier  # noqa: E402
+from kvpool.tiers.atrest import AtRest, sealed_size  # noqa: E402
+from kvpool.tiers.ssd import SsdTier  # noqa: E402
 
 MASTER = os.urandom(32).hex().encode()
 
@@ -103,8 +103,8 @@ def aead_round(size: int, total: int) -> dict[str, float]:
 
 def node_round(procs: Procs, work: Path, size: int, total: int, encrypted: bool) -> dict[str, float]:
     """Puts that demote to the SSD tier and gets that promote back, through a real store node."""
-    from kvpool.proto import store_pb2 as pb
-    from kvpool.store_client import StoreClient
+    from kvpool.pool.node_client import StoreClient
+    from kvpool.wire.proto import store_pb2 as pb
 
     n = max(16, total // size)
     batch = max(1, min(8, (4 * MiB) // size))

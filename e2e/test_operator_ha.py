@@ -357,7 +357,7 @@ class DataPath:
 
     def _check(self, what: str, keys: list[bytes], expected: dict[bytes, bytes]) -> None:
         """Read ``keys`` through the reader sidecar; one outcome per key."""
-        from kvpool import errors
+        from kvpool.core import errors
 
         try:
             with self.reader.get(keys) as views:
@@ -468,9 +468,9 @@ def test_1_two_replicas_run_one_active_both_serve_the_webhook(ha: HA) -> None:
 
 def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_path: Path) -> None:
     import kvpool
-    from kvpool.local import spawn, stop_procs
-    from kvpool.sidecar.pool import write_routes
-    from kvpool.store_client import StoreClient
+    from kvpool.apps.cluster import spawn, stop_procs
+    from kvpool.pool.fanout import write_routes
+    from kvpool.pool.node_client import StoreClient
 
     rel = ha.rel
     st = rel.wait_pool("ha", lambda s: s.get("readyReplicas") == 2 and s.get("phase") == "Ready", 120,

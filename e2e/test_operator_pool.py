@@ -288,7 +288,7 @@ def test_tenant_namespace_secrets(operator: Operator, kube: Kube, namespace: str
 
 
 def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespace: str) -> None:
-    from kvpool.store_client import StoreClient
+    from kvpool.pool.node_client import StoreClient
 
     kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": f"small-{namespace}"},
                 "spec": {"medium": "dram", "capacity": {"bytes": "16Mi"}}})
@@ -375,7 +375,7 @@ def test_tiered_pool_with_claims_and_tier_change(operator: Operator, kube: Kube,
 
 def test_encrypted_tier_gets_a_master_key_and_seals_what_it_demotes(operator: Operator, kube: Kube,
                                                                     namespace: str) -> None:
-    from kvpool.store_client import StoreClient
+    from kvpool.pool.node_client import StoreClient
 
     dram, ssd = f"ed-{namespace}", f"es-{namespace}"
     kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": dram},
@@ -438,7 +438,7 @@ def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube:
     agree with what the node holds; switching the router off removes it."""
     import urllib.request
 
-    from kvpool.store_client import StoreClient
+    from kvpool.pool.node_client import StoreClient
 
     create(kube, kvpool("r", storage={"replicas": 1}, tenancy={"defaultTenant": "x"},
                         router={"enabled": True, "events": {"enabled": True, "tenant": "x"}}), namespace)
@@ -508,8 +508,8 @@ def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube:
 
 
 def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, kube: Kube, namespace: str) -> None:
-    from kvpool import errors
-    from kvpool.store_client import StoreClient
+    from kvpool.core import errors
+    from kvpool.pool.node_client import StoreClient
 
     create(kube, kvpool("q", storage={"replicas": 1}), namespace)  # no default tenant: closed nodes
     tn_name = f"q-{namespace}"
@@ -541,7 +541,7 @@ def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, k
 
 
 def _try(fn: Callable[[str], list[int]], token: str) -> list[int] | None:
-    from kvpool import errors
+    from kvpool.core import errors
 
     try:
         return fn(token)
@@ -550,7 +550,7 @@ def _try(fn: Callable[[str], list[int]], token: str) -> list[int] | None:
 
 
 def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube: Kube, namespace: str) -> None:
-    from kvpool.store_client import StoreClient
+    from kvpool.pool.node_client import StoreClient
 
     # 1 MiB/s: the 4 MiB drain lasts about 4 s, so it is still running when the operator is
     # killed (unbounded, it could end between the status read and the kill).
@@ -588,8 +588,8 @@ def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube:
 def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator, kube: Kube, namespace: str) -> None:
     """Issue 8 part 1: scaling a pool that holds data up shows Rebalancing (waiting for the ring,
     then the previous owner pushing its hottest moved objects, paced) and then the counts."""
-    from kvpool.ring import owners
-    from kvpool.store_client import StoreClient
+    from kvpool.core.ring import owners
+    from kvpool.pool.node_client import StoreClient
 
     create(kube, kvpool("u", storage={"replicas": 1}, scaleUp={"warmBandwidth": "1Mi"},
                         tenancy={"defaultTenant": "public"}), namespace)
@@ -688,8 +688,8 @@ def test_a_lost_store_node_is_rereplicated_so_a_second_loss_loses_nothing(operat
     a ring without it and the survivors push each block that lost a copy to its new owner
     (Rebalancing reason Rereplicating, then lastRebalance).  Then a second of the original nodes
     dies too, and every object written before the first loss reads back byte-exact from the last."""
-    from kvpool.sidecar.pool import write_routes
-    from kvpool.store_client import StoreClient
+    from kvpool.pool.fanout import write_routes
+    from kvpool.pool.node_client import StoreClient
 
     # Paced, so the push lasts a few seconds and its status is seen while it runs.
     create(kube, kvpool("rr", storage={"replicas": 3, "replication": 2, "memberUnreadyGraceSeconds": 3},

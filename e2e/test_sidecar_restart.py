@@ -68,8 +68,8 @@ REPORT_PREFIX = "ENGINE "
 ENGINE = r'''
 import hashlib, json, os, time
 import numpy as np
-from kvpool import errors
-from kvpool.client import Client
+from kvpool.core import errors
+from kvpool.client.client import Client
 
 env = os.environ
 ADDR, CTL, SALT = env["KVPOOL_ADDRESS"], env["ENGINE_CTL"], env["ENGINE_SALT"].encode()
@@ -489,7 +489,7 @@ def test_a_sidecar_restarted_without_its_arena_serves_right_bytes_from_the_pool(
 
 
 def test_the_store_memory_volume_holds_its_arena(cluster: Cluster, kube: Kube, pool_ns: str) -> None:  # noqa: F811
-    """The store pod's memory-backed volume (sized by kvpool.sizing.store_shm_bytes) holds the
+    """The store pod's memory-backed volume (sized by kvpool.core.sizing.store_shm_bytes) holds the
     DRAM arena the node created there."""
     pod = kube.get("v1", "Pod", "p-store-0", pool_ns)
     assert pod is not None
@@ -502,9 +502,9 @@ def test_the_store_memory_volume_holds_its_arena(cluster: Cluster, kube: Kube, p
 def test_the_default_local_tier_fits_the_memory_volume_the_operator_sized(cluster: Cluster, kube: Kube,  # noqa: F811
                                                                           pool_ns: str) -> None:
     """The default local tier (256Mi): its arena below the 0.95 watermark and its journal take
-    more than the payload + 16 MiB a volume used to get (kvpool.sizing, commit 128b5e1).  The
+    more than the payload + 16 MiB a volume used to get (kvpool.core.sizing, commit 128b5e1).  The
     node agent would not stop an overflow, so the files the sidecar made are measured."""
-    from kvpool.sizing import sidecar_shm_bytes
+    from kvpool.core.sizing import sidecar_shm_bytes
 
     create(kube, kvpool("d", storage={"replicas": 1, "tiers": [f"t-{pool_ns}"]}, tenancy={"defaultTenant": "public"}),
            pool_ns)

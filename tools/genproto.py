@@ -1,4 +1,4 @@
-"""Regenerate the gRPC/protobuf modules from sidecar/kvpool/proto/*.proto.
+"""Regenerate the gRPC/protobuf modules from sidecar/kvpool/wire/proto/*.proto.
 
 `python tools/genproto.py` writes them next to the .proto files; `--check` regenerates into a
 temporary directory and fails if the committed files differ (run by the tests).
@@ -14,7 +14,7 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "sidecar"
-PROTO_DIR = SRC / "kvpool" / "proto"
+PROTO_DIR = SRC / "kvpool" / "wire" / "proto"
 
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:
@@ -27,7 +27,7 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
                           f"--grpc_python_out={out}", str(rel)])
         if rc != 0:
             raise SystemExit(f"protoc failed on {rel} (exit {rc})")
-    return sorted((out / "kvpool" / "proto").glob("*_pb2*.py*"))
+    return sorted((out / "kvpool" / "wire" / "proto").glob("*_pb2*.py*"))
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvpool.sizing import store_shm_bytes
+from kvpool.core.sizing import store_shm_bytes
 
 from .model import API_VERSION, STORE_POOL_LABEL, NodeLayout, PoolSpec
 from .settings import Settings

@@ -24,7 +24,7 @@ COUNTERS = ("movedObjects", "movedBytes", "droppedObjects", "droppedBytes", "rem
 
 @dataclass(frozen=True)
 class NodeDrainStatus:
-    """A store node's answer to GetDrainStatus (kvpool.proto DrainStatus)."""
+    """A store node's answer to GetDrainStatus (kvpool.wire.proto DrainStatus)."""
 
     state: str = "idle"  # idle | running | done
     moved_objects: int = 0

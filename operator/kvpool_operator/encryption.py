@@ -1,7 +1,7 @@
 """Whether a pool's master-key Secret can be used by its store nodes (encryption at rest).
 
 Pure: the Secret as read → None, or the (reason, message) of a Degraded condition.  Checked by
-the same rules as the node applies at start (``kvpool.store.atrest``), so a Secret the operator
+the same rules as the node applies at start (``kvpool.tiers.atrest``), so a Secret the operator
 accepts never crash-loops the nodes, and a missing or broken one is said in the pool's status
 instead of as pods stuck in ContainerCreating.
 """
@@ -13,7 +13,7 @@ import binascii
 from collections.abc import Mapping
 from typing import Any
 
-from kvpool.store.atrest import MasterKeyError, parse_master_key, parse_previous_keys
+from kvpool.tiers.atrest import MasterKeyError, parse_master_key, parse_previous_keys
 
 from .children import MASTER_KEY_KEY, PREVIOUS_KEYS_KEY
 

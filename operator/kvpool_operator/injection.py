@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.sizing import sidecar_shm_bytes
+from kvpool.core.sizing import sidecar_shm_bytes
 
 from .children import service_address
 from .engines import (

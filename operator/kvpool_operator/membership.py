@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.ring import Member, Ring
+from kvpool.core.ring import Member, Ring
 
 from .units import parse_time
 

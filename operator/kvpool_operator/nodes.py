@@ -13,9 +13,10 @@ from typing import Any
 
 import grpc
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.proto import store_pb2_grpc as pbg
-from kvpool.ring import Ring
+from kvpool.core.ring import Ring
+from kvpool.wire.convert import ring_to_pb
+from kvpool.wire.proto import store_pb2 as pb
+from kvpool.wire.proto import store_pb2_grpc as pbg
 
 from .drain import NodeDrainStatus
 from .rebalance import NodeWarmStatus
@@ -113,12 +114,6 @@ class Nodes:
 
     def warm_status(self, address: str, token: str) -> NodeWarmStatus:
         return warm_status_from_pb(self._call(address, "GetWarmStatus", pb.Empty(), token))
-
-
-def ring_to_pb(ring: Ring) -> pb.Ring:
-    return pb.Ring(epoch=ring.epoch, replicas=ring.replicas, members=[
-        pb.RingMember(id=m.id, address=m.address, state=m.state, transfer_address=m.transfer_address)
-        for m in ring.members])
 
 
 def drain_status_from_pb(r: Any) -> NodeDrainStatus:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvpool.ring import Ring, removed_members
+from kvpool.core.ring import Ring, removed_members
 
 from .drain import Event
 from .membership import StorePod

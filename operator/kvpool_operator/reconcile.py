@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvpool.ring import Member, Ring
+from kvpool.core.ring import Member, Ring
 
 from . import children, drain, membership, rebalance, scaling, status
 from .drain import DrainState, Event, NodeDrainStatus

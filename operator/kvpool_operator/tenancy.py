@@ -126,7 +126,7 @@ def plan_secrets(tn: TenantSpec, existing: Mapping[str, Mapping[str, Any]], cred
 
 @dataclass(frozen=True)
 class NodeTenant:
-    """One tenant as the store nodes of a pool get it (kvpool.proto TenantConfig)."""
+    """One tenant as the store nodes of a pool get it (kvpool.wire.proto TenantConfig)."""
 
     tenant_id: str
     token: str

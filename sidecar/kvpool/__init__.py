@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import _deps
-from .keys import KeySpace, chain_keys
-from .planning import (
+from kvpool import _deps
+from kvpool.core.keys import KeySpace, chain_keys
+from kvpool.core.planning import (
     FetchDecision,
     HitPlan,
     kv_bytes_per_token,
@@ -19,18 +19,18 @@ from .planning import (
     state_bytes,
     state_store_position,
 )
-from .ring import Member, Ring, owners
+from kvpool.core.ring import Member, Ring, owners
+from kvpool.core.version import __version__ as __version__
 
 if TYPE_CHECKING:  # the lazy names of __getattr__, typed for type checkers (no import at runtime)
-    from .client import connect
-    from .local import LocalCluster
+    from kvpool.apps.cluster import LocalCluster
+    from kvpool.client.client import connect
 
 __all__ = [
     "FetchDecision", "HitPlan", "KeySpace", "LocalCluster", "Member", "Ring", "chain_keys",
     "connect", "kv_bytes_per_token", "owners", "plan_hit", "should_fetch", "state_bytes",
     "state_store_position",
 ]
-__version__ = "0.1.0"
 
 # An engine image given the client by injection may lack grpcio/protobuf/xxhash: the copies beside
 # the package fill in (kvpool/_deps.py); a regular install has none and this is one isdir.
@@ -41,9 +41,9 @@ def __getattr__(name: str) -> Any:
     # The client and the embedded cluster pull in grpc and subprocess machinery; load lazily so
     # that `import kvpool` stays cheap for engines that only compute keys.
     if name == "connect":
-        from .client import connect
+        from kvpool.client.client import connect
         return connect
     if name == "LocalCluster":
-        from .local import LocalCluster
+        from kvpool.apps.cluster import LocalCluster
         return LocalCluster
     raise AttributeError(name)

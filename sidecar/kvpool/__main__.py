@@ -5,12 +5,12 @@ import os
 import signal
 import sys
 
-from .cli import main
+from kvpool.apps.cli import main
 
 _PR_SET_PDEATHSIG = 1
 
 # Started by a LocalCluster (or the benchmarks): die with the parent so nothing is orphaned.
-# Armed here rather than in a preexec_fn (see kvpool.local); if the parent already died between
+# Armed here rather than in a preexec_fn (see kvpool.apps.cluster); if the parent already died between
 # fork and this line, exit at once.
 _parent = os.environ.pop("KVPOOL_DIE_WITH_PARENT", "")
 if _parent:

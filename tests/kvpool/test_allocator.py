@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvpool.store.allocator import ExtentAllocator, OutOfSpace
+from kvpool.arena.allocator import ExtentAllocator, OutOfSpace
 
 
 def test_alloc_free_coalesce() -> None:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvpool.store.atrest import (
+from kvpool.tiers.atrest import (
     HKDF_INFO,
     HKDF_SALT,
     KEY_ID,

@@ -1,4 +1,4 @@
-"""The data-session frames (kvpool.store.data_protocol) and their error statuses, without sockets."""
+"""The data-session frames (kvpool.wire.store_frames) and their error statuses, without sockets."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import struct
 import numpy as np
 import pytest
 
-from kvpool import errors
-from kvpool.data_client import split_parts
-from kvpool.proto import store_pb2 as pb
-from kvpool.store import data_protocol as dp
+from kvpool.core import errors
+from kvpool.pool.data_client import split_parts
 from kvpool.transfer import protocol as transfer_protocol
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 
 def _keys(n: int, seed: int = 1) -> bytes:

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import KeySpace, demo
+from kvpool import KeySpace
+from kvpool.apps import demo
 
 SESSIONS = 40  # capacities scale with sessions/300: 1067 and 267 blocks
 

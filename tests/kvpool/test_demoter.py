@@ -1,4 +1,4 @@
-"""Tier moves of a store node in-process (``kvpool.store.demoter``): a demotion in flight keeps its
+"""Tier moves of a store node in-process (``kvpool.tiers.chain``): a demotion in flight keeps its
 object readable from DRAM and is undone when the object is read or removed meanwhile; a read of
 an object on a stalled disk is a miss within its bound.  The disk is slowed by the tier's
 fault hook (a file holding the seconds each SSD I/O sleeps)."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.proto import store_pb2 as pb
+from kvpool.core.checksum import checksum
 from kvpool.store.node import NodeConfig, StoreNode
-from kvpool.store.tiers import checksum
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 T = "default"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.events import CLEARED, REMOVED, STORED, block_hash, coalesce, wire_events
+from kvpool.wire.kv_events import CLEARED, REMOVED, STORED, block_hash, coalesce, wire_events
 
 msgspec = pytest.importorskip("msgspec", reason="the events extra is not installed")
 

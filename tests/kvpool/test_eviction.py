@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from kvpool.store.eviction import choose_victims, watermark_need
+from kvpool.arena.eviction import choose_victims, watermark_need
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Handoff records and the decode side's plan (kvpool.handoff): pure, no I/O."""
+"""Handoff records and the decode side's plan (kvpool.core.handoff_record): pure, no I/O."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from kvpool import handoff as ho
-from kvpool.errors import HandoffInvalid
-from kvpool.planning import plan_hit
-from kvpool.proto import store_pb2 as pb
+from kvpool.core import handoff_record as ho
+from kvpool.core.errors import HandoffInvalid
+from kvpool.core.planning import plan_hit
+from kvpool.wire.proto import store_pb2 as pb
 
 KEY = ho.handoff_key(b"tenant-secret", "acme")
 NOW = 1_700_000_000_000

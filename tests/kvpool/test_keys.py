@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvpool.keys import SEED_ENCODING_VERSION, KeySpace, pack_keys, tokens_to_bytes, unpack_keys
+from kvpool.core.keys import SEED_ENCODING_VERSION, KeySpace, pack_keys, tokens_to_bytes, unpack_keys
 
 # Test vectors: another implementation of the scheme checks itself against these.
 VECTOR_KS = dict(model="meta-llama/Llama-3.1-8B", revision="abc", kv_dtype="bf16", layout="tp1r0", block_tokens=4)
@@ -20,7 +20,7 @@ VECTOR_DEFAULT_SEED = "08aa2f7969ff033abe37d93a0d81089cda248dc35d1a0d7b0639721a9
 
 def _independent_seed(model: str, revision: str, lora: str, kv_dtype: str, layout: str,
                       extra: dict[str, str], block_tokens: int) -> bytes:
-    """The documented encoding written out again, independently of kvpool.keys."""
+    """The documented encoding written out again, independently of kvpool.core.keys."""
     def lp(s: str) -> bytes:
         b = s.encode()
         return struct.pack("<I", len(b)) + b
@@ -115,7 +115,7 @@ def test_pack_unpack_keeps_trailing_zero_bytes() -> None:
 
 
 def test_keys_equal_across_processes() -> None:
-    code = ("import sys; from kvpool.keys import KeySpace; "
+    code = ("import sys; from kvpool.core.keys import KeySpace; "
             "sys.stdout.write(KeySpace('m', lora='z', block_tokens=4).block_keys(list(range(12)))[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin:/bin"}, check=True).stdout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpool.planning import (
+from kvpool.core.planning import (
     kv_bytes_per_token,
     plan_hit,
     should_fetch,

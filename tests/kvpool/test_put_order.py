@@ -1,4 +1,4 @@
-"""Batch order of a put's parts (kvpool.store.put_order) and its order tickets: no I/O."""
+"""Batch order of a put's parts (kvpool.core.put_order) and its order tickets: no I/O."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kvpool.store import data_protocol as dp
-from kvpool.store.put_order import PutOrder
+from kvpool.core.put_order import PutOrder
+from kvpool.wire import store_frames as dp
 
 
 def test_tickets_round_trip_and_nonsense_is_unordered() -> None:

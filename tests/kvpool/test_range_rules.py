@@ -1,4 +1,4 @@
-"""Range rules of sparse reads (kvpool.ranges) and the GET_RANGES frames, without sockets."""
+"""Range rules of sparse reads (kvpool.core.ranges) and the GET_RANGES frames, without sockets."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from kvpool import errors, ranges
-from kvpool.proto import store_pb2 as pb
-from kvpool.store import data_protocol as dp
+from kvpool.core import errors, ranges
+from kvpool.wire import grpc_status
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 TOP = (1 << 64) - 1
 
@@ -152,7 +153,7 @@ def test_unsupported_maps_through_every_form() -> None:
     exc = errors.error_for_code(pb.UNSUPPORTED)
     assert isinstance(exc, errors.Unsupported)
     assert isinstance(errors.from_session_status(errors.session_status_for(exc)), errors.Unsupported)
-    assert errors.grpc_status_for(exc).name == "UNIMPLEMENTED"
+    assert grpc_status.grpc_status_for(exc).name == "UNIMPLEMENTED"
 
 
 def test_coalesce_merges_abutting_runs_and_keeps_the_layout() -> None:

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from kvpool.ring import Member, Ring, _first_max_row, member_hash, owners, stale_wrong_owner
+from kvpool.core.ring import Member, Ring, _first_max_row, member_hash, owners, stale_wrong_owner
 
 
 def _scalar_owner(key: bytes, ids: list[str]) -> int:

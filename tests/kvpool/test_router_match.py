@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool import errors
-from kvpool.keys import KeySpace
-from kvpool.router_api import key_space_from, leading_run
+from kvpool.apps.router_api import key_space_from, leading_run
+from kvpool.core import errors
+from kvpool.core.keys import KeySpace
 
 
 def test_key_space_from_json_matches_the_engines() -> None:

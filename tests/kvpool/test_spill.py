@@ -1,11 +1,11 @@
-"""The pure decisions of kvpool.spill: a read's overflow layout, a put batch's next round."""
+"""The pure decisions of kvpool.core.spill: a read's overflow layout, a put batch's next round."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpool import spill
-from kvpool.proto import store_pb2 as pb
+from kvpool.core import spill
+from kvpool.wire.proto import store_pb2 as pb
 
 OK, NO_SPACE, EXISTS, LARGE = pb.OK, pb.NO_SPACE, pb.ALREADY_EXISTS, pb.TOO_LARGE
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import errors
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import Member, Ring
+from kvpool.core import errors
+from kvpool.core.checksum import checksum
+from kvpool.core.ring import Member, Ring
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
-from kvpool.store.tiers import checksum
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 T = "default"

@@ -11,8 +11,9 @@ import ast
 import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "operator" / "kvpool_operator"
-DATA_PLANE_ALLOWED = ("kvpool.ring", "kvpool.proto", "kvpool.store_client", "kvpool.store.atrest", "kvpool.sizing",
-                      "kvpool.store.quota")
+DATA_PLANE_ALLOWED = ("kvpool.core.ring", "kvpool.wire.proto", "kvpool.wire.convert", "kvpool.pool.node_client",
+                      "kvpool.tiers.atrest",
+                      "kvpool.core.sizing", "kvpool.store.quota")
 
 
 def _imports() -> dict[str, set[str]]:

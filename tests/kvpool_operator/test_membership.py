@@ -1,6 +1,6 @@
 """The ring from ready store pods: members, states, epochs."""
 
-from kvpool.ring import Ring
+from kvpool.core.ring import Ring
 from kvpool_operator.membership import StorePod, observe_pods, plan_ring, ring_from_status, seed_addresses
 
 

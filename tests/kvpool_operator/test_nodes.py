@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import Member, Ring
+from kvpool.core.ring import Member, Ring
+from kvpool.wire.proto import store_pb2 as pb
 from kvpool_operator.nodes import Nodes, drain_status_from_pb, ring_to_pb
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.ring import Member, Ring
+from kvpool.core.ring import Member, Ring
 from kvpool_operator.membership import StorePod
 from kvpool_operator.model import parse_pool
 from kvpool_operator.rebalance import NodeWarmStatus, RebalanceState, WarmSettings, advance

@@ -20,7 +20,7 @@ from typing import Any
 
 import xxhash
 
-from .. import errors
+from kvpool.core import errors
 
 HEADER = struct.Struct("<4sHHQQQ")
 HEADER_BYTES = 32  # HEADER.size is 32: payloads start 32-byte aligned when the object is

@@ -34,11 +34,18 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from .. import errors
-from ..keys import KeySpace
-from ..proto import store_pb2 as pb
-from .common import HEADER_BYTES, IntegrationConfigError, check_keys, check_object, fingerprint, sidecar_address
-from .common import write_header as _write_header
+from kvpool.core import errors
+from kvpool.core.keys import KeySpace
+from kvpool.integrations.common import (
+    HEADER_BYTES,
+    IntegrationConfigError,
+    check_keys,
+    check_object,
+    fingerprint,
+    sidecar_address,
+)
+from kvpool.integrations.common import write_header as _write_header
+from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,7 +72,7 @@ class KVPoolRemoteConnector(RemoteConnector):
                                    str(self.meta_fmt), int(md.chunk_size)])
         self.space = KeySpace(str(md.model_name), kv_dtype=str(md.kv_dtype), layout=f"{self.layout:016x}",
                               extra={"engine": "lmcache"}, block_tokens=int(md.chunk_size))
-        from .. import connect
+        from kvpool.client.client import connect
         self.client = connect(self.address, block_tokens=int(md.chunk_size))
         self._threads = ThreadPoolExecutor(4, thread_name_prefix="kvpool-lmcache")
         self.stats = {"hits": 0, "misses": 0, "rejected": 0, "stored": 0, "refused": 0}

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from .. import errors
-from ..keys import KeySpace
-from ..proto import store_pb2 as pb
-from .common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
-from .common import write_header as _write_header
+from kvpool.core import errors
+from kvpool.core.keys import KeySpace
+from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
+from kvpool.integrations.common import write_header as _write_header
+from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
@@ -54,7 +54,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         rank = "mla" if storage_config.is_mla_model else f"tp{storage_config.tp_rank}/{storage_config.tp_size}"
         self._space_fields = (str(storage_config.model_name or ""), f"{rank},pp{storage_config.pp_rank}/"
                                                                     f"{storage_config.pp_size}")
-        from .. import connect
+        from kvpool.client.client import connect
         self.client = connect(self.address)
         self.mem_pool_host: Any = None
         self.layout = 0

@@ -43,11 +43,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .. import errors
-from ..keys import KeySpace
-from ..proto import store_pb2 as pb
-from .common import HEADER_BYTES, IntegrationConfigError, check_keys, check_object, fingerprint, sidecar_address
-from .common import write_header as _write_header
+from kvpool.core import errors
+from kvpool.core.keys import KeySpace
+from kvpool.integrations.common import (
+    HEADER_BYTES,
+    IntegrationConfigError,
+    check_keys,
+    check_object,
+    fingerprint,
+    sidecar_address,
+)
+from kvpool.integrations.common import write_header as _write_header
+from kvpool.wire.proto import store_pb2 as pb
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -194,7 +201,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self.block_size = int(vllm_config.cache_config.block_size)
-        from .. import connect
+        from kvpool.client.client import connect
         self.client = connect(self.settings.address, block_tokens=self.block_size)
         par = vllm_config.parallel_config
         self.tp_size = int(par.tensor_parallel_size)

@@ -1,4 +1,4 @@
-"""The sidecar's half of the prefill → decode handoff (records: :mod:`kvpool.handoff`).
+"""The sidecar's half of the prefill → decode handoff (records: :mod:`kvpool.core.handoff_record`).
 
 Prefill side (``PublishPrefill``): every block of the prefill is made to be in the pool (what is
 only local is written now and the commits waited for), the state object, which stays single-copy
@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import numpy as np
 
-from .. import errors
-from .. import handoff as ho
-from ..keys import KEY_BYTES
-from ..proto import sidecar_pb2 as spb
-from ..proto import store_pb2 as pb
-from ..store.tiers import checksum
-from ..transfer import Segment, SegmentRegistry, TransferEngine, TransferRequest, TransferServer
-from .local_tier import COMMITTED, LocalEntry
-from .retry import UNREACHABLE
+from kvpool.core import handoff_record as ho
+from kvpool.core.checksum import checksum
+from kvpool.core.keys import KEY_BYTES
+from kvpool.core.retry import UNREACHABLE
+from kvpool.sidecar.local_tier import COMMITTED, LocalEntry
+from kvpool.transfer import Segment, SegmentRegistry, TransferEngine, TransferRequest, TransferServer
+from kvpool.wire import grpc_status
+from kvpool.wire.proto import sidecar_pb2 as spb
+from kvpool.wire.proto import store_pb2 as pb
 
 if TYPE_CHECKING:
-    from .server import Sidecar
+    from kvpool.sidecar.server import Sidecar
 
 log = logging.getLogger("kvpool.sidecar.handoff")
 
@@ -213,7 +213,7 @@ class HandoffService:
                 retry = []
                 for i, e in zip(todo, ents, strict=True):
                     c = pb.OK if e.pooled else got.get(id(e), pb.OK)
-                    codes[i] = pb.NOT_FOUND if c == UNREACHABLE else errors.as_code(c)
+                    codes[i] = pb.NOT_FOUND if c == UNREACHABLE else grpc_status.as_code(c)
                     if c in _RETRY and not e.pooled:
                         retry.append(i)
                 todo = retry

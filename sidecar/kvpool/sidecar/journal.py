@@ -49,8 +49,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import sizing
-from ..store.allocator import ExtentAllocator
+from kvpool.arena.allocator import ExtentAllocator
+from kvpool.core import sizing
 
 FORMAT = 1
 MAGIC = b"KVPJ"
@@ -390,7 +390,7 @@ def open_arena(directory: str, socket_path: str, layout: Layout) -> Opened:
 
 class PersistentArena:
     """The local tier's arena as a named file with a journal (the interface of a
-    :class:`~kvpool.store.tiers.DramTier`: ``alloc``, ``capacity``, ``path``, ``view``, ``slice``)."""
+    :class:`~kvpool.arena.dram.DramTier`: ``alloc``, ``capacity``, ``path``, ``view``, ``slice``)."""
 
     def __init__(self, capacity: int, directory: str, socket_path: str, tenant: str, align: int = 4096) -> None:
         self.alloc = ExtentAllocator(capacity, align)

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..proto import store_pb2 as pb
-from .local_tier import LocalEntry, LocalLease, LocalTier
+from kvpool.sidecar.local_tier import LocalEntry, LocalLease, LocalTier
+from kvpool.wire.proto import store_pb2 as pb
 
 
 class Landing:

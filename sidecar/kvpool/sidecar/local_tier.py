@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..proto import store_pb2 as pb
-from ..sizing import payload_arena_bytes
-from ..store.allocator import OutOfSpace
-from ..store.eviction import watermark_need
-from ..store.tiers import DramTier, checksum
-from .journal import FLAG_DIRTY, FLAG_POOLED, FREE, Journal, PersistentArena, new_id
+from kvpool.arena.allocator import OutOfSpace
+from kvpool.arena.dram import DramTier
+from kvpool.arena.eviction import watermark_need
+from kvpool.core.checksum import checksum
+from kvpool.core.sizing import payload_arena_bytes
+from kvpool.sidecar.journal import FLAG_DIRTY, FLAG_POOLED, FREE, Journal, PersistentArena, new_id
+from kvpool.wire.proto import store_pb2 as pb
 
 RESERVED, COMMITTED, DEAD = 0, 1, 2
 
@@ -91,7 +92,7 @@ class LocalTier:
         self.counters: Counter[str] = Counter()
         self.on_evict: Callable[[list[tuple[LocalEntry, bytes]]], None] | None = None
         self.events: Any = None
-        """A :class:`kvpool.events.EventPublisher` told of every block stored and removed here
+        """A :class:`kvpool.wire.kv_events.EventPublisher` told of every block stored and removed here
         (under this lock: its hooks only append to a list)."""
 
     @property

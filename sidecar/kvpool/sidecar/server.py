@@ -29,26 +29,28 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 import numpy as np
 
-from .. import __version__, errors, ranges
-from ..cli import parse_bytes
-from ..deadlines import Deadlines
-from ..events import MEDIUM_LOCAL, EventPublisher, EventsConfig, add_event_args, events_config
-from ..keys import KEY_BYTES
-from ..proto import sidecar_pb2 as spb
-from ..proto import sidecar_pb2_grpc as spbg
-from ..proto import store_pb2 as pb
-from ..store.tiers import checksum
-from ..transfer.copier import Copier
-from . import journal, metrics
-from .copyover import CopyOver
-from .fast_protocol import socket_path as fast_socket_path
-from .fast_session import FastSessionServer
-from .handoff import HandoffService
-from .journal import PersistentArena
-from .landing import ArenaLanding, BufferLanding, Landing, SpillStash
-from .local_tier import LocalEntry, LocalLease, LocalTier
-from .pool import Pool
-from .retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
+from kvpool.core import errors, ranges
+from kvpool.core.checksum import checksum
+from kvpool.core.deadlines import Deadlines
+from kvpool.core.keys import KEY_BYTES
+from kvpool.core.retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
+from kvpool.core.units import parse_bytes
+from kvpool.core.version import __version__
+from kvpool.pool.fanout import Pool
+from kvpool.sidecar import journal, metrics
+from kvpool.sidecar.copyover import CopyOver
+from kvpool.sidecar.handoff import HandoffService
+from kvpool.sidecar.journal import PersistentArena
+from kvpool.sidecar.landing import ArenaLanding, BufferLanding, Landing, SpillStash
+from kvpool.sidecar.local_tier import LocalEntry, LocalLease, LocalTier
+from kvpool.sidecar.session_server import FastSessionServer
+from kvpool.transfer.copier import Copier
+from kvpool.wire import grpc_status
+from kvpool.wire.kv_events import MEDIUM_LOCAL, EventPublisher, EventsConfig, add_event_args, events_config
+from kvpool.wire.proto import sidecar_pb2 as spb
+from kvpool.wire.proto import sidecar_pb2_grpc as spbg
+from kvpool.wire.proto import store_pb2 as pb
+from kvpool.wire.sidecar_frames import socket_path as fast_socket_path
 
 T = TypeVar("T")
 log = logging.getLogger("kvpool.sidecar")
@@ -82,7 +84,7 @@ class SidecarConfig:
     metrics_port: int = 0
     arena_dir: str = ""
     events: EventsConfig | None = None
-    """Publish the local tier's stored/removed events for KV-aware routers (``kvpool.events``)."""
+    """Publish the local tier's stored/removed events for KV-aware routers (``kvpool.wire.kv_events``)."""
     handoff_listen: str = ""
     """``host:port`` of the transfer port that exports state objects to decode sidecars (prefill →
     decode handoff); "" exports none (records then send the decode side to the pool)."""
@@ -103,7 +105,7 @@ class SidecarConfig:
     pool_write_retries: int = 10
     """Retries of a write-through block, or of an evicted object's copy, whose pool write failed
     for a passing reason (busy or unreachable owner, another writer's reservation, ...:
-    ``kvpool.sidecar.retry``), with doubling delays (0.2 s up to 5 s: about 30 s in all); then it
+    ``kvpool.core.retry``), with doubling delays (0.2 s up to 5 s: about 30 s in all); then it
     is counted as dropped (a block stays local-only, a copy is lost)."""
     match_deadline_ms: int = 100
     """Deadline of a match or exists at one store node (``--match-deadline-ms``): a node that
@@ -120,7 +122,7 @@ class SidecarConfig:
     ``--suspect-backoff-ms``).  The first probe goes out right after the failure."""
 
     def deadlines(self) -> Deadlines:
-        """The pool's per-call deadlines (:class:`kvpool.deadlines.Deadlines`)."""
+        """The pool's per-call deadlines (:class:`kvpool.core.deadlines.Deadlines`)."""
         return Deadlines(self.match_deadline_ms / 1000.0, self.read_deadline_ms / 1000.0,
                          float(self.read_bytes_per_second), self.probe_deadline_ms / 1000.0)
 
@@ -146,7 +148,7 @@ class _MatchLease:
 def _verdict(got: dict[int, int]) -> dict[int, pb.Code]:
     """A pool write's codes (:meth:`Sidecar._push`) as a put's answer: UNAVAILABLE where no
     owner was reached."""
-    return {k: pb.UNAVAILABLE if c == UNREACHABLE else errors.as_code(c) for k, c in got.items()}
+    return {k: pb.UNAVAILABLE if c == UNREACHABLE else grpc_status.as_code(c) for k, c in got.items()}
 
 
 def _take_verdict(codes: list[pb.Code], entries: Sequence[LocalEntry | None], verdict: dict[int, pb.Code]) -> None:
@@ -620,7 +622,7 @@ class Sidecar(spbg.SidecarServicer):
     # -- sparse read --------------------------------------------------------------------------
 
     def ReadRanges(self, request: spb.ReadRangesRequest, context: grpc.ServicerContext) -> spb.ReadRangesReply:
-        """Byte ranges of objects (:mod:`kvpool.ranges`): a local object's ranges are pointed at
+        """Byte ranges of objects (:mod:`kvpool.core.ranges`): a local object's ranges are pointed at
         in place (the client copies only them); a missing object's ranges are read from its owner
         — those bytes only — into a scratch extent of the arena that the lease holds and its end
         frees: the object is never pulled whole, nor cached here."""
@@ -1431,7 +1433,7 @@ def serve(cfg: SidecarConfig) -> int:
     if server.add_insecure_port(f"unix://{cfg.socket}") == 0:
         raise SystemExit(f"kvpool sidecar: cannot listen on {cfg.socket}")
     server.start()
-    # The hot calls' binary path beside the gRPC socket (kvpool.sidecar.fast_protocol).
+    # The hot calls' binary path beside the gRPC socket (kvpool.wire.sidecar_frames).
     fast = FastSessionServer(sidecar, fast_socket_path(cfg.socket))
     fast.start()
     if cfg.metrics_port:

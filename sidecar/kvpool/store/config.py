@@ -12,9 +12,9 @@ import os
 import socket
 from typing import Any
 
-from ..events import events_config
-from .atrest import MasterKeyError, load_master_key, load_previous_keys
-from .node import NodeConfig, Tenant
+from kvpool.store.node import NodeConfig, Tenant
+from kvpool.tiers.atrest import MasterKeyError, load_master_key, load_previous_keys
+from kvpool.wire.kv_events import events_config
 
 
 class ConfigError(SystemExit):

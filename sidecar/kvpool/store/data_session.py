@@ -1,4 +1,4 @@
-"""Server side of the data session (:mod:`kvpool.store.data_protocol`): frames in, node calls,
+"""Server side of the data session (:mod:`kvpool.wire.store_frames`): frames in, node calls,
 frames and arena bytes out.
 
 One handler call per connection, run on the transfer server's connection thread.  The tenant
@@ -17,14 +17,14 @@ import threading
 
 import numpy as np
 
-from .. import errors, ranges
-from ..keys import unpack_keys
-from ..proto import store_pb2 as pb
-from ..transfer.stream import STALL_ERRORS, Stream
-from . import data_protocol as dp
-from .node import Entry, StoreNode
-from .put_order import PutOrder
-from .tiers import checksum
+from kvpool.core import errors, ranges
+from kvpool.core.checksum import checksum
+from kvpool.core.keys import unpack_keys
+from kvpool.core.put_order import PutOrder
+from kvpool.store.node import Entry, StoreNode
+from kvpool.transfer.stream import STALL_ERRORS, Stream
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store.session")
 

@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from ..proto import store_pb2 as pb
-from ..ring import Ring
-from .node import Entry, StoreNode
-from .push import Targets, batch_cap, batches, pace_delay, push_batch, replica_pushes
+from kvpool.core.ring import Ring
+from kvpool.store.node import Entry, StoreNode
+from kvpool.store.push import Targets, batch_cap, batches, pace_delay, push_batch, replica_pushes
+from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store.drain")
 

@@ -14,8 +14,8 @@ import os
 import threading
 from collections.abc import Sequence
 
-from .atrest import MasterKeyError, load_master_key, load_previous_keys
-from .node import StoreNode
+from kvpool.store.node import StoreNode
+from kvpool.tiers.atrest import MasterKeyError, load_master_key, load_previous_keys
 
 log = logging.getLogger("kvpool.store.keys")
 

@@ -24,17 +24,21 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import ranges
-from ..errors import InvalidArgument
-from ..proto import store_pb2 as pb
-from ..ring import Ring, stale_wrong_owner
-from ..sizing import payload_arena_bytes
-from .allocator import OutOfSpace
-from .atrest import AtRest, sealed_size
-from .demoter import FsView, TierMover
-from .eviction import choose_victims, is_expired, watermark_need
-from .quota import Held, ring_share, trim_to_share
-from .tiers import DramTier, FaultDelay, SharedFsHeader, SharedFsTier, SsdTier, checksum
+from kvpool.arena.allocator import OutOfSpace
+from kvpool.arena.dram import DramTier
+from kvpool.arena.eviction import choose_victims, is_expired, watermark_need
+from kvpool.core import ranges
+from kvpool.core.checksum import checksum
+from kvpool.core.errors import InvalidArgument
+from kvpool.core.ring import Ring, stale_wrong_owner
+from kvpool.core.sizing import payload_arena_bytes
+from kvpool.store.quota import Held, ring_share, trim_to_share
+from kvpool.tiers.atrest import AtRest, sealed_size
+from kvpool.tiers.base import FaultDelay
+from kvpool.tiers.chain import FsView, TierMover
+from kvpool.tiers.sharedfs import SharedFsHeader, SharedFsTier
+from kvpool.tiers.ssd import SsdTier
+from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store")
 
@@ -165,13 +169,13 @@ class NodeConfig:
     max_ranges_per_key: int = ranges.MAX_RANGES_PER_KEY
     """Ranges of one key in one ranged read; more is INVALID for that key."""
     events: Any = None
-    """A ``kvpool.events.EventsConfig``: publish the stored/removed blocks of ``events_tenant``."""
+    """A ``kvpool.wire.kv_events.EventsConfig``: publish the stored/removed blocks of ``events_tenant``."""
     events_tenant: str = DEFAULT_TENANT
     """The one tenant whose events a node publishes (ZMQ PUB authenticates nobody: give a
     tenant's router its own endpoint, reachable by it only)."""
     master_key: bytes = field(default=b"", repr=False)
     """Master key of encryption at rest (from ``--master-key-file``): objects on the SSD and
-    shared-filesystem tiers are sealed per tenant (``kvpool.store.atrest``).  Empty: in the clear."""
+    shared-filesystem tiers are sealed per tenant (``kvpool.tiers.atrest``).  Empty: in the clear."""
     previous_master_keys: list[bytes] = field(default_factory=list, repr=False)
     """Earlier master keys, still opened (never used to seal): what they sealed stays readable."""
     master_key_file: str = ""
@@ -201,7 +205,7 @@ class StoreNode:
                     if cfg.ssd_path and cfg.ssd_bytes else None)
         self.sharedfs = SharedFsTier(cfg.sharedfs_path, fault=fault) if cfg.sharedfs_path else None
         self.at_rest = AtRest(cfg.master_key, cfg.previous_master_keys) if cfg.master_key else None
-        self.events: Any = None  # a kvpool.events.EventPublisher, set by the service when configured
+        self.events: Any = None  # a kvpool.wire.kv_events.EventPublisher, set by the service when configured
         self.lock = threading.RLock()
         self._released = threading.Condition(self.lock)  # signalled when a reserved slot's write ends
         self.index: dict[str, dict[bytes, Entry]] = {}

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..store_client import StoreClient
-from ..transfer import TransferEngine
-from .node import DEFAULT_TENANT, Entry, StoreNode
+from kvpool.pool.node_client import StoreClient
+from kvpool.store.node import DEFAULT_TENANT, Entry, StoreNode
+from kvpool.transfer import TransferEngine
 
 log = logging.getLogger("kvpool.store.push")
 

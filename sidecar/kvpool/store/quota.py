@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..ring import Ring
+from kvpool.core.ring import Ring
 
 
 def quota_share(quota_bytes: int, replicas: int, active_members: int) -> int:

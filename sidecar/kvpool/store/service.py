@@ -1,7 +1,7 @@
 """gRPC adapter of the store node (`kvpool store`): protobuf in, :class:`StoreNode` calls, protobuf out.
 
 Authentication happens here (the tenant comes from the token in the call's metadata, never from
-the message); errors are mapped to gRPC status in exactly one place (``kvpool.errors``).  The
+the message); errors are mapped to gRPC status in exactly one place (``kvpool.core.errors``).  The
 DRAM arena is served to peers by a :class:`~kvpool.transfer.TransferServer` with the node as
 its guard; the same port serves the one-round-trip data session (:mod:`.data_session`).
 The drain runs in a background thread and reports through ``GetDrainStatus``; so does the
@@ -22,34 +22,21 @@ from typing import Any, TypeVar
 
 import grpc
 
-from .. import errors
-from ..keys import unpack_keys
-from ..proto import store_pb2 as pb
-from ..proto import store_pb2_grpc as pbg
-from ..ring import Member, Ring
-from ..transfer import Segment, SegmentRegistry, TransferServer
-from .data_session import DataSessionHandler
-from .node import NodeConfig, StoreNode, Tenant
+from kvpool.core import errors
+from kvpool.core.keys import unpack_keys
+from kvpool.core.ring import Ring
+from kvpool.store.data_session import DataSessionHandler
+from kvpool.store.node import NodeConfig, StoreNode, Tenant
+from kvpool.transfer import Segment, SegmentRegistry, TransferServer
+from kvpool.wire import grpc_status
+from kvpool.wire.convert import ring_from_pb, ring_to_pb
+from kvpool.wire.proto import store_pb2 as pb
+from kvpool.wire.proto import store_pb2_grpc as pbg
 
 log = logging.getLogger("kvpool.store")
 
 SEGMENT_NAME = "dram"
 T = TypeVar("T")
-
-
-def ring_to_pb(ring: Ring) -> pb.Ring:
-    return pb.Ring(epoch=ring.epoch, replicas=ring.replicas, members=[
-        pb.RingMember(id=m.id, address=m.address, state=m.state, transfer_address=m.transfer_address)
-        for m in ring.members])
-
-
-def ring_from_pb(msg: pb.Ring) -> Ring:
-    members = []
-    for m in msg.members:
-        if m.state not in ("active", "draining", ""):
-            raise errors.InvalidArgument(f"member {m.id}: state must be active or draining")
-        members.append(Member(m.id, m.address, m.state or "active", m.transfer_address))
-    return Ring(epoch=msg.epoch, members=tuple(members), replicas=msg.replicas or 1)
 
 
 def _bearer(context: grpc.ServicerContext) -> str:
@@ -116,7 +103,7 @@ class StoreService(pbg.StoreServicer):
         try:
             return fn()
         except errors.KvpoolError as exc:
-            context.abort(errors.grpc_status_for(exc), str(exc))
+            context.abort(grpc_status.grpc_status_for(exc), str(exc))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         raise AssertionError("unreachable")
@@ -275,7 +262,7 @@ class StoreService(pbg.StoreServicer):
             before, before_thread = self.drain, self._drain_thread
             before.stop.set()
             self.drain = DrainProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
-            from .drain import run_drain  # the pusher needs the store client (a module cycle otherwise)
+            from kvpool.store.drain import run_drain  # the pusher needs the store client (a module cycle otherwise)
 
             def run(progress: DrainProgress) -> None:
                 if before_thread is not None:
@@ -301,7 +288,7 @@ class StoreService(pbg.StoreServicer):
             return self.warm.to_pb()
         self.warm.cancelled = True
         self.warm = WarmProgress(state="running", deadline_unix_ms=request.deadline_unix_ms, epoch=ring.epoch)
-        from .warm import run_warm  # the pusher needs the store client (a module cycle otherwise)
+        from kvpool.store.warm import run_warm  # the pusher needs the store client (a module cycle otherwise)
         threading.Thread(target=run_warm, args=(self.node, ring, list(request.added), self.warm,
                                                 request.max_bytes_per_second, request.fraction,
                                                 list(request.removed)),
@@ -332,7 +319,7 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     host = host or "127.0.0.1"
     node = StoreNode(cfg)
     if cfg.events is not None:
-        from ..events import MEDIUM_POOL, EventPublisher
+        from kvpool.wire.kv_events import MEDIUM_POOL, EventPublisher
         node.events = EventPublisher(cfg.events, MEDIUM_POOL, node.events_snapshot)
     registry = SegmentRegistry()
     registry.register(Segment(SEGMENT_NAME, node.dram.view), guard=_Guard(node))
@@ -379,7 +366,7 @@ def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin
         running.node.set_tenants(tenants)
     watcher = None
     if cfg.master_key_file:
-        from .keywatch import MasterKeyWatcher
+        from kvpool.store.keywatch import MasterKeyWatcher
         watcher = MasterKeyWatcher(running.node, cfg.master_key_file, cfg.previous_master_keys_file,
                                    cfg.master_key_reload_seconds).start()
     stop = threading.Event()

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..keys import KEY_BYTES
-from ..proto import store_pb2 as pb
-from ..ring import Ring, owners
-from .node import StoreNode
-from .push import Targets, batch_cap, batches, pace_delay, push_batch
+from kvpool.core.keys import KEY_BYTES
+from kvpool.core.ring import Ring, owners
+from kvpool.store.node import StoreNode
+from kvpool.store.push import Targets, batch_cap, batches, pace_delay, push_batch
+from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store.warm")
 

@@ -8,7 +8,7 @@ and a write whose request is refused still has its payload consumed so the strea
 
 A connection whose first four bytes are the magic of a registered *session* (``sessions=``) is
 handed to that session's handler for its whole life instead, as a :class:`~kvpool.transfer.stream.Stream`
-(the store's one-round-trip data calls use this; see :mod:`kvpool.store.data_protocol`).
+(the store's one-round-trip data calls use this; see :mod:`kvpool.wire.store_frames`).
 """
 
 from __future__ import annotations

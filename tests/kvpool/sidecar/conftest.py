@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.local import LocalCluster
+from kvpool.apps.cluster import LocalCluster
 
 KiB, MiB = 1 << 10, 1 << 20
 _long_lived: list[LocalCluster] = []  # clusters of session/module fixtures, while they run

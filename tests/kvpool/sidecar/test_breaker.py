@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.deadlines import MIN_SECONDS, ClientDeadlines, Deadlines, read_seconds, remaining
-from kvpool.sidecar import breaker as b
+from kvpool.core import breaker as b
+from kvpool.core.deadlines import MIN_SECONDS, ClientDeadlines, Deadlines, read_seconds, remaining
 
 P = b.Policy(backoff_seconds=1.0, max_backoff_seconds=8.0)
 

@@ -7,8 +7,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.proto import store_pb2 as pb
 from kvpool.sidecar.copyover import CopyOver, admit
+from kvpool.wire.proto import store_pb2 as pb
 
 
 def test_admit_drops_duplicates_and_sheds_over_the_bound() -> None:

@@ -19,17 +19,17 @@ from typing import Any
 
 import pytest
 
-from kvpool import errors
-from kvpool.client import Client
-from kvpool.data_client import DataSession
-from kvpool.deadlines import ClientDeadlines
-from kvpool.fast_client import PROBE_SECONDS
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import owners
-from kvpool.store import data_protocol as dp
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster
+from kvpool.client.client import Client
+from kvpool.client.session import PROBE_SECONDS
+from kvpool.core import errors
+from kvpool.core.deadlines import ClientDeadlines
+from kvpool.core.ring import owners
+from kvpool.pool.data_client import DataSession
+from kvpool.pool.node_client import StoreClient
 from kvpool.transfer.testing import CuttingProxy
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

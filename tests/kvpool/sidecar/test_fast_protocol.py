@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from kvpool.sidecar import fast_protocol as fp
-from kvpool.store.data_protocol import MAX_OBJECT_BYTES
+from kvpool.wire import sidecar_frames as fp
+from kvpool.wire.store_frames import MAX_OBJECT_BYTES
 
 KEYS = bytes(range(32)) + bytes(range(32, 64))
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool import errors
-from kvpool.client import Client
-from kvpool.fast_client import FastSession
-from kvpool.proto import store_pb2 as pb
-from kvpool.sidecar import fast_protocol as fp
+from kvpool.client.client import Client
+from kvpool.client.session import FastSession
+from kvpool.core import errors
 from kvpool.transfer.testing import RawConnection, unix_socket
+from kvpool.wire import sidecar_frames as fp
+from kvpool.wire.proto import store_pb2 as pb
 
 MiB = 1 << 20
 CLUSTER = {"stores": 1, "sidecars": 1, "store_bytes": 64 * MiB, "local_bytes": 32 * MiB}
@@ -173,7 +173,7 @@ def test_truncated_frames_never_wedge_the_sidecar(module_cluster: Any, rng: rand
 
 def test_a_client_without_the_fast_socket_uses_grpc(module_cluster: Any, rng: random.Random,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvpool.client.fast_socket_path", lambda p: p + ".nothing-here")
+    monkeypatch.setattr("kvpool.client.client.fast_socket_path", lambda p: p + ".nothing-here")
     with kvpool.connect(module_cluster.sidecars[0]) as c:
         assert not c.fast_session
         keys = [rng.randbytes(32)]

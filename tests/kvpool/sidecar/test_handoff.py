@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from kvpool import errors
-from kvpool import handoff as ho
-from kvpool.keys import KeySpace
-from kvpool.local import LocalCluster
-from kvpool.planning import plan_hit
-from kvpool.proto import store_pb2 as pb
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster
+from kvpool.core import errors
+from kvpool.core import handoff_record as ho
+from kvpool.core.keys import KeySpace
+from kvpool.core.planning import plan_hit
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 B = 128
@@ -186,7 +186,7 @@ class LocalClient:
     """A client of a sidecar added by a test (``LocalCluster.connect`` takes an index)."""
 
     def __init__(self, lc: LocalCluster, address: str) -> None:
-        from kvpool.client import connect
+        from kvpool.client.client import connect
         self.c = connect(address, block_tokens=lc.block_tokens)
 
     def __enter__(self) -> Any:

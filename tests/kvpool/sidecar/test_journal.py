@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.proto import store_pb2 as pb
+from kvpool.arena.allocator import ExtentAllocator
 from kvpool.sidecar import journal as j
 from kvpool.sidecar.local_tier import LocalTier
-from kvpool.store.allocator import ExtentAllocator
+from kvpool.wire.proto import store_pb2 as pb
 
 A = 4096
 
@@ -91,7 +91,7 @@ def test_a_tier_adopts_what_the_previous_one_left(tmp_path: Path) -> None:
     for e, v in zip(entries, vals, strict=True):
         assert e is not None
         t.view(e)[:] = v
-    from kvpool.store.tiers import checksum
+    from kvpool.core.checksum import checksum
     t.commit(rid, [checksum(v) for v in vals], dirty=True)
     t.remove([keys[5]], pb.BLOCK)
     _, [half], rid2 = t.reserve([rng.randbytes(32)], [5000], pb.STATE, "")  # never committed
@@ -154,9 +154,9 @@ def test_files_of_a_sidecar_that_cannot_come_back_are_swept(tmp_path: Path) -> N
 
 def test_the_operator_sizes_the_volume_for_what_a_sidecar_creates(tmp_path: Path) -> None:
     """The files a persistent local tier creates in the shared-memory volume add up to exactly
-    ``kvpool.sizing.sidecar_shm_bytes``, the number the operator's injection sizes the pod's
+    ``kvpool.core.sizing.sidecar_shm_bytes``, the number the operator's injection sizes the pod's
     memory-backed emptyDir by (a volume smaller than its files gets the pod evicted)."""
-    from kvpool.sizing import sidecar_shm_bytes
+    from kvpool.core.sizing import sidecar_shm_bytes
     local = 8 << 20
     tier = LocalTier(local, str(tmp_path), socket_path=str(tmp_path / "kvpool.sock"), tenant="t")
     try:

@@ -21,8 +21,8 @@ import pytest
 pytest.importorskip("zmq", reason="the events extra (pyzmq, msgspec) is not installed")
 pytest.importorskip("msgspec", reason="the events extra (pyzmq, msgspec) is not installed")
 
-from kvpool.local import LocalCluster, spawn, stop_procs  # noqa: E402
-from kvpool.store_client import StoreClient  # noqa: E402
+from kvpool.apps.cluster import LocalCluster, spawn, stop_procs  # noqa: E402
+from kvpool.pool.node_client import StoreClient  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 HERE = Path(__file__).resolve().parent

@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool import errors
-from kvpool.proto import sidecar_pb2 as spb
-from kvpool.proto import sidecar_pb2_grpc as spbg
-from kvpool.proto import store_pb2 as pb
+from kvpool.core import errors
+from kvpool.wire.proto import sidecar_pb2 as spb
+from kvpool.wire.proto import sidecar_pb2_grpc as spbg
+from kvpool.wire.proto import store_pb2 as pb
 
 
 @pytest.fixture

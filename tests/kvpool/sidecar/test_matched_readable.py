@@ -5,7 +5,7 @@ Finding 4: an engine calls ``match(keys)`` and at once ``get(keys[:hit])``.  The
 objects, but a read could not land them in a local tier whose every extent was pinned (views the
 engine still held), so ``get`` raised NotFound for part of the prefix the match had just
 reported.  The sidecar now answers NO_SPACE with the object's size for such rows and the client
-reads them into memory of its own (``kvpool.spill``).  Build item 6: 64 blocks of 64 KiB into a
+reads them into memory of its own (``kvpool.core.spill``).  Build item 6: 64 blocks of 64 KiB into a
 1 MiB local tier came back NO_SPACE for 48 of them; a batch now streams through the tier to the
 pool in rounds.
 """
@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from kvpool import demo, errors
-from kvpool.client import Client
-from kvpool.local import LocalCluster
-from kvpool.planning import plan_hit
-from kvpool.proto import store_pb2 as pb
-from kvpool.store_client import StoreClient
+from kvpool.apps import demo
+from kvpool.apps.cluster import LocalCluster
+from kvpool.client.client import Client
+from kvpool.core import errors
+from kvpool.core.planning import plan_hit
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

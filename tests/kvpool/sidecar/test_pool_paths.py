@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.keys import KEY_BYTES
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import owners
-from kvpool.sidecar.pool import Pool
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster
+from kvpool.core.keys import KEY_BYTES
+from kvpool.core.ring import owners
+from kvpool.pool.fanout import Pool
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 CLUSTER = {"stores": 2, "sidecars": 2, "store_bytes": 64 * MiB, "local_bytes": 32 * MiB,
@@ -179,7 +179,7 @@ def test_ranged_reads_of_nodes_without_the_session_are_unsupported(module_cluste
                                                                    rng: random.Random) -> None:
     """The gRPC path has no ranged read: a sidecar says UNSUPPORTED for pool objects (and never
     fetches them whole instead); its own local objects are still served."""
-    from kvpool import errors
+    from kvpool.core import errors
     with module_cluster.connect(0) as a, module_cluster.connect(1) as b:
         [key] = h.keys(rng, 1)
         [value] = h.values(rng, [64 * KiB])

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
+from kvpool.apps.cluster import LocalCluster
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 QUOTA = 1 * MiB
@@ -120,7 +120,7 @@ def test_writer_sees_quota_exceeded(fast: bool, h: Any, rng: random.Random) -> N
     """``put(wait=True)``: the pool's per-key verdict, and it is the truth: what it calls OK a
     fresh sidecar of the tenant reads from the pool, what it refused is not there."""
     with _cluster(1, sidecars=2) as lc:
-        from kvpool.client import Client
+        from kvpool.client.client import Client
 
         keys = h.keys(rng, 2 * MiB // OBJECT)
         values = [rng.randbytes(OBJECT) for _ in keys]

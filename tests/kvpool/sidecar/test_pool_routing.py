@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool import errors
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import Member, Ring, owners, weights
-from kvpool.sidecar.pool import fallback_routes, group_by_owner, node_is_down
-from kvpool.store_client import StoreClient
+from kvpool.core import errors
+from kvpool.core.ring import Member, Ring, owners, weights
+from kvpool.pool.fanout import fallback_routes, group_by_owner, node_is_down
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 
 def _keys(rng: random.Random, n: int) -> bytes:
@@ -141,7 +141,7 @@ def test_rpc_status_decides_down(shared: Any, rng: random.Random) -> None:
 def test_catch_up_counts_a_ring_the_background_refresh_learnt_after_the_callers_round() -> None:
     """A reply told of epoch 2 and the refresh loop learnt it before the caller asked: the caller,
     who routed under epoch 1, must still route again (it used to get False and keep its misses)."""
-    from kvpool.sidecar.pool import Pool
+    from kvpool.pool.fanout import Pool
 
     pool = Pool([])  # no seeds: nothing is asked at construction
     try:

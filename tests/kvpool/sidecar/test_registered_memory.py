@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool import errors
-from kvpool.client import Client
-from kvpool.proto import store_pb2 as pb
-from kvpool.sidecar import fast_protocol as fp
+from kvpool.client.client import Client
+from kvpool.core import errors
 from kvpool.transfer import memfd
 from kvpool.transfer._sockio import send_with_fd
 from kvpool.transfer.testing import RawConnection, unix_socket
+from kvpool.wire import sidecar_frames as fp
+from kvpool.wire.proto import store_pb2 as pb
 
 MiB = 1 << 20
 CLUSTER = {"stores": 2, "sidecars": 2, "store_bytes": 128 * MiB, "local_bytes": 48 * MiB}

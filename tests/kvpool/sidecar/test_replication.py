@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import Member, Ring, owners
-from kvpool.sidecar.pool import fallback_routes, merge_replica_codes, write_routes
-from kvpool.sidecar.retry import UNREACHABLE
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster
+from kvpool.core.retry import UNREACHABLE
+from kvpool.core.ring import Member, Ring, owners
+from kvpool.pool.fanout import fallback_routes, merge_replica_codes, write_routes
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

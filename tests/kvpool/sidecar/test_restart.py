@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import errors
-from kvpool.client import Client
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
+from kvpool.apps.cluster import LocalCluster
+from kvpool.client.client import Client
+from kvpool.core import errors
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -121,7 +121,7 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
             assert h.counters(c).get("local_only_objects", 0) == len(keys) + 1  # write-back: only here
             # A write the crash interrupts: reserved, bytes copied, never committed.
             torn_key = rng.randbytes(32)
-            from kvpool.proto import sidecar_pb2 as spb
+            from kvpool.wire.proto import sidecar_pb2 as spb
             start = c._stub.WriteStart(spb.WriteStartRequest(keys=torn_key, sizes=[64 * KiB], kind=pb.BLOCK))
             assert start.reservation_id and list(start.codes) == [pb.OK]
             c._arena[start.offsets[0]:start.offsets[0] + 64 * KiB] = rng.randbytes(64 * KiB)

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import errors
-from kvpool.proto import store_pb2 as pb
+from kvpool.core import errors
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [1, 2, 4095, 4096, 4097, 64 * KiB, 128 * KiB + 3, 1 * MiB, 1 * MiB + 1, 4 * MiB]
@@ -55,7 +55,7 @@ def test_batches_across_sidecars(shared: Any, h: Any, rng: random.Random, size: 
 
 
 def _owner_ids(lc: Any, keys: list[bytes]) -> list[str]:
-    from kvpool.ring import owners
+    from kvpool.core.ring import owners
     return [lc.store_ids[i] for i in owners(b"".join(keys), lc.store_ids)[:, 0].tolist()]
 
 
@@ -131,7 +131,7 @@ def test_missing_key_raises_typed_error(shared: Any, h: Any, rng: random.Random)
 
 
 def test_put_is_idempotent_and_never_changes_an_object(shared: Any, h: Any, rng: random.Random) -> None:
-    from kvpool.store_client import StoreClient
+    from kvpool.pool.node_client import StoreClient
 
     with shared.connect(0) as a, shared.connect(1) as b:
         [key] = h.keys(rng, 1)

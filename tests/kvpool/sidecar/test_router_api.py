@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool.keys import KeySpace
-from kvpool.local import LocalCluster
-from kvpool.proto import router_pb2 as rpb
-from kvpool.proto import router_pb2_grpc as rpbg
+from kvpool.apps.cluster import LocalCluster
+from kvpool.core.keys import KeySpace
+from kvpool.wire.proto import router_pb2 as rpb
+from kvpool.wire.proto import router_pb2_grpc as rpbg
 
 B = 16
 

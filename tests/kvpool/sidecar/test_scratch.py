@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.proto import store_pb2 as pb
 from kvpool.sidecar.local_tier import LocalTier
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -12,11 +12,11 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from kvpool.keys import KeySpace
-from kvpool.local import LocalCluster, Proc
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import owners
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster, Proc
+from kvpool.core.keys import KeySpace
+from kvpool.core.ring import owners
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 B = 128

@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import owners
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster
+from kvpool.core.ring import owners
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from kvpool import errors
-from kvpool.keys import KeySpace
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster
+from kvpool.core import errors
+from kvpool.core.keys import KeySpace
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

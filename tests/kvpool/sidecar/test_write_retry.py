@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from kvpool.local import LocalCluster
-from kvpool.proto import store_pb2 as pb
-from kvpool.sidecar.retry import DONE, REFUSED, RETRY, UNREACHABLE, RetryQueue, delay, drain_pause, outcome, retried
-from kvpool.store_client import StoreClient
+from kvpool.apps.cluster import LocalCluster
+from kvpool.core.retry import DONE, REFUSED, RETRY, UNREACHABLE, RetryQueue, delay, drain_pause, outcome, retried
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 CLUSTER = dict(stores=1, sidecars=1, store_bytes=64 * MiB, local_bytes=16 * MiB)

@@ -16,11 +16,11 @@ import time
 import grpc
 import numpy as np
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.proto import store_pb2_grpc as pbg
-from kvpool.store import data_protocol as dp
 from kvpool.transfer import TransferEngine, TransferRequest
 from kvpool.transfer.protocol import OP_WRITE, encode_request
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
+from kvpool.wire.proto import store_pb2_grpc as pbg
 
 
 def main() -> None:

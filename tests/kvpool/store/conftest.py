@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.proto import store_pb2_grpc as pbg
-from kvpool.store_client import StoreClient
+from kvpool.pool.node_client import StoreClient
+from kvpool.wire.proto import store_pb2 as pb
+from kvpool.wire.proto import store_pb2_grpc as pbg
 
 READY_TIMEOUT = 30.0
 HERE = Path(__file__).resolve().parent

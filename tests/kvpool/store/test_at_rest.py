@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvpool.proto import store_pb2 as pb
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 T1 = {"tenantId": "t1", "token": "tok-1", "salt": "c2FsdC0x"}  # salt-1

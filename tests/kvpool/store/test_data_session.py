@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import errors
-from kvpool.proto import store_pb2 as pb
-from kvpool.store import data_protocol as dp
-from kvpool.store.tiers import checksum
-from kvpool.store_client import StoreClient
+from kvpool.core import errors
+from kvpool.core.checksum import checksum
+from kvpool.pool.node_client import StoreClient
 from kvpool.transfer.testing import RawConnection, tcp_socket
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 TENANTS = [

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import owners
+from kvpool.core.ring import owners
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 ADMIN = "admin-secret"

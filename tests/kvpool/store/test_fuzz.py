@@ -21,12 +21,12 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool import errors
-from kvpool.proto import store_pb2 as pb
-from kvpool.store import data_protocol as dp
-from kvpool.store.tiers import checksum
+from kvpool.core import errors
+from kvpool.core.checksum import checksum
 from kvpool.transfer import TransferEngine, TransferRequest
 from kvpool.transfer.protocol import OP_READ, OP_WRITE, encode_request
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 TENANTS = [

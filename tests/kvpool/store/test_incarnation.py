@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import errors
-from kvpool.keys import KEY_BYTES, pack_keys
-from kvpool.proto import store_pb2 as pb
-from kvpool.sidecar.pool import Pool
-from kvpool.store.tiers import checksum
-from kvpool.store_client import StoreClient
+from kvpool.core import errors
+from kvpool.core.checksum import checksum
+from kvpool.core.keys import KEY_BYTES, pack_keys
+from kvpool.pool.fanout import Pool
+from kvpool.pool.node_client import StoreClient
 from kvpool.transfer import TransferEngine, TransferRequest
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.store.tiers import checksum
+from kvpool.core.checksum import checksum
 from kvpool.transfer import TransferEngine, TransferRequest
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

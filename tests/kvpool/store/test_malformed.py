@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool.proto import store_pb2 as pb
 from kvpool.transfer.protocol import OP_READ, OP_WRITE, REQUEST_SIZE, RESPONSE, encode_request
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 

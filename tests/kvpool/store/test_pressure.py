@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvpool import errors
-from kvpool.proto import store_pb2 as pb
+from kvpool.core import errors
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import Member, Ring, owners
+from kvpool.core.checksum import checksum
+from kvpool.core.ring import Member, Ring, owners
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.store.quota import Held, pool_usage, quota_share, ring_share, trim_to_share
-from kvpool.store.tiers import checksum
+from kvpool.wire.proto import store_pb2 as pb
 
 MiB = 1 << 20
 

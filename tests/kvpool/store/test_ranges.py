@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import errors, ranges
-from kvpool.proto import store_pb2 as pb
-from kvpool.store import data_protocol as dp
-from kvpool.store.tiers import checksum
+from kvpool.core import errors, ranges
+from kvpool.core.checksum import checksum
 from kvpool.transfer.testing import RawConnection, tcp_socket
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 TENANTS = [

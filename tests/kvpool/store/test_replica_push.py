@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.proto import store_pb2 as pb
-from kvpool.ring import Member, Ring, owners
+from kvpool.core.ring import Member, Ring, owners
 from kvpool.store.push import replica_pushes
 from kvpool.store.warm import plan_warm, warm_targets
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 ADMIN = "admin-secret"

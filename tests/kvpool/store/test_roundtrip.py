@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.proto import store_pb2 as pb
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [1, 4 * KiB, 128 * KiB, 1 * MiB, 4 * MiB]

@@ -9,9 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool import errors
-from kvpool.proto import store_pb2 as pb
+from kvpool.core import errors
 from kvpool.transfer import TransferEngine, TransferRequest
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
 

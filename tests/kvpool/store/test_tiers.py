@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.proto import store_pb2 as pb
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 

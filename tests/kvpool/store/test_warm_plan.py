@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from kvpool.ring import Member, Ring, owners
+from kvpool.core.ring import Member, Ring, owners
 from kvpool.store.push import pace_delay
 from kvpool.store.warm import added_members, plan_warm
 

@@ -1,0 +1,1 @@
+"""Programs built on the layers below: the `kvpool` command, the demo, loadgen, the router API."""
