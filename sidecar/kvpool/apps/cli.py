@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--events-tenant", default="default", help="the tenant whose block events are published")
     st.set_defaults(func=_store)
 
-    for name, mod in (("sidecar", "sidecar.server"), ("up", "local"), ("demo", "demo"),
-                      ("loadgen", "loadgen"),  # an engine stand-in for load and e2e tests
-                      ("router-api", "router_api"),  # the pool's match API for KV-aware routers
+    for name, mod in (("sidecar", "sidecar.server"), ("up", "apps.cluster"), ("demo", "apps.demo"),
+                      ("loadgen", "apps.loadgen"),  # an engine stand-in for load and e2e tests
+                      ("router-api", "apps.router_api"),  # the pool's match API for KV-aware routers
                       ("operator", None)):
         p = sub.add_parser(name, add_help=False)
         p.set_defaults(func=None, delegate=(name, mod))
