@@ -210,7 +210,7 @@ def build_kubernetes(version: str = K8S_VERSION) -> Path:
         return outdir
     workdir = cache / "src" / f"kubernetes-{version}"
     workdir.mkdir(parents=True, exist_ok=True)
-    _write_module(workdir, "kvpool.apps.cluster/k8sbuild", "1.24", "")
+    _write_module(workdir, "kvpool.local/k8sbuild", "1.24", "")
     gomod = _download_gomod("k8s.io/kubernetes", version, workdir)
     pkgs = [f"k8s.io/kubernetes/cmd/{n}" for n in names]
     body = (
@@ -219,7 +219,7 @@ def build_kubernetes(version: str = K8S_VERSION) -> Path:
         + "\n\n"
         + _tool_block(pkgs)
     )
-    _write_module(workdir, "kvpool.apps.cluster/k8sbuild", _go_directive(gomod), body)
+    _write_module(workdir, "kvpool.local/k8sbuild", _go_directive(gomod), body)
     ldflags = _version_ldflags(
         ["k8s.io/component-base/version", "k8s.io/client-go/pkg/version"], version
     )
@@ -235,7 +235,7 @@ def build_etcd(version: str = ETCD_VERSION) -> Path:
         return outdir
     workdir = cache / "src" / f"etcd-{version}"
     workdir.mkdir(parents=True, exist_ok=True)
-    _write_module(workdir, "kvpool.apps.cluster/etcdbuild", "1.24", "")
+    _write_module(workdir, "kvpool.local/etcdbuild", "1.24", "")
     gomod = _download_gomod("go.etcd.io/etcd/server/v3", version, workdir)
     # server/v3's go.mod replaces its siblings (api/v3, client/v3, pkg/v3 ...) with ../ paths;
     # they are all released under the same tag, so pin each to the same version.
@@ -246,7 +246,7 @@ def build_etcd(version: str = ETCD_VERSION) -> Path:
     ]
     pkg = "go.etcd.io/etcd/server/v3"
     body = f"require {pkg} {version}\n\n" + "\n".join(replaces) + "\n\n" + _tool_block([pkg])
-    _write_module(workdir, "kvpool.apps.cluster/etcdbuild", _go_directive(gomod), body)
+    _write_module(workdir, "kvpool.local/etcdbuild", _go_directive(gomod), body)
     _atomic_build(workdir, [pkg], "-s -w", outdir, cache / "build.log",
                   rename={"server": "etcd", "v3": "etcd"})
     return outdir
@@ -260,11 +260,11 @@ def build_helm(version: str = HELM_VERSION) -> Path:
         return outdir
     workdir = cache / "src" / f"helm-{version}"
     workdir.mkdir(parents=True, exist_ok=True)
-    _write_module(workdir, "kvpool.apps.cluster/helmbuild", "1.24", "")
+    _write_module(workdir, "kvpool.local/helmbuild", "1.24", "")
     gomod = _download_gomod("helm.sh/helm/v3", version, workdir)
     pkg = "helm.sh/helm/v3/cmd/helm"
     body = f"require helm.sh/helm/v3 {version}\n\n" + _tool_block([pkg])
-    _write_module(workdir, "kvpool.apps.cluster/helmbuild", _go_directive(gomod), body)
+    _write_module(workdir, "kvpool.local/helmbuild", _go_directive(gomod), body)
     _, minor = version.lstrip("v").split(".")[:2]
     # helm reads its version from internal/version; k8s.io/client-go's is stamped too so
     # `helm version` and the user agent it sends agree with the release.
