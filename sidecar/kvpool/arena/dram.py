@@ -5,8 +5,11 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+from collections.abc import Sequence
 
 from kvpool.arena.allocator import ExtentAllocator
+from kvpool.arena.extents import ExtentTable, Location, ObjectRef, read_extents, write_extents
+from kvpool.core.errors import Code
 
 
 class DramTier:
@@ -16,6 +19,13 @@ class DramTier:
     which its clients map); otherwise it is unlinked as soon as it is mapped, so a node killed by
     SIGKILL leaves nothing behind in /dev/shm.  Kept files carry the creator's pid, and files of
     dead creators in the same directory are swept at start.
+
+    It is a ``kvpool.tiers.base.Tier`` (``reserve``, ``write_batch``, ``read_batch``, ``free``,
+    copies between the arena and caller buffers).  Its owners so far carve it themselves —
+    ``alloc``, ``slice`` and ``view``, under their own index lock — and hand its extents to
+    transfers; the two ways do not mix on one instance (the batch calls keep their own table).
+    No encryption at rest: the arena lives as long as its process, unlinked or mode 0600 in
+    /dev/shm, and is served by one-sided transfers straight from its pages.
     """
 
     name = "dram"
@@ -39,6 +49,32 @@ class DramTier:
             os.unlink(self.path)
             self.path = ""
         self.view = memoryview(self._mmap)
+        self._table = ExtentTable(lambda: self.alloc)
+
+    @property
+    def used(self) -> int:
+        return self.alloc.used
+
+    def reserve(self, refs: Sequence[ObjectRef], sizes: Sequence[int]) -> list[Location | None]:
+        return self._table.reserve(refs, sizes)
+
+    def locate(self, refs: Sequence[ObjectRef], sealed: bool = False) -> list[Location | None]:
+        return [None] * len(refs)  # named nowhere: an arena's objects are known by location only
+
+    def write_batch(self, locs: Sequence[Location], srcs: Sequence[memoryview]) -> list[Code]:
+        return write_extents(self._table, locs, srcs, self._put)
+
+    def read_batch(self, locs: Sequence[Location], dsts: Sequence[memoryview]) -> list[Code]:
+        return read_extents(self._table, locs, dsts, self._get)
+
+    def free(self, locs: Sequence[Location]) -> None:
+        self._table.free(locs)
+
+    def _put(self, offset: int, src: memoryview) -> None:
+        self.view[offset:offset + len(src)] = src
+
+    def _get(self, offset: int, dst: memoryview) -> None:
+        dst[:] = self.view[offset:offset + len(dst)]
 
     def slice(self, offset: int, size: int) -> memoryview:
         return self.view[offset:offset + size]

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Sequence
 
 from kvpool.arena.allocator import ExtentAllocator
+from kvpool.arena.extents import ExtentTable, Location, ObjectRef, read_extents, write_extents
+from kvpool.core.errors import Code
 from kvpool.tiers.base import FaultDelay
 
 
 class SsdTier:
     """A preallocated file divided into extents; created empty at start, so a restarted node
-    never serves bytes of a previous life (its index is gone, its slots are unreachable)."""
+    never serves bytes of a previous life (its index is gone, its slots are unreachable).
+
+    A :class:`~kvpool.tiers.base.Tier`: the batch calls keep their own table of what is where
+    (and its checksum, so a damaged slot is CHECKSUM, never served).  The store node carves it
+    itself so far — ``alloc``, ``write``, ``read_into`` under its index lock — and the two ways
+    do not mix on one instance.
+    """
 
     name = "ssd"
 
@@ -36,6 +45,26 @@ class SsdTier:
             os.posix_fallocate(self._fd, 0, self.capacity)
         except OSError:
             os.ftruncate(self._fd, self.capacity)
+        self._table = ExtentTable(lambda: self.alloc)
+
+    @property
+    def used(self) -> int:
+        return self.alloc.used
+
+    def reserve(self, refs: Sequence[ObjectRef], sizes: Sequence[int]) -> list[Location | None]:
+        return self._table.reserve(refs, sizes)
+
+    def locate(self, refs: Sequence[ObjectRef], sealed: bool = False) -> list[Location | None]:
+        return [None] * len(refs)  # the slot file starts empty: nothing of a previous life is found
+
+    def write_batch(self, locs: Sequence[Location], srcs: Sequence[memoryview]) -> list[Code]:
+        return write_extents(self._table, locs, srcs, self.write)
+
+    def read_batch(self, locs: Sequence[Location], dsts: Sequence[memoryview]) -> list[Code]:
+        return read_extents(self._table, locs, dsts, self.read_into)
+
+    def free(self, locs: Sequence[Location]) -> None:
+        self._table.free(locs)
 
     def write(self, offset: int, src: memoryview) -> None:
         self.fault()
@@ -53,10 +82,11 @@ class SsdTier:
             done += n
 
     def close(self) -> None:
+        fd, self._fd = self._fd, -1  # later I/O fails (EBADF), never on a recycled descriptor
+        if fd < 0:
+            return
         try:
             os.unlink(self.path)  # while still locked: a successor never sees a half-closed file
         except FileNotFoundError:
             pass
-        os.close(self._fd)
-
-
+        os.close(fd)
