@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -35,6 +36,10 @@ class SealedTier:
         self.inner = inner
         self.at_rest = at_rest
         self._local = threading.local()
+        self._count_lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+        """``at_rest_auth_failures`` (blobs read that did not open) and
+        ``at_rest_previous_key_opens`` (opened under a previous master key: due for rotation)."""
 
     def __repr__(self) -> str:
         return f"SealedTier({self.inner.name}, {self.at_rest!r})"
@@ -81,14 +86,22 @@ class SealedTier:
             zero(dsts[i])
         for chunk, blobs in self._chunks(locs, todo):
             got = self.inner.read_batch([_below(locs[i]) for i in chunk], blobs)
+            failed = previous = 0
             for i, blob, code in zip(chunk, blobs, got, strict=True):
                 loc = locs[i]
-                if code == Code.OK and not self.at_rest.open_into(loc.ref.tenant, loc.ref.key, loc.ref.kind,
-                                                                  loc.generation, blob, dsts[i]):
-                    code = Code.CHECKSUM
+                if code == Code.OK:
+                    if not self.at_rest.open_into(loc.ref.tenant, loc.ref.key, loc.ref.kind, loc.generation,
+                                                  blob, dsts[i]):
+                        code, failed = Code.CHECKSUM, failed + 1
+                    elif not self.at_rest.sealed_with_current(blob):
+                        previous += 1
                 if code != Code.OK:
                     zero(dsts[i])  # (open_into leaves it as it was for a key it does not hold)
                 codes[i] = code
+            if failed or previous:
+                with self._count_lock:
+                    self.counters["at_rest_auth_failures"] += failed
+                    self.counters["at_rest_previous_key_opens"] += previous
         return codes
 
     def free(self, locs: Sequence[Location]) -> None:

@@ -69,7 +69,7 @@ class TierCase:
         self.tier = t
         return t
 
-    def under_other_key(self) -> Tier:
+    def under_other_key(self) -> SealedTier:
         """The same medium read under another master key (a sealed tier only)."""
         assert isinstance(self.tier, SealedTier)
         return SealedTier(self.tier.inner, AtRest(OTHER_MASTER))
@@ -320,8 +320,15 @@ class TestTierConformance:
         if case.named:
             assert get(t, [replace(loc, ref=replace(loc.ref, tenant="b"))])[0] == [Code.CHECKSUM]  # the tag
         # Another master key (another pool, or a key dropped after rotation) opens nothing.
-        assert get(case.under_other_key(), [loc]) == ([Code.CHECKSUM], [bytes(len(v))])
+        other_key = case.under_other_key()
+        assert get(other_key, [loc]) == ([Code.CHECKSUM], [bytes(len(v))])
+        assert other_key.counters["at_rest_auth_failures"] == 1
         assert get(t, [loc]) == ([Code.OK], [v])
+        # Rotated: the old key is a previous one, still opened (and counted as such).
+        assert isinstance(t, SealedTier)
+        t.at_rest.set_keys(OTHER_MASTER, [MASTER])
+        assert get(t, [loc]) == ([Code.OK], [v])
+        assert t.counters["at_rest_previous_key_opens"] == 1
 
     def test_the_next_life_of_the_tier(self, case: TierCase) -> None:
         values = [data(n, 20 + n) for n in (0, 1, 100 * KiB)]
