@@ -5,14 +5,12 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from collections.abc import Sequence
 
 from kvpool.arena.allocator import ExtentAllocator
-from kvpool.arena.extents import ExtentTable, Location, ObjectRef, read_extents, write_extents
-from kvpool.core.errors import Code
+from kvpool.arena.extents import ExtentTier
 
 
-class DramTier:
+class DramTier(ExtentTier):
     """One preallocated shared-memory arena (a file in ``shm_dir``).
 
     With ``keep_path`` the file stays so same-host peers can map it by path (the sidecar's arena,
@@ -49,26 +47,7 @@ class DramTier:
             os.unlink(self.path)
             self.path = ""
         self.view = memoryview(self._mmap)
-        self._table = ExtentTable(lambda: self.alloc)
-
-    @property
-    def used(self) -> int:
-        return self.alloc.used
-
-    def reserve(self, refs: Sequence[ObjectRef], sizes: Sequence[int]) -> list[Location | None]:
-        return self._table.reserve(refs, sizes)
-
-    def locate(self, refs: Sequence[ObjectRef], sealed: bool = False) -> list[Location | None]:
-        return [None] * len(refs)  # named nowhere: an arena's objects are known by location only
-
-    def write_batch(self, locs: Sequence[Location], srcs: Sequence[memoryview]) -> list[Code]:
-        return write_extents(self._table, locs, srcs, self._put)
-
-    def read_batch(self, locs: Sequence[Location], dsts: Sequence[memoryview]) -> list[Code]:
-        return read_extents(self._table, locs, dsts, self._get)
-
-    def free(self, locs: Sequence[Location]) -> None:
-        self._table.free(locs)
+        self._init_table()
 
     def _put(self, offset: int, src: memoryview) -> None:
         self.view[offset:offset + len(src)] = src

@@ -4,9 +4,8 @@ reading whatever now occupies its extent (:class:`ExtentTable`).
 
 The types are the currency of the Tier interface (``kvpool.tiers.base.Tier``); they sit in the
 arena layer because the DRAM arena implements that interface and may not import upwards.
-Pure bookkeeping: the tiers do the copies, through :func:`write_extents` and
-:func:`read_extents`, which decide per item whether the copy may happen and whether what was
-read is what was written.
+No I/O here: the tiers do the copies (:class:`ExtentTier` decides per item whether a copy may
+happen and whether what was read is what was written).
 """
 
 from __future__ import annotations
@@ -160,47 +159,75 @@ def zero(dst: memoryview) -> None:
         dst[:] = bytes(len(dst))
 
 
-def write_extents(table: ExtentTable, locs: Sequence[Location], srcs: Sequence[memoryview],
-                  put: Callable[[int, memoryview], None]) -> list[Code]:
-    """Write each of ``srcs`` at its location with ``put(offset, src)`` (the tier's copy) and
-    record its checksum; per-item codes: OK, NOT_FOUND (not reserved, or freed), INVALID (not
-    the reserved size), UNAVAILABLE (the copy failed: an I/O error)."""
-    codes: list[Code] = []
-    for loc, src in zip(locs, srcs, strict=True):
-        code = table.may_write(loc, len(src))
-        if code == Code.OK:
-            try:
-                if len(src):
-                    put(loc.offset, src)
-            except OSError:
-                code = Code.UNAVAILABLE
-            else:
-                code = table.written(loc, checksum(src))
-        codes.append(code)
-    return codes
+class ExtentTier:
+    """The Tier calls of a tier carved into extents by :attr:`alloc` (the DRAM arena, the SSD
+    slot file): a subclass gives the copies, :meth:`_put` and :meth:`_get`, and calls
+    :meth:`_init_table` once its allocator exists.  Its objects are known by location only: it
+    starts empty, and ``locate`` finds nothing."""
 
+    alloc: ExtentAllocator
+    _table: ExtentTable
 
-def read_extents(table: ExtentTable, locs: Sequence[Location], dsts: Sequence[memoryview],
-                 get: Callable[[int, memoryview], None]) -> list[Code]:
-    """Read each location into its caller buffer (exactly its size) with ``get(offset, dst)``
-    and verify it; per-item codes: OK, NOT_FOUND (never written, freed — also while it was
-    read), INVALID (buffer size), CHECKSUM (the bytes are not what was written: a damaged
-    medium), UNAVAILABLE (I/O error).  On any code but OK the buffer is zeroed."""
-    codes: list[Code] = []
-    for loc, dst in zip(locs, dsts, strict=True):
-        code, want = table.expected(loc, len(dst))
-        if code == Code.OK:
-            try:
-                if len(dst):
-                    get(loc.offset, dst)
-            except OSError:
-                code = Code.UNAVAILABLE
-            else:
-                if not table.still(loc, want):
-                    code = Code.NOT_FOUND  # freed (and maybe reused) while it was read
-                elif checksum(dst) != want:
-                    code = Code.CHECKSUM
-        if code != Code.OK:
-            zero(dst)
-        codes.append(code)
-    return codes
+    def _init_table(self) -> None:
+        self._table = ExtentTable(lambda: self.alloc)
+
+    def _put(self, offset: int, src: memoryview) -> None:
+        raise NotImplementedError
+
+    def _get(self, offset: int, dst: memoryview) -> None:
+        raise NotImplementedError
+
+    @property
+    def used(self) -> int:
+        return self.alloc.used
+
+    def reserve(self, refs: Sequence[ObjectRef], sizes: Sequence[int]) -> list[Location | None]:
+        return self._table.reserve(refs, sizes)
+
+    def locate(self, refs: Sequence[ObjectRef], sealed: bool = False) -> list[Location | None]:
+        return [None] * len(refs)
+
+    def free(self, locs: Sequence[Location]) -> None:
+        self._table.free(locs)
+
+    def write_batch(self, locs: Sequence[Location], srcs: Sequence[memoryview]) -> list[Code]:
+        """Copy each of ``srcs`` to its location and record its checksum; per-item codes: OK,
+        NOT_FOUND (not reserved, or freed), INVALID (not the reserved size), UNAVAILABLE (the
+        copy failed: an I/O error)."""
+        codes: list[Code] = []
+        for loc, src in zip(locs, srcs, strict=True):
+            code = self._table.may_write(loc, len(src))
+            if code == Code.OK:
+                try:
+                    if len(src):
+                        self._put(loc.offset, src)
+                except OSError:
+                    code = Code.UNAVAILABLE
+                else:
+                    code = self._table.written(loc, checksum(src))
+            codes.append(code)
+        return codes
+
+    def read_batch(self, locs: Sequence[Location], dsts: Sequence[memoryview]) -> list[Code]:
+        """Copy each location into its caller buffer (exactly its size) and verify it; per-item
+        codes: OK, NOT_FOUND (never written, freed — also while it was read), INVALID (buffer
+        size), CHECKSUM (not what was written: a damaged medium), UNAVAILABLE (I/O error).  On
+        any code but OK the buffer is zeroed."""
+        codes: list[Code] = []
+        for loc, dst in zip(locs, dsts, strict=True):
+            code, want = self._table.expected(loc, len(dst))
+            if code == Code.OK:
+                try:
+                    if len(dst):
+                        self._get(loc.offset, dst)
+                except OSError:
+                    code = Code.UNAVAILABLE
+                else:
+                    if not self._table.still(loc, want):
+                        code = Code.NOT_FOUND  # freed (and maybe reused) while it was read
+                    elif checksum(dst) != want:
+                        code = Code.CHECKSUM
+            if code != Code.OK:
+                zero(dst)
+            codes.append(code)
+        return codes

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Sequence
 
 from kvpool.arena.allocator import ExtentAllocator
-from kvpool.arena.extents import ExtentTable, Location, ObjectRef, read_extents, write_extents
-from kvpool.core.errors import Code
+from kvpool.arena.extents import ExtentTier
 from kvpool.tiers.base import FaultDelay
 
 
-class SsdTier:
+class SsdTier(ExtentTier):
     """A preallocated file divided into extents; created empty at start, so a restarted node
     never serves bytes of a previous life (its index is gone, its slots are unreachable).
 
@@ -45,26 +43,13 @@ class SsdTier:
             os.posix_fallocate(self._fd, 0, self.capacity)
         except OSError:
             os.ftruncate(self._fd, self.capacity)
-        self._table = ExtentTable(lambda: self.alloc)
+        self._init_table()
 
-    @property
-    def used(self) -> int:
-        return self.alloc.used
+    def _put(self, offset: int, src: memoryview) -> None:
+        self.write(offset, src)
 
-    def reserve(self, refs: Sequence[ObjectRef], sizes: Sequence[int]) -> list[Location | None]:
-        return self._table.reserve(refs, sizes)
-
-    def locate(self, refs: Sequence[ObjectRef], sealed: bool = False) -> list[Location | None]:
-        return [None] * len(refs)  # the slot file starts empty: nothing of a previous life is found
-
-    def write_batch(self, locs: Sequence[Location], srcs: Sequence[memoryview]) -> list[Code]:
-        return write_extents(self._table, locs, srcs, self.write)
-
-    def read_batch(self, locs: Sequence[Location], dsts: Sequence[memoryview]) -> list[Code]:
-        return read_extents(self._table, locs, dsts, self.read_into)
-
-    def free(self, locs: Sequence[Location]) -> None:
-        self._table.free(locs)
+    def _get(self, offset: int, dst: memoryview) -> None:
+        self.read_into(offset, dst)
 
     def write(self, offset: int, src: memoryview) -> None:
         self.fault()
