@@ -432,3 +432,22 @@ class TestSharedFsFilesOfOtherLives:
         out = memoryview(bytearray(len(new)))
         assert hdr is not None and hdr.sealed and hdr.generation == s4.generation
         assert at_rest.open_into("a", ref(4).key, 0, hdr.generation, blob4, out) and bytes(out) == new
+
+
+def test_a_closed_ssd_tier_reads_nothing_even_where_its_descriptor_number_is_reused(tmp_path: Path) -> None:
+    """Closing gives up the slot file's descriptor; a later call fails (UNAVAILABLE, buffer
+    zeroed) instead of reading whatever file the process opens next under that number."""
+    ssd = SsdTier(str(tmp_path / "ssd"), CAPACITY, "closed")
+    v = data(8192, 13)
+    [loc] = put(ssd, [ref(1)], [v])
+    ssd.close()
+    other = tmp_path / "other"
+    other.write_bytes(v * 2)
+    fd = os.open(other, os.O_RDWR)  # most likely the number the slot file had
+    try:
+        assert get(ssd, [loc]) == ([Code.UNAVAILABLE], [bytes(len(v))])
+        assert ssd.write_batch([loc], [memoryview(v)]) == [Code.UNAVAILABLE]
+        assert other.read_bytes() == v * 2
+    finally:
+        os.close(fd)
+    ssd.close()  # twice: nothing more to do
