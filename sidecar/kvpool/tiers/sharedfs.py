@@ -62,7 +62,8 @@ class SharedFsTier:
 
     A :class:`~kvpool.tiers.base.Tier` whose locations are names: ``locate`` finds the files of
     other nodes and of previous lives by their header, and a read checks that header (magic,
-    version, kind, size, generation) and the payload's checksum (a sealed file: its tag, above).
+    version, kind, size, generation) and the payload's checksum (a sealed blob has none: the
+    ``SealedTier`` above checks its tag).
     ``capacity`` bounds what this instance reserves (0: unbounded); ``used`` counts its own
     files, not those of the other nodes on the mount.  The store node calls ``write``,
     ``read_into``, ``stat`` and ``remove`` so far.  Thread-safe.
