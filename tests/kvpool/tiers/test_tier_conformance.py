@@ -121,14 +121,14 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierCase]:
             pass
 
 
-
 KiB = 1 << 10
 SIZES = [0, 1, 4095, 4096, 4097, 128 * KiB, (1 << 20) + 13]
 SALT = b"kvpool-tenant\0a\0"
 
 
-def ref(i: int, tenant: str = "a", kind: int = 0) -> ObjectRef:
-    return ObjectRef(tenant, f"key-{i}".encode(), kind, SALT if tenant == "a" else b"kvpool-tenant\0" + tenant.encode())
+def ref(i: int) -> ObjectRef:
+    """Object ``i`` of tenant ``a`` (its shared-fs names keyed by the tenant's salt)."""
+    return ObjectRef("a", f"key-{i}".encode(), 0, SALT)
 
 
 def data(n: int, seed: int) -> bytes:
@@ -269,6 +269,8 @@ class TestTierConformance:
 
     def test_concurrent_batches_from_threads(self, case: TierCase) -> None:
         t = case.tier
+        shared_values = [data(32 * KiB, 200 + i) for i in range(2)]
+        shared = put(t, [ref(100_000 + i) for i in range(2)], shared_values)
         start = threading.Barrier(8)
 
         def worker(w: int) -> int:
@@ -279,8 +281,8 @@ class TestTierConformance:
                 refs = [ref(w * 1000 + r * 10 + j) for j in range(4)]
                 values = [rng.randbytes(rng.choice([0, 1, 4096, 60 * KiB])) for _ in refs]
                 locs = put(t, refs, values)
-                codes, got = get(t, locs)
-                assert codes == [Code.OK] * len(locs) and got == values
+                # Its own objects and the shared ones, which every thread reads at once.
+                assert get(t, [*locs, *shared]) == ([Code.OK] * (len(locs) + 2), [*values, *shared_values])
                 t.free(locs)
                 rounds += 1
             return rounds
@@ -288,7 +290,38 @@ class TestTierConformance:
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(worker, w) for w in range(8)]
             assert [f.result(timeout=120) for f in futures] == [15] * 8
+        t.free(shared)
         assert t.used == 0
+
+    def test_a_read_racing_a_free_and_reuse_never_returns_the_new_bytes(self, case: TierCase) -> None:
+        """A reader holding a location while another thread frees it and writes another object
+        in its room gets the old object or a failure (buffer zeroed): never the newcomer."""
+        t = case.tier
+        size = 64 * KiB
+        old, new = data(size, 30), data(size, 31)
+        current = put(t, [ref(1)], [old])
+        stop = threading.Event()
+        seen: list[tuple[Code, bool]] = []
+
+        def reader() -> None:
+            buf = bytearray(size)
+            while not stop.is_set() and len(seen) < 5000:
+                [code] = t.read_batch(current, [memoryview(buf)])
+                seen.append((code, bytes(buf) == (old if code == Code.OK else bytes(size))))
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            for i in range(200):
+                t.free(current)
+                other = put(t, [ref(2 + i % 2)], [new])  # most likely in the room just freed
+                current[:] = put(t, [ref(1)], [old])
+                t.free(other)
+        finally:
+            stop.set()
+            thread.join(30)
+        assert not thread.is_alive()
+        assert seen and all(ok for _, ok in seen), [c for c, ok in seen if not ok][:5]
 
     @pytest.mark.parametrize("where", ["first", "middle", "last"])
     def test_a_damaged_byte_is_detected_not_served(self, case: TierCase, where: str) -> None:
