@@ -12,8 +12,9 @@ payload bytes (a successful read: exactly the requested length; otherwise 0)::
 
     magic "KVTS" | version u8 | code u8 | msg_len u16 | request_id u64 | payload_len u64
 
-A bad magic or version means the stream can no longer be trusted, so the receiver closes the
-connection; every other problem (unknown segment, bounds, refused guard) is a per-request code.
+The header shape is the one of :mod:`kvpool.wire.frames`: a bad magic or version means the
+stream can no longer be trusted, so the receiver closes the connection; every other problem
+(unknown segment, bounds, refused guard) is a per-request code.
 Nothing here does I/O, so all of it is unit-tested without sockets.
 """
 
@@ -24,6 +25,9 @@ from typing import NamedTuple
 
 from kvpool.transfer.segment import MAX_SEGMENT_NAME_BYTES
 from kvpool.transfer.status import TransferCode
+from kvpool.wire.frames import TRANSFER_REQUEST_BYTES, ProtocolError, unpack_header
+
+__all__ = ["ProtocolError"]
 
 VERSION = 1
 REQUEST_MAGIC = b"KVTQ"
@@ -37,14 +41,13 @@ REQUEST = struct.Struct(f"<4sBBHQQQQ{MAX_SEGMENT_NAME_BYTES}s")
 RESPONSE = struct.Struct("<4sBBHQQ")
 REQUEST_SIZE = REQUEST.size
 RESPONSE_SIZE = RESPONSE.size
+assert REQUEST_SIZE == TRANSFER_REQUEST_BYTES  # what a transfer port reads before it knows the stream
 MAX_MESSAGE_BYTES = 512
 U64_MAX = (1 << 64) - 1
 _CODES = tuple(sorted(TransferCode, key=int))  # wire byte → code without an enum call
 assert [int(c) for c in _CODES] == list(range(len(_CODES)))
-
-
-class ProtocolError(Exception):
-    """The byte stream is not a valid kvpool transfer stream; the connection must be closed."""
+_ANY_OP = range(256)
+"""A response's third header byte is its code, checked on its own below (not an op)."""
 
 
 # NamedTuples, not frozen dataclasses: one is built per request, and a frozen dataclass's
@@ -72,15 +75,8 @@ def encode_request(op: int, request_id: int, segment: bytes, offset: int, length
 
 def decode_request(data: bytes | bytearray | memoryview) -> RequestHeader:
     """Unpack and validate a request header (raises :class:`ProtocolError` if malformed)."""
-    if len(data) != REQUEST_SIZE:
-        raise ProtocolError(f"request header must be {REQUEST_SIZE} bytes, got {len(data)}")
-    magic, version, op, name_len, request_id, offset, length, token, raw_name = REQUEST.unpack(data)
-    if magic != REQUEST_MAGIC:
-        raise ProtocolError(f"bad request magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version}")
-    if op not in OP_NAMES:
-        raise ProtocolError(f"unknown op {op}")
+    _, _, op, name_len, request_id, offset, length, token, raw_name = unpack_header(
+        REQUEST, data, REQUEST_MAGIC, VERSION, OP_NAMES, "transfer request")
     name = _NAME_CACHE.get((name_len, raw_name))
     if name is None:
         name = _decode_name(name_len, raw_name)
@@ -117,13 +113,8 @@ def encode_response(code: TransferCode, request_id: int, payload_len: int = 0, m
 
 def decode_response(data: bytes | bytearray | memoryview) -> ResponseHeader:
     """Unpack and validate a response header (raises :class:`ProtocolError` if malformed)."""
-    if len(data) != RESPONSE_SIZE:
-        raise ProtocolError(f"response header must be {RESPONSE_SIZE} bytes, got {len(data)}")
-    magic, version, code, msg_len, request_id, payload_len = RESPONSE.unpack(data)
-    if magic != RESPONSE_MAGIC:
-        raise ProtocolError(f"bad response magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version}")
+    _, _, code, msg_len, request_id, payload_len = unpack_header(
+        RESPONSE, data, RESPONSE_MAGIC, VERSION, _ANY_OP, "transfer response")
     if code >= len(_CODES):
         raise ProtocolError(f"unknown status code {code}")
     status = _CODES[code]

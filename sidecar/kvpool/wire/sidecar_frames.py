@@ -75,8 +75,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.core.keys import KEY_BYTES
-from kvpool.transfer.protocol import ProtocolError
-from kvpool.wire.store_frames import MAX_KEYS, MAX_MESSAGE_BYTES, MAX_OBJECT_BYTES, _unpack_header
+from kvpool.wire.frames import ProtocolError, unpack_header
+from kvpool.wire.store_frames import MAX_KEYS, MAX_MESSAGE_BYTES, MAX_OBJECT_BYTES
 
 __all__ = ["ProtocolError"]
 
@@ -215,8 +215,8 @@ def encode_request(op: int, request_id: int, *, keys: bytes = b"", kind: int = 0
 
 def decode_request(data: bytes | bytearray | memoryview) -> Request:
     """Unpack and validate a request header (:class:`ProtocolError` if it is not one)."""
-    _, _, op, kind, flags, rid, count, lease_ms, tlen, nrel, ref = _unpack_header(
-        REQUEST, data, REQUEST_MAGIC, OPS, "request")
+    _, _, op, kind, flags, rid, count, lease_ms, tlen, nrel, ref = unpack_header(
+        REQUEST, data, REQUEST_MAGIC, VERSION, OPS, "fast request")
     if count > MAX_KEYS:
         raise ProtocolError(f"{count} items in one frame (at most {MAX_KEYS})")
     if tlen > MAX_TEXT_BYTES or nrel > MAX_RELEASES:
@@ -280,8 +280,8 @@ def decode_hello(resp: Response, body: bytes | bytearray | memoryview) -> tuple[
 
 def decode_response(data: bytes | bytearray | memoryview) -> Response:
     """Unpack and validate a response header (:class:`ProtocolError` if it is not one)."""
-    _, _, op, status, flags, rid, count, msg_len, prefix, local, ref, _ = _unpack_header(
-        RESPONSE, data, RESPONSE_MAGIC, OPS, "response")
+    _, _, op, status, flags, rid, count, msg_len, prefix, local, ref, _ = unpack_header(
+        RESPONSE, data, RESPONSE_MAGIC, VERSION, OPS, "fast response")
     if count > MAX_KEYS or msg_len > MAX_MESSAGE_BYTES:
         raise ProtocolError("fast response header over its limits")
     return Response(op, status, flags, rid, count, msg_len, prefix, local, ref)

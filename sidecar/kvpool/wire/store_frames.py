@@ -62,7 +62,7 @@ trusted: the receiver raises :class:`ProtocolError` and closes that connection o
 from __future__ import annotations
 
 import struct
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -70,8 +70,7 @@ import numpy.typing as npt
 
 from kvpool.core import ranges as _ranges
 from kvpool.core.keys import KEY_BYTES
-from kvpool.transfer import protocol as _transfer
-from kvpool.transfer.protocol import ProtocolError
+from kvpool.wire.frames import TRANSFER_REQUEST_BYTES, ProtocolError, unpack_header
 
 __all__ = ["ProtocolError"]
 
@@ -110,7 +109,7 @@ _U64 = np.dtype("<u8")
 _U32 = np.dtype("<u4")
 MAX_RANGES_PER_FRAME = _ranges.MAX_RANGES_PER_FRAME
 
-HELLO_PADDING = bytes(max(0, _transfer.REQUEST_SIZE - REQUEST_SIZE))
+HELLO_PADDING = bytes(max(0, TRANSFER_REQUEST_BYTES - REQUEST_SIZE))
 
 
 class Request(NamedTuple):
@@ -212,25 +211,10 @@ def with_request_id(header: bytes, request_id: int) -> bytes:
     return header[:8] + struct.pack("<I", request_id) + header[12:]
 
 
-def _unpack_header(layout: struct.Struct, data: bytes | bytearray | memoryview, magic: bytes,
-                   ops: Container[int], what: str) -> tuple[Any, ...]:
-    """Unpack a header whose first fields are magic, version and op, checking those three."""
-    if len(data) != layout.size:
-        raise ProtocolError(f"data {what} header must be {layout.size} bytes, got {len(data)}")
-    fields = layout.unpack(data)
-    if fields[0] != magic:
-        raise ProtocolError(f"bad data {what} magic {bytes(fields[0])!r}")
-    if fields[1] != VERSION:
-        raise ProtocolError(f"unsupported data protocol version {fields[1]}")
-    if fields[2] not in ops:
-        raise ProtocolError(f"unknown data {'op' if what == 'request' else what + ' op'} {fields[2]}")
-    return fields
-
-
 def decode_request(data: bytes | bytearray | memoryview) -> Request:
     """Unpack and validate a request header (:class:`ProtocolError` if it is not one)."""
-    _, _, op, kind, flags, rid, count, lease_ms, tlen, clen, lease_id, epoch = _unpack_header(
-        REQUEST, data, REQUEST_MAGIC, REQUEST_OPS, "request")
+    _, _, op, kind, flags, rid, count, lease_ms, tlen, clen, lease_id, epoch = unpack_header(
+        REQUEST, data, REQUEST_MAGIC, VERSION, REQUEST_OPS, "data request")
     if count > MAX_KEYS:
         raise ProtocolError(f"{count} keys in one frame (at most {MAX_KEYS})")
     if tlen > MAX_TOKEN_BYTES or clen > MAX_CLASS_BYTES:
@@ -309,8 +293,8 @@ def encode_response(op: int, request_id: int, count: int = 0, *, status: int = 0
 
 def decode_response(data: bytes | bytearray | memoryview) -> Response:
     """Unpack and validate a response header (:class:`ProtocolError` if it is not one)."""
-    _, _, op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload = _unpack_header(
-        RESPONSE, data, RESPONSE_MAGIC, RESPONSE_OPS, "response")
+    _, _, op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload = unpack_header(
+        RESPONSE, data, RESPONSE_MAGIC, VERSION, RESPONSE_OPS, "data response")
     if count > MAX_KEYS or msg_len > MAX_MESSAGE_BYTES or prefix > count:
         raise ProtocolError("data response header over its limits")
     if payload and (op not in (OP_GET, OP_GET_RANGES) or status):
