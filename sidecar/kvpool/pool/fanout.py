@@ -1,15 +1,15 @@
 """The sidecar's view of the pool: the ring, one client per store node, batched fan-out.
 
 Keys are grouped by owner with numpy (no Python loop over keys for routing); each owner gets one
-batched call and all owners are asked concurrently, on the pool's threads: over each node's data
-session (one round trip per read, put or exists; :mod:`kvpool.pool.data_client`), or gRPC and the
-transfer engine for a node without one.  A node that is unreachable is marked down for a short backoff and its keys
-become misses: the engine never sees a pool error, and never wrong bytes.
+batched call and all owners are asked concurrently, over each node's data session (one round trip
+per read, put or exists; :mod:`kvpool.pool.data_client`).  A node that is unreachable is marked
+down for a short backoff and its keys become misses: the engine never sees a pool error, and
+never wrong bytes.
 
 Deadlines (:class:`~kvpool.core.deadlines.Deadlines`): every exists and read to a node has one (about
-100 ms for a lookup; a read's grows with its bytes), armed on the node's data connection or
-passed to gRPC, so a hung node holds no thread longer than that, and its answer is waited for
-no longer either: the other nodes' answers are used without it.  A node that misses a deadline
+100 ms for a lookup; a read's grows with its bytes), armed on the node's data connection, so a
+hung node holds no thread longer than that, and its answer is waited for no longer either: the
+other nodes' answers are used without it.  A node that misses a deadline
 or cannot be reached is suspect (:mod:`kvpool.core.breaker`): later calls skip it at once —
 its keys are misses, or are read at the other replicas through the fallback routes — and a probe
 on the pool's threads (one at a time per node) lets it back in when it answers.
@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +43,6 @@ from kvpool.core.retry import UNREACHABLE
 from kvpool.core.ring import Member, Ring, owners
 from kvpool.pool.data_client import Dest, ExistsReply, ReadResult
 from kvpool.pool.node_client import StoreClient
-from kvpool.transfer import TransferEngine
 from kvpool.wire.convert import ring_from_pb
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -202,17 +200,6 @@ def fallback_routes(key_blob: bytes, ring: Ring, previous: Ring | Sequence[Ring]
     return out
 
 
-def _waiter(fut: Future[ExistsReply]) -> Callable[[float | None], ExistsReply]:
-    """Collect a call running on the pool's threads within a time limit; past it, the call is
-    given up (not joined: its own timeout frees the thread)."""
-    def collect(left: float | None) -> ExistsReply:
-        try:
-            return fut.result(timeout=left)
-        except FutureTimeout:
-            raise errors.DeadlineExceeded("no answer within the deadline") from None
-    return collect
-
-
 class Pool:
     """Membership + per-node clients, thread-safe."""
 
@@ -226,7 +213,6 @@ class Pool:
         """The circuit breaker's back-off after a failed probe (doubling up to the max)."""
         self.deadlines = deadlines or Deadlines()
         self.rpc_timeout = rpc_timeout
-        self.engine = TransferEngine()
         self.lock = threading.Lock()
         self.nodes: dict[str, NodeHandle] = {}
         self.ring = Ring(epoch=0)
@@ -285,7 +271,7 @@ class Pool:
         live = [n for n in nodes if n.up] or nodes
         known = {n.member.address: n.client for n in live}
         held = {n.member.address for n in nodes}
-        temp = {a: StoreClient(a, self.token, engine=self.engine, timeout=2.0) for a in self.seeds if a not in held}
+        temp = {a: StoreClient(a, self.token, timeout=2.0) for a in self.seeds if a not in held}
         clients = {**known, **temp}
         best: Ring | None = None
         try:
@@ -329,8 +315,7 @@ class Pool:
                 if h is None or h.member.address != m.address:
                     if h is not None:
                         h.client.close()
-                    self.nodes[m.id] = NodeHandle(m, StoreClient(m.address, self.token, engine=self.engine,
-                                                                 timeout=self.rpc_timeout))
+                    self.nodes[m.id] = NodeHandle(m, StoreClient(m.address, self.token, timeout=self.rpc_timeout))
                 else:
                     h.member = m
             for mid in [i for i in self.nodes if i not in keep]:
@@ -469,13 +454,10 @@ class Pool:
     def exists_many(self, key_array: npt.NDArray[Any], calls: Sequence[tuple[str, npt.NDArray[np.intp], bool]],
                     prefix_only: bool, lease_ms: int, kind: int = pb.BLOCK
                     ) -> list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]]:
-        """One batched exists per (node, indices, pin), all concurrently (the data session where
-        the node serves it, else gRPC); None where it failed."""
-        # Over the data session the requests go out to every node first and the answers are
-        # collected after, on this thread: one send and one receive per node, no thread
-        # handoff (the pool's threads cost more than a 2048-key EXISTS on a busy machine).
-        # Nodes without a session are asked on the pool's threads, as gRPC futures would
-        # start a thread per call (~0.5 ms each here).
+        """One batched exists per (node, indices, pin), all concurrently; None where it failed."""
+        # The requests go out to every node first and the answers are collected after, on this
+        # thread: one send and one receive per node, no thread handoff (the pool's threads cost
+        # more than a 2048-key EXISTS on a busy machine).
         # One deadline for the whole round: each answer is waited for with what is left of it, so
         # hung nodes cost the round one deadline together, not one each.
         limit = self.deadlines.match_seconds
@@ -483,7 +465,7 @@ class Pool:
         # Each call keeps the handle it was sent to: a ring refresh meanwhile (``_note_epoch`` below)
         # may drop or replace the node's entry in ``self.nodes``.
         pending: list[tuple[str, npt.NDArray[np.intp], NodeHandle | None,
-                            Callable[[float], ExistsReply] | None]] = []
+                            Callable[[float | None], ExistsReply] | None]] = []
         for nid, idx, pin in calls:
             node = self._up(nid)
             if node is None:
@@ -496,11 +478,6 @@ class Pool:
                 self._failed(node, exc)
                 pending.append((nid, idx, None, None))
                 continue
-            if finish is None:
-                # gRPC (a node without a data session) on the pool's threads, with the deadline as
-                # its timeout: the thread is free again when it passes, whatever the node does.
-                fut = self._executor.submit(node.client.exists_array, *args, timeout=limit)
-                finish = _waiter(fut)
             pending.append((nid, idx, node, finish))
         out: list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]] = []
         for nid, idx, node, collect in pending:
@@ -596,7 +573,7 @@ class Pool:
     def release(self, leases: Sequence[tuple[str, int]]) -> None:
         """Drop match leases, without waiting (best effort: leases expire by themselves).
 
-        At a node with a data session the newest lease waits for the next frame to that node
+        At each node the newest lease waits for the next frame to that node
         (see ``_deferred``); the one it replaces, and any more, are sent now."""
         by_node: dict[str, list[int]] = {}
         for nid, lid in leases:
@@ -607,18 +584,12 @@ class Pool:
             node = self._up(nid)
             if node is None:
                 continue
-            try:
-                has_session = node.client.session(self.deadlines.match_seconds) is not None
-            except errors.KvpoolError:
-                continue  # not reachable now: the leases expire by themselves
-            if has_session:
-                with self._deferred_lock:
-                    before = self._deferred.get(nid)
-                    self._deferred[nid] = (lids[-1], now, node.client.incarnation)
-                lids = lids[:-1] + ([before[0]] if before and before[2] == node.client.incarnation else [])
-                if not lids:
-                    continue
-            self._send_release(node, lids)
+            with self._deferred_lock:
+                before = self._deferred.get(nid)
+                self._deferred[nid] = (lids[-1], now, node.client.incarnation)
+            lids = lids[:-1] + ([before[0]] if before and before[2] == node.client.incarnation else [])
+            if lids:
+                self._send_release(node, lids)
 
     def _take_deferred(self, nid: str) -> int:
         """The lease waiting to be dropped at ``nid`` (0: none), handed to a frame going there."""
@@ -678,8 +649,8 @@ class Pool:
             return None
         d = self.deadlines
         try:
-            r = node.client.read(key_array.tobytes(), dest, kind, drop_lease or self._take_deferred(nid), lease_ms,
-                                 streams, d.read_base_seconds, d.read_bytes_per_second)
+            r = node.client.read(key_array.tobytes(), dest, kind, drop_lease or self._take_deferred(nid), streams,
+                                 d.read_base_seconds, d.read_bytes_per_second)
         except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
             return None
@@ -695,8 +666,7 @@ class Pool:
     def read_ranges(self, nid: str, key_array: npt.NDArray[Any], per_key: Sequence[Any],
                     buffers: Sequence[memoryview | None], kind: int, verify_object: bool = False) -> ReadResult | None:
         """Sparse read at node ``nid``: only ``per_key[i]``'s byte ranges, into ``buffers[i]``
-        (:meth:`StoreClient.read_ranges`); None when the node is down or failed, UNSUPPORTED per
-        key when it serves no data session (not a failure: it is up, it just cannot)."""
+        (:meth:`StoreClient.read_ranges`); None when the node is down or failed."""
         node = self._up(nid)
         if node is None or len(key_array) == 0:
             return None
@@ -704,9 +674,6 @@ class Pool:
         try:
             r = node.client.read_ranges(key_array.tobytes(), per_key, buffers, kind, verify_object=verify_object,
                                         timeout=self.deadlines.read_seconds(nbytes))
-        except errors.Unsupported:
-            n = len(key_array)
-            return ReadResult([pb.UNSUPPORTED] * n, [0] * n, [0] * n, 0)
         except (grpc.RpcError, errors.KvpoolError, OSError, RuntimeError) as exc:
             self._failed(node, exc)
             return None
@@ -773,4 +740,3 @@ class Pool:
             for n in self.nodes.values():
                 n.client.close()
             self.nodes.clear()
-        self.engine.close()

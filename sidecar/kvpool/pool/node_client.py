@@ -1,13 +1,14 @@
-"""Client of one store node: the data session for get/put/exists, gRPC for the rest.
+"""Client of one store node: one wire for data (the data session), gRPC for cold and admin calls.
 
 Used by the sidecar (one per store node), by the drain (node → node) and by benchmarks.  Every
 call carries the tenant's token; every read is verified against the blob's checksum, so a slot
 recycled under a stale lease can never hand back another object's bytes.
 
-Reads, writes and existence checks go over the node's data session (:mod:`kvpool.pool.data_client`,
-one round trip each on the transfer port) when the node serves one — found out once, with a
-``HELLO`` on its transfer address — and over the gRPC calls plus the transfer engine otherwise
-(older nodes, ``data_session=False``).  Both paths give the same per-item codes.
+Reads, writes, ranged reads, existence checks and short releases go over the node's data session
+(:mod:`kvpool.pool.data_client`, one round trip each on the transfer port), found once with a
+``HELLO`` on the transfer address the node's Health names; gRPC carries the rest (Health,
+Stats, Remove, asynchronous releases, and the admin calls).  A node that serves no data session
+cannot be used for data: its calls raise :class:`~kvpool.core.errors.Unavailable`.
 
 The calls an engine waits for (exists, read, ranged read, the sidecar's probe) take a per-call
 ``timeout`` (the sidecar's :class:`~kvpool.core.deadlines.Deadlines`): armed on the data connection,
@@ -19,19 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
-import numpy as np
 
 from kvpool.core import errors, ranges
-from kvpool.core.checksum import checksum
-from kvpool.core.keys import KEY_BYTES, pack_keys, unpack_keys
+from kvpool.core.keys import KEY_BYTES, pack_keys
 from kvpool.pool.data_client import DataSession, Dest, ExistsReply, ReadResult
-from kvpool.transfer import TransferEngine, TransferRequest, TransferStatus
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
@@ -62,42 +59,22 @@ class ExistsResult:
     epoch: int
 
 
-@dataclass
-class GetPlan:
-    """What a node answered to Get: where each object is and the lease pinning them."""
-
-    codes: list[pb.Code]
-    offsets: list[int]
-    sizes: list[int]
-    checksums: list[int]
-    tokens: list[int]
-    lease_id: int
-    location: pb.Location
-    epoch: int
-
-
 class StoreClient:
     """Thread-safe client of one store node."""
 
-    def __init__(self, address: str, token: str = "", engine: TransferEngine | None = None,
-                 timeout: float = 10.0, verify: bool = True, data_session: bool | None = None,
+    def __init__(self, address: str, token: str = "", timeout: float = 10.0, verify: bool = True,
                  data_connections: int = 2) -> None:
-        """``data_session``: None = use it when the node serves it, False = gRPC only, True =
-        require it (raise :class:`~kvpool.core.errors.Unavailable` when the node has none)."""
         self.address = address
         self.timeout = timeout
         self.verify = verify
         self._token = token
-        self._want_session = data_session
         self._data_connections = data_connections
         self._session: DataSession | None = None
-        self._session_known = data_session is False
+        self._closed = False
         self._session_lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = pbg.StoreStub(self._channel)
-        self._own_engine = engine is None
-        self.engine = engine or TransferEngine()
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()
         self.epoch_seen = 0
@@ -119,40 +96,33 @@ class StoreClient:
         self.incarnation = getattr(reply, "incarnation", 0) or self.incarnation
         return reply
 
-    def session(self, timeout: float | None = None) -> DataSession | None:
-        """The node's data session, or None when the calls must go over gRPC (asked once, within
-        ``timeout``; a node that cannot be asked raises :class:`~kvpool.core.errors.Unavailable` and is
-        asked again by the next call)."""
-        if self._session_known:
-            return self._session
+    def session(self, timeout: float | None = None) -> DataSession:
+        """The node's data session, opened by the first call that needs it (within ``timeout``);
+        a node that cannot be reached, or serves none, raises :class:`~kvpool.core.errors.Unavailable`
+        and is asked again by the next call."""
+        ds = self._session
+        if ds is not None:
+            return ds
         with self._session_lock:
-            if not self._session_known:
+            if self._closed:
+                raise errors.Unavailable(f"store client of {self.address} closed")
+            if self._session is None:
                 self._session = self._open_session(timeout)
-                self._session_known = True
-        return self._session
+            return self._session
 
-    def _open_session(self, timeout: float | None = None) -> DataSession | None:
+    def _open_session(self, timeout: float | None = None) -> DataSession:
         seconds = min(timeout or self.timeout, 5.0)
+        address = self.health(seconds).transfer_address
         try:
-            address = self.health(seconds).transfer_address
             ds = DataSession(address, self._token, self.timeout, self._data_connections)
-        except errors.Unavailable:
-            raise  # not reachable now: not a node without a session
-        except (errors.KvpoolError, ValueError):
-            if self._want_session:
-                raise
-            return None
+        except ValueError as exc:
+            raise errors.Unavailable(f"store node {self.address}: no data session at {address!r}: {exc}") from None
         try:
             self._seen(ds.hello(seconds))
-            self.incarnation = ds.incarnation or self.incarnation
-        except errors.DeadlineExceeded:
-            ds.close()
+        except BaseException:
+            ds.close()  # a node without the session closes the connection at the unknown magic
             raise
-        except errors.Unavailable:
-            ds.close()
-            if self._want_session:
-                raise
-            return None  # an older node: it closed the connection at the unknown magic
+        self.incarnation = ds.incarnation or self.incarnation
         return ds
 
     @contextlib.contextmanager
@@ -166,7 +136,7 @@ class StoreClient:
         except errors.Unavailable:
             with self._session_lock:
                 if self._session is ds:
-                    self._session, self._session_known = None, self._want_session is False
+                    self._session = None
             ds.close()
             raise
 
@@ -176,12 +146,10 @@ class StoreClient:
 
     def close(self) -> None:
         with self._session_lock:
-            self._session_known = True
+            self._closed = True
             if self._session is not None:
                 self._session.close()
         self._channel.close()
-        if self._own_engine:
-            self.engine.close()
 
     def __enter__(self) -> StoreClient:
         return self
@@ -193,39 +161,25 @@ class StoreClient:
 
     def exists(self, keys: Sequence[bytes], pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
                kind: int = pb.BLOCK, epoch: int = 0) -> ExistsResult:
-        if self.session() is not None:
-            r = self.exists_array(pack_keys(keys), pin, lease_ms, prefix_only, kind, epoch)
-            return ExistsResult(r.prefix, r.present.tolist(), r.lease_id, r.epoch)
-        reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
-            keys=pack_keys(keys), pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=grpc_status.as_kind(kind),
-            epoch=epoch))
-        return ExistsResult(reply.prefix, list(map(bool, reply.present)), reply.lease_id, reply.epoch)
+        r = self.exists_array(pack_keys(keys), pin, lease_ms, prefix_only, kind, epoch)
+        return ExistsResult(r.prefix, r.present.tolist(), r.lease_id, r.epoch)
 
     def exists_array(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
                      kind: int = pb.BLOCK, epoch: int = 0, timeout: float | None = None) -> ExistsReply:
         """:meth:`exists` of packed keys, presence as a numpy array (the sidecar's match path)."""
         ds = self.session(timeout)
-        if ds is not None:
-            with self._session_call(ds):
-                r = ds.exists(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, timeout=timeout)
-            self._seen(r.epoch)
-            return r
-        reply = self._rpc(self.stub.Exists, pb.ExistsRequest(
-            keys=keys, pin=pin, lease_ms=lease_ms, prefix_only=prefix_only, kind=grpc_status.as_kind(kind),
-            epoch=epoch), timeout)
-        return ExistsReply(reply.prefix, np.frombuffer(reply.present, np.uint8).astype(bool), reply.lease_id,
-                           reply.epoch)
+        with self._session_call(ds):
+            r = ds.exists(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, timeout=timeout)
+        self._seen(r.epoch)
+        return r
 
     def exists_array_begin(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
                            kind: int = pb.BLOCK, epoch: int = 0, drop_lease: int = 0, timeout: float | None = None
-                           ) -> Callable[[float | None], ExistsReply] | None:
-        """:meth:`exists_array` in two halves over the data session (the request sent now, the
-        answer collected by the returned function, waiting at most its argument in seconds,
-        default ``timeout``); None when the node has no data session.
+                           ) -> Callable[[float | None], ExistsReply]:
+        """:meth:`exists_array` in two halves (the request sent now, the answer collected by the
+        returned function, waiting at most its argument in seconds, default ``timeout``).
         ``drop_lease``: a lease of this node dropped before the lookup, in the same frame."""
         ds = self.session(timeout)
-        if ds is None:
-            return None
         with self._session_call(ds):
             finish = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, drop_lease,
                                      timeout)
@@ -239,9 +193,9 @@ class StoreClient:
 
     def release(self, lease_ids: Sequence[int], timeout: float | None = None) -> None:
         ids = [i for i in lease_ids if i]
-        ds = self.session(timeout)
-        if ds is not None and len(ids) <= 4:
+        if len(ids) <= 4:
             # One short frame each on the data session (~0.1 ms) instead of a gRPC call (~1 ms).
+            ds = self.session(timeout)
             with self._session_call(ds):
                 for lid in ids:
                     ds.exists(b"", drop_lease=lid, timeout=timeout)
@@ -250,15 +204,13 @@ class StoreClient:
             self._rpc(self.stub.Release, pb.ReleaseRequest(lease_ids=ids), timeout)
 
     def probe(self, timeout: float) -> int:
-        """One small call answered by the node itself (a data-session HELLO, else Health): its
-        ring epoch.  The sidecar's probe of a suspect node."""
+        """One small call answered by the node itself (a data-session HELLO): its ring epoch.
+        The sidecar's probe of a suspect node."""
         ds = self.session(timeout)
-        if ds is not None:
-            with self._session_call(ds):
-                epoch = ds.hello(timeout)
-            self._seen(epoch)
-            return epoch
-        return self.health(timeout).epoch
+        with self._session_call(ds):
+            epoch = ds.hello(timeout)
+        self._seen(epoch)
+        return epoch
 
     def release_async(self, lease_ids: Sequence[int]) -> None:
         """Drop leases without waiting for the answer (they expire by themselves if it is lost)."""
@@ -299,97 +251,20 @@ class StoreClient:
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         views = [as_bytes_view(v) for v in values]
         ds = self.session()
-        if ds is not None:
-            with self._session_call(ds):
-                codes, seen = ds.put(pack_keys(keys), views, checksums, traffic_class, kind, timeout_ms, epoch)
-            self._seen(seen)
-            return codes
-        start = self._rpc(self.stub.PutStart, pb.PutStartRequest(
-            keys=pack_keys(keys), sizes=[len(v) for v in views], traffic_class=traffic_class,
-            kind=grpc_status.as_kind(kind),
-            epoch=epoch, timeout_ms=timeout_ms))
-        codes = list(start.codes)
-        todo = [i for i, c in enumerate(codes) if c == pb.OK]
-        if not todo:
-            return codes
-        reqs = [TransferRequest("write", views[i], start.location.segment, start.offsets[i], len(views[i]),
-                                start.tokens[i]) for i in todo]
-        handle = self.engine.submit(start.location.transfer_address, reqs)
-        # Hash while the bytes fly: the checksum travels with the commit, not the payload.
-        # The hash holds the GIL: yield after each object so the sender threads, which need it
-        # only between syscalls, are not starved for a whole switch interval.
-        sums = [0] * len(codes)
-        for i in todo:
-            if checksums is not None:
-                sums[i] = checksums[i]
-            else:
-                sums[i] = checksum(views[i])
-                time.sleep(0)
-        statuses = handle.wait()
-        revoke = bytearray(len(codes))
-        for i, st in zip(todo, statuses, strict=True):
-            if not st.ok:
-                revoke[i] = 1
-        commit = self._rpc(self.stub.PutCommit, pb.PutCommitRequest(
-            reservation_id=start.reservation_id, checksums=sums, revoke=bytes(revoke),
-            incarnation=start.incarnation))  # a node restarted meanwhile refuses it: nothing applied
-        for i in todo:
-            codes[i] = pb.LEASE_EXPIRED if revoke[i] else commit.codes[i]
+        with self._session_call(ds):
+            codes, seen = ds.put(pack_keys(keys), views, checksums, traffic_class, kind, timeout_ms, epoch)
+        self._seen(seen)
         return codes
 
     # -- reads ------------------------------------------------------------------------------
 
-    def get_plan(self, keys: Sequence[bytes], lease_ms: int = 0, lease_id: int = 0, kind: int = pb.BLOCK,
-                 epoch: int = 0, timeout: float | None = None) -> GetPlan:
-        r = self._rpc(self.stub.Get, pb.GetRequest(keys=pack_keys(keys), lease_ms=lease_ms, lease_id=lease_id,
-                                                   kind=grpc_status.as_kind(kind), epoch=epoch), timeout)
-        return GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums), list(r.tokens),
-                       r.lease_id, r.location, r.epoch)
-
-    def fetch_into(self, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[pb.Code]:
-        """Move the bytes of a :class:`GetPlan` into ``buffers`` (sized to ``plan.sizes``); verify."""
-        codes = list(plan.codes)
-        todo = [i for i, c in enumerate(codes) if c == pb.OK and buffers[i] is not None]
-        reqs = []
-        for i in todo:
-            buf = buffers[i]
-            assert buf is not None
-            if len(buf) < plan.sizes[i]:
-                raise errors.InvalidArgument(f"buffer {i} has {len(buf)} bytes, object has {plan.sizes[i]}")
-            reqs.append(TransferRequest("read", buf[:plan.sizes[i]], plan.location.segment, plan.offsets[i],
-                                        plan.sizes[i], plan.tokens[i]))
-        if reqs:
-            bad = bytearray(len(reqs))
-
-            def verify(j: int, st: TransferStatus) -> None:
-                # Runs on a transport thread as each request lands, so hashing one object
-                # overlaps the network moving the next (the hash holds the GIL, recv does not).
-                if st.ok and checksum(reqs[j].local) != plan.checksums[todo[j]]:
-                    bad[j] = 1
-
-            statuses = self.engine.submit(plan.location.transfer_address, reqs,
-                                          verify if self.verify else None).wait()
-            for j, (i, st) in enumerate(zip(todo, statuses, strict=True)):
-                if not st.ok:
-                    codes[i] = pb.LEASE_EXPIRED
-                elif bad[j]:
-                    codes[i] = pb.CHECKSUM
-        return codes
-
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], lease_ms: int = 0,
-                 kind: int = pb.BLOCK) -> list[pb.Code]:
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], kind: int = pb.BLOCK) -> list[pb.Code]:
         """Read objects into caller-owned buffers; per-item codes (NOT_FOUND, CHECKSUM, ...)."""
         views = [as_bytes_view(b) for b in buffers]
-        if self.session() is not None:
-            return self.read(keys, lambda i, size: views[i], kind).codes
-        plan = self.get_plan(keys, lease_ms, kind=kind)
-        try:
-            return self.fetch_into(plan, views)
-        finally:
-            self.release_async([plan.lease_id])
+        return self.read(keys, lambda i, size: views[i], kind).codes
 
     def read(self, keys: Sequence[bytes] | bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0,
-             lease_ms: int = 0, streams: int | None = None, timeout: float | None = None,
+             streams: int | None = None, timeout: float | None = None,
              bytes_per_second: float = 0.0) -> ReadResult:
         """Read objects into the memory ``dest(i, size)`` hands out once each size is known (None:
         skip it, the item's code is then INVALID); per-item codes, sizes and checksums.
@@ -399,21 +274,11 @@ class StoreClient:
         ``error`` set)."""
         blob = keys if isinstance(keys, bytes) else pack_keys(keys)
         ds = self.session(timeout)
-        if ds is not None:
-            with self._session_call(ds):
-                r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen, streams, timeout,
-                            bytes_per_second)
-            self._seen(r.epoch)
-            return r
-        plan = self.get_plan(unpack_keys(blob), lease_ms, lease_id, kind, timeout=timeout)
-        try:
-            bufs = [dest(i, plan.sizes[i]) if c == pb.OK else None for i, c in enumerate(plan.codes)]
-            codes = self.fetch_into(plan, [b if b is None or len(b) >= plan.sizes[i] else None
-                                           for i, b in enumerate(bufs)])
-        finally:
-            self.release_async([plan.lease_id])
-        codes = [pb.INVALID if c == pb.OK and bufs[i] is None else c for i, c in enumerate(codes)]
-        return ReadResult(codes, plan.sizes, plan.checksums, plan.epoch)
+        with self._session_call(ds):
+            r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen, streams, timeout,
+                        bytes_per_second)
+        self._seen(r.epoch)
+        return r
 
     def read_ranges(self, keys: Sequence[bytes] | bytes, per_key: Sequence[Any], buffers: Sequence[memoryview | None],
                     kind: int = pb.BLOCK, lease_id: int = 0, verify_object: bool = False,
@@ -421,8 +286,7 @@ class StoreClient:
         """Sparse read: only the byte ranges ``per_key[i]`` (``(offset, length)`` pairs) of each
         object, back to back into ``buffers[i]``; per-item codes (INVALID for ranges that break a
         rule of :mod:`kvpool.core.ranges` or a buffer too small, NOT_FOUND, CHECKSUM) and the objects'
-        sizes.  Only over the data session: a node without one raises
-        :class:`~kvpool.core.errors.Unsupported` (the gRPC API has no ranged read)."""
+        sizes."""
         blob = keys if isinstance(keys, bytes) else pack_keys(keys)
         n = len(blob) // KEY_BYTES
         if len(per_key) != n or len(buffers) != n:
@@ -435,8 +299,6 @@ class StoreClient:
             if why:
                 bad.append(i)  # refused here: sent as no buffer, so never asked for
         ds = self.session(timeout)
-        if ds is None:
-            raise errors.Unsupported(f"store node {self.address} serves no data session: no ranged reads")
         refused = set(bad)
         bufs = [None if i in refused else (as_bytes_view(b) if b is not None else None)
                 for i, b in enumerate(buffers)]
@@ -464,22 +326,13 @@ class StoreClient:
 
     def get(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[bytearray | None]:
         """Convenience read into fresh buffers (tests, tools); None for misses."""
-        if self.session() is not None:
-            fresh: dict[int, bytearray] = {}
+        fresh: dict[int, bytearray] = {}
 
-            def dest(i: int, size: int) -> memoryview:
-                fresh[i] = bytearray(size)
-                return memoryview(fresh[i])
-            codes = self.read(keys, dest, kind).codes
-            return [fresh[i] if c == pb.OK else None for i, c in enumerate(codes)]
-        plan = self.get_plan(keys, kind=kind)
-        bufs: list[bytearray | None] = [bytearray(s) if c == pb.OK else None
-                                        for c, s in zip(plan.codes, plan.sizes, strict=True)]
-        try:
-            codes = self.fetch_into(plan, [memoryview(b) if b is not None else None for b in bufs])
-        finally:
-            self.release([plan.lease_id])
-        return [b if c == pb.OK else None for b, c in zip(bufs, codes, strict=True)]
+        def dest(i: int, size: int) -> memoryview:
+            fresh[i] = bytearray(size)
+            return memoryview(fresh[i])
+        codes = self.read(keys, dest, kind).codes
+        return [fresh[i] if c == pb.OK else None for i, c in enumerate(codes)]
 
     # -- admin ------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ import numpy.typing as npt
 
 from kvpool.pool.node_client import StoreClient
 from kvpool.store.node import DEFAULT_TENANT, Entry, StoreNode
-from kvpool.transfer import TransferEngine
 
 log = logging.getLogger("kvpool.store.push")
 
@@ -131,11 +130,10 @@ def push_batch(node: StoreNode, client: StoreClient, batch: Sequence[Entry], epo
 
 
 class Targets:
-    """One client per (target address, tenant token), over one transfer engine; a context manager."""
+    """One client per (target address, tenant token); a context manager."""
 
     def __init__(self, node: StoreNode) -> None:
         self.node = node
-        self.engine = TransferEngine()
         self.clients: dict[tuple[str, str], StoreClient] = {}
 
     def client(self, address: str, tenant_id: str) -> StoreClient | None:
@@ -148,13 +146,12 @@ class Targets:
         ck = (address, token)
         c = self.clients.get(ck)
         if c is None:
-            c = self.clients[ck] = StoreClient(address, token, engine=self.engine)
+            c = self.clients[ck] = StoreClient(address, token)
         return c
 
     def close(self) -> None:
         for c in self.clients.values():
             c.close()
-        self.engine.close()
 
     def __enter__(self) -> Targets:
         return self

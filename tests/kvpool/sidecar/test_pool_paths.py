@@ -1,6 +1,5 @@
-"""The sidecar's pool traffic over both store paths: the data session (default) and gRPC plus the
-transfer engine (store nodes started with ``dataSession: false``).  Same bytes, same answers,
-and a read that follows a match drops the match's pins at the store nodes in its own round trip."""
+"""The sidecar's pool traffic over the store nodes' data session: the bytes and answers, and a read
+that follows a match drops the match's pins at the store nodes in its own round trip."""
 
 from __future__ import annotations
 
@@ -19,14 +18,11 @@ from kvpool.pool.node_client import StoreClient
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
-CLUSTER = {"stores": 2, "sidecars": 2, "store_bytes": 64 * MiB, "local_bytes": 32 * MiB,
-           "store_config": {"dataSession": False}}
 
 
-@pytest.fixture(params=["session", "grpc"])
-def cluster(request: pytest.FixtureRequest) -> Any:
-    name = "shared" if request.param == "session" else "module_cluster"
-    return request.getfixturevalue(name)
+@pytest.fixture
+def cluster(shared: LocalCluster) -> LocalCluster:
+    return shared
 
 
 def _settled(h: Any, client: Any) -> None:
@@ -38,11 +34,6 @@ def _by_node(lc: Any, keys: list[bytes]) -> dict[str, list[bytes]]:
     for k, i in zip(keys, owners(b"".join(keys), lc.store_ids)[:, 0].tolist(), strict=True):
         out.setdefault(lc.stores[i], []).append(k)
     return out
-
-
-def test_the_store_path_is_the_one_the_nodes_offer(cluster: Any, request: pytest.FixtureRequest) -> None:
-    with StoreClient(cluster.stores[0]) as c:
-        assert (c.session() is not None) == ("session" in request.node.callspec.id)
 
 
 def test_remote_reads_and_matches(cluster: Any, h: Any, rng: random.Random) -> None:
@@ -81,11 +72,9 @@ def test_a_read_after_a_match_drops_its_pins_at_the_nodes(cluster: Any, h: Any, 
 
 
 def test_a_released_match_drops_its_pins_with_the_next_frame_to_each_node(
-        cluster: Any, h: Any, rng: random.Random, request: pytest.FixtureRequest) -> None:
-    """A match released without a read: over the data session its pool leases ride on the next
-    frame to their nodes (no release round trip); over gRPC each is a release call of its own.
-    Either way no pin is left behind."""
-    session = "session" in request.node.callspec.id
+        cluster: Any, h: Any, rng: random.Random) -> None:
+    """A match released without a read: its pool leases ride on the next frame to their nodes (no
+    release round trip), and no pin is left behind."""
     with cluster.connect(0) as a, cluster.connect(1) as b:
         keys = h.keys(rng, 12)
         assert a.put(keys, h.values(rng, [8 * KiB] * 12)) == [pb.OK] * 12
@@ -102,7 +91,7 @@ def test_a_released_match_drops_its_pins_with_the_next_frame_to_each_node(
         after = h.counters(b)
         sent = after["pool_match_releases_sent"] - before["pool_match_releases_sent"]
         carried = after["pool_match_releases_carried"] - before["pool_match_releases_carried"]
-        assert (sent, carried) == ((0, len(groups)) if session else (len(groups), 0))
+        assert (sent, carried) == (0, len(groups))
         for address, ks in groups.items():
             with StoreClient(address) as node:
                 h.wait_for(lambda node=node, ks=ks: node.remove(ks) == [pb.OK] * len(ks),  # type: ignore[misc]
@@ -173,23 +162,3 @@ def test_a_sidecar_stopped_right_after_a_release_drops_the_pool_pins(shared: Loc
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(timeout=60) == 0
     _pins_go(h, shared, keys, "the deferred drops sent at the sidecar's close")
-
-
-def test_ranged_reads_of_nodes_without_the_session_are_unsupported(module_cluster: Any, h: Any,
-                                                                   rng: random.Random) -> None:
-    """The gRPC path has no ranged read: a sidecar says UNSUPPORTED for pool objects (and never
-    fetches them whole instead); its own local objects are still served."""
-    from kvpool.core import errors
-    with module_cluster.connect(0) as a, module_cluster.connect(1) as b:
-        [key] = h.keys(rng, 1)
-        [value] = h.values(rng, [64 * KiB])
-        assert a.put([key], [value]) == [pb.OK]
-        _settled(h, a)
-        with a.get_ranges(key, [(1, 3)]) as views:
-            assert bytes(views[0]) == value[1:4]
-        used = b.stats().local_objects
-        with b.get_ranges_many([key], [[(1, 3)]]) as got:
-            assert got.codes == [pb.UNSUPPORTED]
-        with pytest.raises(errors.Unsupported):
-            b.get_ranges(key, [(1, 3)])
-        assert b.stats().local_objects == used

@@ -1,5 +1,5 @@
-"""The data session on real nodes: the same answers as the gRPC path, tokens, duplicates that cost
-no bytes, killed writers, malformed frames, checksums, match leases, and the gRPC fallback."""
+"""The data session on real nodes: per-item answers, tokens, duplicates that cost no bytes, killed
+writers, malformed frames, checksums, match leases, and a node without the session (no data)."""
 
 from __future__ import annotations
 
@@ -56,10 +56,8 @@ class Raw(RawConnection):
         return self.response()[0].status == 0
 
 
-@pytest.mark.parametrize("path", [True, False], ids=["session", "grpc"])
-def test_both_paths_give_the_same_answers(nodes: Any, h: Any, rng: random.Random, path: bool) -> None:
-    c = nodes["open"].client(data_session=path)
-    assert (c.session() is not None) == path
+def test_the_data_session_answers_per_item(nodes: Any, h: Any, rng: random.Random) -> None:
+    c = nodes["open"].client()
     keys = h.rand_keys(rng, 7)
     vals = h.rand_values(rng, [1, 4 * KiB, 100_000, 1 * MiB, 3, 65 * KiB, 2 * MiB + 1])
     assert c.put(keys[:3], vals[:3]) == [pb.OK] * 3
@@ -88,7 +86,6 @@ def test_both_paths_give_the_same_answers(nodes: Any, h: Any, rng: random.Random
 def test_tokens_quota_and_tenant_isolation(nodes: Any, h: Any, rng: random.Random) -> None:
     node = nodes["tenants"]
     a, b = node.client("tok-alpha"), node.client("tok-beta")
-    assert a.session() is not None and b.session() is not None
     [key] = h.rand_keys(rng, 1)
     assert a.put([key], [b"alpha bytes"]) == [pb.OK]
     assert b.get([key]) == [None] and b.exists([key]).present == [False]
@@ -184,7 +181,7 @@ def test_a_read_takes_as_many_connections_as_it_is_told(nodes: Any, h: Any, rng:
         keys = h.rand_keys(rng, 4)
         assert client.put(keys, [bytes([k]) * 1000 for k in range(4)]) == [pb.OK] * 4
         ds = client.session()
-        assert ds is not None and ds.connections == 2
+        assert ds.connections == 2
         for streams, want in ((1, 1), (None, 2)):
             for s in ds._idle:
                 s.close()
@@ -429,24 +426,23 @@ def test_buffers_that_are_too_small_or_refused(nodes: Any, h: Any, rng: random.R
     c.remove(keys)
 
 
-def test_a_node_without_the_session_is_served_over_grpc(nodes: Any, h: Any, rng: random.Random) -> None:
+def test_a_node_without_the_session_serves_no_data(nodes: Any, h: Any, rng: random.Random) -> None:
+    """The data session is the one data path: a node without it is unreachable for data (its
+    admin and cold calls still answer), never served another way."""
     node = nodes["legacy"]
     c = node.client()
-    assert c.session() is None
     keys = h.rand_keys(rng, 4)
-    vals = h.rand_values(rng, [10, 20 * KiB, 1, MiB])
-    assert c.put(keys, vals) == [pb.OK] * 4
-    assert [bytes(g) if g is not None else None for g in c.get(keys)] == vals
-    assert c.exists(keys).prefix == 4
     with pytest.raises(errors.Unavailable):
-        StoreClient(node.address, data_session=True).session()
+        c.put(keys, [b"v"] * 4)
+    with pytest.raises(errors.Unavailable):
+        c.session()
+    assert c.health().ok
     raw = Raw(node)  # the transfer protocol there: an unknown magic closes the connection
     try:
         raw.request(dp.OP_HELLO, dp.HELLO_PADDING, b"")
         assert raw.closed_by_peer()
     finally:
         raw.close()
-    c.remove(keys)
 
 
 def test_a_broken_idle_connection_is_replaced_once(nodes: Any, h: Any, rng: random.Random) -> None:
@@ -456,7 +452,7 @@ def test_a_broken_idle_connection_is_replaced_once(nodes: Any, h: Any, rng: rand
     [key] = h.rand_keys(rng, 1)
     assert c.put([key], [b"v"]) == [pb.OK]
     ds = c.session()
-    assert ds is not None and ds._idle
+    assert ds._idle
     for s in list(ds._idle):
         s._sock.shutdown(socket.SHUT_RDWR)
     assert c.exists([key]).present == [True]
@@ -477,7 +473,7 @@ def test_a_node_back_on_another_transfer_port_is_found_again(stores: Any, h: Any
         [key] = h.rand_keys(rng, 1)
         assert c.put([key], [b"one"]) == [pb.OK]
         old = c.session()
-        assert old is not None and old.address == first.transfer_address
+        assert old.address == first.transfer_address
         first.kill()
         second = stores.start("8MiB", extra=listen)
         assert second.address == first.address and second.transfer_address != first.transfer_address
@@ -485,7 +481,7 @@ def test_a_node_back_on_another_transfer_port_is_found_again(stores: Any, h: Any
             c.get([key])
         assert c.put([key], [b"two"]) == [pb.OK]  # a fresh node: the old object died with the first
         ds = c.session()
-        assert ds is not None and ds.address == second.transfer_address
+        assert ds.address == second.transfer_address
         assert [bytes(g) for g in c.get([key]) if g] == [b"two"]
     finally:
         c.close()

@@ -8,8 +8,6 @@ import random
 import time
 from typing import Any
 
-import pytest
-
 from kvpool.core.ring import owners
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -28,12 +26,11 @@ def _set_ring(ring: pb.Ring, *nodes: Any) -> None:
         assert n.client(ADMIN).set_ring(ring).epoch == ring.epoch
 
 
-@pytest.mark.parametrize("session", [True, False], ids=["data-session", "grpc"])
 def test_a_put_routed_by_a_stale_epoch_is_refused_for_the_keys_the_node_does_not_own(
-        stores: Any, h: Any, rng: random.Random, session: bool) -> None:
+        stores: Any, h: Any, rng: random.Random) -> None:
     a, b = stores.start_many({"store-a": {"admin_token": ADMIN}, "store-b": {"admin_token": ADMIN}}).values()
     _set_ring(_ring(1, (a, "active")), a, b)
-    ca = a.client(data_session=session)
+    ca = a.client()
     held = h.rand_keys(rng, 8)  # written at epoch 1, when a owned everything
     assert ca.put(held, [b"old"] * 8, epoch=1) == [pb.OK] * 8
     _set_ring(_ring(2, (a, "active"), (b, "active")), a, b)
@@ -59,7 +56,7 @@ def test_a_put_routed_by_a_stale_epoch_is_refused_for_the_keys_the_node_does_not
         more = h.rand_keys(rng, 16)
         assert ca.put(more, [b"v"] * 16, epoch=epoch) == [pb.OK] * 16
     # b, at the newest epoch too, takes its keys from the writer that learnt the ring.
-    cb = b.client(data_session=session)
+    cb = b.client()
     assert cb.put(refused, [vals[keys.index(k)] for k in refused], epoch=2) == [pb.OK] * len(refused)
 
 

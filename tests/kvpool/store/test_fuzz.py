@@ -48,12 +48,13 @@ def expected(token: str, key: bytes, kind: int, n: int) -> bytes:
 
 
 class Fuzzer:
-    def __init__(self, node: Any, rng: random.Random, keys: list[bytes], data_session: bool) -> None:
+    def __init__(self, node: Any, rng: random.Random, keys: list[bytes], h: Any) -> None:
         self.node = node
+        self.h = h
         self.rng = rng
         self.keys = keys
-        self.clients = {t: node.client(t, data_session=data_session) for t in TOKENS}
-        self.raw_clients = {t: node.client(t, verify=False, data_session=data_session) for t in TOKENS}
+        self.clients = {t: node.client(t) for t in TOKENS}
+        self.raw_clients = {t: node.client(t, verify=False) for t in TOKENS}
         self.stub = node.stub()
         self.engine = TransferEngine(stall_timeout=5.0)
         self.stale: list[tuple[str, Any, list[bytes], int]] = []
@@ -164,13 +165,13 @@ class Fuzzer:
         token = self.rng.choice(TOKENS)
         kind = self.kind()
         keys = self.some_keys()
-        plan = self.clients[token].get_plan(keys, lease_ms=self.rng.randint(1, 200), kind=kind)
+        plan = self.h.get_plan(self.clients[token], keys, lease_ms=self.rng.randint(1, 200), kind=kind)
         self.stale.append((token, plan, keys, kind))
         if len(self.stale) > 6 or self.rng.random() < 0.3:
             token, plan, keys, kind = self.stale.pop(self.rng.randrange(len(self.stale)))
             bufs = [bytearray(s) if c == pb.OK else None for c, s in zip(plan.codes, plan.sizes, strict=True)]
             # Without client-side verification: the node's guard alone must keep stale plans out.
-            codes = self.raw_clients[token].fetch_into(plan, [memoryview(b) if b is not None else None
+            codes = self.h.fetch_into(self.raw_clients[token], plan, [memoryview(b) if b is not None else None
                                                               for b in bufs])
             for k, c, b in zip(keys, codes, bufs, strict=True):
                 if c == pb.OK and b is not None:
@@ -284,14 +285,13 @@ def nodes(module_stores: Any) -> Any:
         "all-tiers": {"dram": "4MiB", "tenants": TENANTS, "ssd": "6MiB", "sharedfs": module_stores.tmp / "fs"}})
 
 
-@pytest.mark.parametrize("path", ["session", "grpc"])
 @pytest.mark.parametrize("tiers", ["dram", "all-tiers"])
-def test_random_request_sequences(nodes: Any, h: Any, request: pytest.FixtureRequest, tiers: str, path: str) -> None:
-    """Both client paths: the data session and the gRPC calls + transfer engine (compat)."""
+def test_random_request_sequences(nodes: Any, h: Any, request: pytest.FixtureRequest, tiers: str) -> None:
+    """The client's data session, and the node's gRPC data calls driven by hand (raw puts, stale plans)."""
     node = nodes[tiers]
     seed = f"{request.node.nodeid}"
     keys = h.rand_keys(random.Random(seed), 24)
-    fuzzers = [Fuzzer(node, random.Random(f"{seed}/{i}"), keys, path == "session") for i in range(2)]
+    fuzzers = [Fuzzer(node, random.Random(f"{seed}/{i}"), keys, h) for i in range(2)]
     threads = [threading.Thread(target=f.run, args=(OPS_PER_THREAD,)) for f in fuzzers]
     for t in threads:
         t.start()

@@ -146,10 +146,10 @@ def test_revoke_frees_the_reservation(nodes: Any, h: Any, rng: random.Random) ->
     assert c.exists([keys[1]]).prefix == 0
 
 
-def _stale_fetch(node: Any, plan: Any, size: int, verify: bool) -> tuple[int, bytes]:
+def _stale_fetch(h: Any, node: Any, plan: Any, size: int, verify: bool) -> tuple[int, bytes]:
     c = node.client(verify=verify)
     buf = bytearray(size)
-    [code] = c.fetch_into(plan, [memoryview(buf)])
+    [code] = h.fetch_into(c, plan, [memoryview(buf)])
     return code, bytes(buf)
 
 
@@ -161,26 +161,26 @@ def test_expired_lease_fails_closed(nodes: Any, h: Any, rng: random.Random) -> N
     va, vb = rng.randbytes(size), rng.randbytes(size)
     assert c.put([ka], [va]) == [pb.OK]
     t0 = time.monotonic()
-    plan = c.get_plan([ka], lease_ms=1000)
+    plan = h.get_plan(c, [ka], lease_ms=1000)
     assert plan.codes == [pb.OK]
     # Within the lease the plan reads the object.
-    code, got = _stale_fetch(node, plan, size, verify=True)
+    code, got = _stale_fetch(h, node, plan, size, verify=True)
     assert code == pb.OK and got == va
     # Pinned: removing it is refused while the lease lives.
     assert c.remove([ka]) == [pb.IN_FLIGHT]
     time.sleep(max(0.0, t0 + 1.1 - time.monotonic()))
     # Lease gone, object still there: the stale plan is refused, not served.
     for verify in (True, False):
-        code, _ = _stale_fetch(node, plan, size, verify)
+        code, _ = _stale_fetch(h, node, plan, size, verify)
         assert code == pb.LEASE_EXPIRED
     # Recycle the slot: remove the object and write another one of the same size.
     assert c.remove([ka]) == [pb.OK]
     assert c.put([kb], [vb]) == [pb.OK]
-    plan_b = c.get_plan([kb])
+    plan_b = h.get_plan(c, [kb])
     assert plan_b.offsets == plan.offsets, "the new object should reuse the freed slot"
     c.release([plan_b.lease_id])
     for verify in (True, False):
-        code, got = _stale_fetch(node, plan, size, verify)
+        code, got = _stale_fetch(h, node, plan, size, verify)
         assert code in (pb.LEASE_EXPIRED, pb.CHECKSUM)
         assert code != pb.OK
         if not verify:
@@ -194,7 +194,7 @@ def test_slot_recycled_by_eviction_fails_closed(nodes: Any, h: Any, rng: random.
     keys = h.rand_keys(rng, 40)
     vals = h.rand_values(rng, [size] * 40)
     assert c.put(keys[:1], vals[:1]) == [pb.OK]
-    plan = c.get_plan(keys[:1], lease_ms=100)
+    plan = h.get_plan(c, keys[:1], lease_ms=100)
     time.sleep(0.2)
     # Write pressure: far more than the arena, so the first object is evicted and its slot reused.
     for i in range(1, 40, 4):
@@ -202,7 +202,7 @@ def test_slot_recycled_by_eviction_fails_closed(nodes: Any, h: Any, rng: random.
     assert c.exists(keys[:1]).prefix == 0
     assert c.stats().counters["evicted"] > 0
     for verify in (True, False):
-        code, got = _stale_fetch(node, plan, size, verify)
+        code, got = _stale_fetch(h, node, plan, size, verify)
         assert code in (pb.LEASE_EXPIRED, pb.CHECKSUM)
         if not verify:
             assert got not in vals, "the guard let a stale plan read another object's bytes"

@@ -99,12 +99,12 @@ def _response_code(sock: socket.socket) -> int:
     return int(code)
 
 
-def test_malformed_transfer_frames(shared_store: Any, rng: random.Random) -> None:
+def test_malformed_transfer_frames(shared_store: Any, h: Any, rng: random.Random) -> None:
     addr = shared_store.transfer_address
     c = shared_store.client()
     key, val = rng.randbytes(32), rng.randbytes(8 * KiB)
     assert c.put([key], [val]) == [pb.OK]
-    plan = c.get_plan([key], lease_ms=30000)
+    plan = h.get_plan(c, [key], lease_ms=30000)
     seg, off, tok = plan.location.segment.encode(), plan.offsets[0], plan.tokens[0]
     # Per-request refusals keep the connection: wrong token, out of bounds, unknown segment,
     # a write to a committed object (immutable), huge offsets.

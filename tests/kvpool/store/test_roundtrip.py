@@ -82,7 +82,7 @@ def test_prefix_and_presence(shared_store: Any, h: Any, rng: random.Random) -> N
     assert c.exists(keys).prefix == 3
     got = c.get(keys)
     assert [g is not None for g in got] == full.present
-    plan = c.get_plan(keys)
+    plan = h.get_plan(c, keys)
     assert plan.codes == [pb.OK, pb.OK, pb.OK, pb.NOT_FOUND, pb.OK, pb.NOT_FOUND]
     c.release([plan.lease_id])
 

@@ -102,12 +102,12 @@ def test_guessed_transfer_tokens_cannot_read_another_tenants_bytes(nodes: Any, h
     [ka] = h.rand_keys(rng, 1)
     secret = rng.randbytes(size)
     assert a.put([ka], [secret]) == [pb.OK]
-    pa = a.get_plan([ka], lease_ms=30000)
+    pa = h.get_plan(a, [ka], lease_ms=30000)
     # Beta reads one of its own objects and then tries tokens around its own at alpha's offset
     # (an attacker can scan offsets; it must not be able to derive a valid token).
     [kb] = h.rand_keys(rng, 1)
     assert b.put([kb], [rng.randbytes(size)]) == [pb.OK]
-    pb_ = b.get_plan([kb], lease_ms=30000)
+    pb_ = h.get_plan(b, [kb], lease_ms=30000)
     base = pb_.tokens[0]
     candidates = [t for t in range(max(1, base - 64), base + 65) if t != base]
     candidates += [base ^ (1 << i) for i in range(63)]
@@ -128,7 +128,7 @@ def test_recycled_memory_of_another_tenant_is_never_readable(nodes: Any, h: Any,
     [ka] = h.rand_keys(rng, 1)
     secret = rng.randbytes(size)
     assert a.put([ka], [secret]) == [pb.OK]
-    plan = a.get_plan([ka])
+    plan = h.get_plan(a, [ka])
     a.release([plan.lease_id])
     assert a.remove([ka]) == [pb.OK]
     # Beta reserves the freed slot, writes nothing, and commits anyway.
