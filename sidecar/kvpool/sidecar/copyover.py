@@ -1,7 +1,7 @@
 """Copy-over on read: a block found at a fallback (a previous owner) is written to its new owner.
 
 During a ring transition a read that misses at a key's new owner finds the object at the owner
-of an earlier epoch (:func:`kvpool.pool.fanout.fallback_routes`); the object has just landed in
+of an earlier epoch (:func:`kvpool.pool.routing.fallback_routes`); the object has just landed in
 the local tier, so the sidecar hands it to the new owner, and the next reader anywhere finds it
 at the first place it looks.  Off the reader's critical path: the read only offers the blocks to
 a bounded queue and returns; one worker thread writes them.  It sheds rather than blocks: an

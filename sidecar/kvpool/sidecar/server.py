@@ -1132,7 +1132,8 @@ class Sidecar(spbg.SidecarServicer):
                                     traffic_class, kind)
                 codes.update(zip(sel, got, strict=True))
                 stale = [i for i in sel if codes[i] in (pb.DRAINING, pb.WRONG_OWNER)]
-                if not stale or attempt or not self.pool.catch_up(routed):
+                # A writer, not the engine's read path: it may wait (bounded) for the newer ring.
+                if not stale or attempt or not self.pool.catch_up(routed, wait_seconds=self.pool.rpc_timeout):
                     break
                 sel = stale
             for i, c in codes.items():

@@ -13,8 +13,9 @@ import pytest
 
 from kvpool.core import errors
 from kvpool.core.ring import Member, Ring, owners, weights
-from kvpool.pool.fanout import fallback_routes, group_by_owner, node_is_down
+from kvpool.pool.fanout import node_is_down
 from kvpool.pool.node_client import StoreClient
+from kvpool.pool.routing import fallback_routes, group_by_owner
 from kvpool.wire.proto import store_pb2 as pb
 
 

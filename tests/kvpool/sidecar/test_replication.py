@@ -15,8 +15,8 @@ import numpy as np
 from kvpool.apps.cluster import LocalCluster
 from kvpool.core.retry import UNREACHABLE
 from kvpool.core.ring import Member, Ring, owners
-from kvpool.pool.fanout import fallback_routes, merge_replica_codes, write_routes
 from kvpool.pool.node_client import StoreClient
+from kvpool.pool.routing import fallback_routes, merge_replica_codes, write_routes
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -122,7 +122,7 @@ def _pool_match(stores: Any, h: Any, rng: random.Random) -> tuple[Any, Any, Any,
     m = pool.match(arr, lease_ms=60_000)
     assert m.prefix == 4 and len(m.leases) == 1
     pool.release(m.leases)  # deferred: it waits for the next frame to the node
-    assert pool.releases_sent == 0 and pool._deferred
+    assert pool.releases_sent == 0 and pool.leases.deferred
     return pool, first, arr, listen
 
 
@@ -131,7 +131,7 @@ def test_a_deferred_release_of_this_life_is_carried_by_the_next_frame(stores: An
     pool, _, arr, _ = _pool_match(stores, h, rng)  # the control: no restart, the drop goes out
     try:
         assert pool.match(arr, lease_ms=1000).prefix == 4
-        assert pool.releases_carried == 1 and not pool._deferred
+        assert pool.releases_carried == 1 and not pool.leases.deferred
     finally:
         pool.close()
 
@@ -141,7 +141,7 @@ def test_the_pool_drops_a_deferred_release_of_a_node_that_failed(stores: Any, h:
     try:
         first.kill()
         assert pool.match(arr, lease_ms=1000).prefix == 0  # the node is down: misses, and its lease died
-        assert not pool._deferred
+        assert not pool.leases.deferred
         stores.start("8MiB", extra=listen)
         assert pool.flush_deferred() == 0 and pool.releases_sent == 0
     finally:
@@ -159,6 +159,6 @@ def test_the_pool_never_sends_a_release_to_the_next_life(stores: Any, h: Any, rn
         node.client.health()  # any reply of the new life tells its incarnation
         assert node.client.incarnation not in (0, before)
         pool.flush_deferred()  # due, but of the previous life: dropped, not sent
-        assert pool.releases_sent == 0 and pool.releases_carried == 0 and not pool._deferred
+        assert pool.releases_sent == 0 and pool.releases_carried == 0 and not pool.leases.deferred
     finally:
         pool.close()
