@@ -469,8 +469,8 @@ def test_1_two_replicas_run_one_active_both_serve_the_webhook(ha: HA) -> None:
 def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_path: Path) -> None:
     import kvpool
     from kvpool.apps.cluster import spawn, stop_procs
-    from kvpool.pool.routing import write_routes
     from kvpool.pool.node_client import StoreClient
+    from kvpool.pool.routing import write_routes
 
     rel = ha.rel
     st = rel.wait_pool("ha", lambda s: s.get("readyReplicas") == 2 and s.get("phase") == "Ready", 120,

@@ -688,8 +688,8 @@ def test_a_lost_store_node_is_rereplicated_so_a_second_loss_loses_nothing(operat
     a ring without it and the survivors push each block that lost a copy to its new owner
     (Rebalancing reason Rereplicating, then lastRebalance).  Then a second of the original nodes
     dies too, and every object written before the first loss reads back byte-exact from the last."""
-    from kvpool.pool.routing import write_routes
     from kvpool.pool.node_client import StoreClient
+    from kvpool.pool.routing import write_routes
 
     # Paced, so the push lasts a few seconds and its status is seen while it runs.
     create(kube, kvpool("rr", storage={"replicas": 3, "replication": 2, "memberUnreadyGraceSeconds": 3},

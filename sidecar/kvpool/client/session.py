@@ -140,7 +140,7 @@ class FastSession:
                  max_connections: int = 8, incarnation: int = 0,
                  on_new_life: Callable[[int], int] | None = None) -> None:
         self.incarnation = incarnation
-        """The sidecar life the session serves (0: unknown, an older sidecar)."""
+        """The sidecar life the session serves (its HELLO's incarnation)."""
         self.on_new_life = on_new_life
         """Called with the incarnation of a connection to another life; returns the one the
         caller now holds (its own, when it moved to the new life)."""

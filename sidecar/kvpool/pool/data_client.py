@@ -212,12 +212,12 @@ class DataSession:
 
     def hello(self, timeout: float | None = None) -> int:
         """Check that the node serves the data session (its ring epoch); raises
-        :class:`~kvpool.core.errors.Unavailable` when it does not (an older node closes the connection).
+        :class:`~kvpool.core.errors.Unavailable` when it does not (a node without it closes the connection).
         Also the sidecar's probe of a suspect node (``timeout``: the probe's deadline)."""
         def run(stream: Stream, rid: int) -> int:
             stream.send(dp.encode_request(dp.OP_HELLO, rid, dp.HELLO_PADDING, b""))
             resp = self._response(stream, rid, dp.OP_HELLO)[0]
-            self.incarnation = resp.lease_id  # the node's life (its HELLO reply's lease id; 0: older node)
+            self.incarnation = resp.lease_id  # the node's life (its HELLO reply's lease id)
             return resp.epoch
         return int(self._call(run, timeout))
 

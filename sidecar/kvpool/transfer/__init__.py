@@ -1,7 +1,11 @@
 """kvpool.transfer — moves KV bytes between registered memory segments, batch-first.
 
-The control plane (gRPC) says *which* bytes — segment name, offset, length, lease token; this
-package moves them, and nothing else carries payload.
+One-sided moves: a control call says *which* bytes — segment name, offset, length, lease
+token — and this package moves them (the handoff's point-to-point state reads, benchmarks).
+The hot store calls do not go through it: the store's data session (:mod:`kvpool.wire.store_frames`,
+:mod:`kvpool.pool.data_client`) is an RPC that carries its bytes in its own replies, in one
+round trip, over a connection this package's server hands to the store (a session magic,
+:mod:`kvpool.wire.frames`).
 
 Serving side::
 

@@ -271,9 +271,10 @@ def encode_hello(request_id: int, incarnation: int, generation: int, arena_bytes
 
 
 def decode_hello(resp: Response, body: bytes | bytearray | memoryview) -> tuple[int, int, int]:
-    """(incarnation, arena generation, arena bytes) of a HELLO reply; zeros from an older sidecar."""
-    if not resp.flags & FLAG_IDENTITY:
-        return 0, 0, 0
+    """(incarnation, arena generation, arena bytes) of a HELLO reply (:class:`ProtocolError`
+    for a reply that does not name them)."""
+    if not resp.flags & FLAG_IDENTITY or len(body) != IDENTITY.size:
+        raise ProtocolError("HELLO reply without the sidecar's identity")
     generation, arena_bytes = IDENTITY.unpack(bytes(body))
     return resp.ref, generation, arena_bytes
 

@@ -137,9 +137,10 @@ def test_hello_names_the_sidecar_life_and_its_arena() -> None:
     resp = fp.decode_response(blob[:fp.RESPONSE_SIZE])
     assert resp.flags & fp.FLAG_IDENTITY and resp.body_bytes() == fp.IDENTITY.size
     assert fp.decode_hello(resp, blob[fp.RESPONSE_SIZE:]) == ((1 << 62) + 5, 77, 1 << 30)
-    # A sidecar older than incarnations: no body, and zeros (the client then checks nothing).
-    old = fp.decode_response(fp.encode_response(fp.OP_HELLO, 3))
-    assert old.body_bytes() == 0 and fp.decode_hello(old, b"") == (0, 0, 0)
+    # A reply that does not name them is no sidecar's (every one does): the stream is not trusted.
+    anonymous = fp.decode_response(fp.encode_response(fp.OP_HELLO, 3))
+    with pytest.raises(fp.ProtocolError, match="identity"):
+        fp.decode_hello(anonymous, b"")
     # A refused HELLO has no body whatever its flags.
     refused = fp.decode_response(fp.encode_response(fp.OP_HELLO, 3, status=4, flags=fp.FLAG_IDENTITY))
     assert refused.body_bytes() == 0

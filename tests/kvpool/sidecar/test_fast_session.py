@@ -7,11 +7,9 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 import kvpool
-from kvpool.client.client import Client
 from kvpool.client.session import FastSession
 from kvpool.core import errors
 from kvpool.transfer.testing import RawConnection, unix_socket
@@ -50,7 +48,6 @@ def raw(module_cluster: Any) -> Iterator[Raw]:
 def _still_serving(cluster: Any, rng: random.Random) -> None:
     assert cluster.sidecar_procs[0].popen.poll() is None
     with kvpool.connect(cluster.sidecars[0]) as c:
-        assert c.fast_session
         keys = [rng.randbytes(32) for _ in range(2)]
         values = [rng.randbytes(100), rng.randbytes(5000)]
         assert c.put(keys, values) == [pb.OK, pb.OK]
@@ -58,39 +55,10 @@ def _still_serving(cluster: Any, rng: random.Random) -> None:
             assert [bytes(v) for v in got] == values
 
 
-def test_fast_and_grpc_clients_give_the_same_answers(module_cluster: Any, rng: random.Random) -> None:
-    fast = Client(module_cluster.sidecars[0], fast=True)
-    slow = Client(module_cluster.sidecars[0], fast=False)
-    try:
-        assert fast.fast_session and not slow.fast_session
-        for writer, reader in ((fast, slow), (slow, fast)):
-            keys = [rng.randbytes(32) for _ in range(5)]
-            values = [rng.randbytes(s) for s in (1, 4096, 4 * MiB + 1, 77, 5 * MiB)]  # over the parallel-copy size
-            assert writer.put(keys[:4], values[:4]) == [pb.OK] * 4
-            assert writer.put(keys[:1], values[:1]) == [pb.ALREADY_EXISTS]
-            assert reader.match(keys) == 4 and reader.match_lease(keys[1:])[0] == 3
-            with reader.get(keys[:4]) as got:
-                assert [bytes(v) for v in got] == values[:4]
-            with pytest.raises(errors.NotFound):
-                reader.get(keys)
-            outs = [bytearray(len(v) + 3) for v in values]
-            assert reader.get_into(keys, outs) == [len(v) for v in values[:4]] + [-1]
-            assert all(bytes(o[:len(v)]) == v for o, v in zip(outs[:4], values[:4], strict=True))
-            assert writer.put(keys[4:], values[4:]) == [pb.OK]
-            big = np.zeros(len(values[4]) + 1, np.uint8)  # a numpy destination, larger than the object
-            assert reader.get_into(keys[4:], [big]) == [len(values[4])]
-            assert bytes(big[:-1]) == values[4]
-            assert reader.remove(keys) == [pb.OK] * 5
-    finally:
-        fast.close()
-        slow.close()
-
-
 def test_a_one_way_release_frees_the_lease(module_cluster: Any, rng: random.Random, h: Any) -> None:
     """A removed object stays allocated while a read lease pins it; the release that the fast
     session sends without waiting frees it (seen in the sidecar's used bytes)."""
     with kvpool.connect(module_cluster.sidecars[0]) as c:
-        assert c.fast_session
         [key] = [rng.randbytes(32)]
         assert c.put([key], [rng.randbytes(2 * MiB)]) == [pb.OK]
         h.wait_for(lambda: c.stats().pending_pool_bytes == 0, what="write-through")
@@ -171,16 +139,11 @@ def test_truncated_frames_never_wedge_the_sidecar(module_cluster: Any, rng: rand
     _still_serving(module_cluster, rng)
 
 
-def test_a_client_without_the_fast_socket_uses_grpc(module_cluster: Any, rng: random.Random,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_client_without_the_fast_socket_is_refused(module_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast session is the one wire for the hot calls: no gRPC fallback to fall into."""
     monkeypatch.setattr("kvpool.client.client.fast_socket_path", lambda p: p + ".nothing-here")
-    with kvpool.connect(module_cluster.sidecars[0]) as c:
-        assert not c.fast_session
-        keys = [rng.randbytes(32)]
-        assert c.put(keys, [b"over grpc"]) == [pb.OK]
-        assert c.match(keys) == 1
-        with c.get(keys) as got:
-            assert bytes(got[0]) == b"over grpc"
+    with pytest.raises(errors.Unavailable, match="no fast session"):
+        kvpool.connect(module_cluster.sidecars[0])
 
 
 def test_a_forked_child_opens_its_own_connections(module_cluster: Any, rng: random.Random) -> None:

@@ -21,7 +21,6 @@ import numpy as np
 
 from kvpool.apps import demo
 from kvpool.apps.cluster import LocalCluster
-from kvpool.client.client import Client
 from kvpool.core import errors
 from kvpool.core.planning import plan_hit
 from kvpool.pool.node_client import StoreClient
@@ -229,18 +228,5 @@ def test_put_into_a_tier_pinned_full_streams_from_client_memory() -> None:
             with open(f"/proc/{lc.sidecar_pids[0]}/maps") as f:
                 maps = f.read()
             assert "kvpool-spill" not in maps and "kvpool-put" not in maps
-        finally:
-            c.close()
-
-
-def test_put_without_the_fast_session_into_a_tier_pinned_full_is_refused() -> None:
-    """Over gRPC only there is no client memory to stream from: NO_SPACE per item, at once."""
-    with LocalCluster(stores=1, sidecars=1, store_bytes=64 * MiB, local_bytes=1 * MiB) as lc:
-        c = Client(lc.sidecars[0], fast=False)
-        try:
-            keys = [os.urandom(32) for _ in range(16)]
-            assert c.put(keys, _values(16, 64 * KiB)) == [pb.OK] * 16
-            with c.get(keys):
-                assert c.put([os.urandom(32)], _values(1, 64 * KiB)) == [pb.NO_SPACE]
         finally:
             c.close()

@@ -115,8 +115,7 @@ def test_quota_holds_after_a_scale_up(replication: int, h: Any, rng: random.Rand
         _assert_within_quota(lc, "after the scale-up")
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast-session", "grpc"])
-def test_writer_sees_quota_exceeded(fast: bool, h: Any, rng: random.Random) -> None:
+def test_writer_sees_quota_exceeded(h: Any, rng: random.Random) -> None:
     """``put(wait=True)``: the pool's per-key verdict, and it is the truth: what it calls OK a
     fresh sidecar of the tenant reads from the pool, what it refused is not there."""
     with _cluster(1, sidecars=2) as lc:
@@ -125,8 +124,7 @@ def test_writer_sees_quota_exceeded(fast: bool, h: Any, rng: random.Random) -> N
         keys = h.keys(rng, 2 * MiB // OBJECT)
         values = [rng.randbytes(OBJECT) for _ in keys]
         codes: list[int] = []
-        with Client(lc.sidecars[0], fast=fast) as c:
-            assert c.fast_session == fast
+        with Client(lc.sidecars[0]) as c:
             h.wait_for(lambda: c.stats().ring_epoch == lc.epoch, what="the sidecar to learn the ring")
             for i in range(0, len(keys), BATCH):
                 codes += c.put(keys[i:i + BATCH], values[i:i + BATCH], wait=True)
