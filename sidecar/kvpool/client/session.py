@@ -1,11 +1,12 @@
-"""Client side of the sidecar fast session (:mod:`kvpool.wire.sidecar_frames`).
+"""Client side of the sidecar fast session (:mod:`kvpool.wire.sidecar_frames`): the one wire of
+the hot calls (match, read, read into registered memory, write, write from it, release).
 
 :class:`FastSession` keeps a few unix-socket connections to the sidecar's ``<socket>.fast``
 (one per thread calling at the same time, at most ``max_connections``; more callers wait for
 one), each greeted with the tenant the client expects.  Every call is one frame out and one
 frame in; a release after a finished copy is one frame out and none in.  A connection that
 breaks or sends a frame that does not parse is closed and the call raises
-:class:`~kvpool.core.errors.Unavailable` (the caller's gRPC path is still there).  Every call has a
+:class:`~kvpool.core.errors.Unavailable` (the next call opens another connection).  Every call has a
 bound (``timeout``, per call or the session's): one that passes it raises
 :class:`~kvpool.core.errors.DeadlineExceeded` and its connection is closed (a late answer would put the
 stream out of step); the next call opens another, greeted within the same bound.
@@ -13,7 +14,7 @@ stream out of step); the next call opens another, greeted within the same bound.
 Sidecar lives: every connection's HELLO reply names the sidecar's incarnation.  A connection to
 another life than the one the session holds (the sidecar was restarted) calls ``on_new_life``
 before it is used (the client remaps its arena and forgets the old life's leases there) and is
-refused if the client does not move to it; idle connections of an older life are dropped.  A
+refused if the client does not move to it; idle connections of a previous life are dropped.  A
 call whose frame could not even be sent (the sidecar of an idle connection died) is sent once
 more on a new connection: nothing of it reached the sidecar.  Each call's result is returned
 with the incarnation of the connection that answered it, for the client's last check.
@@ -197,7 +198,7 @@ class FastSession:
                 if self._closed:
                     raise errors.Unavailable("fast session closed")
                 while self._idle and self._idle[-1].incarnation != self.incarnation:
-                    self._idle.pop().close()  # of an older life: its sidecar is gone
+                    self._idle.pop().close()  # of a previous life: its sidecar is gone
                     self._open -= 1
                 if self._idle:
                     return self._idle.pop()

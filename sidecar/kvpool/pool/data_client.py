@@ -23,13 +23,10 @@ not arrive are LEASE_EXPIRED ("nothing was read"), and ``ReadResult.error`` says
 
 from __future__ import annotations
 
-import itertools
 import secrets
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -38,8 +35,8 @@ from kvpool.core import errors, ranges
 from kvpool.core.checksum import checksum
 from kvpool.core.deadlines import read_seconds
 from kvpool.core.keys import KEY_BYTES
-from kvpool.transfer.stream import STALL_ERRORS, Stream, connect
-from kvpool.transfer.tcp import parse_address
+from kvpool.pool.streams import StreamPool, split_parts
+from kvpool.transfer.stream import STALL_ERRORS, Stream
 from kvpool.wire import store_frames as dp
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -63,133 +60,8 @@ class ExistsReply(NamedTuple):
     epoch: int
 
 
-def split_parts(n: int, parts: int) -> list[range]:
-    """Contiguous, nearly equal index ranges (at most ``parts``, none empty; none for n = 0)."""
-    if n <= 0:
-        return []
-    parts = max(1, min(parts, n))
-    step, extra = divmod(n, parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + step + (1 if p < extra else 0)
-        out.append(range(start, end))
-        start = end
-    return out
-
-
-class DataSession:
+class DataSession(StreamPool):
     """Connections to one node's data session; see the module docstring."""
-
-    def __init__(self, address: str, token: str = "", timeout: float = 10.0, connections: int = 2,
-                 max_idle: int = 8) -> None:
-        self.address = address
-        self._addr = parse_address(address)
-        self._token = token.encode("utf-8")
-        self.timeout = timeout
-        self.connections = max(1, connections)
-        self._max_idle = max_idle
-        self._idle: list[Stream] = []
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._closed = False
-        self.incarnation = 0
-        """The node's incarnation as its last HELLO told (:meth:`hello`)."""
-        self._pool = ThreadPoolExecutor(max_workers=self.connections - 1,
-                                        thread_name_prefix="kvpool-data") if self.connections > 1 else None
-
-    # -- connections -----------------------------------------------------------------------
-
-    def _take(self, timeout: float | None = None) -> tuple[Stream, bool]:
-        """A connection (an idle one, else a new one), armed with ``timeout`` (default: the
-        session's) as its stall timeout."""
-        seconds = timeout or self.timeout
-        with self._lock:
-            if self._closed:
-                raise errors.Unavailable("data session closed")
-            stream = self._idle.pop() if self._idle else None
-        if stream is not None:
-            try:
-                stream.set_timeout(seconds)
-            except OSError:
-                stream.close()
-                stream = None
-            else:
-                return stream, True
-        try:
-            return connect(self._addr, seconds), False
-        except STALL_ERRORS:
-            raise errors.DeadlineExceeded(f"data session to {self.address}: connect timed out") from None
-        except OSError as exc:
-            raise errors.Unavailable(f"data session to {self.address}: {exc}") from None
-
-    def _failure(self, exc: BaseException) -> errors.KvpoolError:
-        """The error a broken exchange raises: a stall is a missed deadline."""
-        what = f"data session to {self.address}: {type(exc).__name__}: {exc}"
-        if isinstance(exc, STALL_ERRORS):
-            return errors.DeadlineExceeded(what)
-        return errors.Unavailable(what)
-
-    def _give(self, stream: Stream) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self._max_idle:
-                self._idle.append(stream)
-                return
-        stream.close()
-
-    def _call(self, fn: Callable[[Stream, int], Any], timeout: float | None = None) -> Any:
-        """Run one exchange on a pooled connection (``timeout``: its stall timeout); once more on
-        a fresh one if a reused connection turned out dead before the node answered (it may have
-        closed it idle) — never after a stall: that node is hung, asking again waits again."""
-        for attempt in (0, 1):
-            stream, reused = self._take(timeout)
-            mark = stream.received
-            try:
-                result = fn(stream, next(self._ids) & 0xFFFFFFFF)
-            except errors.KvpoolError:
-                self._give(stream)  # an error status: the stream is in sync
-                raise
-            except (OSError, dp.ProtocolError) as exc:
-                stream.close()
-                if (attempt == 0 and reused and stream.received == mark and isinstance(exc, OSError)
-                        and not isinstance(exc, STALL_ERRORS)):
-                    continue
-                raise self._failure(exc) from None
-            except BaseException:
-                stream.close()
-                raise
-            self._give(stream)
-            return result
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for s in idle:
-            s.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-
-    def _parallel(self, parts: list[range], fn: Callable[[range], None]) -> None:
-        """``fn`` over the parts: the first on this thread, the others on the pool's; the first
-        failure is raised once every part has stopped (none still writes a caller's buffer)."""
-        if len(parts) <= 1 or self._pool is None:
-            for p in parts:
-                fn(p)
-            return
-        futs = [self._pool.submit(fn, p) for p in parts[1:]]
-        failures: list[BaseException] = []
-        try:
-            fn(parts[0])
-        except BaseException as exc:
-            failures.append(exc)
-        for f in futs:
-            try:
-                f.result()
-            except BaseException as exc:
-                failures.append(exc)
-        if failures:
-            raise failures[0]
 
     # -- frames ----------------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ def present(pool: Pool, key_array: npt.NDArray[Any], kind: int) -> npt.NDArray[n
     """Per-key presence at the owners, then (under a newer ring, at the fallbacks) for what is
     still missing."""
     found = np.zeros(len(key_array), dtype=bool)
-    for routes in routing.rounds(pool.view, key_array, kind, lambda: ~found):
+    for _, routes in routing.rounds(pool.view, key_array, kind, lambda: ~found):
         calls = [(nid, idx, False) for nid, idx in routes.items() if len(idx)]
         for _, idx, reply in pool.exists_many(key_array, calls, False, 0, kind):
             if reply is not None:

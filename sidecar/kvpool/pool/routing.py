@@ -271,22 +271,23 @@ class RingView:
 
 
 def rounds(view: RingView, key_array: npt.NDArray[Any], kind: int,
-           missing: Callable[[], npt.NDArray[np.bool_]]) -> Iterator[Routes]:
-    """The rounds of a lookup or read of ``key_array``, each limited to the keys still
-    ``missing()`` (a mask over ``key_array``, read again before each round): the owners under
-    the ring it routes by; the owners under a newer ring when one was learnt since (never waited
-    for: :meth:`RingView.catch_up`); then the fallbacks (:meth:`RingView.fallbacks`), until none
-    is missing.  The one "route, catch up, route again, fall back" of every pool call."""
+           missing: Callable[[], npt.NDArray[np.bool_]]) -> Iterator[tuple[bool, Routes]]:
+    """The rounds of a lookup or read of ``key_array``: (whether it is a fallback round, the
+    routes), each limited to the keys still ``missing()`` (a mask over ``key_array``, read again
+    before each round): the owners under the ring it routes by; the owners under a newer ring
+    when one was learnt since (never waited for: :meth:`RingView.catch_up`); then the fallbacks
+    (:meth:`RingView.fallbacks`), until none is missing.  The one "route, catch up, route
+    again, fall back" of every pool read."""
     epoch = view.ring.epoch
-    yield view.route(key_array)
+    yield False, view.route(key_array)
     miss = missing()
     if miss.any() and view.catch_up(epoch):
-        yield _only(view.route(key_array), miss)
+        yield False, _only(view.route(key_array), miss)
         miss = missing()
     if not miss.any():
         return
     for routes in view.fallbacks(key_array, kind):
-        yield _only(routes, miss)
+        yield True, _only(routes, miss)
         miss = missing()
         if not miss.any():
             return

@@ -36,6 +36,7 @@ from kvpool.core.keys import KEY_BYTES
 from kvpool.core.retry import DONE, REFUSED, UNREACHABLE, RetryQueue, drain_pause, outcome, retried
 from kvpool.core.units import parse_bytes
 from kvpool.core.version import __version__
+from kvpool.pool import routing
 from kvpool.pool.fanout import Pool
 from kvpool.sidecar import journal, metrics
 from kvpool.sidecar.copyover import CopyOver
@@ -532,25 +533,18 @@ class Sidecar(spbg.SidecarServicer):
                 dups.append((i, j))
         sub = arr[todo]
         found = land.found
-        epoch = self.pool.ring.epoch
-        total = self._fetch_round(todo, sub, land, kind, lease_ms, self.pool.route(sub), drop)
-        # An object with no room here was found all the same: not asked for again.
-        no_room = land.no_room
-        still = np.array([found[i] is None and i not in no_room for i in todo], dtype=bool)
-        if still.any() and self.pool.catch_up(epoch):
-            # A node told us of a newer ring: route what is missing again under it first.
-            routes = {nid: idx[still[idx]] for nid, idx in self.pool.route(sub).items()}
+        total = 0
+
+        def still() -> np.ndarray:
+            # An object with no room here was found all the same: not asked for again.
+            return np.array([found[i] is None and i not in land.no_room for i in todo], dtype=bool)
+        before = None  # what was missing when the fallback rounds began
+        for fallback, routes in routing.rounds(self.pool.view, sub, kind, still):
+            if fallback and before is None:
+                before = still()
             total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
-            still = np.array([found[i] is None and i not in no_room for i in todo], dtype=bool)
-        if still.any():
-            before = still
-            for routes in self.pool.fallbacks(sub, kind):
-                routes = {nid: idx[still[idx]] for nid, idx in routes.items()}
-                total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
-                still = np.array([found[i] is None and i not in no_room for i in todo], dtype=bool)
-                if not still.any():
-                    break
-            land.found_elsewhere([todo[j] for j in np.flatnonzero(before & ~still).tolist()])
+        if before is not None:
+            land.found_elsewhere([todo[j] for j in np.flatnonzero(before & ~still()).tolist()])
         total += land.settle()
         for i, j in dups:
             total += land.duplicate(i, j)
@@ -719,20 +713,13 @@ class Sidecar(spbg.SidecarServicer):
             jobs = [(nid, idx[still[idx]]) for nid, idx in routes.items()]
             self._run_jobs(run, [j for j in jobs if len(j[1])])
 
-        def missing() -> bool:
-            return any(codes[i] == pb.NOT_FOUND for i in ask)
+        def missing() -> np.ndarray:
+            return np.array([codes[i] == pb.NOT_FOUND for i in ask], dtype=bool)
 
         try:
             if ask:
-                epoch = self.pool.ring.epoch
-                round_(self.pool.route(sub))
-                if missing() and self.pool.catch_up(epoch):
-                    round_(self.pool.route(sub))
-                if missing():
-                    for routes in self.pool.fallbacks(sub, kind):
-                        round_(routes)
-                        if not missing():
-                            break
+                for _, routes in routing.rounds(self.pool.view, sub, kind, missing):
+                    round_(routes)
         finally:
             for i, e in have.items():
                 if not self.local.scratch_done(e, lease, keep=codes[i] == pb.OK) and codes[i] == pb.OK:
