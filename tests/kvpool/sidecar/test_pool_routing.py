@@ -155,3 +155,57 @@ def test_catch_up_counts_a_ring_the_background_refresh_learnt_after_the_callers_
         assert pool.catch_up(pool.ring.epoch) is False
     finally:
         pool.close()
+
+
+def test_a_newer_epoch_is_learnt_in_the_background_and_never_waited_for_on_a_read() -> None:
+    """A node names epoch 2: the refresh runs on the pool's threads; a read's catch-up returns at
+    once while it is under way (no GetRing on the caller's thread), and routes again once it
+    landed.  A writer may wait for it, bounded."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvpool.pool.routing import RingView
+
+    release, asked = threading.Event(), threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        view: RingView
+
+        def refresh() -> None:  # a node that is slow to answer GetRing
+            asked.set()
+            release.wait(10)
+            view.accept(_ring(2, "a", "b", "c"))
+
+        view = RingView(refresh, pool.submit)
+        view.accept(_ring(1, "a", "b"))
+        view.note_epoch(2)
+        view.note_epoch(2)  # one refresh at a time
+        assert asked.wait(10) and view.refresh_needed.is_set()
+        t0 = time.monotonic()
+        assert view.catch_up(1) is False  # the read sheds: its misses stay misses this time
+        assert view.catch_up(1, wait_seconds=0.05) is False  # a writer's wait is bounded
+        assert time.monotonic() - t0 < 1.0
+        release.set()
+        assert view.catch_up(1, wait_seconds=10) is True  # the writer routes again under epoch 2
+        assert view.ring.epoch == 2 and view.catch_up(2) is False and not view.refresh_needed.is_set()
+        assert view.history[0].epoch == 1 and view.in_transition
+
+
+def test_rounds_route_again_under_a_newer_ring_then_fall_back_for_what_is_missing() -> None:
+    from kvpool.pool.routing import RingView, rounds
+
+    rng = random.Random(5)
+    arr = np.frombuffer(_keys(rng, 64), dtype="V32")
+    view = RingView(lambda: None, lambda fn: None, transition_seconds=60)
+    view.accept(_ring(1, "a", "b"))
+    missing = np.ones(64, dtype=bool)
+    seen: list[tuple[bool, dict[str, np.ndarray]]] = []
+    for fallback, routes in rounds(view, arr, pb.BLOCK, lambda: missing.copy()):
+        seen.append((fallback, routes))
+        if len(seen) == 1:
+            view.accept(_ring(2, "a", "b", "c"))  # learnt meanwhile (by the background refresh)
+            missing[::2] = False                   # half was found at the epoch-1 owners
+    assert [f for f, _ in seen[:2]] == [False, False]
+    again = np.sort(np.concatenate(list(seen[1][1].values())))
+    assert again.tolist() == list(range(1, 64, 2))  # only what was missing, under epoch 2's owners
+    assert all(f for f, _ in seen[2:]) and seen[2:], "the epoch-1 owners are asked as fallbacks"
