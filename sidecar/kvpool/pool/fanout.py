@@ -189,6 +189,12 @@ class Pool:
     def _note_epoch(self, epoch: int) -> None:
         self.view.note_epoch(epoch)
 
+    @property
+    def catch_up_seconds(self) -> float:
+        """How long a call on the engine's path waits for a newer ring a node named, being
+        learnt in the background: one lookup's deadline (then it sheds, :mod:`kvpool.pool.routing`)."""
+        return self.deadlines.match_seconds
+
     def catch_up(self, routed_epoch: int | None = None, wait_seconds: float = 0.0) -> bool:
         """:meth:`RingView.catch_up`: whether the caller routes again (the ring moved since it
         routed by ``routed_epoch``); waits for a newer ring at most ``wait_seconds`` (default:

@@ -27,10 +27,10 @@ class PoolMatch:
 def match(pool: Pool, key_array: npt.NDArray[Any], lease_ms: int) -> PoolMatch:
     """Longest prefix of ``key_array`` present in the pool (see :func:`_match`); asked again
     when the ring moved since it was routed (a node told of a newer one on the way, and the
-    background refresh learnt it: never waited for)."""
+    background refresh learnt it within :attr:`Pool.catch_up_seconds`)."""
     epoch = pool.ring.epoch
     m = _match(pool, key_array, lease_ms)
-    if m.prefix < len(key_array) and pool.catch_up(epoch):
+    if m.prefix < len(key_array) and pool.catch_up(epoch, pool.catch_up_seconds):
         pool.release(m.leases)
         m = _match(pool, key_array, lease_ms)
     return m
@@ -81,7 +81,7 @@ def present(pool: Pool, key_array: npt.NDArray[Any], kind: int) -> npt.NDArray[n
     """Per-key presence at the owners, then (under a newer ring, at the fallbacks) for what is
     still missing."""
     found = np.zeros(len(key_array), dtype=bool)
-    for _, routes in routing.rounds(pool.view, key_array, kind, lambda: ~found):
+    for _, routes in routing.rounds(pool.view, key_array, kind, lambda: ~found, pool.catch_up_seconds):
         calls = [(nid, idx, False) for nid, idx in routes.items() if len(idx)]
         for _, idx, reply in pool.exists_many(key_array, calls, False, 0, kind):
             if reply is not None:

@@ -9,10 +9,11 @@ follows when a node answers for a newer ring epoch than the one the call was rou
   concurrently) — never on the thread of the call that noticed it;
 * a call asks :meth:`RingView.catch_up` with the epoch it routed by: True when the ring has moved
   since (learnt by that refresh, or by the sidecar's own poll), and the call routes what is still
-  missing once more under the new ring.  A call on the engine's path does not wait for the
-  refresh: until it lands, its misses go to the fallback routes or stay misses (shedding, not
-  blocking), and the next call routes under the new ring.  A background writer may wait a
-  bounded time for it (``wait_seconds``) to send refused items to their new owner at once.
+  missing once more under the new ring.  A call waits for the refresh under way at most
+  ``wait_seconds``: on the engine's path one lookup's deadline (``Pool.catch_up_seconds``; the
+  nodes answer GetRing in about a millisecond), past which its misses go to the fallback routes
+  or stay misses (shedding, not blocking) and the next call routes under the new ring; a
+  background writer longer, to send refused items to their new owner at once.
 """
 
 from __future__ import annotations
@@ -270,18 +271,18 @@ class RingView:
         return time.monotonic() < self._transition_until
 
 
-def rounds(view: RingView, key_array: npt.NDArray[Any], kind: int,
-           missing: Callable[[], npt.NDArray[np.bool_]]) -> Iterator[tuple[bool, Routes]]:
+def rounds(view: RingView, key_array: npt.NDArray[Any], kind: int, missing: Callable[[], npt.NDArray[np.bool_]],
+           wait_seconds: float = 0.0) -> Iterator[tuple[bool, Routes]]:
     """The rounds of a lookup or read of ``key_array``: (whether it is a fallback round, the
     routes), each limited to the keys still ``missing()`` (a mask over ``key_array``, read again
     before each round): the owners under the ring it routes by; the owners under a newer ring
-    when one was learnt since (never waited for: :meth:`RingView.catch_up`); then the fallbacks
-    (:meth:`RingView.fallbacks`), until none is missing.  The one "route, catch up, route
+    when one was learnt since (waited for at most ``wait_seconds``: :meth:`RingView.catch_up`);
+    then the fallbacks (:meth:`RingView.fallbacks`), until none is missing.  The one "route, catch up, route
     again, fall back" of every pool read."""
     epoch = view.ring.epoch
     yield False, view.route(key_array)
     miss = missing()
-    if miss.any() and view.catch_up(epoch):
+    if miss.any() and view.catch_up(epoch, wait_seconds):
         yield False, _only(view.route(key_array), miss)
         miss = missing()
     if not miss.any():

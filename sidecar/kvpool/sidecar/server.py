@@ -539,7 +539,7 @@ class Sidecar(spbg.SidecarServicer):
             # An object with no room here was found all the same: not asked for again.
             return np.array([found[i] is None and i not in land.no_room for i in todo], dtype=bool)
         before = None  # what was missing when the fallback rounds began
-        for fallback, routes in routing.rounds(self.pool.view, sub, kind, still):
+        for fallback, routes in routing.rounds(self.pool.view, sub, kind, still, self.pool.catch_up_seconds):
             if fallback and before is None:
                 before = still()
             total += self._fetch_round(todo, sub, land, kind, lease_ms, routes, drop)
@@ -718,7 +718,7 @@ class Sidecar(spbg.SidecarServicer):
 
         try:
             if ask:
-                for _, routes in routing.rounds(self.pool.view, sub, kind, missing):
+                for _, routes in routing.rounds(self.pool.view, sub, kind, missing, self.pool.catch_up_seconds):
                     round_(routes)
         finally:
             for i, e in have.items():

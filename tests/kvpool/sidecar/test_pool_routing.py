@@ -157,10 +157,10 @@ def test_catch_up_counts_a_ring_the_background_refresh_learnt_after_the_callers_
         pool.close()
 
 
-def test_a_newer_epoch_is_learnt_in_the_background_and_never_waited_for_on_a_read() -> None:
-    """A node names epoch 2: the refresh runs on the pool's threads; a read's catch-up returns at
-    once while it is under way (no GetRing on the caller's thread), and routes again once it
-    landed.  A writer may wait for it, bounded."""
+def test_a_newer_epoch_is_learnt_in_the_background_and_a_caller_waits_for_it_bounded() -> None:
+    """A node names epoch 2: the refresh runs on the pool's threads (no GetRing on the caller's
+    thread); a caller's catch-up waits for it at most its bound (a read: one lookup's deadline)
+    and sheds past it, and routes again once it landed."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
@@ -182,8 +182,8 @@ def test_a_newer_epoch_is_learnt_in_the_background_and_never_waited_for_on_a_rea
         view.note_epoch(2)  # one refresh at a time
         assert asked.wait(10) and view.refresh_needed.is_set()
         t0 = time.monotonic()
-        assert view.catch_up(1) is False  # the read sheds: its misses stay misses this time
-        assert view.catch_up(1, wait_seconds=0.05) is False  # a writer's wait is bounded
+        assert view.catch_up(1) is False  # no wait: its misses stay misses this time
+        assert view.catch_up(1, wait_seconds=0.05) is False  # a hung refresh costs the bound, no more
         assert time.monotonic() - t0 < 1.0
         release.set()
         assert view.catch_up(1, wait_seconds=10) is True  # the writer routes again under epoch 2
