@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
-from kvpool.pool.node_client import StoreClient
+from kvpool.core.push_status import WarmStatus
+from kvpool.pool.admin_client import AdminClient
 from kvpool.wire.proto import store_pb2 as pb
 
 # Children arm PR_SET_PDEATHSIG themselves (kvpool/__main__.py reads this variable) instead of
@@ -338,7 +339,7 @@ class LocalCluster:
         return self.epoch
 
     def warm(self, added: Sequence[str], deadline_seconds: float = 60.0, max_bytes_per_second: int = 0,
-             fraction: float = 0.0) -> dict[str, pb.WarmStatus]:
+             fraction: float = 0.0) -> dict[str, WarmStatus]:
         """After a scale-up: each previous owner pushes its hottest objects now owned by ``added``
         to them (what the operator does on scale-up); their first answers by node id."""
         ring = self._ring_pb()
@@ -350,7 +351,7 @@ class LocalCluster:
                     out[nid] = c.warm(ring, added, deadline, max_bytes_per_second, fraction)
         return out
 
-    def warm_status(self) -> dict[str, pb.WarmStatus]:
+    def warm_status(self) -> dict[str, WarmStatus]:
         """Every live store node's warm-up progress by node id."""
         out = {}
         for nid, addr, p in zip(self.store_ids, self.stores, self.store_procs, strict=True):
@@ -359,8 +360,8 @@ class LocalCluster:
                     out[nid] = c.warm_status()
         return out
 
-    def admin(self, address: str) -> StoreClient:
-        return StoreClient(address, self.admin_token)
+    def admin(self, address: str) -> AdminClient:
+        return AdminClient(address, self.admin_token)
 
     def connect(self, i: int = 0) -> Any:
         from kvpool.client.client import connect

@@ -334,40 +334,7 @@ class StoreClient:
         codes = self.read(keys, dest, kind).codes
         return [fresh[i] if c == pb.OK else None for i, c in enumerate(codes)]
 
-    # -- admin ------------------------------------------------------------------------------
-
-    def set_ring(self, ring: pb.Ring) -> pb.Ring:
-        return cast(pb.Ring, self._rpc(self.stub.SetRing, ring))
+    # -- ring -------------------------------------------------------------------------------
 
     def get_ring(self) -> pb.Ring:
         return cast(pb.Ring, self._rpc(self.stub.GetRing, pb.Empty()))
-
-    def drain(self, ring: pb.Ring, deadline_unix_ms: int, max_bytes_per_second: int = 0) -> pb.DrainStatus:
-        """Start (or resume, for the same epoch) pushing this node's objects to ``ring``'s owners."""
-        request = pb.DrainRequest(ring=ring, deadline_unix_ms=deadline_unix_ms,
-                                  max_bytes_per_second=max_bytes_per_second)
-        return cast(pb.DrainStatus, self._rpc(self.stub.Drain, request))
-
-    def drain_status(self) -> pb.DrainStatus:
-        return cast(pb.DrainStatus, self._rpc(self.stub.GetDrainStatus, pb.Empty()))
-
-    def warm(self, ring: pb.Ring, added: Sequence[str], deadline_unix_ms: int = 0, max_bytes_per_second: int = 0,
-             fraction: float = 0.0, removed: Sequence[str] = ()) -> pb.WarmStatus:
-        """Start (idempotent per epoch) pushing the hottest objects now owned by ``added`` to them,
-        and the blocks that lost a copy with ``removed`` (active before, gone without a drain) to
-        their next owners."""
-        request = pb.WarmRequest(ring=ring, added=list(added), deadline_unix_ms=deadline_unix_ms,
-                                 max_bytes_per_second=max_bytes_per_second, fraction=fraction,
-                                 removed=list(removed))
-        return cast(pb.WarmStatus, self._rpc(self.stub.Warm, request))
-
-    def warm_status(self) -> pb.WarmStatus:
-        return cast(pb.WarmStatus, self._rpc(self.stub.GetWarmStatus, pb.Empty()))
-
-    def set_tenants(self, tenants: Sequence[pb.TenantConfig], replace: bool = False) -> None:
-        self._rpc(self.stub.SetTenants, pb.SetTenantsRequest(tenants=list(tenants), replace=replace))
-
-    def set_policy(self, ttl_seconds: dict[str, int] | None = None, high_watermark: float = 0.0,
-                   low_watermark: float = 0.0) -> None:
-        self._rpc(self.stub.SetPolicy, pb.PolicyRequest(ttl_seconds=ttl_seconds or {}, high_watermark=high_watermark,
-                                                        low_watermark=low_watermark))

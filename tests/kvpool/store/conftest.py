@@ -30,6 +30,7 @@ import pytest
 from kvpool.core import errors
 from kvpool.core.checksum import checksum
 from kvpool.core.keys import pack_keys
+from kvpool.pool.admin_client import AdminClient
 from kvpool.pool.node_client import StoreClient
 from kvpool.transfer import TransferEngine, TransferRequest, TransferStatus
 from kvpool.wire import grpc_status
@@ -50,11 +51,16 @@ class StoreProcess:
     node_id: str
     stderr_path: Path
     argv: list[str]
-    clients: list[StoreClient] = field(default_factory=list)
+    clients: list[StoreClient | AdminClient] = field(default_factory=list)
     channels: list[grpc.Channel] = field(default_factory=list)
 
     def client(self, token: str = "", **kw: Any) -> StoreClient:
         c = StoreClient(self.address, token, **kw)
+        self.clients.append(c)
+        return c
+
+    def admin(self, token: str = "") -> AdminClient:
+        c = AdminClient(self.address, token)
         self.clients.append(c)
         return c
 

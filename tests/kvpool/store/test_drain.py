@@ -33,7 +33,7 @@ def nodes(module_stores: Any) -> Any:
 def test_drain_moves_every_object_to_the_new_owner(nodes: Any, h: Any, rng: random.Random) -> None:
     a, b = nodes["store-a"], nodes["store-b"]
     for n in (a, b):
-        assert n.client(ADMIN).set_ring(_ring(1, a, b)).epoch == 1
+        assert n.admin(ADMIN).set_ring(_ring(1, a, b)).epoch == 1
     # Objects of two tenants (the open default one and alpha), block and state kinds.
     ca, cal = a.client(), a.client("tok-alpha")
     keys = h.rand_keys(rng, 40)
@@ -42,12 +42,12 @@ def test_drain_moves_every_object_to_the_new_owner(nodes: Any, h: Any, rng: rand
     assert cal.put(keys[20:36], vals[20:36]) == [pb.OK] * 16
     assert cal.put(keys[36:], vals[36:], kind=pb.STATE) == [pb.OK] * 4
     with pytest.raises(errors.PermissionDenied):
-        a.client("tok-alpha").drain(_ring(2, a, b, "draining"), int(time.time() * 1000) + 30000)
-    st = a.client(ADMIN).drain(_ring(2, a, b, "draining"), int(time.time() * 1000) + 30000)
+        a.admin("tok-alpha").drain(_ring(2, a, b, "draining"), int(time.time() * 1000) + 30000)
+    st = a.admin(ADMIN).drain(_ring(2, a, b, "draining"), int(time.time() * 1000) + 30000)
     assert st.state in ("running", "done") and st.epoch == 2
     # While draining, the leaving node takes no new writes.
     assert ca.put(h.rand_keys(rng, 1), [b"new"]) == [pb.DRAINING]
-    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
+    done = h.wait_for(lambda: (s := a.admin(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
     assert done.moved_objects == 40 and done.dropped_objects == 0 and done.remaining_objects == 0
     assert done.moved_bytes == sum(len(v) for v in vals)
     # Everything is readable at the target, byte-exact, in the right tenant and kind.
@@ -58,7 +58,7 @@ def test_drain_moves_every_object_to_the_new_owner(nodes: Any, h: Any, rng: rand
     assert cb.exists(keys[20:36], prefix_only=False).present == [False] * 16  # not leaked to default
     assert b.client(ADMIN).stats().counters["stored"] == 40
     # Calling Drain again for the same epoch is idempotent (an operator restart resumes).
-    again = a.client(ADMIN).drain(_ring(2, a, b, "draining"), int(time.time() * 1000) + 30000)
+    again = a.admin(ADMIN).drain(_ring(2, a, b, "draining"), int(time.time() * 1000) + 30000)
     assert again.state == "done" and again.moved_objects == 40
 
 
@@ -69,8 +69,8 @@ def test_drain_to_a_dead_target_counts_drops(nodes: Any, h: Any, rng: random.Ran
     assert cb.put(keys, h.rand_values(rng, [4 * KiB] * 6)) == [pb.OK] * 6
     total = sum(t.objects for t in b.client(ADMIN).stats().tenants)
     d.kill()
-    b.client(ADMIN).drain(_ring(5, b, d, "draining"), int(time.time() * 1000) + 20000)
-    done = h.wait_for(lambda: (s := b.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
+    b.admin(ADMIN).drain(_ring(5, b, d, "draining"), int(time.time() * 1000) + 20000)
+    done = h.wait_for(lambda: (s := b.admin(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
     assert done.epoch == 5 and done.moved_objects == 0 and done.dropped_objects == total
     assert b.client().health().ok
     # The objects are still on the leaving node (a drop is counted, never silent).
@@ -81,9 +81,9 @@ def test_drain_never_moves_a_revoked_tenant_into_the_open_partition(nodes: Any, 
     e, f = nodes["store-e"], nodes["store-f"]
     keys = h.rand_keys(rng, 5)
     assert e.client("tok-alpha").put(keys, h.rand_values(rng, [4 * KiB] * 5)) == [pb.OK] * 5
-    e.client(ADMIN).set_tenants([], replace=True)  # alpha's token is revoked on the leaving node
-    e.client(ADMIN).drain(_ring(7, e, f, "draining"), int(time.time() * 1000) + 20000)
-    done = h.wait_for(lambda: (s := e.client(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
+    e.admin(ADMIN).set_tenants([], replace=True)  # alpha's token is revoked on the leaving node
+    e.admin(ADMIN).drain(_ring(7, e, f, "draining"), int(time.time() * 1000) + 20000)
+    done = h.wait_for(lambda: (s := e.admin(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
     assert done.moved_objects == 0 and done.dropped_objects == 5
     assert f.client().exists(keys, prefix_only=False).present == [False] * 5
     assert f.client("tok-alpha").exists(keys, prefix_only=False).present == [False] * 5
@@ -92,16 +92,16 @@ def test_drain_never_moves_a_revoked_tenant_into_the_open_partition(nodes: Any, 
 def test_drain_bandwidth_bound_paces_the_push(nodes: Any, h: Any, rng: random.Random) -> None:
     a, b = nodes["store-g"], nodes["store-h"]
     for n in (a, b):
-        n.client(ADMIN).set_ring(_ring(20, a, b))
+        n.admin(ADMIN).set_ring(_ring(20, a, b))
     keys = h.rand_keys(rng, 24)
     vals = h.rand_values(rng, [64 * KiB] * len(keys))  # 1.5 MiB
     assert a.client().put(keys, vals) == [pb.OK] * len(keys)
     rate = 1 << 20  # 1 MiB/s: the push cannot finish in under ~1.4 s (the first object goes at once)
     start = time.monotonic()
-    a.client(ADMIN).drain(_ring(21, a, b, "draining"), int(time.time() * 1000) + 30000, max_bytes_per_second=rate)
-    mid = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).moved_objects > 0 and s, 30, what="first push")
+    a.admin(ADMIN).drain(_ring(21, a, b, "draining"), int(time.time() * 1000) + 30000, max_bytes_per_second=rate)
+    mid = h.wait_for(lambda: (s := a.admin(ADMIN).drain_status()).moved_objects > 0 and s, 30, what="first push")
     assert mid.state == "running"  # a bound leaves the drain observable while it runs
-    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
+    done = h.wait_for(lambda: (s := a.admin(ADMIN).drain_status()).state == "done" and s, 30, what="drain")
     elapsed = time.monotonic() - start
     assert done.moved_objects == len(keys) and done.dropped_objects == 0
     # A lower bound only (pacing cannot make it faster, a slow machine only slower).
@@ -126,8 +126,8 @@ def test_a_drain_cut_by_its_deadline_moved_the_hottest_and_counts_the_rest(
     ring = pb.Ring(epoch=3, members=[pb.RingMember(id=a.node_id, address=a.address, state="draining",
                                                    transfer_address=a.transfer_address), *members])
     # 7.5 MiB at 1 MiB/s cannot be done by a deadline 3 s away (and the first batch goes at once).
-    a.client(ADMIN).drain(ring, int(time.time() * 1000) + 3000, max_bytes_per_second=1 << 20)
-    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
+    a.admin(ADMIN).drain(ring, int(time.time() * 1000) + 3000, max_bytes_per_second=1 << 20)
+    done = h.wait_for(lambda: (s := a.admin(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
     assert done.moved_objects > 0 and done.dropped_objects > 0 and done.remaining_objects == 0
     assert done.moved_objects + done.dropped_objects == len(keys)
     assert done.moved_bytes + done.dropped_bytes == len(keys) * 8 * KiB

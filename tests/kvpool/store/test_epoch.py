@@ -23,7 +23,7 @@ def _ring(epoch: int, *members: tuple[Any, str]) -> pb.Ring:
 
 def _set_ring(ring: pb.Ring, *nodes: Any) -> None:
     for n in nodes:
-        assert n.client(ADMIN).set_ring(ring).epoch == ring.epoch
+        assert n.admin(ADMIN).set_ring(ring).epoch == ring.epoch
 
 
 def test_a_put_routed_by_a_stale_epoch_is_refused_for_the_keys_the_node_does_not_own(
@@ -74,8 +74,8 @@ def test_a_drain_push_is_taken_by_a_target_that_moved_past_the_drain_ring(
     assert ca.put(keys, vals) == [pb.OK] * 96  # epoch 0: a takes them all
     _set_ring(_ring(3, (b, "active"), (c, "active")), b, c)  # a is gone from the targets' ring
     drain = _ring(2, (a, "draining"), (b, "active"), (c, "active"))
-    a.client(ADMIN).drain(drain, int(time.time() * 1000) + 60_000)
-    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
+    a.admin(ADMIN).drain(drain, int(time.time() * 1000) + 60_000)
+    done = h.wait_for(lambda: (s := a.admin(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
     assert done.moved_objects == 96 and done.dropped_objects == 0
     for n in (b, c):
         assert n.client(ADMIN).stats().counters["refused_wrong_owner"] == 0

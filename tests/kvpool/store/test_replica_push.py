@@ -86,8 +86,8 @@ def test_drain_with_replication_2_fills_every_owner(stores: Any, h: Any, rng: ra
     assert holder.client().put([keys[i] for i in pre], [vals[i] for i in pre]) == [pb.OK] * len(pre)
 
     ring = _pb_ring(2, [x, *rest], draining=[x], replicas=2)
-    x.client(ADMIN).drain(ring, int(time.time() * 1000) + 60_000)
-    done = h.wait_for(lambda: (s := x.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
+    x.admin(ADMIN).drain(ring, int(time.time() * 1000) + 60_000)
+    done = h.wait_for(lambda: (s := x.admin(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
     assert done.moved_objects == 61 and done.dropped_objects == 0 and done.remaining_objects == 0
     for j, n in enumerate(rest):
         present = n.client().exists(keys, prefix_only=False).present
@@ -113,13 +113,13 @@ def test_a_newer_drain_supersedes_one_still_running(stores: Any, h: Any, rng: ra
 
     deadline = int(time.time() * 1000) + 120_000
     # Epoch 1 drains to b at 256 KiB/s: ~10 s for the 2.5 MiB.
-    first = a.client(ADMIN).drain(_pb_ring(1, [a, b], draining=[a]), deadline, max_bytes_per_second=256 * KiB)
+    first = a.admin(ADMIN).drain(_pb_ring(1, [a, b], draining=[a]), deadline, max_bytes_per_second=256 * KiB)
     assert first.epoch == 1
     h.wait_for(lambda: at(b) > 0, 30, what="the first drain's first push")
     # Epoch 2 drains to c instead (b left the ring), unpaced.
-    second = a.client(ADMIN).drain(_pb_ring(2, [a, c], draining=[a]), deadline)
+    second = a.admin(ADMIN).drain(_pb_ring(2, [a, c], draining=[a]), deadline)
     assert second.epoch == 2 and second.state == "running"
-    done = h.wait_for(lambda: (s := a.client(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
+    done = h.wait_for(lambda: (s := a.admin(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
     assert done.epoch == 2 and done.moved_objects == len(keys) and done.dropped_objects == 0
     assert at(c) == len(keys)
     # The older drain stopped: nothing more reaches b (it would for ~10 s at its pace).
@@ -128,10 +128,10 @@ def test_a_newer_drain_supersedes_one_still_running(stores: Any, h: Any, rng: ra
     time.sleep(1.5)
     assert at(b) == before
     # A late call for the older epoch changes nothing.
-    late = a.client(ADMIN).drain(_pb_ring(1, [a, b], draining=[a]), deadline, max_bytes_per_second=256 * KiB)
+    late = a.admin(ADMIN).drain(_pb_ring(1, [a, b], draining=[a]), deadline, max_bytes_per_second=256 * KiB)
     assert late.epoch == 2 and late.state == "done"
     time.sleep(1.0)
-    assert at(b) == before and a.client(ADMIN).drain_status().epoch == 2
+    assert at(b) == before and a.admin(ADMIN).drain_status().epoch == 2
 
 
 def test_a_ring_that_makes_the_node_active_again_cancels_its_drain(stores: Any, h: Any, rng: random.Random) -> None:
@@ -146,13 +146,13 @@ def test_a_ring_that_makes_the_node_active_again_cancels_its_drain(stores: Any, 
         return sum(n.client().exists(keys, prefix_only=False).present)
 
     deadline = int(time.time() * 1000) + 120_000
-    a.client(ADMIN).drain(_pb_ring(1, [a, b], draining=[a]), deadline, max_bytes_per_second=256 * KiB)
+    a.admin(ADMIN).drain(_pb_ring(1, [a, b], draining=[a]), deadline, max_bytes_per_second=256 * KiB)
     h.wait_for(lambda: at(b) > 0, 30, what="the drain's first push")
     # A ring without the node does not stop it (the operator removes a drained node mid-push).
-    a.client(ADMIN).set_ring(_pb_ring(2, [b]))
-    assert a.client(ADMIN).drain_status().state == "running"
-    a.client(ADMIN).set_ring(_pb_ring(3, [a, b]))
-    h.wait_for(lambda: a.client(ADMIN).drain_status().state == "cancelled", 30, what="the drain to stop")
+    a.admin(ADMIN).set_ring(_pb_ring(2, [b]))
+    assert a.admin(ADMIN).drain_status().state == "running"
+    a.admin(ADMIN).set_ring(_pb_ring(3, [a, b]))
+    h.wait_for(lambda: a.admin(ADMIN).drain_status().state == "cancelled", 30, what="the drain to stop")
     before = at(b)
     assert before < len(keys)
     time.sleep(1.5)  # at its pace the drain would push ~6 more objects meanwhile

@@ -134,7 +134,7 @@ def test_a_dead_owner_copy_is_restored_so_a_second_death_loses_nothing(stores: A
     ids = [n.node_id for n in nodes]
     ring1 = _pb_ring(1, nodes, 2)
     for n in nodes:
-        n.client(ADMIN).set_ring(ring1)
+        n.admin(ADMIN).set_ring(ring1)
     keys = h.rand_keys(rng, 90)
     vals = h.rand_values(rng, [rng.randrange(1, 48 * KiB) for _ in keys])
     top = owners(b"".join(keys), ids, 2).tolist()
@@ -151,8 +151,8 @@ def test_a_dead_owner_copy_is_restored_so_a_second_death_loses_nothing(stores: A
     ring2 = _pb_ring(2, [a, b], 2)
     deadline = int(time.time() * 1000) + 60_000
     for n in (a, b):
-        n.client(ADMIN).warm(ring2, [], deadline, removed=[c.node_id])
-    done = [h.wait_for(lambda n=n: (s := n.client(ADMIN).warm_status()).state == "done" and s, 60,
+        n.admin(ADMIN).warm(ring2, [], deadline, removed=[c.node_id])
+    done = [h.wait_for(lambda n=n: (s := n.admin(ADMIN).warm_status()).state == "done" and s, 60,
                        what="the push") for n in (a, b)]
     assert sum(d.moved_objects for d in done) == len(lost) - 1
     assert sum(d.skipped_objects for d in done) == 1

@@ -89,8 +89,8 @@ def test_admin_calls_need_the_admin_token(nodes: Any, h: Any) -> None:
     ring = pb.Ring(epoch=3, members=[pb.RingMember(id=node.node_id, address=node.address, state="active")])
     for token in ("", "tok-alpha", "wrong"):
         with pytest.raises(errors.PermissionDenied):
-            node.client(token).set_ring(ring)
-    assert node.client("adm").set_ring(ring).epoch == 3
+            node.admin(token).set_ring(ring)
+    assert node.admin("adm").set_ring(ring).epoch == 3
     assert node.client().get_ring().epoch == 3
 
 

@@ -32,7 +32,7 @@ def test_warm_pushes_the_moved_objects_hottest_first_and_keeps_its_copies(nodes:
                                                                           rng: random.Random) -> None:
     a, b = nodes["warm-a"], nodes["warm-b"]
     for n in (a, b):
-        n.client(ADMIN).set_ring(_ring(1, a))
+        n.admin(ADMIN).set_ring(_ring(1, a))
     keys = h.rand_keys(rng, 60)
     vals = h.rand_values(rng, [rng.choice([1, 4 * KiB, 64 * KiB]) for _ in keys])
     ca = a.client()
@@ -45,10 +45,10 @@ def test_warm_pushes_the_moved_objects_hottest_first_and_keeps_its_copies(nodes:
     assert b.client().put([keys[moved[0]]], [vals[moved[0]]]) == [pb.OK]
     ring = _ring(2, a, b)
     with pytest.raises(errors.PermissionDenied):
-        a.client().warm(ring, [b.node_id])
-    st = a.client(ADMIN).warm(ring, [b.node_id], int(time.time() * 1000) + 30000)
+        a.admin().warm(ring, [b.node_id])
+    st = a.admin(ADMIN).warm(ring, [b.node_id], int(time.time() * 1000) + 30000)
     assert st.state in ("running", "done") and st.epoch == 2
-    done = h.wait_for(lambda: (s := a.client(ADMIN).warm_status()).state == "done" and s, 30, what="warm-up")
+    done = h.wait_for(lambda: (s := a.admin(ADMIN).warm_status()).state == "done" and s, 30, what="warm-up")
     assert done.planned_objects == len(moved) and done.remaining_objects == 0 and done.failed_objects == 0
     assert done.moved_objects == len(moved) - 1 and done.skipped_objects == 1
     assert done.moved_bytes == sum(len(vals[i]) for i in moved[1:])
@@ -61,14 +61,14 @@ def test_warm_pushes_the_moved_objects_hottest_first_and_keeps_its_copies(nodes:
     # The previous owner keeps its copies (readers falling back still find them).
     assert ca.exists(keys, prefix_only=False).present == [True] * 60
     # Idempotent per epoch: calling again reports the same finished push.
-    again = a.client(ADMIN).warm(ring, [b.node_id])
+    again = a.admin(ADMIN).warm(ring, [b.node_id])
     assert again.state == "done" and again.moved_objects == done.moved_objects
 
 
 def test_warm_bandwidth_bound_and_fraction(nodes: Any, h: Any, rng: random.Random) -> None:
     c, d = nodes["warm-c"], nodes["warm-d"]
     for n in (c, d):
-        n.client(ADMIN).set_ring(_ring(10, c))
+        n.admin(ADMIN).set_ring(_ring(10, c))
     keys = h.rand_keys(rng, 64)
     vals = h.rand_values(rng, [64 * KiB] * len(keys))
     cc = c.client()
@@ -78,10 +78,10 @@ def test_warm_bandwidth_bound_and_fraction(nodes: Any, h: Any, rng: random.Rando
     half = len(moved) // 2
     rate = 1 << 20
     start = time.monotonic()
-    c.client(ADMIN).warm(_ring(11, c, d), [d.node_id], int(time.time() * 1000) + 30000, rate, fraction=0.5)
-    mid = h.wait_for(lambda: (s := c.client(ADMIN).warm_status()).moved_objects > 0 and s, 30, what="first push")
+    c.admin(ADMIN).warm(_ring(11, c, d), [d.node_id], int(time.time() * 1000) + 30000, rate, fraction=0.5)
+    mid = h.wait_for(lambda: (s := c.admin(ADMIN).warm_status()).moved_objects > 0 and s, 30, what="first push")
     assert mid.state == "running"  # bounded, the push stays observable
-    done = h.wait_for(lambda: (s := c.client(ADMIN).warm_status()).state == "done" and s, 30, what="warm-up")
+    done = h.wait_for(lambda: (s := c.admin(ADMIN).warm_status()).state == "done" and s, 30, what="warm-up")
     elapsed = time.monotonic() - start
     assert done.planned_objects == half and done.moved_objects == half
     assert elapsed >= (half - 1) * 64 * KiB / rate * 0.95, elapsed
