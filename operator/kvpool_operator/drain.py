@@ -15,28 +15,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpool.core.push_status import DrainStatus
+
 from .membership import StorePod
-from .push_jobs import follow, status_counters, sum_counters
+from .push_jobs import follow, sum_counters
 from .units import format_bytes, format_time
 
 COUNTERS = ("movedObjects", "movedBytes", "droppedObjects", "droppedBytes", "remainingObjects")
-
-
-@dataclass(frozen=True)
-class NodeDrainStatus:
-    """A store node's answer to GetDrainStatus (kvpool.wire.proto DrainStatus)."""
-
-    state: str = "idle"  # idle | running | done
-    moved_objects: int = 0
-    moved_bytes: int = 0
-    dropped_objects: int = 0
-    dropped_bytes: int = 0
-    remaining_objects: int = 0
-    deadline_unix_ms: int = 0
-    epoch: int = 0
-
-    def counters(self) -> dict[str, int]:
-        return status_counters(self, COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -123,7 +108,7 @@ def start(from_replicas: int, to_replicas: int, pods: Iterable[StorePod], now_ms
 
 
 def step(state: DrainState, ring_epoch: int, pods: Iterable[StorePod],
-         statuses: Mapping[str, NodeDrainStatus | None], now_ms: int, wanted_replicas: int,
+         statuses: Mapping[str, DrainStatus | None], now_ms: int, wanted_replicas: int,
          overrun_seconds: float = 30.0) -> DrainStep:
     """Advance a running drain.
 
@@ -136,7 +121,7 @@ def step(state: DrainState, ring_epoch: int, pods: Iterable[StorePod],
                                               f"{wanted_replicas} store nodes wanted"),),
             finished={**state.totals(), "result": "Cancelled", "leaving": list(state.leaving)})
     usable = {p.name for p in pods if p.usable}
-    nodes, calls, pending = follow(state.leaving, state.nodes, statuses, usable, ring_epoch)
+    nodes, calls, pending = follow(state.leaving, state.nodes, statuses, usable, ring_epoch, COUNTERS)
     new = replace(state, nodes=nodes, epoch=ring_epoch)
     overrun = now_ms > state.deadline_unix_ms + int(overrun_seconds * 1000)
     if pending and not overrun:

@@ -1,31 +1,30 @@
-"""The one module that talks to store nodes: their admin gRPC API (kvpool/proto/store.proto).
+"""The one module that talks to store nodes: their admin API (``StoreAdmin`` in store.proto), through
+:class:`kvpool.pool.admin_client.AdminClient`.
 
-The operator is a client of that API like any other (STYLE 3): it imports the generated stubs,
+The operator is a client of that API like any other (STYLE 3): it uses the data plane's admin client,
 never the store's internals. Calls carry the pool's admin token and a short deadline; a node that
-does not answer is reported as such (``NodeUnreachable``) and the planners decide what that means.
+does not answer (or refuses) is reported as such (``NodeUnreachable``) and the planners decide what
+that means.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
-import grpc
-
+from kvpool.core.errors import KvpoolError
+from kvpool.core.push_status import DrainStatus, WarmStatus
 from kvpool.core.ring import Ring
-from kvpool.wire.convert import ring_to_pb
+from kvpool.pool.admin_client import AdminClient
 from kvpool.wire.proto import store_pb2 as pb
-from kvpool.wire.proto import store_pb2_grpc as pbg
 
-from .drain import NodeDrainStatus
-from .rebalance import NodeWarmStatus
 from .reconcile import Policy
 from .status import NodeStats, TenantUsage
 from .tenancy import NodeTenant
 
-_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 16 << 20)]
 _PER_NODE_TIERS = ("dram", "ssd")  # a shared filesystem is one for all nodes: not per-node capacity
+T = TypeVar("T")
 
 
 class NodeUnreachable(Exception):
@@ -35,44 +34,43 @@ class NodeUnreachable(Exception):
 
 
 class Nodes:
-    """Channels to store nodes, reused across reconciles (thread-safe)."""
+    """Admin clients of store nodes, reused across reconciles (thread-safe)."""
 
     def __init__(self, timeout: float = 5.0) -> None:
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, Any]] = {}
+        self._clients: dict[str, tuple[str, AdminClient]] = {}
+        """address -> (the admin token its client carries, the client)"""
 
-    def _stub(self, address: str) -> Any:
+    def _client(self, address: str, token: str) -> AdminClient:
         with self._lock:
-            got = self._channels.get(address)
-            if got is None:
-                ch = grpc.insecure_channel(address, options=_OPTIONS)
-                got = self._channels[address] = (ch, pbg.StoreStub(ch))
+            got = self._clients.get(address)
+            if got is None or got[0] != token:  # a new node, or the pool's admin token rotated
+                if got is not None:
+                    got[1].close()
+                got = self._clients[address] = (token, AdminClient(address, token, self.timeout))
             return got[1]
 
     def forget(self, keep: Iterable[str]) -> None:
-        """Close channels to addresses no longer in any ring."""
+        """Close the clients of addresses no longer in any ring."""
         keep_set = set(keep)
         with self._lock:
-            for addr in [a for a in self._channels if a not in keep_set]:
-                self._channels.pop(addr)[0].close()
+            for addr in [a for a in self._clients if a not in keep_set]:
+                self._clients.pop(addr)[1].close()
 
     def close(self) -> None:
         self.forget(())
 
-    def _call(self, address: str, method: str, request: Any, token: str) -> Any:
-        md = (("authorization", f"Bearer {token}"),) if token else ()
+    def _call(self, address: str, token: str, method: str, call: Callable[[AdminClient], T]) -> T:
         try:
-            return getattr(self._stub(address), method)(request, timeout=self.timeout, metadata=md)
-        except grpc.RpcError as err:
-            code = err.code() if hasattr(err, "code") else None
-            raise NodeUnreachable(address, f"{method}: {code.name if code else 'error'} {err.details() or ''}".strip()
-                                  ) from None
+            return call(self._client(address, token))
+        except KvpoolError as exc:
+            raise NodeUnreachable(address, f"{method}: {type(exc).__name__} {exc}".strip()) from None
 
     # -- calls ------------------------------------------------------------------------------
 
     def stats(self, address: str, token: str) -> NodeStats:
-        r = self._call(address, "Stats", pb.Empty(), token)
+        r = self._call(address, token, "Stats", lambda c: c.stats())
         tiers = [t for t in r.tiers if t.name in _PER_NODE_TIERS]
         return NodeStats(
             node_id=r.node_id, epoch=r.epoch, capacity_bytes=sum(t.capacity_bytes for t in tiers),
@@ -82,48 +80,31 @@ class Nodes:
                           for t in r.tenants))
 
     def set_ring(self, address: str, token: str, ring: Ring) -> None:
-        self._call(address, "SetRing", ring_to_pb(ring), token)
+        self._call(address, token, "SetRing", lambda c: c.set_ring(ring))
 
     def configure(self, address: str, token: str, policy: Policy, tenants: Iterable[NodeTenant]) -> None:
         """Pool TTLs and watermarks, and the admitted tenants (replace: others are revoked)."""
-        self._call(address, "SetPolicy", pb.PolicyRequest(
-            ttl_seconds={k: int(v) for k, v in policy.ttl_seconds.items()},
-            high_watermark=policy.high_watermark, low_watermark=policy.low_watermark), token)
-        self._call(address, "SetTenants", pb.SetTenantsRequest(replace=True, tenants=[
-            pb.TenantConfig(tenant_id=t.tenant_id, token=t.token, salt=t.salt, quota_bytes=t.quota_bytes,
-                            ttl_seconds={k: int(v) for k, v in t.ttl_seconds.items()},
-                            evict_own_on_quota=t.evict_own_on_quota) for t in tenants]), token)
+        self._call(address, token, "SetPolicy", lambda c: c.set_policy(
+            {k: int(v) for k, v in policy.ttl_seconds.items()}, policy.high_watermark, policy.low_watermark))
+        configs = [pb.TenantConfig(tenant_id=t.tenant_id, token=t.token, salt=t.salt, quota_bytes=t.quota_bytes,
+                                   ttl_seconds={k: int(v) for k, v in t.ttl_seconds.items()},
+                                   evict_own_on_quota=t.evict_own_on_quota) for t in tenants]
+        self._call(address, token, "SetTenants", lambda c: c.set_tenants(configs, replace=True))
 
     def drain(self, address: str, token: str, ring: Ring, deadline_unix_ms: int,
-              max_bytes_per_second: int = 0) -> NodeDrainStatus:
-        r = self._call(address, "Drain", pb.DrainRequest(ring=ring_to_pb(ring), deadline_unix_ms=deadline_unix_ms,
-                                                         max_bytes_per_second=max_bytes_per_second), token)
-        return drain_status_from_pb(r)
+              max_bytes_per_second: int = 0) -> DrainStatus:
+        return self._call(address, token, "Drain", lambda c: c.drain(ring, deadline_unix_ms, max_bytes_per_second))
 
-    def drain_status(self, address: str, token: str) -> NodeDrainStatus:
-        return drain_status_from_pb(self._call(address, "GetDrainStatus", pb.Empty(), token))
+    def drain_status(self, address: str, token: str) -> DrainStatus:
+        return self._call(address, token, "GetDrainStatus", lambda c: c.drain_status())
 
     def warm(self, address: str, token: str, ring: Ring, added: Iterable[str], deadline_unix_ms: int,
-             max_bytes_per_second: int = 0, fraction: float = 0.0, removed: Iterable[str] = ()) -> NodeWarmStatus:
+             max_bytes_per_second: int = 0, fraction: float = 0.0, removed: Iterable[str] = ()) -> WarmStatus:
         """Ask a previous owner to push its hottest objects now owned by ``added``, and the blocks
         that lost a copy with ``removed`` (left without a drain) to their next owners
         (idempotent per epoch)."""
-        return warm_status_from_pb(self._call(address, "Warm", pb.WarmRequest(
-            ring=ring_to_pb(ring), added=list(added), deadline_unix_ms=deadline_unix_ms,
-            max_bytes_per_second=max_bytes_per_second, fraction=fraction, removed=list(removed)), token))
+        return self._call(address, token, "Warm", lambda c: c.warm(
+            ring, list(added), deadline_unix_ms, max_bytes_per_second, fraction, list(removed)))
 
-    def warm_status(self, address: str, token: str) -> NodeWarmStatus:
-        return warm_status_from_pb(self._call(address, "GetWarmStatus", pb.Empty(), token))
-
-
-def drain_status_from_pb(r: Any) -> NodeDrainStatus:
-    return NodeDrainStatus(state=r.state or "idle", moved_objects=r.moved_objects, moved_bytes=r.moved_bytes,
-                           dropped_objects=r.dropped_objects, dropped_bytes=r.dropped_bytes,
-                           remaining_objects=r.remaining_objects, deadline_unix_ms=r.deadline_unix_ms, epoch=r.epoch)
-
-
-def warm_status_from_pb(r: Any) -> NodeWarmStatus:
-    return NodeWarmStatus(state=r.state or "idle", planned_objects=r.planned_objects, planned_bytes=r.planned_bytes,
-                          moved_objects=r.moved_objects, moved_bytes=r.moved_bytes, skipped_objects=r.skipped_objects,
-                          skipped_bytes=r.skipped_bytes, failed_objects=r.failed_objects,
-                          remaining_objects=r.remaining_objects, deadline_unix_ms=r.deadline_unix_ms, epoch=r.epoch)
+    def warm_status(self, address: str, token: str) -> WarmStatus:
+        return self._call(address, token, "GetWarmStatus", lambda c: c.warm_status())

@@ -16,8 +16,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvpool.core.push_status import DrainStatus, WarmStatus
+
 from . import children, metrics
-from .drain import DrainState, NodeDrainStatus
+from .drain import DrainState
 from .encryption import master_key_problem
 from .kube import Kube
 from .membership import StorePod, observe_pods
@@ -34,7 +36,7 @@ from .model import (
     wants_encryption,
 )
 from .nodes import NodeUnreachable
-from .rebalance import NodeWarmStatus, RebalanceState
+from .rebalance import RebalanceState
 from .reconcile import PoolObserved, PoolPlan, plan_pool
 from .runtime import Runtime
 from .status import NodeStats
@@ -140,7 +142,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
 
     got = _parallel(list(usable.values()), stats)
     state = DrainState.from_status((body.get("status") or {}).get("drain"))
-    drains: dict[str, NodeDrainStatus | None] = {}
+    drains: dict[str, DrainStatus | None] = {}
     for node in state.leaving if state else ():
         p = usable.get(node)
         if p is None:
@@ -150,7 +152,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
         except NodeUnreachable:
             drains[node] = None
     rb = RebalanceState.from_status((body.get("status") or {}).get("rebalance"))
-    warms: dict[str, NodeWarmStatus | None] = {}
+    warms: dict[str, WarmStatus | None] = {}
     for node in rb.sources if rb else ():
         p = usable.get(node)
         if p is None:

@@ -14,15 +14,13 @@ from typing import Any, Protocol
 
 
 class JobStatus(Protocol):
-    """A node's answer about its push job (store.proto DrainStatus / WarmStatus)."""
+    """A node's answer about its push job (:class:`kvpool.core.push_status.DrainStatus` / ``WarmStatus``)."""
 
     @property
     def state(self) -> str: ...  # idle | running | done
 
     @property
     def epoch(self) -> int: ...
-
-    def counters(self) -> dict[str, int]: ...
 
 
 def sum_counters(nodes: Iterable[Mapping[str, Any]], names: Sequence[str]) -> dict[str, int]:
@@ -40,7 +38,7 @@ def status_counters(status: Any, names: Sequence[str]) -> dict[str, int]:
 
 
 def follow(names: Iterable[str], rows: Mapping[str, Mapping[str, Any]], statuses: Mapping[str, JobStatus | None],
-           usable: set[str], epoch: int) -> tuple[dict[str, dict[str, Any]], list[str], int]:
+           usable: set[str], epoch: int, counters: Sequence[str]) -> tuple[dict[str, dict[str, Any]], list[str], int]:
     """Each node's status row after its latest answer, the nodes to ask to start (again), and how
     many jobs are still pending.
 
@@ -49,7 +47,7 @@ def follow(names: Iterable[str], rows: Mapping[str, Mapping[str, Any]], statuses
     (a node that is done may stop answering).  A job of ``epoch`` that is done or running keeps
     its counters; any other answer (idle, or a job of another epoch: the node restarted, or the
     ring was replaced since) is ``pending`` and the node is asked again: its job is idempotent for
-    one epoch.
+    one epoch.  A row keeps the job's ``counters`` (camelCase status names of its snake_case fields).
     """
     out: dict[str, dict[str, Any]] = {}
     calls: list[str] = []
@@ -64,9 +62,9 @@ def follow(names: Iterable[str], rows: Mapping[str, Mapping[str, Any]], statuses
                 row["state"] = "unreachable"
                 pending += 1
         elif st.epoch == epoch and st.state == "done":
-            row.update(st.counters(), state="done")
+            row.update(status_counters(st, counters), state="done")
         elif st.epoch == epoch and st.state == "running":
-            row.update(st.counters(), state="running")
+            row.update(status_counters(st, counters), state="running")
             pending += 1
         else:
             row["state"] = "pending"

@@ -23,35 +23,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpool.core.push_status import WarmStatus
 from kvpool.core.ring import Ring, removed_members
 
 from .drain import Event
 from .membership import StorePod
-from .push_jobs import follow, status_counters, sum_counters
+from .push_jobs import follow, sum_counters
 from .units import format_bytes, format_time
 
 COUNTERS = ("plannedObjects", "plannedBytes", "movedObjects", "movedBytes", "skippedObjects", "skippedBytes",
             "failedObjects", "remainingObjects")
-
-
-@dataclass(frozen=True)
-class NodeWarmStatus:
-    """A store node's answer to GetWarmStatus (store.proto WarmStatus)."""
-
-    state: str = "idle"  # idle | running | done
-    planned_objects: int = 0
-    planned_bytes: int = 0
-    moved_objects: int = 0
-    moved_bytes: int = 0
-    skipped_objects: int = 0
-    skipped_bytes: int = 0
-    failed_objects: int = 0
-    remaining_objects: int = 0
-    deadline_unix_ms: int = 0
-    epoch: int = 0
-
-    def counters(self) -> dict[str, int]:
-        return status_counters(self, COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -163,7 +144,7 @@ def _start(previous: Ring, ring: Ring, now_ms: int, warm: WarmSettings,
 
 
 def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epochs: Mapping[str, int | None],
-            pods: Iterable[StorePod], statuses: Mapping[str, NodeWarmStatus | None], now_ms: int,
+            pods: Iterable[StorePod], statuses: Mapping[str, WarmStatus | None], now_ms: int,
             warm: WarmSettings, overrun_seconds: float = 30.0, draining: bool = False,
             held_bytes: Mapping[str, int | None] | None = None) -> RebalanceStep:
     """The next step of the scale-up rebalance.
@@ -206,7 +187,7 @@ def advance(state: RebalanceState | None, previous: Ring | None, ring: Ring, epo
                 return _end(state, now_ms, "DeadlineExceeded", "the ring never reached every store node")
             return RebalanceStep(state)
         state = replace(state, stage="Warming")
-    nodes, calls, pending = follow(state.sources, state.nodes, statuses, usable, state.epoch)
+    nodes, calls, pending = follow(state.sources, state.nodes, statuses, usable, state.epoch, COUNTERS)
     state = replace(state, nodes=nodes)
     overrun = now_ms > state.deadline_unix_ms + int(overrun_seconds * 1000)
     if pending and not overrun:

@@ -13,10 +13,11 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpool.core.push_status import DrainStatus, WarmStatus
 from kvpool.core.ring import Member, Ring
 
 from . import children, drain, membership, rebalance, scaling, status
-from .drain import DrainState, Event, NodeDrainStatus
+from .drain import DrainState, Event
 from .membership import StorePod
 from .model import (
     STORE_DEFAULT_TENANT,
@@ -28,7 +29,7 @@ from .model import (
     parse_pool,
     resolve_layout,
 )
-from .rebalance import NodeWarmStatus, RebalanceState, WarmSettings
+from .rebalance import RebalanceState, WarmSettings
 from .settings import Settings
 from .status import NodeStats, PoolObservation
 from .tenancy import Credentials, NodeTenant, node_tenants
@@ -47,8 +48,8 @@ class PoolObserved:
     """volumeClaimTemplates of the existing StatefulSet (immutable there)."""
     stats: Mapping[str, NodeStats | None] = field(default_factory=dict)
     """Per usable pod: its Stats (None: it did not answer)."""
-    drain_statuses: Mapping[str, NodeDrainStatus | None] = field(default_factory=dict)
-    warm_statuses: Mapping[str, NodeWarmStatus | None] = field(default_factory=dict)
+    drain_statuses: Mapping[str, DrainStatus | None] = field(default_factory=dict)
+    warm_statuses: Mapping[str, WarmStatus | None] = field(default_factory=dict)
     """The rebalance sources' GetWarmStatus answers (None: no answer)."""
     tenants: Sequence[tuple[TenantSpec, Credentials]] = ()
     now_ms: int = 0

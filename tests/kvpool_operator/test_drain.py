@@ -1,7 +1,8 @@
 """The scale-down state machine: start, progress, completion, deadline, cancel, resume."""
 
+from kvpool.core.push_status import DrainStatus
 from kvpool_operator import drain
-from kvpool_operator.drain import DrainState, NodeDrainStatus
+from kvpool_operator.drain import DrainState
 from kvpool_operator.membership import StorePod
 
 NOW = 1_000_000
@@ -31,12 +32,12 @@ def test_start_with_nothing_to_drain_scales_at_once() -> None:
 def test_progress_then_completion() -> None:
     st = drain.start(3, 2, _pods(3), NOW, 60).state
     assert st is not None
-    running = NodeDrainStatus("running", moved_objects=5, moved_bytes=500, remaining_objects=7, epoch=4)
+    running = DrainStatus("running", moved_objects=5, moved_bytes=500, remaining_objects=7, epoch=4)
     s1 = drain.step(st, 4, _pods(3), {"p-store-2": running}, NOW + 1000, 2)
     assert s1.state is not None and s1.calls == () and s1.replicas == 3 and s1.draining == {"p-store-2"}
     assert s1.state.totals()["movedObjects"] == 5 and s1.state.epoch == 4
     assert "moved 5 objects" in s1.state.progress_message(NOW + 1000)
-    done = NodeDrainStatus("done", moved_objects=12, moved_bytes=1200, dropped_objects=1, dropped_bytes=100, epoch=4)
+    done = DrainStatus("done", moved_objects=12, moved_bytes=1200, dropped_objects=1, dropped_bytes=100, epoch=4)
     s2 = drain.step(s1.state, 4, _pods(3), {"p-store-2": done}, NOW + 2000, 2)
     assert s2.state is None and s2.replicas == 2 and s2.member_limit == 2 and s2.draining == frozenset()
     assert s2.finished is not None and s2.finished["result"] == "Completed"
@@ -48,7 +49,7 @@ def test_idle_or_stale_epoch_is_called_again() -> None:
     # After an operator (or node) restart the node may not know the drain: ask again, same deadline.
     st = drain.start(3, 2, _pods(3), NOW, 60).state
     assert st is not None
-    for answer in (NodeDrainStatus("idle"), NodeDrainStatus("done", epoch=3)):
+    for answer in (DrainStatus("idle"), DrainStatus("done", epoch=3)):
         s = drain.step(st, 4, _pods(3), {"p-store-2": answer}, NOW + 10, 2)
         assert s.calls == ("p-store-2",) and s.state is not None
 

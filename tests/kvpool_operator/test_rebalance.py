@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool.core.push_status import WarmStatus
 from kvpool.core.ring import Member, Ring
 from kvpool_operator.membership import StorePod
 from kvpool_operator.model import parse_pool
-from kvpool_operator.rebalance import NodeWarmStatus, RebalanceState, WarmSettings, advance
+from kvpool_operator.rebalance import RebalanceState, WarmSettings, advance
 from kvpool_operator.reconcile import PoolObserved, PoolPlan, plan_pool
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import NodeStats
@@ -26,8 +27,8 @@ def _pods(n: int) -> list[StorePod]:
     return [StorePod(f"p-store-{i}", i, f"127.0.0.{10 + i}", ready=True) for i in range(n)]
 
 
-def _done(epoch: int, moved: int = 5) -> NodeWarmStatus:
-    return NodeWarmStatus("done", planned_objects=moved + 1, moved_objects=moved, moved_bytes=moved * 100,
+def _done(epoch: int, moved: int = 5) -> WarmStatus:
+    return WarmStatus("done", planned_objects=moved + 1, moved_objects=moved, moved_bytes=moved * 100,
                           skipped_objects=1, epoch=epoch)
 
 
@@ -43,13 +44,13 @@ def test_a_ring_that_adds_members_starts_a_rebalance_that_waits_for_the_ring() -
     assert st.state is not None and st.state.stage == "WaitingForRing" and st.calls == ()
     # Every member on epoch 4: the previous owners are asked to push.
     epochs = {f"p-store-{i}": 4 for i in range(3)}
-    idle = {"p-store-0": NodeWarmStatus(), "p-store-1": NodeWarmStatus()}
+    idle = {"p-store-0": WarmStatus(), "p-store-1": WarmStatus()}
     st = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, _pods(3), idle, NOW + 2000, W)
     assert st.state is not None and st.state.stage == "Warming" and st.calls == ("p-store-0", "p-store-1")
     # Asked again while idle or on another epoch (an operator restart resumes), never while running.
-    running = NodeWarmStatus("running", planned_objects=9, moved_objects=3, moved_bytes=300, epoch=4)
+    running = WarmStatus("running", planned_objects=9, moved_objects=3, moved_bytes=300, epoch=4)
     st = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, _pods(3),
-                 {"p-store-0": running, "p-store-1": NodeWarmStatus("done", epoch=3)}, NOW + 3000, W)
+                 {"p-store-0": running, "p-store-1": WarmStatus("done", epoch=3)}, NOW + 3000, W)
     assert st.state is not None and st.calls == ("p-store-1",)
     assert st.state.totals()["movedObjects"] == 3 and st.finished is None
     # Both done: finished with the counts.
@@ -91,7 +92,7 @@ def test_deadline_and_a_gone_source() -> None:
     epochs = {f"p-store-{i}": 4 for i in range(3)}
     st = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, _pods(3), {}, NOW + 1, W)
     assert st.state is not None
-    stuck = NodeWarmStatus("running", planned_objects=9, moved_objects=1, remaining_objects=8, epoch=4)
+    stuck = WarmStatus("running", planned_objects=9, moved_objects=1, remaining_objects=8, epoch=4)
     pods = [p for p in _pods(3) if p.name != "p-store-1"]
     late = advance(st.state, _ring(4, 3), _ring(4, 3), epochs, pods, {"p-store-0": stuck}, NOW + 91_000, W,
                    overrun_seconds=30)
@@ -140,7 +141,7 @@ def test_scale_up_through_plan_pool_shows_rebalancing_then_done() -> None:
     assert "RebalanceStarted" in {e.reason for e in plan.events}
     # Everyone has epoch 2: the previous owners are asked to push, with the pool's bound and fraction.
     plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, 2), now_ms=NOW + 10_000,
-                      warm_statuses={"p-store-0": NodeWarmStatus(), "p-store-1": NodeWarmStatus(epoch=1)})
+                      warm_statuses={"p-store-0": WarmStatus(), "p-store-1": WarmStatus(epoch=1)})
     assert [m.id for m in plan.warm_calls] == ["p-store-0", "p-store-1"]
     assert plan.warm == WarmSettings(0.5, 300, 8 << 20)
     assert _conds(plan)["Rebalancing"] == ("True", "Warming")
@@ -191,7 +192,7 @@ def test_a_member_lost_without_a_drain_starts_a_re_replication_from_the_survivor
     assert "lost a copy with p-store-1" in step.events[0].message
     epochs = {"p-store-0": 4, "p-store-2": 4}
     st = advance(step.state, _ring_r(4, 3, skip=(1,)), _ring_r(4, 3, skip=(1,)), epochs, pods,
-                 {"p-store-0": NodeWarmStatus(), "p-store-2": NodeWarmStatus()}, NOW + 1000, W)
+                 {"p-store-0": WarmStatus(), "p-store-2": WarmStatus()}, NOW + 1000, W)
     assert st.state is not None and st.calls == ("p-store-0", "p-store-2")
     assert st.state.stage == "Warming" and st.state.reason == "Rereplicating"
     assert st.state.progress_message(NOW + 1000).startswith("re-replication of the blocks that lost a copy")
@@ -244,7 +245,7 @@ def test_a_dead_store_pod_through_plan_pool_shows_rereplicating_and_sends_remove
     assert plan.status["rebalance"]["removed"] == ["p-store-1"]
     stats2 = {k: v for k, v in _stats(3, 2).items() if k != "p-store-1"}
     plan, body = _run(body, pods=dead, sts_replicas=3, stats=stats2, now_ms=NOW + 10_000,
-                      warm_statuses={"p-store-0": NodeWarmStatus(), "p-store-2": NodeWarmStatus()})
+                      warm_statuses={"p-store-0": WarmStatus(), "p-store-2": WarmStatus()})
     assert [m.id for m in plan.warm_calls] == ["p-store-0", "p-store-2"]
     assert _conds(plan)["Rebalancing"] == ("True", "Rereplicating") and plan.status["phase"] == "Rebalancing"
     plan, body = _run(body, pods=dead, sts_replicas=3, stats=stats2, now_ms=NOW + 20_000,

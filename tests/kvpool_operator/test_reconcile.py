@@ -3,10 +3,10 @@
 import json
 from typing import Any
 
-from kvpool_operator.drain import NodeDrainStatus
+from kvpool.core.push_status import DrainStatus
+from kvpool.wire.convert import ring_to_pb
 from kvpool_operator.membership import StorePod
 from kvpool_operator.model import SpecError, parse_tier
-from kvpool_operator.nodes import ring_to_pb
 from kvpool_operator.reconcile import PoolObserved, PoolPlan, plan_pool
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import NodeStats
@@ -66,10 +66,10 @@ def test_scale_down_drains_then_shrinks() -> None:
     epoch = plan.ring.epoch
     # An operator restart: the same status, a node that forgot → called again, same deadline.
     again, _ = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, epoch=epoch),
-                    drain_statuses={"p-store-2": NodeDrainStatus("idle")}, now_ms=NOW + 5000)
+                    drain_statuses={"p-store-2": DrainStatus("idle")}, now_ms=NOW + 5000)
     assert [m.id for m in again.drain_calls] == ["p-store-2"] and again.drain_deadline_ms == NOW + 30_000
     assert again.ring is not None and again.ring.epoch == epoch
-    done = NodeDrainStatus("done", moved_objects=10, moved_bytes=1000, epoch=epoch)
+    done = DrainStatus("done", moved_objects=10, moved_bytes=1000, epoch=epoch)
     plan, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3, epoch=epoch),
                       drain_statuses={"p-store-2": done}, now_ms=NOW + 6000)
     assert plan.replicas == 2 and plan.children[-1]["spec"]["replicas"] == 2

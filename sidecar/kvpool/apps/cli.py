@@ -14,7 +14,7 @@ from kvpool.wire.kv_events import add_event_args
 
 def _store(args: argparse.Namespace) -> int:
     from kvpool.store.config import load_node_config, load_tenants
-    from kvpool.store.service import serve_forever
+    from kvpool.store.main import serve_forever
 
     cfg = load_node_config(args)
     tenants = load_tenants(args.tenants) if args.tenants else []

@@ -74,7 +74,7 @@ class StoreClient:
         self._session_lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.stub = pbg.StoreStub(self._channel)
+        self.stub = pbg.StoreDataStub(self._channel)
         self._lock = threading.Lock()
         self._inflight: set[Any] = set()
         self.epoch_seen = 0

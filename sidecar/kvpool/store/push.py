@@ -4,30 +4,54 @@ Both walk the node's objects hottest first, group them into batches bound for on
 put each: a few round trips instead of one per object) from a bounded window of the walk, pace
 the batches by a bandwidth bound and stop at a deadline.  The grouping and the pacing are pure;
 :func:`push_batch` does the reading and the put; :class:`Targets` keeps one client per (target,
-tenant token).
+tenant token); :class:`Progress` is what a running job reports.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from kvpool.core.push_status import DrainStatus, WarmStatus
 from kvpool.pool.node_client import StoreClient
 from kvpool.store.node import DEFAULT_TENANT, Entry, StoreNode
 
 log = logging.getLogger("kvpool.store.push")
+S = TypeVar("S", DrainStatus, WarmStatus)
 
 BATCH_OBJECTS = 16
 BATCH_BYTES = 4 << 20
 GROUP_WINDOW = 128
 """Objects ahead in the hottest-first order a batch may take its objects from (:func:`batches`):
 eight batches' worth, so that a drain to up to eight owners still fills its batches."""
+
+
+class Progress(Generic[S]):
+    """A push job as it runs: its status, and the flag that stops it before its next batch.
+
+    Only the job's thread writes the status, and it replaces it whole (:meth:`add`, :meth:`set`):
+    a status call on another thread reads one consistent snapshot, never a half-counted batch."""
+
+    def __init__(self, status: S) -> None:
+        self.status = status
+        self.stop = threading.Event()
+        self.stopped_as = "superseded"
+        """The state a job stopped before its end ends in (a drain: "superseded" or "cancelled")."""
+
+    def add(self, **deltas: int) -> None:
+        """Add to the status's counters."""
+        s = self.status
+        self.status = replace(s, **{k: getattr(s, k) + v for k, v in deltas.items()})
+
+    def set(self, **values: Any) -> None:
+        self.status = replace(self.status, **values)
 
 
 def pace_delay(sent_bytes: int, elapsed_s: float, max_bytes_per_second: int) -> float:

@@ -20,11 +20,15 @@ that was not an owner before (the next one in weight order), and the same push, 
 the removed members (``removed``), gives it the lost copy from the first surviving previous
 owner.  With R=1 the only copy died with the node (only a stray copy, e.g. a warm-up's source,
 can still be pushed), and a state object, single-copy, is never restored.
+
+:class:`WarmJob` is the node's one warm-up at a time, per ring epoch (the ``StoreAdmin`` service
+only adapts it).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -33,9 +37,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.core.keys import KEY_BYTES
+from kvpool.core.push_status import WarmStatus
 from kvpool.core.ring import Ring, owners
 from kvpool.store.node import StoreNode
-from kvpool.store.push import Targets, batch_cap, batches, pace_delay, push_batch
+from kvpool.store.push import Progress, Targets, batch_cap, batches, pace_delay, push_batch
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store.warm")
@@ -126,12 +131,39 @@ def added_members(previous: Ring | None, ring: Ring) -> list[str]:
     return [m.id for m in ring.active if m.id not in before]
 
 
-def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
+class WarmJob:
+    """The node's warm-up push: one at a time, each for one ring epoch (thread-safe)."""
+
+    def __init__(self, node: StoreNode) -> None:
+        self.node = node
+        self._lock = threading.Lock()
+        self._progress: Progress[WarmStatus] = Progress(WarmStatus())
+
+    def status(self) -> WarmStatus:
+        return self._progress.status
+
+    def start(self, ring: Ring, added: Collection[str], deadline_unix_ms: int = 0, max_bytes_per_second: int = 0,
+              fraction: float = 0.0, removed: Collection[str] = ()) -> WarmStatus:
+        """Start (once per epoch: idempotent, so an operator may call again) the push of the
+        objects now owned by ``added``, or by the next owners in place of ``removed``
+        (replication restored); a warm-up of an older epoch is stopped."""
+        with self._lock:
+            now = self._progress.status
+            if now.state in ("running", "done") and now.epoch == ring.epoch:
+                return now
+            self._progress.stop.set()
+            progress = Progress(WarmStatus(state="running", deadline_unix_ms=deadline_unix_ms, epoch=ring.epoch))
+            self._progress = progress
+            threading.Thread(target=run_warm, args=(self.node, ring, list(added), progress, max_bytes_per_second,
+                                                    fraction, list(removed)), name="warm", daemon=True).start()
+            return progress.status
+
+
+def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Progress[WarmStatus],
              max_bytes_per_second: int = 0, fraction: float = 0.0, removed: Collection[str] = ()) -> None:
-    """Push the planned objects (the thread behind the ``Warm`` RPC); ``progress`` is the
-    service's :class:`~kvpool.store.service.WarmProgress`, updated as it goes."""
+    """Push the planned objects (the thread of a :class:`WarmJob`), counting in ``progress`` per batch."""
     p = progress
-    deadline = p.deadline_unix_ms / 1000.0 if p.deadline_unix_ms else float("inf")
+    deadline = p.status.deadline_unix_ms / 1000.0 if p.status.deadline_unix_ms else float("inf")
     started = time.monotonic()
     entries = [e for e in node.objects_hottest_first() if e.kind == pb.BLOCK]
     active = ring.active
@@ -149,12 +181,12 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
         # An object bound for several added owners (R > 1) is one push to each, next to each
         # other; the progress counts pushes (copies made), which with R=1 are the objects.
         pushes = [(e, t) for e, row in zip(todo, target[order].tolist(), strict=True) for t in row if t >= 0]
-        p.planned_objects = p.remaining_objects = len(pushes)
-        p.planned_bytes = sum(e.size for e, _ in pushes)
+        p.set(planned_objects=len(pushes), remaining_objects=len(pushes),
+              planned_bytes=sum(e.size for e, _ in pushes))
         sent = 0
         cap = batch_cap(max_bytes_per_second)
         for tgt, batch in batches([e for e, _ in pushes], [t for _, t in pushes], max_bytes=cap):
-            if node.ring.epoch > ring.epoch or p.cancelled:
+            if node.ring.epoch > ring.epoch or p.stop.is_set():
                 break  # a newer ring: its own warm-up plans again
             wait = pace_delay(sent, time.monotonic() - started, max_bytes_per_second)
             if wait > 0:
@@ -163,23 +195,18 @@ def run_warm(node: StoreNode, ring: Ring, added: Collection[str], progress: Any,
                 break
             client = targets.client(active[tgt].address, batch[0].tenant)  # None: a revoked tenant
             codes = push_batch(node, client, batch, ring.epoch) if client is not None else {}
-            for e in batch:
-                code = codes.get(id(e), -1)
-                if code == pb.OK:
-                    p.moved_objects += 1
-                    p.moved_bytes += e.size
-                    sent += e.size
-                elif code == pb.ALREADY_EXISTS:
-                    p.skipped_objects += 1
-                    p.skipped_bytes += e.size
-                else:
-                    p.failed_objects += 1
-                p.remaining_objects -= 1
+            moved = [e.size for e in batch if codes.get(id(e), -1) == pb.OK]
+            skipped = [e.size for e in batch if codes.get(id(e), -1) == pb.ALREADY_EXISTS]
+            sent += sum(moved)
+            p.add(moved_objects=len(moved), moved_bytes=sum(moved), skipped_objects=len(skipped),
+                  skipped_bytes=sum(skipped), failed_objects=len(batch) - len(moved) - len(skipped),
+                  remaining_objects=-len(batch))
     except Exception:
         log.exception("warm-up failed")
     finally:
-        p.state = "done"
+        p.set(state="done")
         targets.close()
+        s = p.status
         log.info("warm-up of epoch %d done: moved %d objects (%d bytes), skipped %d, failed %d, left %d",
-                 ring.epoch, p.moved_objects, p.moved_bytes, p.skipped_objects, p.failed_objects,
-                 p.remaining_objects)
+                 ring.epoch, s.moved_objects, s.moved_bytes, s.skipped_objects, s.failed_objects,
+                 s.remaining_objects)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 
@@ -23,6 +24,8 @@ from kvpool.core.errors import (
     WrongOwner,
 )
 from kvpool.wire.proto import store_pb2 as pb
+
+T = TypeVar("T")
 
 GRPC_STATUS: dict[type[KvpoolError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -81,3 +84,31 @@ def from_rpc_error(err: grpc.RpcError) -> KvpoolError:
     if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return Unavailable(f"{status.name}: {detail}")
     return _FROM_GRPC.get(status, KvpoolError)(detail or status.name)
+
+
+# -- server side ---------------------------------------------------------------------------
+
+
+def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str:
+    """The token of a call's ``authorization: Bearer <token>`` metadata ("" without one)."""
+    for k, v in metadata or ():
+        if k == "authorization" and isinstance(v, str) and v.startswith("Bearer "):
+            return v[7:]
+    return ""
+
+
+def answer(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    """``fn()``; a data-plane error it raises ends the call with its status (a ValueError, a
+    malformed argument, with INVALID_ARGUMENT)."""
+    try:
+        return fn()
+    except KvpoolError as exc:
+        abort(context, grpc_status_for(exc), str(exc))
+    except ValueError as exc:
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, detail: str) -> NoReturn:
+    """End the call with ``code`` (``context.abort`` raises; typed here as never returning)."""
+    context.abort(code, detail)
+    raise AssertionError("unreachable: abort raises")

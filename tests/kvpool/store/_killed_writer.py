@@ -26,7 +26,7 @@ from kvpool.wire.proto import store_pb2_grpc as pbg
 def main() -> None:
     address, mode, key_hex, size_s, timeout_s = sys.argv[1:6]
     key, size = bytes.fromhex(key_hex), int(size_s)
-    stub = pbg.StoreStub(grpc.insecure_channel(address))  # type: ignore[no-untyped-call]
+    stub = pbg.StoreDataStub(grpc.insecure_channel(address))  # type: ignore[no-untyped-call]
     if mode == "session":
         session_writer(stub, key, size, int(timeout_s))
         return
@@ -51,7 +51,7 @@ def main() -> None:
         time.sleep(60)
 
 
-def session_writer(stub: pbg.StoreStub, key: bytes, size: int, timeout_ms: int) -> None:
+def session_writer(stub: pbg.StoreDataStub, key: bytes, size: int, timeout_ms: int) -> None:
     host, _, port = stub.Health(pb.Empty(), timeout=10).transfer_address.rpartition(":")
     sock = socket.create_connection((host, int(port)))
     sizes = np.array([size], np.uint64)

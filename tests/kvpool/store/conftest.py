@@ -64,10 +64,16 @@ class StoreProcess:
         self.clients.append(c)
         return c
 
-    def stub(self) -> pbg.StoreStub:
+    def stub(self) -> pbg.StoreDataStub:
+        return pbg.StoreDataStub(self._channel())  # type: ignore[no-untyped-call]
+
+    def admin_stub(self) -> pbg.StoreAdminStub:
+        return pbg.StoreAdminStub(self._channel())  # type: ignore[no-untyped-call]
+
+    def _channel(self) -> grpc.Channel:
         ch = grpc.insecure_channel(self.address, options=[("grpc.enable_http_proxy", 0)])
         self.channels.append(ch)
-        return pbg.StoreStub(ch)  # type: ignore[no-untyped-call]
+        return ch
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -56,6 +56,7 @@ class Fuzzer:
         self.clients = {t: node.client(t) for t in TOKENS}
         self.raw_clients = {t: node.client(t, verify=False) for t in TOKENS}
         self.stub = node.stub()
+        self.admin_stub = node.admin_stub()
         self.engine = TransferEngine(stall_timeout=5.0)
         self.stale: list[tuple[str, Any, list[bytes], int]] = []
         self.failures: list[str] = []
@@ -204,7 +205,7 @@ class Fuzzer:
         elif which == 3:
             self.rpc(self.stub.Release, pb.ReleaseRequest(lease_ids=[self.rng.getrandbits(64)]), token)
         elif which == 4:
-            self.rpc(self.stub.SetRing, pb.Ring(epoch=self.rng.getrandbits(64)), token)
+            self.rpc(self.admin_stub.SetRing, pb.Ring(epoch=self.rng.getrandbits(64)), token)
         else:
             self.rpc(self.stub.Stats, pb.Empty(), token)
 

@@ -52,7 +52,8 @@ def test_malformed_control_requests_are_invalid_argument(shared_store: Any, rng:
         (s.PutCommit, pb.PutCommitRequest(reservation_id=0, checksums=[1])),
         (s.PutCommit, pb.PutCommitRequest(reservation_id=2**64 - 1, checksums=[1])),
         (s.PutCommit, pb.PutCommitRequest(reservation_id=987654321, checksums=[])),
-        (s.SetRing, pb.Ring(epoch=1, members=[pb.RingMember(id="x", address="a:1", state="zombie")])),
+        (shared_store.admin_stub().SetRing,
+         pb.Ring(epoch=1, members=[pb.RingMember(id="x", address="a:1", state="zombie")])),
     ]
     for fn, req in cases:
         assert _code(fn, req) == BAD, (fn, req)

@@ -25,8 +25,10 @@ if _version_not_supported:
     )
 
 
-class StoreStub(object):
-    """Missing associated documentation comment in .proto file."""
+class StoreDataStub(object):
+    """The data and cold calls of a tenant's sidecar (hot reads and writes go over the data session
+    on the transfer port; these are the gRPC form of the same calls, and what it has no frame for).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,94 +37,61 @@ class StoreStub(object):
             channel: A grpc.Channel.
         """
         self.Exists = channel.unary_unary(
-                '/kvpool.v1.Store/Exists',
+                '/kvpool.v1.StoreData/Exists',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsReply.FromString,
                 _registered_method=True)
         self.PutStart = channel.unary_unary(
-                '/kvpool.v1.Store/PutStart',
+                '/kvpool.v1.StoreData/PutStart',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartReply.FromString,
                 _registered_method=True)
         self.PutCommit = channel.unary_unary(
-                '/kvpool.v1.Store/PutCommit',
+                '/kvpool.v1.StoreData/PutCommit',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitReply.FromString,
                 _registered_method=True)
         self.PutRevoke = channel.unary_unary(
-                '/kvpool.v1.Store/PutRevoke',
+                '/kvpool.v1.StoreData/PutRevoke',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                 _registered_method=True)
         self.Get = channel.unary_unary(
-                '/kvpool.v1.Store/Get',
+                '/kvpool.v1.StoreData/Get',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.GetReply.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
-                '/kvpool.v1.Store/Release',
+                '/kvpool.v1.StoreData/Release',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                 _registered_method=True)
         self.Remove = channel.unary_unary(
-                '/kvpool.v1.Store/Remove',
+                '/kvpool.v1.StoreData/Remove',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.RemoveRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
-                '/kvpool.v1.Store/Stats',
+                '/kvpool.v1.StoreData/Stats',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.GetRing = channel.unary_unary(
-                '/kvpool.v1.Store/GetRing',
+                '/kvpool.v1.StoreData/GetRing',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.FromString,
-                _registered_method=True)
-        self.SetRing = channel.unary_unary(
-                '/kvpool.v1.Store/SetRing',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.FromString,
-                _registered_method=True)
-        self.Drain = channel.unary_unary(
-                '/kvpool.v1.Store/Drain',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
-                _registered_method=True)
-        self.GetDrainStatus = channel.unary_unary(
-                '/kvpool.v1.Store/GetDrainStatus',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
-                _registered_method=True)
-        self.SetTenants = channel.unary_unary(
-                '/kvpool.v1.Store/SetTenants',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.SetTenantsRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
-                _registered_method=True)
-        self.SetPolicy = channel.unary_unary(
-                '/kvpool.v1.Store/SetPolicy',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PolicyRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
-                '/kvpool.v1.Store/Health',
+                '/kvpool.v1.StoreData/Health',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.FromString,
                 _registered_method=True)
-        self.Warm = channel.unary_unary(
-                '/kvpool.v1.Store/Warm',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.FromString,
-                _registered_method=True)
-        self.GetWarmStatus = channel.unary_unary(
-                '/kvpool.v1.Store/GetWarmStatus',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.FromString,
-                _registered_method=True)
 
 
-class StoreServicer(object):
-    """Missing associated documentation comment in .proto file."""
+class StoreDataServicer(object):
+    """The data and cold calls of a tenant's sidecar (hot reads and writes go over the data session
+    on the transfer port; these are the gRPC form of the same calls, and what it has no frame for).
+    """
 
     def Exists(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -178,56 +147,14 @@ class StoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SetRing(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Drain(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetDrainStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SetTenants(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SetPolicy(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Warm(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
-    def GetWarmStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_StoreServicer_to_server(servicer, server):
+def add_StoreDataServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Exists': grpc.unary_unary_rpc_method_handler(
                     servicer.Exists,
@@ -274,56 +201,23 @@ def add_StoreServicer_to_server(servicer, server):
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                     response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.SerializeToString,
             ),
-            'SetRing': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetRing,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.SerializeToString,
-            ),
-            'Drain': grpc.unary_unary_rpc_method_handler(
-                    servicer.Drain,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.SerializeToString,
-            ),
-            'GetDrainStatus': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetDrainStatus,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.SerializeToString,
-            ),
-            'SetTenants': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetTenants,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.SetTenantsRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-            ),
-            'SetPolicy': grpc.unary_unary_rpc_method_handler(
-                    servicer.SetPolicy,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PolicyRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-            ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                     response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.SerializeToString,
             ),
-            'Warm': grpc.unary_unary_rpc_method_handler(
-                    servicer.Warm,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.SerializeToString,
-            ),
-            'GetWarmStatus': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetWarmStatus,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'kvpool.v1.Store', rpc_method_handlers)
+            'kvpool.v1.StoreData', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('kvpool.v1.Store', rpc_method_handlers)
+    server.add_registered_method_handlers('kvpool.v1.StoreData', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Store(object):
-    """Missing associated documentation comment in .proto file."""
+class StoreData(object):
+    """The data and cold calls of a tenant's sidecar (hot reads and writes go over the data session
+    on the transfer port; these are the gRPC form of the same calls, and what it has no frame for).
+    """
 
     @staticmethod
     def Exists(request,
@@ -339,7 +233,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/Exists',
+            '/kvpool.v1.StoreData/Exists',
             kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsReply.FromString,
             options,
@@ -366,7 +260,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/PutStart',
+            '/kvpool.v1.StoreData/PutStart',
             kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartReply.FromString,
             options,
@@ -393,7 +287,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/PutCommit',
+            '/kvpool.v1.StoreData/PutCommit',
             kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitReply.FromString,
             options,
@@ -420,7 +314,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/PutRevoke',
+            '/kvpool.v1.StoreData/PutRevoke',
             kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
             options,
@@ -447,7 +341,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/Get',
+            '/kvpool.v1.StoreData/Get',
             kvpool_dot_wire_dot_proto_dot_store__pb2.GetRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.GetReply.FromString,
             options,
@@ -474,7 +368,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/Release',
+            '/kvpool.v1.StoreData/Release',
             kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
             options,
@@ -501,7 +395,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/Remove',
+            '/kvpool.v1.StoreData/Remove',
             kvpool_dot_wire_dot_proto_dot_store__pb2.RemoveRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.FromString,
             options,
@@ -528,7 +422,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/Stats',
+            '/kvpool.v1.StoreData/Stats',
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.StatsReply.FromString,
             options,
@@ -555,7 +449,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/GetRing',
+            '/kvpool.v1.StoreData/GetRing',
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.FromString,
             options,
@@ -567,6 +461,177 @@ class Store(object):
             timeout,
             metadata,
             _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreData/Health',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class StoreAdminStub(object):
+    """The operator's calls: the ring, the tenants and the policy a node serves, and its push jobs.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRing = channel.unary_unary(
+                '/kvpool.v1.StoreAdmin/SetRing',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.FromString,
+                _registered_method=True)
+        self.SetTenants = channel.unary_unary(
+                '/kvpool.v1.StoreAdmin/SetTenants',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.SetTenantsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
+                _registered_method=True)
+        self.SetPolicy = channel.unary_unary(
+                '/kvpool.v1.StoreAdmin/SetPolicy',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PolicyRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvpool.v1.StoreAdmin/Drain',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
+                _registered_method=True)
+        self.GetDrainStatus = channel.unary_unary(
+                '/kvpool.v1.StoreAdmin/GetDrainStatus',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
+                _registered_method=True)
+        self.Warm = channel.unary_unary(
+                '/kvpool.v1.StoreAdmin/Warm',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.FromString,
+                _registered_method=True)
+        self.GetWarmStatus = channel.unary_unary(
+                '/kvpool.v1.StoreAdmin/GetWarmStatus',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.FromString,
+                _registered_method=True)
+
+
+class StoreAdminServicer(object):
+    """The operator's calls: the ring, the tenants and the policy a node serves, and its push jobs.
+    """
+
+    def SetRing(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetTenants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPolicy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDrainStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Warm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWarmStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StoreAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRing': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRing,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.SerializeToString,
+            ),
+            'SetTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTenants,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.SetTenantsRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+            ),
+            'SetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicy,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PolicyRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.SerializeToString,
+            ),
+            'GetDrainStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDrainStatus,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.SerializeToString,
+            ),
+            'Warm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Warm,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.SerializeToString,
+            ),
+            'GetWarmStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWarmStatus,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvpool.v1.StoreAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvpool.v1.StoreAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StoreAdmin(object):
+    """The operator's calls: the ring, the tenants and the policy a node serves, and its push jobs.
+    """
 
     @staticmethod
     def SetRing(request,
@@ -582,63 +647,9 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/SetRing',
+            '/kvpool.v1.StoreAdmin/SetRing',
             kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.Ring.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Drain(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.Store/Drain',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.DrainRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetDrainStatus(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.Store/GetDrainStatus',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -663,7 +674,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/SetTenants',
+            '/kvpool.v1.StoreAdmin/SetTenants',
             kvpool_dot_wire_dot_proto_dot_store__pb2.SetTenantsRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
             options,
@@ -690,7 +701,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/SetPolicy',
+            '/kvpool.v1.StoreAdmin/SetPolicy',
             kvpool_dot_wire_dot_proto_dot_store__pb2.PolicyRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
             options,
@@ -704,7 +715,7 @@ class Store(object):
             _registered_method=True)
 
     @staticmethod
-    def Health(request,
+    def Drain(request,
             target,
             options=(),
             channel_credentials=None,
@@ -717,9 +728,36 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/Health',
+            '/kvpool.v1.StoreAdmin/Drain',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.DrainRequest.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDrainStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreAdmin/GetDrainStatus',
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.FromString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.DrainStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -744,7 +782,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/Warm',
+            '/kvpool.v1.StoreAdmin/Warm',
             kvpool_dot_wire_dot_proto_dot_store__pb2.WarmRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.FromString,
             options,
@@ -771,7 +809,7 @@ class Store(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Store/GetWarmStatus',
+            '/kvpool.v1.StoreAdmin/GetWarmStatus',
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.WarmStatus.FromString,
             options,
