@@ -35,8 +35,8 @@ class AdminClient:
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self._admin = pbg.StoreAdminStub(self._channel)  # type: ignore[no-untyped-call]
-        self._data = pbg.StoreDataStub(self._channel)  # type: ignore[no-untyped-call]
+        self._admin = pbg.StoreAdminStub(self._channel)
+        self._data = pbg.StoreDataStub(self._channel)
 
     def _rpc(self, method: Any, request: Any) -> Any:
         # Any: the generated gRPC stubs are untyped; callers cast the reply to its message.

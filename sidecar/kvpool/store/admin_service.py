@@ -36,7 +36,7 @@ def admin_allows(admin_token: str, presented: str) -> bool:
     return not presented
 
 
-class AdminGate(grpc.ServerInterceptor):
+class AdminGate(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped here (Any)
     """Refuses (PERMISSION_DENIED) every ``StoreAdmin`` call that :func:`admin_allows` refuses,
     before the request is even read; other services' calls pass untouched."""
 
@@ -51,8 +51,8 @@ class AdminGate(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                           handler_call_details: grpc.HandlerCallDetails) -> Any:
-        if handler_call_details.method.startswith(self._prefix):  # type: ignore[attr-defined]
-            token = grpc_status.bearer(handler_call_details.invocation_metadata)  # type: ignore[attr-defined]
+        if handler_call_details.method.startswith(self._prefix):
+            token = grpc_status.bearer(handler_call_details.invocation_metadata)
             if not admin_allows(self._admin_token, token):
                 return self._refuse
         return continuation(handler_call_details)

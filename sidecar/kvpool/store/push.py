@@ -40,7 +40,7 @@ class Progress(Generic[S]):
     a status call on another thread reads one consistent snapshot, never a half-counted batch."""
 
     def __init__(self, status: S) -> None:
-        self.status = status
+        self.status: S = status
         self.stop = threading.Event()
         self.stopped_as = "superseded"
         """The state a job stopped before its end ends in (a drain: "superseded" or "cancelled")."""

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, fields
-from typing import TypeVar
-
-from google.protobuf.message import Message
+from typing import Any, TypeVar
 
 from kvpool.core import errors
 from kvpool.core.push_status import DrainStatus, WarmStatus
@@ -46,7 +44,7 @@ def warm_status_from_pb(msg: pb.WarmStatus) -> WarmStatus:
     return _status_from_pb(WarmStatus, msg)
 
 
-def _status_from_pb(cls: type[S], msg: Message) -> S:
+def _status_from_pb(cls: type[S], msg: Any) -> S:
     values = {f.name: getattr(msg, f.name) for f in fields(cls)}
     values["state"] = values["state"] or "idle"  # an unset state is a node that has no job
     return cls(**values)

@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.message import Message
 
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -26,7 +25,7 @@ DATA_SERVICE = pb.DESCRIPTOR.services_by_name["StoreData"]
 REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 
 
-def _call(node: Any, service: Any, method: str, request: Message, token: str) -> tuple[grpc.StatusCode, Any]:
+def _call(node: Any, service: Any, method: str, request: Any, token: str) -> tuple[grpc.StatusCode, Any]:
     """One call by the descriptor's names (no generated stub: what is enumerated is what is called)."""
     m = service.methods_by_name[method]
     ch = node._channel()
@@ -39,7 +38,7 @@ def _call(node: Any, service: Any, method: str, request: Message, token: str) ->
         return err.code(), err.details()
 
 
-def _admin_requests(node: Any) -> dict[str, Callable[[], Message]]:
+def _admin_requests(node: Any) -> dict[str, Callable[[], Any]]:
     """A request each ``StoreAdmin`` method serves (rings of rising epochs; the node holds no
     object, so its drain and warm-up finish at once without reaching the absent peer)."""
     epochs = itertools.count(1)
@@ -110,7 +109,7 @@ def test_data_calls_with_the_admin_token_are_handled_as_before(nodes: Any, h: An
     shows it every tenant (a tenant sees only its own)."""
     node = nodes["guarded"]
     key = b"k" * 32
-    requests: dict[str, Message] = {
+    requests: dict[str, Any] = {
         "Exists": pb.ExistsRequest(keys=key), "PutStart": pb.PutStartRequest(keys=key, sizes=[8]),
         "PutCommit": pb.PutCommitRequest(reservation_id=1, checksums=[0]),
         "PutRevoke": pb.PutRevokeRequest(reservation_id=1), "Get": pb.GetRequest(keys=key),
