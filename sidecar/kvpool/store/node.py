@@ -1,6 +1,6 @@
 """The store node's state machine: index, two-phase writes, leases, eviction, quota, tiers.
 
-This module is transport-free: the gRPC service (``service.py``) adapts protobuf to these
+This module is transport-free: the gRPC services (``data_service.py``, ``admin_service.py``) adapt protobuf to these
 methods, the transfer server moves bytes into the offsets they hand out and calls the
 :class:`StoreNode` as its :class:`~kvpool.transfer.Guard` (so a recycled slot is never read and
 an expired reservation is never written).  One lock guards the index; no bytes are copied and
