@@ -46,5 +46,10 @@ print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"]))' > "$req
   fi
   touch "$stamp"
 fi
+# The `kvpool` command (what e2e pods run) is `python -m kvpool` of whichever kvpool comes first on
+# PYTHONPATH: pip's console script names the entry point's module, and a venv made before a module
+# moved kept a script that imports the old path (seen when kvpool.cli became kvpool.apps.cli).
+printf '#!/bin/sh\n# Written by tools/setup.sh: python -m kvpool, with this venv.\nexec "%s" -m kvpool "$@"\n' "$VPY" > "$VENV/bin/kvpool"
+chmod +x "$VENV/bin/kvpool"
 PY="$VPY"
 "$PY" -c "import kvpool, grpc, numpy, xxhash" || { echo "setup: kvpool is not importable"; exit 1; }
