@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.sidecar.server import build_parser, config_from_args
+from kvpool.sidecar.main import build_parser, config_from_args
 from kvpool_operator.injection import (
     SIDECAR_NAME,
     Injection,
@@ -194,7 +194,8 @@ def test_pool_deadline_defaults_are_the_sidecars() -> None:
     """``deadline_args`` leaves out a setting equal to the operator's default, so that default must
     be the sidecar's own (its config and its command line): if they drifted apart, a pool asking
     for the operator's default would silently get the sidecar's."""
-    from kvpool.sidecar.server import SidecarConfig, build_parser, config_from_args
+    from kvpool.sidecar.config import SidecarConfig
+    from kvpool.sidecar.main import build_parser, config_from_args
     from kvpool_operator.model import SidecarDeadlines
     d = SidecarDeadlines()
     want = (d.match_ms, d.read_ms, d.read_bytes_per_second, d.probe_ms, d.suspect_backoff_ms)

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--events-tenant", default="default", help="the tenant whose block events are published")
     st.set_defaults(func=_store)
 
-    for name, mod in (("sidecar", "sidecar.server"), ("up", "apps.cluster"), ("demo", "apps.demo"),
+    for name, mod in (("sidecar", "sidecar.main"), ("up", "apps.cluster"), ("demo", "apps.demo"),
                       ("loadgen", "apps.loadgen"),  # an engine stand-in for load and e2e tests
                       ("router-api", "apps.router_api"),  # the pool's match API for KV-aware routers
                       ("operator", None)):

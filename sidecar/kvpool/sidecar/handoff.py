@@ -24,23 +24,23 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-import grpc
 import numpy as np
 
 from kvpool.core import handoff_record as ho
 from kvpool.core.checksum import checksum
 from kvpool.core.keys import KEY_BYTES
 from kvpool.core.retry import UNREACHABLE
-from kvpool.sidecar.local_tier import COMMITTED, LocalEntry
+from kvpool.pool.fanout import Pool
+from kvpool.sidecar.config import SidecarConfig
+from kvpool.sidecar.local_tier import LocalEntry, LocalTier
+from kvpool.sidecar.reads import Reads
+from kvpool.sidecar.writer import Writer
 from kvpool.transfer import Segment, SegmentRegistry, TransferEngine, TransferRequest, TransferServer
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import sidecar_pb2 as spb
 from kvpool.wire.proto import store_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvpool.sidecar.server import Sidecar
 
 log = logging.getLogger("kvpool.sidecar.handoff")
 
@@ -70,27 +70,26 @@ class ExportGuard:
         e = exp.entry
         if not (e.offset <= offset and offset + length <= e.offset + e.size):
             return None
-        local = self.service.sidecar.local
-        with local.lock:
-            if e.state != COMMITTED:
-                return None
-            e.pins += 1  # held while the bytes move, even if the export's lease ends meanwhile
-        return e
+        # Pinned while the bytes move, even if the export's lease ends meanwhile.
+        return e if self.service.local.pin_committed(e) else None
 
     def release(self, handle: object) -> None:
         assert isinstance(handle, LocalEntry)
-        self.service.sidecar.local.unpin(handle)
+        self.service.local.unpin(handle)
 
 
 class HandoffService:
-    """Exports, the transfer port, and the two RPCs' logic; owned by a :class:`Sidecar`."""
+    """Exports, the transfer port, and the two RPCs' logic of one sidecar: reads through
+    ``reads``, writes what the pool lacks through ``writer``."""
 
-    def __init__(self, sidecar: Sidecar, listen: str, advertise: str, key_secret: bytes,
-                 max_hold_ms: int = 120_000) -> None:
-        self.sidecar = sidecar
+    def __init__(self, cfg: SidecarConfig, local: LocalTier, pool: Pool, reads: Reads, writer: Writer,
+                 counters: Any, key_secret: bytes) -> None:
+        self.cfg, self.local, self.pool, self.reads, self.writer = cfg, local, pool, reads, writer
+        self.counters = counters
         self.instance = secrets.token_hex(8)
         self.secret = key_secret
-        self.max_hold_ms = max_hold_ms
+        self.max_hold_ms = cfg.max_handoff_hold_ms
+        listen, advertise = cfg.handoff_listen, cfg.handoff_advertise
         self.exports: dict[int, _Export] = {}
         self._lock = threading.Lock()
         self.server: TransferServer | None = None
@@ -98,7 +97,7 @@ class HandoffService:
         if listen:
             host, _, port = listen.rpartition(":")
             registry = SegmentRegistry()
-            registry.register(Segment(SEGMENT, sidecar.local.arena.view), guard=ExportGuard(self))
+            registry.register(Segment(SEGMENT, local.arena.view), guard=ExportGuard(self))
             self.server = TransferServer(registry, host=host or "127.0.0.1", port=int(port or 0)).start()
             self.address = advertise or self.server.address
         self._engine: TransferEngine | None = None
@@ -120,13 +119,12 @@ class HandoffService:
             gone = [t for t, x in self.exports.items() if x.expires <= now]
             dead = [self.exports.pop(t) for t in gone]
         if dead:
-            self.sidecar.local.release([x.lease_id for x in dead])
+            self.local.release([x.lease_id for x in dead])
 
     # -- prefill side -------------------------------------------------------------------------
 
     def publish(self, request: spb.PublishPrefillRequest) -> spb.PublishPrefillReply:
         t0 = time.perf_counter()
-        sc = self.sidecar
         blob = request.keys
         b = request.block_tokens
         if len(blob) % KEY_BYTES or b <= 0:
@@ -154,10 +152,10 @@ class HandoffService:
         fields: dict[str, Any] = {}
         if p:
             skey = keys[p // b - 1]
-            found, _ = sc.local.lookup([skey], pb.STATE)
+            found, _ = self.local.lookup([skey], pb.STATE)
             e = found[0]
             if e is not None and self.server is not None:
-                lease = sc.local.lease([e], hold_ms)
+                lease = self.local.lease([e], hold_ms)
                 if lease.entries:
                     token = secrets.randbits(64) or 1
                     expires = now_ms + hold_ms
@@ -169,16 +167,17 @@ class HandoffService:
             if not flags:
                 # Not here (handed to the pool on eviction) or no transfer port: the decode side
                 # asks the pool, then replays.
-                if e is not None or (sc.pool.enabled and bool(sc.pool.present(arr[p // b - 1:p // b], pb.STATE)[0])):
+                if e is not None or (self.pool.enabled
+                                     and bool(self.pool.present(arr[p // b - 1:p // b], pb.STATE)[0])):
                     flags |= ho.FLAG_STATE
                     if e is not None:
                         fields = dict(state_size=e.size, state_checksum=e.checksum)
         rec = ho.HandoffRecord(
-            tenant=sc.cfg.tenant_id, prompt_tokens=request.prompt_tokens, block_tokens=b, keys=tuple(keys),
+            tenant=self.cfg.tenant_id, prompt_tokens=request.prompt_tokens, block_tokens=b, keys=tuple(keys),
             created_unix_ms=now_ms, expires_unix_ms=now_ms + (request.record_ttl_ms or 600_000),
             state_position=p if flags & ho.FLAG_STATE else 0, instance=self.instance, flags=flags, **fields,
-        ).signed(self.key(sc.cfg.tenant_id))
-        sc.counters["handoffs_published"] += 1
+        ).signed(self.key(self.cfg.tenant_id))
+        self.counters["handoffs_published"] += 1
         return spb.PublishPrefillReply(code=pb.OK, codes=codes, record=rec.to_bytes(), blocks_written=written,
                                        publish_us=int((time.perf_counter() - t0) * 1e6),
                                        state_exported=bool(flags & ho.FLAG_PEER))
@@ -188,18 +187,17 @@ class HandoffService:
         this call wrote.  Local blocks the pool does not hold yet are written now; a write that
         may succeed later (the write-through writer holds the key at its owner: IN_FLIGHT; an
         owner unreachable or a ring moving) is tried again until the deadline, others are final."""
-        sc = self.sidecar
         n = len(keys)
         codes = [pb.NOT_FOUND] * n
-        if not sc.pool.enabled:
+        if not self.pool.enabled:
             return codes, 0
-        found, lease = sc.local.lookup(keys, pb.BLOCK, 60_000)
+        found, lease = self.local.lookup(keys, pb.BLOCK, 60_000)
         assert lease is not None
         written = 0
         try:
             absent = [i for i, e in enumerate(found) if e is None]
             if absent:
-                have = sc.pool.present(arr[absent], pb.BLOCK)
+                have = self.pool.present(arr[absent], pb.BLOCK)
                 for i, h in zip(absent, have, strict=True):
                     if h:
                         codes[i] = pb.OK
@@ -208,7 +206,7 @@ class HandoffService:
             while todo:
                 ents: list[LocalEntry] = [found[i] for i in todo]  # type: ignore[misc]
                 got: dict[int, int] = {}
-                ok, _ = sc._push(ents, None, got)
+                ok, _ = self.writer.push(ents, None, got)
                 written += ok
                 retry = []
                 for i, e in zip(todo, ents, strict=True):
@@ -222,27 +220,28 @@ class HandoffService:
                 time.sleep(wait)  # backoff before the next attempt, bounded by the deadline
                 wait = min(wait * 2, 0.05)
         finally:
-            sc.local.release([lease.lease_id])
+            self.local.release([lease.lease_id])
         return codes, written
 
     # -- decode side --------------------------------------------------------------------------
 
-    def accept(self, request: spb.AcceptHandoffRequest, context: grpc.ServicerContext) -> spb.AcceptHandoffReply:
-        sc = self.sidecar
+    def accept(self, request: spb.AcceptHandoffRequest) -> spb.AcceptHandoffReply:
         try:
             rec = ho.from_bytes(request.record)
         except ho.HandoffInvalid as exc:
             return spb.AcceptHandoffReply(code=pb.HANDOFF_INVALID, message=str(exc))
-        code, why = ho.check(rec, self.key(sc.cfg.tenant_id), sc.cfg.tenant_id, int(time.time() * 1000))
+        checked, why = ho.check(rec, self.key(self.cfg.tenant_id), self.cfg.tenant_id, int(time.time() * 1000))
+        code = grpc_status.as_code(checked)
         if code != pb.OK:
-            sc.counters[f"handoffs_refused_{pb.Code.Name(code).lower()}"] += 1
+            self.counters[f"handoffs_refused_{pb.Code.Name(code).lower()}"] += 1
             return spb.AcceptHandoffReply(code=code, message=why)
-        lease_ms = min(request.lease_ms or sc.cfg.lease_ms, sc.cfg.max_lease_ms)
+        lease_ms = self.cfg.lease(request.lease_ms)
         t0 = time.perf_counter()
-        state_fut = self._state_pool.submit(self._land_state, rec, lease_ms, context) if rec.has_state else None
+        state_fut = self._state_pool.submit(self._land_state, rec, lease_ms) if rec.has_state else None
         reply = spb.AcceptHandoffReply(code=pb.OK)
         if rec.keys:
-            r = sc.Read(spb.ReadRequest(keys=b"".join(rec.keys), lease_ms=lease_ms, kind=pb.BLOCK), context)
+            keys = list(rec.keys)
+            r = self.reads.read_keys(keys, np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}"), pb.BLOCK, lease_ms)
             reply.codes.extend(r.codes)
             reply.offsets.extend(r.offsets)
             reply.sizes.extend(r.sizes)
@@ -257,15 +256,14 @@ class HandoffService:
             reply.state_us = us
             if where is not None:
                 reply.state_offset, reply.state_size, reply.state_lease_id = where[0], where[1], lease_id
-        sc.counters["handoffs_accepted"] += 1
-        sc.counters[f"handoff_state_{ho.StateOutcome(reply.state).name.lower()}"] += 1
+        self.counters["handoffs_accepted"] += 1
+        self.counters[f"handoff_state_{ho.StateOutcome(reply.state).name.lower()}"] += 1
         return reply
 
-    def _land_state(self, rec: ho.HandoffRecord, lease_ms: int, context: grpc.ServicerContext
+    def _land_state(self, rec: ho.HandoffRecord, lease_ms: int
                     ) -> tuple[ho.StateOutcome, tuple[int, int] | None, int, str, int]:
         """(outcome, (arena offset, size), lease pinning it, why not, µs): the state made local."""
         t0 = time.perf_counter()
-        sc = self.sidecar
         key = rec.state_key
         assert key is not None
         sources, fail = ho.state_sources(rec, int(time.time() * 1000), self.instance)
@@ -274,23 +272,23 @@ class HandoffService:
             why.append("the prefill sidecar's export had ended")
         for src in sources:
             if src == "local":
-                found, lease = sc.local.lookup([key], pb.STATE, lease_ms)
+                found, lease = self.local.lookup([key], pb.STATE, lease_ms)
                 assert lease is not None
                 e = found[0]
                 if e is not None:
                     return ho.StateOutcome.LOCAL, (e.offset, e.size), lease.lease_id, "", _us(t0)
-                sc.local.release([lease.lease_id])
+                self.local.release([lease.lease_id])
             elif src == "peer":
                 got = self._from_peer(rec, key, lease_ms)
                 if isinstance(got, str):
                     why.append(got)
                     continue
                 return ho.StateOutcome.PEER, (got[0].offset, got[0].size), got[1], "", _us(t0)
-            elif src == "pool" and sc.pool.enabled:
-                r = sc.Read(spb.ReadRequest(keys=key, lease_ms=lease_ms, kind=pb.STATE), context)
+            elif src == "pool" and self.pool.enabled:
+                r = self.reads.read_keys([key], np.frombuffer(key, dtype=f"V{KEY_BYTES}"), pb.STATE, lease_ms)
                 if r.codes and r.codes[0] == pb.OK:
                     if rec.state_checksum and r.checksums[0] != rec.state_checksum:
-                        sc.local.release([r.lease_id])
+                        self.local.release([r.lease_id])
                         why.append("the pool's state object is not the record's (checksum)")
                         continue
                     return ho.StateOutcome.POOL, (r.offsets[0], r.sizes[0]), r.lease_id, "", _us(t0)
@@ -299,31 +297,30 @@ class HandoffService:
 
     def _from_peer(self, rec: ho.HandoffRecord, key: bytes, lease_ms: int) -> tuple[LocalEntry, int] | str:
         """The state read from the prefill sidecar's transfer port into a fresh local extent."""
-        sc = self.sidecar
-        why, e = sc.local.reserve_one(key, rec.state_size, pb.STATE)
+        why, e = self.local.reserve_one(key, rec.state_size, pb.STATE)
         if e is None:
             return f"no local extent for the state ({pb.Code.Name(why)})"
         try:
-            st = self.engine.submit(rec.peer, [TransferRequest("read", sc.local.view(e), rec.segment,
+            st = self.engine.submit(rec.peer, [TransferRequest("read", self.local.view(e), rec.segment,
                                                                rec.state_offset, rec.state_size,
                                                                token=rec.export_id)]).wait()[0]
         except BaseException:
-            sc.local.abandon(e)
+            self.local.abandon(e)
             raise
         if not st.ok:
-            sc.local.abandon(e)
+            self.local.abandon(e)
             detail = f": {st.message}" if st.message else ""
             return f"the prefill sidecar at {rec.peer} did not serve it ({st.code.name}{detail})"
-        csum = checksum(sc.local.view(e))
+        csum = checksum(self.local.view(e))
         if csum != rec.state_checksum:
-            sc.local.abandon(e)
-            sc.counters["handoff_state_checksum_failures"] += 1
+            self.local.abandon(e)
+            self.counters["handoff_state_checksum_failures"] += 1
             return "the state bytes from the prefill sidecar failed their checksum"
-        lease = sc.local.lease([], lease_ms)
-        sc.local.insert_fetched(e, csum, lease)
+        lease = self.local.lease([], lease_ms)
+        self.local.insert_fetched(e, csum, lease)
         # Here it is the only copy that this sidecar knows of: keep it out of the pool like any
         # state object, but hand it over on eviction and drain.
-        sc.local.mark_local_only(e, dirty=sc.pool.enabled)
+        self.local.mark_local_only(e, dirty=self.pool.enabled)
         return e, lease.lease_id
 
     def close(self) -> None:

@@ -451,6 +451,21 @@ class LocalTier:
                     e.dirty = True
             self.note_flags(entries)
 
+    def reserved(self, rid: int) -> list[LocalEntry | None] | None:
+        """The entries of reservation ``rid`` (a copy; None once committed, revoked or lapsed)."""
+        with self.lock:
+            res = self.reservations.get(rid)
+            return list(res[1]) if res is not None else None
+
+    def pin_committed(self, e: LocalEntry) -> bool:
+        """Pin ``e`` by hand if it is still committed (the handoff export's guard, while bytes
+        move; :meth:`unpin` drops the pin)."""
+        with self.lock:
+            if e.state != COMMITTED:
+                return False
+            e.pins += 1
+            return True
+
     def unpin(self, e: LocalEntry) -> None:
         """Drop one pin taken by hand (the handoff export's guard); frees a dead extent."""
         with self.lock:

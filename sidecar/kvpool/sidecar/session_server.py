@@ -4,8 +4,8 @@ A unix socket beside the gRPC one; one thread per connection (a client opens one
 that calls at the same time, so a handful), at most ``max_connections``.  Each connection
 receives into one buffer of its own, grown to the largest frame it has seen and never beyond
 the protocol's limits (no unbounded queue: the next frame is read only after the reply to the
-previous one is sent).  The calls are the sidecar's own (:meth:`Sidecar.match_keys`,
-:meth:`Sidecar.read_keys`, …), exactly what the gRPC methods run.
+previous one is sent).  The calls are the sidecar's own (:meth:`Reads.match_keys`,
+:meth:`Reads.read_keys`, :meth:`Puts.write_start`, …), exactly what the gRPC methods run.
 
 A connection also holds the memory regions its client registered (REGISTER: a sealed memfd
 passed with the header, :mod:`kvpool.transfer.memfd`), for READ_INTO to land objects in; they
@@ -26,19 +26,19 @@ import logging
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.core import errors
 from kvpool.core.keys import KEY_BYTES
+from kvpool.sidecar.config import SidecarConfig
+from kvpool.sidecar.puts import Puts
+from kvpool.sidecar.reads import Reads
+from kvpool.sidecar.status import Greeting
 from kvpool.transfer import memfd
 from kvpool.transfer._sockio import close_fds, recv_exact, recv_with_fds, send_buffers
 from kvpool.wire import sidecar_frames as fp
 from kvpool.wire.proto import store_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvpool.sidecar.server import Sidecar
 
 log = logging.getLogger("kvpool.sidecar.fast")
 
@@ -52,11 +52,12 @@ class _Refused(Exception):
 
 
 class FastSessionServer:
-    """Accepts fast-session connections for one sidecar."""
+    """Accepts fast-session connections for one sidecar: its calls go to ``reads`` and ``puts``."""
 
-    def __init__(self, sidecar: Sidecar, path: str, max_connections: int = 64) -> None:
-        self.sidecar = sidecar
+    def __init__(self, path: str, cfg: SidecarConfig, reads: Reads, puts: Puts, greeting: Greeting,
+                 max_connections: int = 64) -> None:
         self.path = path
+        self.cfg, self.reads, self.puts, self.greeting = cfg, reads, puts, greeting
         self.max_connections = max_connections
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -132,7 +133,7 @@ class _Connection:
 
     def __init__(self, server: FastSessionServer, conn: socket.socket) -> None:
         self.server = server
-        self.sidecar = server.sidecar
+        self.cfg, self.reads, self.puts = server.cfg, server.reads, server.puts
         self.conn = conn
         self.greeted = False
         self.regions: dict[int, memfd.Region] = {}
@@ -180,7 +181,7 @@ class _Connection:
             raise _Refused(errors.InvalidArgument("REGISTER carries the region's descriptor"))
         server = self.server
         with server._lock:
-            room = self.sidecar.cfg.max_registered_bytes - server.registered_bytes
+            room = self.cfg.max_registered_bytes - server.registered_bytes
         try:
             region = memfd.adopt(fd, room)
         except memfd.TooLarge as exc:
@@ -228,34 +229,35 @@ class _Connection:
 
     def _serve(self, req: fp.Request, body: fp.RequestBody, fds: list[int]) -> list[bytes | memoryview] | None:
         """One call; a REGISTER takes its descriptor out of ``fds`` (the caller closes the rest)."""
-        sc = self.sidecar
+        cfg, reads, puts = self.cfg, self.reads, self.puts
         try:
             if req.op == fp.OP_HELLO:
-                if body.text and body.text != sc.cfg.tenant_id:
+                if body.text and body.text != cfg.tenant_id:
                     raise _Refused(errors.PermissionDenied(
-                        f"this sidecar serves tenant {sc.cfg.tenant_id!r}, not {body.text!r}"))
+                        f"this sidecar serves tenant {cfg.tenant_id!r}, not {body.text!r}"))
                 self.greeted = True
-                return [fp.encode_hello(req.request_id, sc.incarnation, sc.arena_generation, sc.local.capacity)]
+                g = self.server.greeting
+                return [fp.encode_hello(req.request_id, g.incarnation, g.arena_generation, g.arena_bytes)]
             if not self.greeted:
                 raise _Refused(errors.Unauthenticated("fast session: HELLO first"))
             if body.releases:
-                sc.release_leases(body.releases)
+                reads.release_leases(body.releases)
             if req.op == fp.OP_RELEASE:
                 return None if req.flags & fp.FLAG_NO_REPLY else [fp.encode_response(fp.OP_RELEASE, req.request_id)]
             if req.op == fp.OP_REGISTER:
                 self._register(req.ref, fds.pop() if fds else None)
                 return [fp.encode_response(fp.OP_REGISTER, req.request_id)]
-            lease_ms = min(req.lease_ms or sc.cfg.lease_ms, sc.cfg.max_lease_ms)
+            lease_ms = min(req.lease_ms or cfg.lease_ms, cfg.max_lease_ms)
             if req.op == fp.OP_MATCH:
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
-                prefix, local, lease_id = sc.match_keys(arr, lease_ms,
+                prefix, local, lease_id = reads.match_keys(arr, lease_ms,
                                                         bool(req.flags & fp.FLAG_LOCAL_ONLY))
                 return [fp.encode_response(fp.OP_MATCH, req.request_id, req.items, prefix=prefix, local=local,
                                            ref=lease_id)]
             if req.op == fp.OP_READ:
                 kind = self._kind(req.kind)
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
-                r = sc.read_keys(arr.tolist(), arr, kind, lease_ms, req.ref)
+                r = reads.read_keys(arr.tolist(), arr, kind, lease_ms, req.ref)
                 return [fp.encode_response(fp.OP_READ, req.request_id, req.items, prefix=r.local_hits,
                                            local=r.pool_hits, ref=r.lease_id),
                         fp.encode_table(r.codes, r.offsets, r.sizes)]
@@ -265,7 +267,7 @@ class _Connection:
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
                 try:
                     dests = self._targets(body.values, req.items)
-                    codes, sizes, local_hits, pool_hits = sc.read_into(arr.tolist(), arr, kind, dests, req.ref)
+                    codes, sizes, local_hits, pool_hits = reads.read_into(arr.tolist(), arr, kind, dests, req.ref)
                     del dests  # no view of a region outlives the call (the region may be unmapped next)
                 finally:
                     if req.flags & fp.FLAG_TRANSIENT:
@@ -280,7 +282,7 @@ class _Connection:
                 keys = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}").tolist()
                 try:
                     srcs = self._targets(body.values[:3 * n], n)
-                    pool_codes = sc.write_from(keys, srcs, body.values[3 * n:].tolist(), kind, body.text)
+                    pool_codes = puts.write_from(keys, srcs, body.values[3 * n:].tolist(), kind, body.text)
                     del srcs  # no view of a region outlives the call
                 finally:
                     if req.flags & fp.FLAG_TRANSIENT:
@@ -290,11 +292,11 @@ class _Connection:
                 kind = self._kind(req.kind)
                 assert body.values is not None
                 keys = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}").tolist()
-                codes, entries, rid = sc.write_start(keys, body.values.tolist(), kind, body.text)
+                codes, entries, rid = puts.write_start(keys, body.values.tolist(), kind, body.text)
                 return [fp.encode_response(fp.OP_WRITE_START, req.request_id, req.items, ref=rid),
                         fp.encode_table(codes, [e.offset if e else 0 for e in entries])]
             assert req.op == fp.OP_WRITE_COMMIT and body.values is not None
-            codes = sc.write_commit(req.ref, body.values.tolist(),
+            codes = puts.write_commit(req.ref, body.values.tolist(),
                                     req.lease_ms if req.flags & fp.FLAG_POOL_WAIT else 0)
             return [fp.encode_response(fp.OP_WRITE_COMMIT, req.request_id, req.items), fp.encode_table(codes)]
         except _Refused as r:

@@ -86,7 +86,7 @@ def test_client_deadlines_are_positive() -> None:
 
 
 def test_sidecar_flags_set_the_deadlines() -> None:
-    from kvpool.sidecar.server import build_parser, config_from_args
+    from kvpool.sidecar.main import build_parser, config_from_args
 
     args = build_parser().parse_args(["--socket", "/tmp/x.sock", "--match-deadline-ms", "250", "--read-deadline-ms",
                                       "300", "--read-bytes-per-second", "50000000", "--probe-deadline-ms", "2000",
