@@ -4,7 +4,7 @@ A prefill instance's sidecar publishes a finished prefill's blocks to the pool, 
 object (single copy, host memory) exportable for a bounded time, and returns a
 :class:`HandoffRecord`; the engines carry it over their own channel (bytes or JSON) and the
 decode instance's sidecar takes the blocks from the pool and the state point to point from the
-prefill sidecar (:mod:`kvpool.sidecar.server`).
+prefill sidecar (:mod:`kvpool.sidecar.handoff`).
 
 A record is versioned and signed: an HMAC-SHA256 tag over its canonical binary encoding, keyed
 by :func:`handoff_key` (the tenant's secret, known to every sidecar of that tenant and to no
