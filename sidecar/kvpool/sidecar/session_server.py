@@ -134,6 +134,7 @@ class _Connection:
     def __init__(self, server: FastSessionServer, conn: socket.socket) -> None:
         self.server = server
         self.cfg, self.reads, self.puts = server.cfg, server.reads, server.puts
+        self.lease_ms, self.max_lease_ms = server.cfg.lease_ms, server.cfg.max_lease_ms
         self.conn = conn
         self.greeted = False
         self.regions: dict[int, memfd.Region] = {}
@@ -229,35 +230,33 @@ class _Connection:
 
     def _serve(self, req: fp.Request, body: fp.RequestBody, fds: list[int]) -> list[bytes | memoryview] | None:
         """One call; a REGISTER takes its descriptor out of ``fds`` (the caller closes the rest)."""
-        cfg, reads, puts = self.cfg, self.reads, self.puts
         try:
             if req.op == fp.OP_HELLO:
-                if body.text and body.text != cfg.tenant_id:
+                if body.text and body.text != self.cfg.tenant_id:
                     raise _Refused(errors.PermissionDenied(
-                        f"this sidecar serves tenant {cfg.tenant_id!r}, not {body.text!r}"))
+                        f"this sidecar serves tenant {self.cfg.tenant_id!r}, not {body.text!r}"))
                 self.greeted = True
                 g = self.server.greeting
                 return [fp.encode_hello(req.request_id, g.incarnation, g.arena_generation, g.arena_bytes)]
             if not self.greeted:
                 raise _Refused(errors.Unauthenticated("fast session: HELLO first"))
             if body.releases:
-                reads.release_leases(body.releases)
+                self.reads.release_leases(body.releases)
             if req.op == fp.OP_RELEASE:
                 return None if req.flags & fp.FLAG_NO_REPLY else [fp.encode_response(fp.OP_RELEASE, req.request_id)]
             if req.op == fp.OP_REGISTER:
                 self._register(req.ref, fds.pop() if fds else None)
                 return [fp.encode_response(fp.OP_REGISTER, req.request_id)]
-            lease_ms = min(req.lease_ms or cfg.lease_ms, cfg.max_lease_ms)
+            lease_ms = min(req.lease_ms or self.lease_ms, self.max_lease_ms)
             if req.op == fp.OP_MATCH:
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
-                prefix, local, lease_id = reads.match_keys(arr, lease_ms,
-                                                        bool(req.flags & fp.FLAG_LOCAL_ONLY))
+                prefix, local, lease_id = self.reads.match_keys(arr, lease_ms, bool(req.flags & fp.FLAG_LOCAL_ONLY))
                 return [fp.encode_response(fp.OP_MATCH, req.request_id, req.items, prefix=prefix, local=local,
                                            ref=lease_id)]
             if req.op == fp.OP_READ:
                 kind = self._kind(req.kind)
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
-                r = reads.read_keys(arr.tolist(), arr, kind, lease_ms, req.ref)
+                r = self.reads.read_keys(arr.tolist(), arr, kind, lease_ms, req.ref)
                 return [fp.encode_response(fp.OP_READ, req.request_id, req.items, prefix=r.local_hits,
                                            local=r.pool_hits, ref=r.lease_id),
                         fp.encode_table(r.codes, r.offsets, r.sizes)]
@@ -267,7 +266,8 @@ class _Connection:
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
                 try:
                     dests = self._targets(body.values, req.items)
-                    codes, sizes, local_hits, pool_hits = reads.read_into(arr.tolist(), arr, kind, dests, req.ref)
+                    codes, sizes, local_hits, pool_hits = self.reads.read_into(arr.tolist(), arr, kind, dests,
+                                                                               req.ref)
                     del dests  # no view of a region outlives the call (the region may be unmapped next)
                 finally:
                     if req.flags & fp.FLAG_TRANSIENT:
@@ -282,7 +282,7 @@ class _Connection:
                 keys = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}").tolist()
                 try:
                     srcs = self._targets(body.values[:3 * n], n)
-                    pool_codes = puts.write_from(keys, srcs, body.values[3 * n:].tolist(), kind, body.text)
+                    pool_codes = self.puts.write_from(keys, srcs, body.values[3 * n:].tolist(), kind, body.text)
                     del srcs  # no view of a region outlives the call
                 finally:
                     if req.flags & fp.FLAG_TRANSIENT:
@@ -292,12 +292,12 @@ class _Connection:
                 kind = self._kind(req.kind)
                 assert body.values is not None
                 keys = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}").tolist()
-                codes, entries, rid = puts.write_start(keys, body.values.tolist(), kind, body.text)
+                codes, entries, rid = self.puts.write_start(keys, body.values.tolist(), kind, body.text)
                 return [fp.encode_response(fp.OP_WRITE_START, req.request_id, req.items, ref=rid),
                         fp.encode_table(codes, [e.offset if e else 0 for e in entries])]
             assert req.op == fp.OP_WRITE_COMMIT and body.values is not None
-            codes = puts.write_commit(req.ref, body.values.tolist(),
-                                    req.lease_ms if req.flags & fp.FLAG_POOL_WAIT else 0)
+            codes = self.puts.write_commit(req.ref, body.values.tolist(),
+                                           req.lease_ms if req.flags & fp.FLAG_POOL_WAIT else 0)
             return [fp.encode_response(fp.OP_WRITE_COMMIT, req.request_id, req.items), fp.encode_table(codes)]
         except _Refused as r:
             exc: errors.KvpoolError = r.exc
