@@ -71,7 +71,7 @@ class ExportGuard:
         if not (e.offset <= offset and offset + length <= e.offset + e.size):
             return None
         # Pinned while the bytes move, even if the export's lease ends meanwhile.
-        return e if self.service.local.pin_committed(e) else None
+        return e if self.service.local.pin_live(e) else None
 
     def release(self, handle: object) -> None:
         assert isinstance(handle, LocalEntry)

@@ -451,15 +451,19 @@ class LocalTier:
                     e.dirty = True
             self.note_flags(entries)
 
-    def reserved(self, rid: int) -> list[LocalEntry | None] | None:
-        """The entries of reservation ``rid`` (a copy; None once committed, revoked or lapsed)."""
+    def objects(self) -> int:
+        """Objects held."""
+        return len(self.lru)
+
+    def reservation_entries(self, rid: int) -> list[LocalEntry | None] | None:
+        """The entries of an open reservation (a copy), None when it is gone."""
         with self.lock:
             res = self.reservations.get(rid)
             return list(res[1]) if res is not None else None
 
-    def pin_committed(self, e: LocalEntry) -> bool:
-        """Pin ``e`` by hand if it is still committed (the handoff export's guard, while bytes
-        move; :meth:`unpin` drops the pin)."""
+    def pin_live(self, e: LocalEntry) -> bool:
+        """One more pin on a committed ``e`` (a transfer guard's: :meth:`unpin` drops it); False
+        when it is gone."""
         with self.lock:
             if e.state != COMMITTED:
                 return False

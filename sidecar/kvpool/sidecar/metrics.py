@@ -53,7 +53,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvpool_local_used_bytes", "Local tier bytes in use", value=s.local.used)
         yield GaugeMetricFamily("kvpool_local_capacity_bytes", "Local tier capacity", value=s.local.capacity)
         yield GaugeMetricFamily("kvpool_pool_nodes_up", "Store nodes reachable", value=s.pool.nodes_up())
-        yield GaugeMetricFamily("kvpool_local_objects", "Objects in the local tier", value=len(s.local.lru))
+        yield GaugeMetricFamily("kvpool_local_objects", "Objects in the local tier", value=s.local.objects())
         yield GaugeMetricFamily("kvpool_pool_pending_bytes", "Bytes waiting to be written to the pool",
                                 value=s.backlog_bytes())
         yield GaugeMetricFamily("kvpool_ring_epoch", "Ring epoch the sidecar routes by", value=s.pool.ring.epoch)

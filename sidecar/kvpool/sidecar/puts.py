@@ -71,7 +71,7 @@ class Puts:
         ``pool_wait_ms``: write them to the pool now and answer, for each object committed
         here, the pool's verdict (:meth:`Writer.write_waited`) instead of the local tier's."""
         t0 = time.perf_counter()
-        entries = self.local.reserved(reservation_id)
+        entries = self.local.reservation_entries(reservation_id)
         if entries is None:
             return [pb.LEASE_EXPIRED] * len(sums)
         if len(sums) != len(entries):

@@ -186,7 +186,7 @@ class Sidecar:
         if self.copy_over is not None:
             counters["pool_copyover_queued_bytes"] = self.copy_over.queued_bytes
         return Stats(counters=counters, local_capacity_bytes=self.local.capacity, local_used_bytes=self.local.used,
-                     local_objects=len(self.local.lru), ring_epoch=self.pool.ring.epoch,
+                     local_objects=self.local.objects(), ring_epoch=self.pool.ring.epoch,
                      pool_nodes_up=self.pool.nodes_up(), pending_pool_bytes=self.backlog_bytes())
 
     def flush(self, seconds: float) -> tuple[int, int, int]:

@@ -99,6 +99,17 @@ class FastSessionServer:
         except FileNotFoundError:
             pass
 
+    def registration_room(self) -> int:
+        """Bytes of client memory that may still be mapped (``max_registered_bytes`` over all
+        connections)."""
+        with self._lock:
+            return self.cfg.max_registered_bytes - self.registered_bytes
+
+    def count_registered(self, nbytes: int) -> None:
+        """A connection mapped (> 0) or unmapped (< 0) ``nbytes`` of client memory."""
+        with self._lock:
+            self.registered_bytes += nbytes
+
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._stop.is_set():
@@ -180,17 +191,13 @@ class _Connection:
         """Map a client's region (REGISTER); ``fd`` is consumed in every case."""
         if fd is None:
             raise _Refused(errors.InvalidArgument("REGISTER carries the region's descriptor"))
-        server = self.server
-        with server._lock:
-            room = self.cfg.max_registered_bytes - server.registered_bytes
         try:
-            region = memfd.adopt(fd, room)
+            region = memfd.adopt(fd, self.server.registration_room())
         except memfd.TooLarge as exc:
             raise _Refused(errors.NoSpace(f"client memory over --max-registered-bytes: {exc}")) from None
         except (ValueError, OSError) as exc:
             raise _Refused(errors.InvalidArgument(f"cannot register that memory: {exc}")) from None
-        with server._lock:
-            server.registered_bytes += region.size
+        self.server.count_registered(region.size)
         old = self.regions.pop(region_id, None)
         self.regions[region_id] = region
         if old is not None:
@@ -198,8 +205,7 @@ class _Connection:
 
     def _unmap(self, region: memfd.Region) -> None:
         region.close()
-        with self.server._lock:
-            self.server.registered_bytes -= region.size
+        self.server.count_registered(-region.size)
 
     def _drop_named(self, region_ids: list[int]) -> None:
         """Unmap the regions of a transient READ_INTO (the client made them for that call)."""
