@@ -11,13 +11,10 @@ that a restarted sidecar adopts (:mod:`kvpool.sidecar.journal`, :meth:`LocalTier
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,39 +23,28 @@ import numpy.typing as npt
 from kvpool.arena.allocator import OutOfSpace
 from kvpool.arena.dram import DramTier
 from kvpool.arena.eviction import watermark_need
+from kvpool.arena.index import COMMITTED, DEAD, RESERVED, ArenaIndex, Entry, Lease
 from kvpool.core.checksum import checksum
 from kvpool.core.sizing import payload_arena_bytes
-from kvpool.sidecar.journal import FLAG_DIRTY, FLAG_POOLED, FREE, Journal, PersistentArena, new_id
+from kvpool.sidecar.journal import FLAG_DIRTY, FLAG_POOLED, FREE, AdoptionPlan, Journal, PersistentArena
 from kvpool.wire.proto import store_pb2 as pb
 
-RESERVED, COMMITTED, DEAD = 0, 1, 2
+_PART = ""
+"""The local tier's one partition of its index (a sidecar serves one tenant)."""
 
 
-class LocalEntry:
-    __slots__ = ("key", "kind", "traffic_class", "size", "checksum", "offset", "state", "pins",
-                 "pooled", "dirty", "last_access", "expires")
+class LocalEntry(Entry):
+    """An object of the local tier: an index entry and what the pool knows of it."""
 
+    __slots__ = ("pooled", "dirty")
 
     def __init__(self, key: bytes, kind: int, traffic_class: str, size: int, offset: int) -> None:
-        self.key = key
-        self.kind = kind
-        self.traffic_class = traffic_class
-        self.size = size
-        self.checksum = 0
-        self.offset = offset
-        self.state = RESERVED
-        self.pins = 0
+        super().__init__(key, _PART, kind, traffic_class, size, offset)
         self.pooled = False   # the pool is known to hold it: never re-send
         self.dirty = False    # exists only here and must reach the pool (write-back, state)
-        self.last_access = time.time()
-        self.expires = 0.0
 
 
-@dataclass
-class LocalLease:
-    lease_id: int
-    expires: float
-    entries: list[LocalEntry]
+LocalLease = Lease
 
 
 class LocalTier:
@@ -80,15 +66,9 @@ class LocalTier:
         self.capacity = self.arena.capacity
         self.high, self.low = high_watermark, low_watermark
         self.reservation_seconds = reservation_seconds
-        self.lock = threading.RLock()
-        self.index: dict[tuple[int, bytes], LocalEntry] = {}
-        self.blocks: dict[bytes, LocalEntry] = {}  # kind BLOCK, committed: the match fast path
-        self.lru: OrderedDict[int, LocalEntry] = OrderedDict()
-        self.leases: dict[int, LocalLease] = {}
-        self._heap: list[tuple[float, int]] = []
-        self.reservations: dict[int, tuple[float, list[LocalEntry | None]]] = {}
-        self._res_heap: list[tuple[float, int]] = []
-        self._ids = itertools.count(new_id() >> 2)  # random base: ids of a previous life name nothing
+        self._lock = threading.RLock()
+        # Clients read views of the arena in place, unguarded: a lease's pin keeps an extent.
+        self._index = ArenaIndex([self.arena.alloc], pins_hold_extent=True)
         self.counters: Counter[str] = Counter()
         self.on_evict: Callable[[list[tuple[LocalEntry, bytes]]], None] | None = None
         self.events: Any = None
@@ -99,75 +79,66 @@ class LocalTier:
     def used(self) -> int:
         return self.arena.alloc.used
 
-    def view(self, e: LocalEntry) -> memoryview:
+    def objects(self) -> int:
+        """Committed objects held."""
+        with self._lock:
+            return self._index.count()
+
+    def view(self, e: Entry) -> memoryview:
         return self.arena.slice(e.offset, e.size)
 
     # -- leases -------------------------------------------------------------------------------
 
     def _sweep(self, now: float) -> None:
-        while self._heap and self._heap[0][0] <= now:
-            _, lid = heapq.heappop(self._heap)
-            lease = self.leases.get(lid)
-            if lease is not None and lease.expires <= now:
-                self._drop_lease(lease)
-        while self._res_heap and self._res_heap[0][0] <= now:
-            _, rid = heapq.heappop(self._res_heap)
-            res = self.reservations.pop(rid, None)
-            for e in (res[1] if res else []):
-                if e is not None and e.state == RESERVED:
-                    self._forget(e)
-                    self.counters["reservations_expired"] += 1
-
-    def _drop_lease(self, lease: LocalLease) -> None:
-        self.leases.pop(lease.lease_id, None)
-        for e in lease.entries:
-            self._unpin_locked(e)
-
-    def _unpin_locked(self, e: LocalEntry) -> None:
-        e.pins -= 1
-        if e.pins == 0 and e.state == DEAD:
-            self.arena.alloc.free(e.offset)  # removed or evicted while pinned: its extent goes now
+        _, expired = self._index.sweep(now)
+        for e in expired:
+            self._forget(e)
+            self.counters["reservations_expired"] += 1
 
     def _new_lease(self, entries: list[LocalEntry], lease_ms: int, now: float) -> LocalLease:
-        # Under self.lock: pinning must be atomic with the lookup that found the entries, or a
+        # Under the lock: pinning must be atomic with the lookup that found the entries, or a
         # concurrent eviction could free (and a put reuse) an extent between the two.
-        lease = LocalLease(next(self._ids), now + max(lease_ms, 1) / 1000.0, entries)
-        for e in entries:
-            e.pins += 1
-        self.leases[lease.lease_id] = lease
-        heapq.heappush(self._heap, (lease.expires, lease.lease_id))
-        return lease
+        return self._index.new_lease(entries, now + max(lease_ms, 1) / 1000.0)  # type: ignore[arg-type]
 
     def lease(self, entries: list[LocalEntry], lease_ms: int) -> LocalLease:
         """Pin those of ``entries`` that are still live (an evicted one is left out: its extent
         may already belong to another object)."""
-        with self.lock:
+        with self._lock:
             return self._new_lease([e for e in entries if e.state == COMMITTED], lease_ms, time.time())
 
     def release(self, lease_ids: Sequence[int]) -> None:
-        with self.lock:
-            for lid in lease_ids:
-                lease = self.leases.get(lid)
-                if lease is not None:
-                    self._drop_lease(lease)
+        with self._lock:
+            self._index.release(lease_ids)
+
+    def pin_live(self, e: LocalEntry) -> bool:
+        """One more pin on a committed ``e`` (a transfer guard's: :meth:`unpin` drops it); False
+        when it is gone."""
+        with self._lock:
+            if e.state != COMMITTED:
+                return False
+            e.pins += 1
+            return True
+
+    def unpin(self, e: Entry) -> None:
+        """Drop one pin taken by hand (:meth:`pin_live`); frees a dead extent."""
+        with self._lock:
+            self._index.unpin(e)
 
     # -- lookups ------------------------------------------------------------------------------
 
     def match_prefix(self, key_array: npt.NDArray[np.void], lease_ms: int = 0) -> tuple[int, LocalLease | None]:
         """Leading run of keys (an array of 32-byte voids, the wire form) held locally
         (committed blocks), pinned by a lease when ``lease_ms``."""
-        with self.lock:
-            if not len(key_array) or key_array[0].tobytes() not in self.blocks:
+        with self._lock:
+            if not len(key_array) or not self._index.has_block(_PART, key_array[0].tobytes()):
                 # The common miss of a sidecar that never saw this prefix: no scan, and the
                 # keys are not even split into bytes objects (~15 us per 1000 keys).
                 return 0, None
-            found = list(map(self.blocks.get, key_array.tolist()))
+            found = self._index.match_blocks(_PART, key_array.tolist())
             n = len(found) if all(found) else found.index(None)  # all(): see StoreNode.exists
             hits: list[LocalEntry] = found[:n]  # type: ignore[assignment]
             now = time.time()
-            for e in hits:
-                e.last_access = now
-                self.lru.move_to_end(id(e))
+            self._index.touch_all(hits, now)
             lease = self._new_lease(hits, lease_ms, now) if lease_ms and hits else None
             return n, lease
 
@@ -175,19 +146,13 @@ class LocalTier:
                ) -> tuple[list[LocalEntry | None], LocalLease | None]:
         """Committed objects (None where absent); with ``lease_ms`` a lease pins what was found
         (possibly nothing yet: :meth:`insert_fetched` adds to it)."""
-        with self.lock:
+        with self._lock:
             now = time.time()
             self._sweep(now)
-            out: list[LocalEntry | None] = []
-            for k in keys:
-                e = self.index.get((kind, k))
-                if e is not None and e.state == COMMITTED:
-                    e.last_access = now
-                    self.lru.move_to_end(id(e))
-                    out.append(e)
-                else:
-                    out.append(None)
-            lease = self._new_lease([e for e in out if e is not None], lease_ms, now) if lease_ms else None
+            out: list[LocalEntry | None] = self._index.lookup(_PART, keys, kind)  # type: ignore[assignment]
+            hits = [e for e in out if e is not None]
+            self._index.touch_all(hits, now)
+            lease = self._new_lease(hits, lease_ms, now) if lease_ms else None
             return out, lease
 
     # -- writes -------------------------------------------------------------------------------
@@ -199,27 +164,30 @@ class LocalTier:
         codes = [pb.OK] * len(keys)
         entries: list[LocalEntry | None] = [None] * len(keys)
         evicted: list[tuple[LocalEntry, bytes]] = []
-        with self.lock:
+        idx = self._index
+        with self._lock:
             self._sweep(now)
             incoming = 0
+            rounded = self.arena.alloc.rounded
             for i, (k, s) in enumerate(zip(keys, sizes, strict=True)):
-                old = self.index.get((kind, k))
+                old = idx.get(_PART, k, kind)
                 if s <= 0 or len(k) != 32:
                     codes[i] = pb.INVALID
-                elif self.arena.alloc.rounded(s) > self.capacity:
+                elif rounded(s) > self.capacity:
                     codes[i] = pb.TOO_LARGE
                 elif old is not None:
                     codes[i] = pb.ALREADY_EXISTS if old.state == COMMITTED else pb.IN_FLIGHT
                     old.last_access = now
                 else:
-                    incoming += self.arena.alloc.rounded(s)
+                    incoming += rounded(s)
             need = watermark_need(self.used, incoming, self.capacity, self.high, self.low)
             if need:
-                evicted += self._evict(need)
+                self._evict(need, evicted, whole=False)
+            expires = now + self.reservation_seconds
             for i, (k, s) in enumerate(zip(keys, sizes, strict=True)):
                 if codes[i] != pb.OK:
                     continue
-                if (kind, k) in self.index:  # duplicate inside the batch
+                if idx.get(_PART, k, kind) is not None:  # duplicate inside the batch
                     codes[i] = pb.INVALID
                     continue
                 try:
@@ -229,34 +197,39 @@ class LocalTier:
                     self.counters["refused_space"] += 1
                     continue
                 e = LocalEntry(k, kind, traffic_class, s, off)
-                e.expires = now + self.reservation_seconds
-                self.index[(kind, k)] = e
+                e.expires = expires
+                idx.reserve(e)
                 entries[i] = e
             if self.journal is not None:
                 self.journal.reserved([e for e in entries if e is not None])
             rid = 0
             if any(e is not None for e in entries):
-                rid = next(self._ids)
-                self.reservations[rid] = (now + self.reservation_seconds, entries)
-                heapq.heappush(self._res_heap, (now + self.reservation_seconds, rid))
+                rid = idx.open_reservation(_PART, entries, expires)  # type: ignore[arg-type]
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         return codes, entries, rid
+
+    def reservation_entries(self, rid: int) -> list[LocalEntry | None] | None:
+        """The entries of an open reservation (a copy), None when it is gone."""
+        with self._lock:
+            res = self._index.reservation(rid)
+            return list(res.entries) if res is not None else None  # type: ignore[arg-type]
 
     def commit(self, rid: int, checksums: Sequence[int], dirty: bool, pooled: bool = False, pin_ms: int = 0
                ) -> tuple[list[pb.Code], list[LocalEntry], LocalLease | None]:
         """Publish a reservation's extents; with ``pin_ms`` the published entries are pinned in
         the same step (the write-through queue holds them until they reach the pool)."""
-        with self.lock:
-            res = self.reservations.pop(rid, None)
+        with self._lock:
+            res = self._index.reservation(rid)
             if res is None:
                 return [pb.LEASE_EXPIRED] * len(checksums), [], None
-            entries = res[1]
+            entries: list[LocalEntry | None] = res.entries  # type: ignore[assignment]
             if len(checksums) != len(entries):
-                self.reservations[rid] = res
                 raise ValueError(f"{len(checksums)} checksums for {len(entries)} items")
+            self._index.close_reservation(rid)
             codes = [pb.OK] * len(entries)
             done: list[LocalEntry] = []
+            now = time.time()
             for i, e in enumerate(entries):
                 if e is None:
                     codes[i] = pb.INVALID
@@ -264,43 +237,38 @@ class LocalTier:
                 if e.state != RESERVED:
                     codes[i] = pb.LEASE_EXPIRED
                     continue
-                self._publish(e, checksums[i], dirty, pooled)
+                self._publish(e, checksums[i], dirty, pooled, now)
                 done.append(e)
             if self.journal is not None:
                 self.journal.committed(done)
-            lease = self._new_lease(list(done), pin_ms, time.time()) if pin_ms and done else None
+            lease = self._new_lease(list(done), pin_ms, now) if pin_ms and done else None
             return codes, done, lease
 
-    def _publish(self, e: LocalEntry, csum: int, dirty: bool, pooled: bool) -> None:
+    def _publish(self, e: LocalEntry, csum: int, dirty: bool, pooled: bool, now: float) -> None:
         e.checksum = csum
-        e.state = COMMITTED
         e.dirty = dirty
         e.pooled = pooled
-        e.last_access = time.time()
-        self.lru[id(e)] = e
-        if e.kind == pb.BLOCK:
-            self.blocks[e.key] = e
-            if self.events is not None:
-                self.events.stored(e.key)
+        self._index.publish(e, now)
+        if e.kind == pb.BLOCK and self.events is not None:
+            self.events.stored(e.key)
         self.counters["stored"] += 1
 
     def insert_fetched(self, e: LocalEntry, csum: int, lease: LocalLease | None = None) -> None:
         """An object fetched from the pool into an extent from :meth:`reserve_one`; pinned by
         ``lease`` (when it is still live) in the same step that makes it evictable."""
-        with self.lock:
-            self._publish(e, csum, dirty=False, pooled=True)
+        with self._lock:
+            self._publish(e, csum, dirty=False, pooled=True, now=time.time())
             if self.journal is not None:
                 self.journal.committed([e])
-            if lease is not None and self.leases.get(lease.lease_id) is lease:
-                lease.entries.append(e)
-                e.pins += 1
+            if lease is not None and self._index.live(lease):
+                self._index.add_to_lease(lease, e)
 
     def reserve_one(self, key: bytes, size: int, kind: int) -> tuple[pb.Code, LocalEntry | None]:
         """An extent for one object fetched from the pool (no reservation timer: the fetcher
         publishes or abandons it); the code says why there is none (IN_FLIGHT: being fetched)."""
         codes, entries, rid = self.reserve([key], [size], kind, "")
-        with self.lock:
-            self.reservations.pop(rid, None)
+        with self._lock:
+            self._index.close_reservation(rid)
         return codes[0], entries[0]
 
     def pin_into(self, lease: LocalLease, keys: Sequence[bytes], kind: int) -> tuple[list[LocalEntry | None], int]:
@@ -308,17 +276,16 @@ class LocalTier:
         reserved (in flight: a concurrent fetch or put that has not committed yet)."""
         out: list[LocalEntry | None] = []
         pending = 0
-        with self.lock:
-            live = self.leases.get(lease.lease_id) is lease
+        idx = self._index
+        with self._lock:
+            live = idx.live(lease)
             now = time.time()
             for k in keys:
-                e = self.index.get((kind, k))
+                e = idx.get(_PART, k, kind)
                 if e is not None and e.state == COMMITTED and live:
-                    e.pins += 1
-                    lease.entries.append(e)
-                    e.last_access = now
-                    self.lru.move_to_end(id(e))
-                    out.append(e)
+                    idx.add_to_lease(lease, e)
+                    idx.touch(e, now)
+                    out.append(e)  # type: ignore[arg-type]
                 else:
                     pending += e is not None and e.state == RESERVED
                     out.append(None)
@@ -332,8 +299,8 @@ class LocalTier:
         None where there is no room (even after evicting cached objects) or the lease is gone."""
         out: list[LocalEntry | None] = []
         evicted: list[tuple[LocalEntry, bytes]] = []
-        with self.lock:
-            live = self.leases.get(lease.lease_id) is lease
+        with self._lock:
+            live = self._index.live(lease)
             for s in sizes:
                 if not live or s <= 0 or self.arena.alloc.rounded(s) > self.capacity:
                     out.append(None)
@@ -346,8 +313,7 @@ class LocalTier:
                     continue
                 e = LocalEntry(b"", -1, "", s, off)
                 e.state = DEAD  # freed by the last unpin, as a removed object would be
-                e.pins = 2
-                lease.entries.append(e)
+                self._index.add_to_lease(lease, e, pins=2)
                 out.append(e)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
@@ -357,54 +323,43 @@ class LocalTier:
         """The fetch into scratch ``e`` ended; unless ``keep`` (its bytes go to the client) the
         lease lets go of it at once too.  False when the bytes cannot be handed out: the lease
         expired meanwhile, so the extent is free (and may be reused) the moment this returns."""
-        with self.lock:
-            live = self.leases.get(lease.lease_id) is lease
-            pins = 1
-            if not keep and live and e in lease.entries:
-                lease.entries.remove(e)
-                pins = 2
-            e.pins -= pins
-            if e.pins == 0:
-                self.arena.alloc.free(e.offset)
+        with self._lock:
+            live = self._index.live(lease)
+            pins = 2 if not keep and self._index.drop_from_lease(lease, e) else 1
+            self._index.unpin(e, pins)
             return keep and live
 
     def revoke(self, rid: int) -> None:
-        with self.lock:
-            res = self.reservations.pop(rid, None)
-            for e in (res[1] if res else []):
+        with self._lock:
+            res = self._index.close_reservation(rid)
+            for e in (res.entries if res else []):
                 if e is not None and e.state == RESERVED:
-                    self._forget(e)
+                    self._forget(e)  # type: ignore[arg-type]
 
     def abandon(self, e: LocalEntry) -> None:
-        with self.lock:
+        with self._lock:
             if e.state == RESERVED:
                 self._forget(e)
 
     def remove(self, keys: list[bytes], kind: int) -> list[pb.Code]:
-        with self.lock:
+        with self._lock:
             codes: list[pb.Code] = []
-            for k in keys:
-                e = self.index.get((kind, k))
-                if e is None or e.state != COMMITTED:
+            for e in self._index.lookup(_PART, keys, kind):
+                if e is None:
                     codes.append(pb.NOT_FOUND)
                 else:
-                    self._forget(e)
+                    self._forget(e)  # type: ignore[arg-type]
                     codes.append(pb.OK)
             return codes
 
     def _forget(self, e: LocalEntry) -> None:
+        if e.state == DEAD:
+            return
         if self.events is not None and e.state == COMMITTED and e.kind == pb.BLOCK:
             self.events.removed(e.key)
-        if self.index.get((e.kind, e.key)) is e:
-            del self.index[(e.kind, e.key)]
-        if self.blocks.get(e.key) is e:
-            del self.blocks[e.key]
-        self.lru.pop(id(e), None)
-        if self.journal is not None and e.state != DEAD:
+        if self.journal is not None:
             self.journal.freed(e.offset)
-        e.state = DEAD
-        if e.pins == 0:
-            self.arena.alloc.free(e.offset)
+        self._index.forget(e)
 
     def _alloc_evicting(self, size: int, evicted: list[tuple[LocalEntry, bytes]]) -> int:
         """Allocate, evicting least-recently-used objects until a *contiguous* extent is free:
@@ -414,71 +369,39 @@ class LocalTier:
             return alloc.alloc(size)
         except OutOfSpace:
             pass
-        need = alloc.rounded(size)
-        for e in list(self.lru.values()):
-            if alloc.largest_free >= need:
-                break
-            if e.pins:
-                continue
-            if e.dirty:
-                evicted.append((e, bytes(self.view(e))))
-            self._forget(e)
-            self.counters["evicted"] += 1
+        self._evict(alloc.rounded(size), evicted, whole=True)
         return alloc.alloc(size)
 
-    def _evict(self, need: int) -> list[tuple[LocalEntry, bytes]]:
-        """Free LRU victims now; dirty ones (only here) leave a copy for the ``on_evict`` hook,
-        which pushes them to the pool outside the lock."""
-        out: list[tuple[LocalEntry, bytes]] = []
+    def _evict(self, need: int, out: list[tuple[LocalEntry, bytes]], whole: bool) -> None:
+        """Free LRU victims now until ``need`` bytes were freed (``whole``: until a free extent
+        of ``need`` bytes exists); dirty ones (only here) leave a copy for the ``on_evict``
+        hook, which pushes them to the pool outside the lock."""
+        alloc = self.arena.alloc
         freed = 0
-        for e in list(self.lru.values()):
-            if freed >= need:
+        for e in self._index.lru():
+            if (alloc.largest_free if whole else freed) >= need:
                 break
             if e.pins:
                 continue
+            assert isinstance(e, LocalEntry)
             if e.dirty:
                 out.append((e, bytes(self.view(e))))
             self._forget(e)
             freed += e.size
             self.counters["evicted"] += 1
-        return out
 
     def mark_dirty(self, entries: Sequence[LocalEntry]) -> None:
         """These objects now exist only here (a deferred pool write): eviction hands them over."""
-        with self.lock:
+        with self._lock:
             for e in entries:
                 if e.state == COMMITTED and not e.pooled:
                     e.dirty = True
             self.note_flags(entries)
 
-    def objects(self) -> int:
-        """Objects held."""
-        return len(self.lru)
-
-    def reservation_entries(self, rid: int) -> list[LocalEntry | None] | None:
-        """The entries of an open reservation (a copy), None when it is gone."""
-        with self.lock:
-            res = self.reservations.get(rid)
-            return list(res[1]) if res is not None else None
-
-    def pin_live(self, e: LocalEntry) -> bool:
-        """One more pin on a committed ``e`` (a transfer guard's: :meth:`unpin` drops it); False
-        when it is gone."""
-        with self.lock:
-            if e.state != COMMITTED:
-                return False
-            e.pins += 1
-            return True
-
-    def unpin(self, e: LocalEntry) -> None:
-        """Drop one pin taken by hand (the handoff export's guard); frees a dead extent."""
-        with self.lock:
-            self._unpin_locked(e)
-
     def mark_local_only(self, e: LocalEntry, dirty: bool) -> None:
         """An object fetched from a peer, not the pool: never assumed pooled; ``dirty`` hands it
         over on eviction and drain."""
-        with self.lock:
+        with self._lock:
             if e.state == COMMITTED:
                 e.pooled = False
                 e.dirty = dirty
@@ -486,15 +409,15 @@ class LocalTier:
 
     def local_only(self) -> list[LocalEntry]:
         """Objects that exist only here (dirty): what SIGTERM must flush, hottest first."""
-        with self.lock:
-            out = [e for e in self.lru.values() if e.dirty and e.state == COMMITTED]
+        with self._lock:
+            out: list[LocalEntry] = [e for e in self._index.lru() if e.dirty]  # type: ignore[attr-defined,misc]
         out.sort(key=lambda e: e.last_access, reverse=True)
         return out
 
     def events_snapshot(self) -> tuple[list[bytes], list[tuple[int, bytes]]]:
         """Every block held now and the events not yet published, taken together (exact)."""
-        with self.lock:
-            return list(self.blocks), self.events.take_pending() if self.events is not None else []
+        with self._lock:
+            return self._index.block_keys(_PART), self.events.take_pending() if self.events is not None else []
 
     def close(self) -> None:
         self.arena.close()
@@ -506,7 +429,7 @@ class LocalTier:
         calls it after a write: a restart then does not send them again)."""
         if self.journal is None:
             return
-        with self.lock:
+        with self._lock:
             self.journal.flags([e for e in entries if e.state == COMMITTED])
 
     def adopt(self, grace_ms: int) -> tuple[list[LocalEntry], dict[str, int]]:
@@ -519,61 +442,18 @@ class LocalTier:
         arena = self.arena
         if not isinstance(arena, PersistentArena) or arena.opened.plan is None:
             return [], {}
-        plan, journal = arena.opened.plan, arena.journal
-        slots = journal.slots
-        kept: list[LocalEntry] = []
-        torn = 0
-        align = self.arena.alloc.align
-        for i in plan.candidates.tolist():
-            r = slots[i]
-            off, size = int(r["offset"]), int(r["size"])
-            if checksum(arena.slice(off, size)) != int(r["checksum"]):
-                torn += 1
-                continue
-            e = LocalEntry(bytes(r["key"]), int(r["kind"]), r["tclass"].decode("utf-8", "replace"), size, off)
-            e.checksum = int(r["checksum"])
-            e.state = COMMITTED
-            e.dirty = bool(r["flags"] & FLAG_DIRTY)
-            e.pooled = bool(r["flags"] & FLAG_POOLED)
-            kept.append(e)
-        # Uncommitted extents that do not overlap a kept object: quarantined, then free.
-        rounded = self.arena.alloc.rounded
-        spans: list[tuple[int, int, LocalEntry | None]] = [(e.offset, rounded(e.size), e) for e in kept]
-        for i in plan.reserved.tolist():
-            off, size = int(slots["offset"][i]), int(slots["size"][i])
-            if off == i * align and 0 < size <= self.capacity:
-                spans.append((off, rounded(size), None))
-        spans.sort(key=lambda t: (t[0], t[2] is None))  # an object before a reservation at its offset
-        extents: list[tuple[int, int]] = []
-        quarantine: list[LocalEntry] = []
-        end = 0
-        for off, size, owner in spans:
-            if off < end or off + size > self.capacity:
-                if owner is not None:  # cannot happen: plan_adoption dropped overlapping objects
-                    kept.remove(owner)
-                    torn += 1
-                continue
-            extents.append((off, size))
-            end = off + size
-            if owner is None:
-                q = LocalEntry(b"", -1, "", size, off)
-                q.state = DEAD
-                quarantine.append(q)
-        # Every slot but the kept objects' is free now (the quarantine lives in memory only).
-        keep = np.zeros(len(slots), bool)
-        keep[[e.offset // align for e in kept]] = True
-        slots["state"][~keep] = FREE
+        plan = arena.opened.plan
+        kept, extents, quarantine, torn = _survivors(arena, plan)
+        align = arena.alloc.align
         now = time.time()
-        with self.lock:
+        with self._lock:
             self.arena.alloc = type(self.arena.alloc).with_allocated(self.capacity, align, extents)
+            self._index.set_alloc(0, self.arena.alloc)
             for e in kept:
                 e.last_access = now
-                self.index[(e.kind, e.key)] = e
-                if e.kind == pb.BLOCK:
-                    self.blocks[e.key] = e
-                    if self.events is not None:
-                        self.events.stored(e.key)
-                self.lru[id(e)] = e
+                self._index.adopt(e)
+                if e.kind == pb.BLOCK and self.events is not None:
+                    self.events.stored(e.key)
             if kept:
                 self._new_lease(kept, grace_ms, now)
             if quarantine:
@@ -585,3 +465,55 @@ class LocalTier:
                   "restart_quarantined_bytes": sum(q.size for q in quarantine)}
         self.counters.update(counts)
         return kept, counts
+
+
+def _survivors(arena: PersistentArena, plan: AdoptionPlan
+               ) -> tuple[list[LocalEntry], list[tuple[int, int]], list[LocalEntry], int]:
+    """What a previous life's journal leaves (:meth:`LocalTier.adopt`): the committed objects
+    whose bytes match their checksums, the extents to keep allocated (theirs and the quarantined
+    uncommitted writes'), the quarantine (dead entries) and how many objects were torn.  Marks
+    every other slot of the journal free."""
+    slots = arena.journal.slots
+    kept: list[LocalEntry] = []
+    torn = 0
+    align = arena.alloc.align
+    for i in plan.candidates.tolist():
+        r = slots[i]
+        off, size = int(r["offset"]), int(r["size"])
+        if checksum(arena.slice(off, size)) != int(r["checksum"]):
+            torn += 1
+            continue
+        e = LocalEntry(bytes(r["key"]), int(r["kind"]), r["tclass"].decode("utf-8", "replace"), size, off)
+        e.checksum = int(r["checksum"])
+        e.state = COMMITTED
+        e.dirty = bool(r["flags"] & FLAG_DIRTY)
+        e.pooled = bool(r["flags"] & FLAG_POOLED)
+        kept.append(e)
+    # Uncommitted extents that do not overlap a kept object: quarantined, then free.
+    rounded = arena.alloc.rounded
+    spans: list[tuple[int, int, LocalEntry | None]] = [(e.offset, rounded(e.size), e) for e in kept]
+    for i in plan.reserved.tolist():
+        off, size = int(slots["offset"][i]), int(slots["size"][i])
+        if off == i * align and 0 < size <= arena.capacity:
+            spans.append((off, rounded(size), None))
+    spans.sort(key=lambda t: (t[0], t[2] is None))  # an object before a reservation at its offset
+    extents: list[tuple[int, int]] = []
+    quarantine: list[LocalEntry] = []
+    end = 0
+    for off, size, owner in spans:
+        if off < end or off + size > arena.capacity:
+            if owner is not None:  # cannot happen: plan_adoption dropped overlapping objects
+                kept.remove(owner)
+                torn += 1
+            continue
+        extents.append((off, size))
+        end = off + size
+        if owner is None:
+            q = LocalEntry(b"", -1, "", size, off)
+            q.state = DEAD
+            quarantine.append(q)
+    # Every slot but the kept objects' is free now (the quarantine lives in memory only).
+    keep = np.zeros(len(slots), bool)
+    keep[[e.offset // align for e in kept]] = True
+    slots["state"][~keep] = FREE
+    return kept, extents, quarantine, torn

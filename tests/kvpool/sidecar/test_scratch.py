@@ -27,7 +27,7 @@ def test_scratch_is_not_an_object_and_goes_with_its_lease(tier: LocalTier) -> No
     assert lease is not None
     [e] = tier.scratch([100 * KiB], lease)
     assert e is not None and tier.used >= 100 * KiB
-    assert not tier.index and not tier.lru and tier.match_prefix(np.zeros(1, "V32"))[0] == 0
+    assert tier.objects() == 0 and tier.match_prefix(np.zeros(1, "V32"))[0] == 0
     assert tier.scratch_done(e, lease, keep=True)
     assert tier.used >= 100 * KiB  # still held by the lease for the client
     tier.release([lease.lease_id])
