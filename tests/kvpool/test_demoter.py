@@ -53,17 +53,20 @@ def _read(node: StoreNode, key: bytes) -> bytes | None:
 
 
 def _demote(node: StoreNode, key: bytes) -> None:
-    with node.lock:
-        e = node.index[T][key]
-        assert node.mover is not None and node.mover.plan_demotion(e)
+    assert node.demote(T, [key]) == 1
+
+
+def _entry(node: StoreNode, key: bytes) -> Any:
+    e = node.entries(T, [key])[0]
+    assert e is not None
+    return e
 
 
 def _settled(node: StoreNode, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while node.mover is not None and (node.mover.pending_bytes or node.mover._queue):
+    while not node.settled():
         assert time.monotonic() < deadline, "demotions never finished"
         time.sleep(0.01)
-    time.sleep(0.05)  # the last publish
 
 
 def test_a_demotion_lands_and_the_object_comes_back_byte_exact(node: StoreNode) -> None:
@@ -72,11 +75,10 @@ def test_a_demotion_lands_and_the_object_comes_back_byte_exact(node: StoreNode) 
     used = node.dram.alloc.used
     _demote(node, k)
     _settled(node)
-    e = node.index[T][k]
-    assert e.tier == "ssd" and node.dram.alloc.used == used - node.dram.alloc.rounded(len(v))
+    assert node.where(T, k) == "ssd" and node.dram.alloc.used == used - node.dram.alloc.rounded(len(v))
     assert node.counters["demoted"] == 1
     assert _read(node, k) == v
-    assert e.tier == "dram" and node.counters["promoted"] == 1 and node.ssd is not None and node.ssd.alloc.used == 0
+    assert node.where(T, k) == "dram" and node.counters["promoted"] == 1 and node.tier("ssd").alloc.used == 0
 
 
 def test_an_object_being_demoted_stays_readable_and_a_read_keeps_it_in_dram(node: StoreNode) -> None:
@@ -84,17 +86,16 @@ def test_an_object_being_demoted_stays_readable_and_a_read_keeps_it_in_dram(node
     _put(node, k, v)
     _slow(node, 0.3)
     _demote(node, k)
-    e = node.index[T][k]
+    e = _entry(node, k)
     assert e.moving and e.inflight == 1
     # Never chosen twice while its copy is on the way.
-    with node.lock:
-        assert e not in node._dram_victims(1 << 30, time.time(), True)
+    assert e not in node._space.dram_victims(1 << 30, time.time(), True)
     codes, found = node.read_pin(T, [k])  # a read from DRAM, held across the copy's end
     assert codes == [pb.OK] and bytes(node.dram.slice(found[0].offset, len(v))) == v  # type: ignore[union-attr]
     _settled(node)
     node.read_unpin(found)
-    assert e.tier == "dram" and node.counters["demotions_abandoned"] == 1
-    assert node.ssd is not None and node.ssd.alloc.used == 0
+    assert node.where(T, k) == "dram" and node.counters["demotions_abandoned"] == 1
+    assert node.tier("ssd").alloc.used == 0
     assert _read(node, k) == v
 
 
@@ -106,8 +107,7 @@ def test_an_object_removed_while_it_is_demoted_leaves_nothing_behind(node: Store
     assert node.remove(T, [k]) == [pb.OK]
     assert _read(node, k) is None
     _settled(node)
-    assert node.dram.alloc.used == 0 and node.ssd is not None and node.ssd.alloc.used == 0
-    assert node.mover is not None and node.mover.pending_bytes == 0
+    assert node.dram.alloc.used == 0 and node.tier("ssd").alloc.used == 0
 
 
 def test_a_read_from_a_stalled_disk_is_a_miss_within_its_bound_and_lands_later(node: StoreNode) -> None:
@@ -128,7 +128,7 @@ def test_a_read_from_a_stalled_disk_is_a_miss_within_its_bound_and_lands_later(n
     assert time.monotonic() - t0 < 0.1
     Path(node.cfg.fault_tier_delay_file).unlink()
     deadline = time.monotonic() + 5
-    while node.index[T][k].tier != "dram":  # the copy started while stalled still lands
+    while node.where(T, k) != "dram":  # the copy started while stalled still lands
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert _read(node, k) == v
@@ -160,14 +160,12 @@ def test_a_push_batch_gets_all_its_objects_whichever_tier_they_are_in(node: Stor
     for k in list(vals)[10:]:
         assert _read(node, k) == vals[k]  # the batch's DRAM objects are now the least recently used
     keys = list(vals)[3:10]  # some demoted, some still in DRAM
-    with node.lock:
-        tiers = {node.index[T][k].tier for k in keys}
-    assert tiers == {"dram", "ssd"}
+    assert {node.where(T, k) for k in keys} == {"dram", "ssd"}
     got: dict[bytes, bytes] = {}
 
     def sink(held: list[Any], views: list[memoryview]) -> None:
         got.update((e.key, bytes(v)) for e, v in zip(held, views, strict=True))
-    entries = [node.index[T][k] for k in keys]
+    entries = [_entry(node, k) for k in keys]
     assert node.read_objects(entries, sink) == len(keys)
     assert got == {k: vals[k] for k in keys}
 
@@ -184,11 +182,11 @@ def test_a_full_ssd_moves_only_what_the_new_object_needs_to_the_shared_fs(tmp_pa
             _put(n, k, bytes([i]) * (64 * KiB))
             _demote(n, k)
             _settled(n)
-        assert [n.index[T][k].tier for k in keys[:4]] == ["ssd"] * 4
+        assert [n.where(T, k) for k in keys[:4]] == ["ssd"] * 4
         _put(n, keys[4], b"\x09" * (64 * KiB))
         _demote(n, keys[4])
         _settled(n)
-        tiers = [n.index[T][k].tier for k in keys[:4]]
+        tiers = [n.where(T, k) for k in keys[:4]]
         assert tiers.count("sharedfs") == 2 and tiers.count("ssd") == 2, tiers
     finally:
         n.close()

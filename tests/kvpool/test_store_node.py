@@ -258,7 +258,7 @@ def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) ->
             node.remove(t, ks, kind)
         else:
             node.release(leases[-3:], t)
-        for part in (node.dram.alloc, node.ssd.alloc):
+        for part in (node.dram.alloc, node.tier("ssd").alloc):
             assert 0 <= part.used <= part.capacity
         assert all(x.used_bytes >= 0 and x.objects >= 0 for x in node.tenants.values())
     assert node.counters["demoted"] and node.counters["promoted"] and node.counters["evicted_quota"], node.counters
@@ -267,16 +267,16 @@ def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) ->
         for kind in (pb.BLOCK, pb.STATE):
             node.remove(t, keys, kind)
     node.dram.alloc.check()
-    node.ssd.alloc.check()
-    assert node.dram.alloc.used == 0 and node.ssd.alloc.used == 0
+    node.tier("ssd").alloc.check()
+    assert node.dram.alloc.used == 0 and node.tier("ssd").alloc.used == 0
     assert all(x.used_bytes == 0 and x.objects == 0 for x in node.tenants.values()), node.tenants
-    assert not node.read_tokens and not node.by_token and not node.lru_dram and not node.lru_ssd
+    assert node.live_tokens() == 0 and [t[3] for t in node.stats()["tiers"]] == [0, 0]
     for t in tenants:
         assert node.exists(t, keys, prefix_only=False)[1] == bytes(len(keys))
-    # Shared-fs files are unlinked off the index lock, in the mover's order (store/demoter.py):
+    # Shared-fs files are unlinked off the index lock, in the chain's order (tiers/chain.py):
     # wait (bounded) until the removals queued above have run.
     deadline = time.monotonic() + 30
-    while node.mover is not None and node.mover.fs_removing and time.monotonic() < deadline:
+    while not node.settled() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [p for p in (tmp_path / "fs").rglob("*") if p.is_file()] == []
 
@@ -289,9 +289,7 @@ def test_state_objects_never_leave_dram(make_node, tmp_path: Path) -> None:  # t
     for i in range(20):  # push 5x the arena of blocks through
         assert put(node, [bytes([0xB0, i]) * 16], [b"B" * (60 * KiB)]) == [pb.OK]
     assert node.counters["demoted"] > 0
-    below = [e for e in list(node.lru_ssd.values()) if e.kind == pb.STATE]
-    assert below == []
-    assert all(e.tier == "dram" for part in node.index.values() for e in part.values() if e.kind == pb.STATE)
+    assert {node.where(T, k, pb.STATE) for k in states} <= {None, "dram"}
     # Evicted states are gone (a miss), never served from a lower tier.
     for g in get(node, states, kind=pb.STATE):
         assert g is None or g == b"S" * (40 * KiB)
@@ -300,8 +298,10 @@ def test_state_objects_never_leave_dram(make_node, tmp_path: Path) -> None:  # t
 def test_a_writer_cannot_hold_a_reservation_for_days(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(dram_bytes=1 << 20)
     t0 = time.time()
-    _, _, toks, rid = node.put_start(T, [b"r" * 32], [10], "chatbot", pb.BLOCK, timeout_ms=2**32 - 1)
-    assert node.by_token[toks[0]].expires <= t0 + node.cfg.reservation_seconds_max + 1
+    _, offs, toks, rid = node.put_start(T, [b"r" * 32], [10], "chatbot", pb.BLOCK, timeout_ms=2**32 - 1)
+    e = node.acquire("write", offs[0], 10, toks[0])
+    assert e is not None and e.expires <= t0 + node.cfg.reservation_seconds_max + 1
+    node.release_guard(e)
 
 
 def test_a_huge_batch_against_a_pinned_arena_is_refused_quickly(make_node) -> None:  # type: ignore[no-untyped-def]
@@ -311,14 +311,14 @@ def test_a_huge_batch_against_a_pinned_arena_is_refused_quickly(make_node) -> No
     _, _, lease = node.exists(T, keys, pin=True, lease_ms=60_000)
     assert lease is not None
     calls = 0
-    orig = node._evict_dram
+    orig = node._space.evict_dram
 
     def counting(*a: object, **kw: object) -> int:
         nonlocal calls
         calls += 1
         return orig(*a, **kw)  # type: ignore[arg-type]
 
-    node._evict_dram = counting  # type: ignore[method-assign]
+    node._space.evict_dram = counting  # type: ignore[method-assign]
     more = [(10**6 + i).to_bytes(32, "little") for i in range(20_000)]
     codes, _, _, _ = node.put_start(T, more, [4096] * len(more), "chatbot", pb.BLOCK)
     assert pb.NO_SPACE in codes and set(codes) <= {pb.OK, pb.NO_SPACE}
@@ -360,9 +360,9 @@ def test_a_match_lease_pins_whatever_decides_on_pins_even_though_it_counts_them_
     for i in range(20):  # write pressure: 3x the arena; the pinned objects stay
         put(node, [bytes([0xD0, i]) * 16], [b"w" * (40 * KiB)])
     assert get(node, keys) == [b"m" * (40 * KiB)] * 4
-    assert {node.blocks[T][k].pins for k in keys} == {2}
+    assert {e.pins for e in node.entries(T, keys) if e is not None} == {2}
     node.release([lease.lease_id, second.lease_id], T)
-    assert {node.blocks[T][k].pins for k in keys} == {0}
+    assert {e.pins for e in node.entries(T, keys) if e is not None} == {0}
     # A lease released before anything settled leaves no pin behind.
     _, _, third = node.exists(T, keys, pin=True, lease_ms=60_000)
     assert third is not None

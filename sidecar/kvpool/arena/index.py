@@ -34,6 +34,9 @@ from enum import IntEnum
 
 from kvpool.arena.allocator import ExtentAllocator
 
+ARENA = 0
+"""The level of the arena itself (``Entry.tier``); the owner's levels below count from 1."""
+
 BLOCK, STATE = 0, 1
 """Object kinds (``store_pb2.BLOCK``/``STATE``; the values of the wire enum)."""
 
@@ -73,8 +76,8 @@ class Entry:
         self.size = size
         self.checksum = 0
         self.offset = offset
-        self.tier = 0
-        """Level in the owner's chain (0: the arena)."""
+        self.tier = ARENA
+        """Level in the owner's chain."""
         self.state = RESERVED
         self.pins = 0
         """Leases (and promotions, for the store) holding it: eviction and removal leave it."""
@@ -362,15 +365,16 @@ class ArenaIndex:
     # ------------------------------------------------------------------ leases
 
     def new_lease(self, entries: list[Entry], expires: float, tenant: str = "", lazy: bool = False,
-                  read_tokens: bool = False) -> Lease:
+                  read_tokens: bool = False, pinned: bool = False) -> Lease:
         """Pin ``entries`` until ``expires``.  ``lazy``: the pins are counted only when something
         asks (:meth:`settle_pins`) — a match pins thousands of objects and is usually released
-        within milliseconds, before anything reads ``pins``.  ``read_tokens``: one transfer token
-        per entry, dying with the lease."""
+        within milliseconds, before anything reads ``pins``.  ``pinned``: the caller already took
+        one pin of each, which the lease takes over.  ``read_tokens``: one transfer token per
+        entry, dying with the lease."""
         lease = Lease(self.next_id(), expires, entries, tenant)
         if lazy:
             self._uncounted[lease.lease_id] = lease
-        else:
+        elif not pinned:
             for e in entries:
                 e.pins += 1
         if read_tokens:

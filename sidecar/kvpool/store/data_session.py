@@ -167,8 +167,7 @@ class DataSessionHandler:
         if ticket is not None:
             # One part of a batch sent over several connections: reserve in batch order.
             if not self.order.wait_turn(tenant, ticket[0], ticket[1]):
-                with node.lock:  # the batch's order is lost (its earlier part is late or gone)
-                    node.counters["put_order_waited_out"] += 1
+                node.count("put_order_waited_out")  # the batch's order is lost (its earlier part is late or gone)
         try:
             codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
                                                          req.kind, req.lease_ms, req.epoch)

@@ -58,7 +58,7 @@ class MasterKeyWatcher:
             previous = load_previous_keys(self.paths[1]) if len(self.paths) > 1 else []
             self.node.set_master_keys(current, previous)
         except (MasterKeyError, ValueError) as exc:
-            self.node.counters["master_key_reload_errors"] += 1
+            self.node.count("master_key_reload_errors")
             log.error("master key files changed but cannot be used, keeping the keys loaded before: %s", exc)
             return False
         finally:

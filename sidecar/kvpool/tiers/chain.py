@@ -1,32 +1,34 @@
-"""Tier moves of a store node, with every byte of tier I/O and sealing outside the index lock.
+"""The chain of tiers below an arena (DRAM → SSD → shared fs): moves, with all tier I/O off the lock.
 
-A slow or hung disk must never stall DRAM hits or other tenants, so no SSD or shared-filesystem
-read or write, and no sealing (encryption at rest), runs under the node's ``lock``.  A move of
-an object between tiers (DRAM → SSD or shared fs, SSD → shared fs, and back to DRAM for a read)
-has three steps:
+A slow or hung disk must never stall DRAM hits or other tenants, so no read or write of a tier
+below the arena, and no sealing (encryption at rest), runs under the owner's index lock.  A move
+of an object between levels (down: DRAM → the first level below that takes it, an extent level
+→ the next one when it is full; up: back to DRAM for a read) has three steps:
 
-1. *Plan*, under the lock (no I/O): allocate the destination extent, mark the entry ``moving``
+1. *Mark*, under the lock (no I/O): allocate the destination extent, mark the entry ``moving``
    and hold it — a demotion holds it ``inflight`` (it stays readable from DRAM, and victim choice
-   skips it, so it is never demoted twice), a promotion or an SSD → shared-fs move ``pins`` it
-   (neither eviction, expiry nor a removal takes it meanwhile) — and queue the copy.
-2. *Copy*, without the lock: read, seal or open, verify, write.
-3. *Publish*, under the lock: the entry points at its new place and its old extent is freed —
+   skips it, so it is never demoted twice), a promotion or a move between lower levels ``pins``
+   it (neither eviction, expiry nor a removal takes it meanwhile) — and queue the copy.
+2. *Move*, without the lock: read, seal or open, verify, write.
+3. *Flip*, under the lock: the entry points at its new place and its old extent is freed —
    unless it changed meanwhile (removed; read or pinned by a lease, for a demotion: the new copy
    is dropped and the entry stays where it was, readable).
 
-Demotions and SSD → shared-fs moves run on one background thread, first in first out (a later
-move of the same object never overtakes an earlier one).  A writer that needs DRAM waits for
-them at most ``NodeConfig.demote_wait_seconds``, with the lock released, and then gets NO_SPACE
-for what does not fit: when the disk cannot keep up, writes are shed, reads never wait.
-Promotions run on a small pool; a reader waits at most ``NodeConfig.tier_read_seconds`` and the
-objects that did not arrive by then are misses of that call (the copy still lands for the next).
-When DRAM is full while demotions are on their way, a writer sheds rather than demoting more
-(the choice of victims stays ``eviction.choose_victims``, pure, made under the lock).
+The levels are chosen by their order in the chain, never by name: level 0 is the arena, each
+level below either has extents (an allocator: the SSD) or keeps one file per key (the shared
+filesystem, which outlives the node and is shared by all nodes).
+
+Demotions and moves between lower levels run on one background thread, first in first out (a
+later move of the same object never overtakes an earlier one).  A writer that needs DRAM waits
+for them at most its deadline, with the lock released, and then gets NO_SPACE for what does not
+fit: when the disk cannot keep up, writes are shed, reads never wait.  Promotions run on a small
+pool; a reader waits at most its bound and the objects that did not arrive by then are misses of
+that call (the copy still lands for the next).
 
 The shared filesystem's metadata is handled the same way: the headers of unknown keys are read
-off the lock (:meth:`TierMover.stat_files`, bounded like a read) and adopted under it, and a
+off the lock (:meth:`TierChain.stat_files`, bounded like a read) and adopted under it, and a
 removed object's file is unlinked by the background thread, FIFO with the copies; until then,
-and for a header read before the unlink, the file is not adopted (:meth:`TierMover.may_adopt`).
+and for a header read before the unlink, the file is not adopted (:meth:`TierChain.may_adopt`).
 """
 
 from __future__ import annotations
@@ -40,45 +42,78 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from kvpool.arena.allocator import OutOfSpace
+from kvpool.arena.allocator import ExtentAllocator, OutOfSpace
 from kvpool.arena.eviction import watermark_need
+from kvpool.arena.index import ARENA, COMMITTED, ArenaIndex, Entry
 from kvpool.core.checksum import checksum
-from kvpool.tiers.atrest import sealed_size
+from kvpool.tiers.atrest import AtRest, sealed_size
 from kvpool.tiers.sharedfs import SharedFsHeader
 from kvpool.wire.proto import store_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvpool.store.node import Entry, StoreNode
 
 log = logging.getLogger("kvpool.store")
 
 IDLE, DEMOTING, PROMOTING = 0, 1, 2
-"""``Entry.moving``: what a planned move is doing to the entry."""
+"""``TieredEntry.moving``: what a planned move is doing to the entry."""
 
-COMMITTED = 1  # node.COMMITTED (not imported: node imports this module)
+
+class TieredEntry(Entry):
+    """An entry of an arena with levels below it."""
+
+    __slots__ = ("moving", "gen", "on_fs")
+
+    def __init__(self, key: bytes, tenant: str, kind: int, traffic_class: str, size: int) -> None:
+        super().__init__(key, tenant, kind, traffic_class, size)
+        self.moving = IDLE
+        """A move in progress (DEMOTING / PROMOTING)."""
+        self.gen = 0
+        """Generation its copy below was sealed under (encryption at rest)."""
+        self.on_fs = False
+        """A copy exists in the per-key level (removed with the object)."""
+
+
+class ChainOwner(Protocol):
+    """What the chain asks of the node it moves objects for; called with the lock held."""
+
+    def discard(self, e: TieredEntry) -> None:
+        """Forget an object everywhere (its accounting, events and files too)."""
+
+    def evict_dram(self, need: int, now: float, expire_all: bool = True) -> int:
+        """Drop or demote DRAM victims for ``need`` bytes; the bytes freed now."""
+
+    def alloc_dram(self, size: int, now: float) -> int:
+        """A DRAM extent (evicting); raises OutOfSpace."""
+
+    def fs_salt(self, tenant: str) -> bytes:
+        """Key of a tenant's file names in the per-key level."""
+
+    def account(self, tenant: str, delta_bytes: int) -> None:
+        """An object entered (+) or left (-) the levels the tenant's quota counts (extents)."""
+
+    def count(self, what: str, tenant: str = "") -> None:
+        """Add one to a counter of the node (and of ``tenant``, when given)."""
 
 
 @dataclass
 class _Move:
-    entry: Entry
-    src: str
-    dst: str
+    entry: TieredEntry
+    src: int
+    dst: int
     offset: int = -1
-    """Destination extent (SSD or DRAM); -1 for the shared filesystem."""
+    """Destination extent; -1 for a per-key level."""
     gen: int = 0
     code: int = pb.OK
     started: float = field(default_factory=time.monotonic)
     guarded: bool = False
-    """A shared-fs destination whose object was removed meanwhile: already in ``fs_removing``."""
+    """A per-key destination whose object was removed meanwhile: already in ``fs_removing``."""
     done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
 class FsView:
-    """Headers of shared-fs files read off the lock (:meth:`TierMover.stat_files`), and when the
-    reading started: a file unlinked after that is not adopted (``TierMover.may_adopt``)."""
+    """Headers of shared-fs files read off the lock (:meth:`TierChain.stat_files`), and when the
+    reading started: a file unlinked after that is not adopted (``TierChain.may_adopt``)."""
 
     headers: dict[bytes, SharedFsHeader]
     since: float
@@ -93,32 +128,81 @@ class _Unlink:
     key: bytes
 
 
-class TierMover:
-    """The move engine of one :class:`~kvpool.store.node.StoreNode` (see the module docstring).
+def _read_below(tier: Any, e: TieredEntry, salt: bytes, dst: memoryview) -> SharedFsHeader | None:
+    """Read ``e``'s stored bytes (sealed or plain) from ``tier`` into ``dst``: an extent level
+    at ``e.offset``, a per-key level by its file (its header, None when there is none)."""
+    if getattr(tier, "alloc", None) is not None:
+        tier.read_into(e.offset, dst)
+        return SharedFsHeader(e.kind, e.size, e.checksum, sealed=False, generation=e.gen)
+    hdr: SharedFsHeader | None = tier.read_into(salt, e.key, dst)
+    return hdr
 
-    ``plan_demotion``, ``ssd_alloc`` and ``pending_bytes`` are called and read with the node's
-    lock held; ``make_room`` and ``promote`` take it themselves and must be called without it.
-    """
 
-    def __init__(self, node: StoreNode, promote_workers: int = 4, max_promotions: int = 256) -> None:
-        self.node = node
-        self.room = threading.Condition(node.lock)
-        """Notified when a move is published (DRAM freed, or a copy landed)."""
+def _open_up(at_rest: AtRest | None, tier: Any, e: TieredEntry, salt: bytes, dst: memoryview
+             ) -> tuple[int, bool, bool]:
+    """Read ``e`` from ``tier`` into ``dst`` (opening it when sealed) and verify it: a code,
+    whether authentication failed, and whether an earlier master key opened it.  No lock."""
+    extents = getattr(tier, "alloc", None) is not None
+    if at_rest is None:
+        hdr = _read_below(tier, e, salt, dst)
+        code = pb.OK if hdr is not None and not hdr.sealed else pb.NOT_FOUND
+        if code == pb.OK and checksum(dst) != e.checksum:
+            code = pb.CHECKSUM
+        return code, False, False
+    blob = memoryview(bytearray(sealed_size(e.size)))
+    hdr = _read_below(tier, e, salt, blob)
+    gen = e.gen
+    if not extents:
+        present = hdr is not None or tier.stat(salt, e.key) is not None
+        ok_hdr = hdr is not None and hdr.sealed and hdr.size == e.size and hdr.kind == e.kind
+        gen = hdr.generation if hdr is not None and ok_hdr else -1
+        if not present:
+            return pb.NOT_FOUND, False, False  # gone (another node removed it): a plain miss
+    if gen < 0 or not at_rest.open_into(e.tenant, e.key, e.kind, gen, blob, dst):
+        return pb.CHECKSUM, True, False
+    previous = not at_rest.sealed_with_current(blob)
+    actual = checksum(dst)
+    if not e.checksum and not extents:
+        e.checksum = actual  # adopted: a sealed file carries no checksum; the tag vouched
+    elif actual != e.checksum:
+        return pb.CHECKSUM, False, previous
+    return pb.OK, False, previous
+
+
+class TierChain:
+    """The move engine of one arena and the levels below it (see the module docstring).
+
+    ``levels``: the arena's tier first, then the tiers below in chain order.  ``lock``: the
+    owner's index lock (every method but ``make_room``, ``promote`` and ``stat_files`` is called
+    with it held; those three take it themselves)."""
+
+    def __init__(self, owner: ChainOwner, index: ArenaIndex, lock: threading.RLock, levels: Sequence[Any],
+                 at_rest: AtRest | None, promote_workers: int = 4, max_promotions: int = 256) -> None:
+        self.owner = owner
+        self.index = index
+        self.levels = list(levels)
+        self.allocs: list[ExtentAllocator | None] = [getattr(t, "alloc", None) for t in self.levels]
+        self.per_key = next((i for i, a in enumerate(self.allocs) if a is None), -1)
+        """The level with one file per key (the shared filesystem), -1: none."""
+        self.at_rest = at_rest
+        self.room = threading.Condition(lock)
+        """Notified when a move is flipped (DRAM freed, or a copy landed)."""
         self.pending_bytes = 0
-        """DRAM bytes of demotions planned and not yet published (freed soon, if the disk allows)."""
+        """DRAM bytes of demotions planned and not yet flipped (freed soon, if the disk allows)."""
         self._queue: deque[_Move | _Unlink] = deque()
         self.fs_removing: Counter[tuple[str, bytes]] = Counter()
         """(tenant, key) of shared-fs files whose unlink is on its way: never adopted meanwhile."""
         self._unlinked: dict[tuple[str, bytes], float] = {}
         """(tenant, key) → when its file was unlinked (monotonic), recent ones: a header read
         before that is stale."""
+        self._horizon = 60.0
         self._wake = threading.Condition(threading.Lock())
         self._promoting: dict[int, _Move] = {}
         self._demoting: dict[int, _Move] = {}
         """Moves down in flight by id(entry) (to guard a removed object's file, see ``discarding``)."""
         self._promoting_bytes = 0
         self._max_promotions = max_promotions
-        self._max_promoting_bytes = node.dram.capacity // 4
+        self._max_promoting_bytes = self.levels[ARENA].capacity // 4
         """Past this many DRAM bytes held by promotions stuck past their read's bound, a read
         starts no more."""
         self._closed = False
@@ -126,19 +210,32 @@ class TierMover:
         self._thread = threading.Thread(target=self._run, name="kvpool-demoter", daemon=True)
         self._thread.start()
 
+    def name(self, level: int) -> str:
+        return str(self.levels[level].name)
+
+    def stored_size(self, e: Entry) -> int:
+        """Bytes of ``e`` in a level below (sealed when encrypting at rest)."""
+        return sealed_size(e.size) if self.at_rest is not None else e.size
+
+    def idle(self) -> bool:
+        """No demotion, move or unlink queued or in flight."""
+        with self.room:
+            return not self.pending_bytes and not self._queue and not self._demoting and not self.fs_removing
+
     # ------------------------------------------------------------------ demotion
 
-    def plan_demotion(self, e: Entry) -> bool:
-        """Queue a DRAM object's move to the SSD (or the shared filesystem); False when no tier
-        below can take it (the caller drops it).  Caller holds the lock."""
-        n = self.node
+    def plan_demotion(self, e: TieredEntry) -> bool:
+        """Mark a DRAM object for its move to the first level below that takes it; False when
+        none can (the caller drops it).  Lock held."""
         move: _Move | None = None
-        if n.ssd is not None:
-            off = self.ssd_alloc(n._stored_size(e))
+        for level in range(ARENA + 1, len(self.levels)):
+            if self.allocs[level] is None:
+                move = _Move(e, ARENA, level)
+                break
+            off = self._alloc_below(level, self.stored_size(e))
             if off is not None:
-                move = _Move(e, "dram", "ssd", off)
-        if move is None and n.sharedfs is not None:
-            move = _Move(e, "dram", "sharedfs")
+                move = _Move(e, ARENA, level, off)
+                break
         if move is None:
             return False
         e.moving = DEMOTING
@@ -148,71 +245,79 @@ class TierMover:
         self._enqueue(move)
         return True
 
-    def ssd_alloc(self, size: int) -> int | None:
-        """An SSD extent of ``size`` bytes, making room by dropping (or, with a shared-fs tier,
-        queueing the move of) the coldest SSD objects; None when it cannot.  Caller holds the lock."""
-        n = self.node
-        assert n.ssd is not None
-        if n.ssd.alloc.rounded(size) > n.ssd.capacity:
+    def _alloc_below(self, level: int, size: int) -> int | None:
+        """An extent of ``size`` bytes at ``level``, making room by moving its coldest objects
+        one level down (or dropping them at the bottom); None when it cannot.  Lock held."""
+        alloc = self.allocs[level]
+        assert alloc is not None
+        if alloc.rounded(size) > alloc.capacity:
             return None
         try:
-            return n.ssd.alloc.alloc(size)
+            return alloc.alloc(size)
         except OutOfSpace:
             pass
-        n._settle_pins()
-        need = n.ssd.alloc.rounded(size) + int(n.ssd.capacity * 0.05)
+        self.index.settle_pins()
+        need = alloc.rounded(size) + int(alloc.capacity * 0.05)
+        nxt = level + 1 if level + 1 < len(self.levels) else -1
         freed = 0
-        for v in list(n.lru_ssd.values()):
+        for v in self.index.lru(level):
             if freed >= need:
                 break
+            assert isinstance(v, TieredEntry)
             if v.pins or v.moving:
                 continue
-            if n.sharedfs is not None:
+            off = -1
+            if nxt >= 0 and self.allocs[nxt] is not None:
+                try:
+                    off = self.allocs[nxt].alloc(self.stored_size(v))  # type: ignore[union-attr]
+                except OutOfSpace:
+                    nxt = -1
+            if nxt >= 0:
                 # Moved, not lost: but its extent is free only once the copy is out.
                 v.moving = DEMOTING
                 v.pins += 1
-                self._demoting[id(v)] = move = _Move(v, "ssd", "sharedfs")
+                self._demoting[id(v)] = move = _Move(v, level, nxt, off)
                 self._enqueue(move)
             else:
-                n._discard(v)
-                n._count_evicted(v)
+                self.owner.discard(v)
+                self.owner.count("evicted", v.tenant)
             freed += v.size  # moved or dropped: either way its extent is on its way out
         try:
-            return n.ssd.alloc.alloc(size)
+            return alloc.alloc(size)
         except OutOfSpace:
             return None
 
-    def make_room(self, sizes: Sequence[int], deadline: float) -> None:
-        """Before a write reserves extents of ``sizes`` (rounded) bytes: start the demotions that
-        make them fit (down to the low watermark, as a synchronous eviction did), then wait for
+    def make_room(self, sizes: Sequence[int], deadline: float, high: float, low: float) -> None:
+        """Before a write reserves DRAM extents of ``sizes`` (rounded) bytes: start the demotions
+        that make them fit (down to the ``low`` watermark once above ``high``), then wait for
         them, with the lock released, until the extents would fit, nothing more can be moved, or
         ``deadline`` (monotonic) passes.  Call without the lock."""
-        n = self.node
+        alloc = self.allocs[ARENA]
+        assert alloc is not None
         total = sum(sizes)
         with self.room:
-            need = watermark_need(n.dram.alloc.used - self.pending_bytes, total, n.dram.capacity,
-                                  n.cfg.high_watermark, n.cfg.low_watermark)
+            need = watermark_need(alloc.used - self.pending_bytes, total, alloc.capacity, high, low)
             if need:
-                n._evict_dram(need, time.time())
+                self.owner.evict_dram(need, time.time())
             step = max(need, max(sizes))
-            while not self._fits(sizes):
+            while not self._fits(alloc, sizes):
                 if not self.pending_bytes:
                     # Nothing on its way down (a fragmented arena): move more, geometrically.
-                    used = n.dram.alloc.used
-                    n._evict_dram(step, time.time(), expire_all=False)
-                    if not self.pending_bytes and n.dram.alloc.used == used:
+                    used = alloc.used
+                    self.owner.evict_dram(step, time.time(), expire_all=False)
+                    if not self.pending_bytes and alloc.used == used:
                         return  # nothing left to move: the reservation sheds what does not fit
                     step *= 2
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    n.counters["demote_waits_timed_out"] += 1
+                    self.owner.count("demote_waits_timed_out")
                     return
                 self.room.wait(left)
 
-    def _fits(self, sizes: Sequence[int]) -> bool:
+    @staticmethod
+    def _fits(alloc: ExtentAllocator, sizes: Sequence[int]) -> bool:
         """Whether extents of ``sizes`` could be allocated now (a trial, undone).  Lock held."""
-        alloc = self.node.dram.alloc
         if alloc.largest_free >= sum(sizes):
             return True
         got: list[int] = []
@@ -226,27 +331,26 @@ class TierMover:
             for off in got:
                 alloc.free(off)
 
-    def discarding(self, e: Entry) -> None:
-        """``e`` is being removed: if a copy of it to the shared filesystem is on its way, no
-        lookup may adopt that file from now on (it is unlinked once written).  Lock held."""
+    def discarding(self, e: TieredEntry) -> None:
+        """``e`` is being removed: if a copy of it to the per-key level is on its way, no lookup
+        may adopt that file from now on (it is unlinked once written).  Lock held."""
         m = self._demoting.get(id(e))
-        if m is not None and m.dst == "sharedfs" and not m.guarded:
+        if m is not None and m.dst == self.per_key and not m.guarded:
             m.guarded = True
             self.fs_removing[(e.tenant, e.key)] += 1
 
     def remove_file(self, tenant: str, salt: bytes, key: bytes) -> None:
         """Unlink an object's shared-fs file off the lock (FIFO: before any later copy of the same
-        key is written); until then no lookup adopts it.  Caller holds the lock."""
+        key is written); until then no lookup adopts it.  Lock held."""
         self.fs_removing[(tenant, key)] += 1
         self._enqueue(_Unlink(tenant, salt, key))
 
     def _unlink(self, job: _Unlink) -> None:
-        assert self.node.sharedfs is not None
         try:
-            self.node.sharedfs.remove(job.salt, job.key)
+            self.levels[self.per_key].remove(job.salt, job.key)
         except OSError as exc:
             log.warning("shared-fs removal failed: %s", exc)
-        with self.node.lock:
+        with self.room:
             k = (job.tenant, job.key)
             self.fs_removing[k] -= 1
             if self.fs_removing[k] <= 0:
@@ -254,8 +358,7 @@ class TierMover:
             now = self._unlinked[k] = time.monotonic()
             if len(self._unlinked) > 4096:
                 # A header is used within its read's bound of being read: older marks are moot.
-                horizon = now - max(60.0, 10 * self.node.cfg.tier_read_seconds)
-                self._unlinked = {x: t for x, t in self._unlinked.items() if t >= horizon}
+                self._unlinked = {x: t for x, t in self._unlinked.items() if t >= now - self._horizon}
 
     def may_adopt(self, tenant: str, key: bytes, since: float) -> bool:
         """Whether a shared-fs file seen by a read that started at ``since`` may be adopted: not
@@ -264,13 +367,13 @@ class TierMover:
         return k not in self.fs_removing and self._unlinked.get(k, -1.0) < since
 
     def stat_files(self, salt: bytes, keys: list[bytes], prefix_only: bool, timeout: float) -> FsView:
-        """Headers of the shared-fs files of ``keys`` (with ``prefix_only`` up to the first key
-        with none), read on the pool's threads for at most ``timeout`` seconds: a hung file
+        """Headers of the per-key level's files of ``keys`` (with ``prefix_only`` up to the first
+        key with none), read on the pool's threads for at most ``timeout`` seconds: a hung file
         system makes the keys not read by then misses.  Call without the lock."""
-        fs = self.node.sharedfs
-        assert fs is not None
+        fs = self.levels[self.per_key]
         got: list[tuple[bytes, SharedFsHeader]] = []
         since = time.monotonic()
+        self._horizon = max(60.0, 10 * timeout)
 
         def run() -> None:
             for k in keys:
@@ -283,8 +386,8 @@ class TierMover:
         try:
             self._pool.submit(run).result(timeout)
         except FutureTimeout:
-            with self.node.lock:
-                self.node.counters["tier_stat_timeouts"] += 1
+            with self.room:
+                self.owner.count("tier_stat_timeouts")
         except (OSError, RuntimeError) as exc:  # an unreadable directory, or shut down: misses
             log.warning("shared-fs lookup failed: %s", exc)
         return FsView(dict(list(got)), since)  # a copy: the stats may still be running
@@ -311,126 +414,110 @@ class TierMover:
                 except Exception as exc:  # noqa: BLE001 - a failed copy drops the object, never the thread
                     log.warning("tier move of an object failed: %s", exc)
                     move.code = pb.CHECKSUM
-                cleanup = self._publish_down(move)
+                cleanup = self._flip_down(move)
                 if cleanup is not None:
                     self._unlink(cleanup)  # now, on this thread: ahead of any later copy of the key
             except Exception as exc:  # noqa: BLE001 - e.g. the node closing its tiers under a copy
                 if not self._closed:
-                    log.error("tier mover: %s", exc)
+                    log.error("tier chain: %s", exc)
 
     def _copy_down(self, m: _Move) -> None:
         """Read the object, seal it when encrypting at rest, write it below.  No lock held: the
-        entry's source extent is held by the plan (``inflight`` or ``pins``)."""
-        n, e = self.node, m.entry
-        if m.src == "dram":
-            src: memoryview = n.dram.slice(e.offset, e.size)
-            if n.at_rest is not None:
+        entry's source extent is held by the mark (``inflight`` or ``pins``)."""
+        e = m.entry
+        src: memoryview
+        if m.src == ARENA:
+            src = self.levels[ARENA].slice(e.offset, e.size)
+            if self.at_rest is not None:
                 m.gen = secrets.randbits(63)
-                src = n.at_rest.seal(e.tenant, e.key, e.kind, m.gen, src)
-        else:  # ssd → sharedfs: a sealed copy moves as it is, under the same generation
-            assert n.ssd is not None
+                src = self.at_rest.seal(e.tenant, e.key, e.kind, m.gen, src)
+        else:  # between levels below: a sealed copy moves as it is, under the same generation
             m.gen = e.gen
-            buf = memoryview(bytearray(n._stored_size(e)))
-            n.ssd.read_into(e.offset, buf)
-            src = buf
-        if m.dst == "ssd":
-            assert n.ssd is not None
-            n.ssd.write(m.offset, src)
+            src = memoryview(bytearray(self.stored_size(e)))
+            _read_below(self.levels[m.src], e, b"", src)
+        dst = self.levels[m.dst]
+        if m.offset >= 0:
+            dst.write(m.offset, src)
             return
-        assert n.sharedfs is not None
-        salt = n._fs_salt(e.tenant)
-        # An object promoted from the shared tier still has its (immutable) file there.
-        if not (e.on_fs and n.sharedfs.stat(salt, e.key) is not None):
-            if n.at_rest is None:
-                n.sharedfs.write(salt, e.key, e.kind, src, e.checksum)
+        salt = self.owner.fs_salt(e.tenant)
+        # An object promoted from the per-key level still has its (immutable) file there.
+        if not (e.on_fs and dst.stat(salt, e.key) is not None):
+            if self.at_rest is None:
+                dst.write(salt, e.key, e.kind, src, e.checksum)
             else:
-                n.sharedfs.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=m.gen)
+                dst.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=m.gen)
 
-    def _publish_down(self, m: _Move) -> _Unlink | None:
+    def _flip_down(self, m: _Move) -> _Unlink | None:
         """Make a finished copy the object's place (or undo it); returns a shared-fs file to
         remove outside the lock when the copy is not wanted any more."""
-        n, e = self.node, m.entry
+        e = m.entry
         with self.room:
             e.moving = IDLE
             self._demoting.pop(id(e), None)
-            if m.src == "dram":
-                e.inflight -= 1
+            if m.src == ARENA:
                 self.pending_bytes -= e.size
+                self.index.release_inflight(e)  # removed meanwhile: the last holder frees
             else:
                 e.pins -= 1
-            n._settle_pins()
+            self.index.settle_pins()
             gone = e.state != COMMITTED
+            dst_alloc = self.allocs[m.dst]
+            self.room.notify_all()
             if gone or m.code != pb.OK:
-                if m.dst == "ssd" and m.offset >= 0:
-                    assert n.ssd is not None
-                    n.ssd.alloc.free(m.offset)
-                if gone:
-                    if m.src == "dram" and e.inflight == 0 and e.offset >= 0:
-                        n.dram.alloc.free(e.offset)  # removed meanwhile: the last holder frees
-                        e.offset = -1
-                else:
+                if dst_alloc is not None and m.offset >= 0:
+                    dst_alloc.free(m.offset)
+                if not gone:
                     log.warning("tier write failed: dropping the object instead of moving it")
-                    n._discard(e)
-                    n._count_evicted(e)
-                self.room.notify_all()
+                    self.owner.discard(e)
+                    self.owner.count("evicted", e.tenant)
                 # A file written for an object removed meanwhile goes too (FIFO: before any later
                 # copy of the same key), or a lookup would bring the removed object back.
-                if gone and m.dst == "sharedfs":
+                if gone and dst_alloc is None:
                     if not m.guarded:
                         self.fs_removing[(e.tenant, e.key)] += 1
-                    return _Unlink(e.tenant, n._fs_salt(e.tenant), e.key)
+                    return _Unlink(e.tenant, self.owner.fs_salt(e.tenant), e.key)
                 return None
-            if m.src == "dram" and (e.pins or e.inflight):
+            if m.src == ARENA and (e.pins or e.inflight):
                 # Read or leased while it was copied: it stays in DRAM (it is hot), the copy goes.
-                if m.dst == "ssd":
-                    assert n.ssd is not None
-                    n.ssd.alloc.free(m.offset)
+                if dst_alloc is not None:
+                    dst_alloc.free(m.offset)
                 else:
                     e.on_fs = True  # the file is there: a removal must take it too
-                n.counters["demotions_abandoned"] += 1
-                self.room.notify_all()
+                self.owner.count("demotions_abandoned")
                 return None
-            if m.src == "dram":
-                n.lru_dram.pop(id(e), None)
-                n.by_token.pop(e.token, None)
-                n.dram.alloc.free(e.offset)
-                e.token = 0
-            else:
-                assert n.ssd is not None
-                n.lru_ssd.pop(id(e), None)
-                n.ssd.alloc.free(e.offset)
-            e.tier, e.offset, e.gen = m.dst, m.offset, m.gen
-            if m.dst == "ssd":
-                n.lru_ssd[id(e)] = e
-            else:
+            if m.src == ARENA:
+                self.index.drop_token(e)
+            self.index.move(e, m.dst, m.offset)
+            e.gen = m.gen
+            if dst_alloc is None:
                 e.on_fs = True
-                n._tenant(e.tenant).used_bytes -= e.size  # shared tier is outside the node's quota
-            if m.src == "dram" and n.at_rest is not None:
-                n.counters["sealed"] += 1
-            n.counters["demoted"] += 1
-            self.room.notify_all()
+            if self.allocs[m.src] is not None and dst_alloc is None:
+                self.owner.account(e.tenant, -e.size)  # the per-key level is outside the quota
+            if m.src == ARENA and self.at_rest is not None:
+                self.owner.count("sealed")
+            self.owner.count("demoted")
             return None
 
     # ------------------------------------------------------------------ promotion
 
-    def promote(self, entries: Sequence[Entry], timeout: float) -> dict[int, int]:
+    def promote(self, entries: Sequence[TieredEntry], timeout: float, high: float, low: float) -> dict[int, int]:
         """Bring the committed objects of ``entries`` that are below DRAM up, waiting at most
         ``timeout`` seconds; returns id(entry) → code for those that failed (NO_SPACE,
         CHECKSUM, NOT_FOUND); those still on their way are neither there nor in DRAM (misses).
         Call without the lock."""
-        n = self.node
         failed: dict[int, int] = {}
         waits: list[_Move] = []
         deadline = time.monotonic() + timeout
         todo = list(entries)
+        rounded = self.levels[ARENA].alloc.rounded
         # Room first (demotions, waited for without the lock), then the reservations; another
         # reader or writer may take the room meanwhile, so what did not fit tries again.
         for _ in range(4):
-            with n.lock:
-                sizes = [n.dram.alloc.rounded(e.size) for e in todo
-                         if e.state == COMMITTED and e.tier != "dram" and not e.moving and id(e) not in self._promoting]
+            with self.room:
+                sizes = [rounded(e.size) for e in todo
+                         if e.state == COMMITTED and e.tier != ARENA and not e.moving and id(e) not in self._promoting]
             if sizes:
-                self.make_room(sizes, deadline)  # a full DRAM: what comes up needs demotions first
+                self.make_room(sizes, deadline, high, low)  # a full DRAM: what comes up needs demotions first
             todo = self._plan_promotions(todo, waits, timeout)
             if not todo or time.monotonic() >= deadline:
                 break
@@ -443,12 +530,12 @@ class TierMover:
                 failed[id(m.entry)] = m.code
         return failed
 
-    def _plan_promotions(self, entries: Sequence[Entry], waits: list[_Move], timeout: float) -> list[Entry]:
+    def _plan_promotions(self, entries: Sequence[TieredEntry], waits: list[_Move], timeout: float
+                         ) -> list[TieredEntry]:
         """Start the promotion of each of ``entries`` below DRAM that has room now (or join the
         one under way), appending to ``waits``; returns those that found no room."""
-        n = self.node
-        short: list[Entry] = []
-        with n.lock:
+        short: list[TieredEntry] = []
+        with self.room:
             now = time.time()
             # Promotions that outlived their reads' bound (a slow disk) holding much of the arena:
             # this read starts none (its objects below DRAM are misses), so a hung disk cannot tie
@@ -457,18 +544,18 @@ class TierMover:
                 m.entry.size for m in self._promoting.values()
                 if time.monotonic() - m.started > timeout) > self._max_promoting_bytes
             for e in entries:
-                if e.state != COMMITTED or e.tier == "dram":
+                if e.state != COMMITTED or e.tier == ARENA:
                     continue
                 m = self._promoting.get(id(e))
                 if m is None:
                     if e.moving or stuck or len(self._promoting) >= self._max_promotions:
                         continue  # moving down right now, or too many reads stuck: a miss
                     try:
-                        off = n._alloc_dram(e.size, now)
+                        off = self.owner.alloc_dram(e.size, now)
                     except OutOfSpace:
                         short.append(e)
                         continue
-                    m = _Move(e, e.tier, "dram", off)
+                    m = _Move(e, e.tier, ARENA, off)
                     e.moving = PROMOTING
                     e.pins += 1
                     self._promoting[id(e)] = m
@@ -478,78 +565,38 @@ class TierMover:
         return short
 
     def _promote_one(self, m: _Move) -> None:
-        n, e = self.node, m.entry
-        dst = n.dram.slice(m.offset, e.size)
-        code = pb.NOT_FOUND
-        auth_failed = previous_key = False
+        e = m.entry
+        dst = self.levels[ARENA].slice(m.offset, e.size)
+        salt = b"" if self.allocs[m.src] is not None else self.owner.fs_salt(e.tenant)
         try:
-            if n.at_rest is None:
-                if m.src == "ssd" and n.ssd is not None:
-                    n.ssd.read_into(e.offset, dst)
-                    code = pb.OK
-                elif m.src == "sharedfs" and n.sharedfs is not None:
-                    hdr = n.sharedfs.read_into(n._fs_salt(e.tenant), e.key, dst)
-                    code = pb.OK if hdr is not None and not hdr.sealed else pb.NOT_FOUND
-            else:
-                blob = memoryview(bytearray(sealed_size(e.size)))
-                gen = e.gen
-                if m.src == "ssd" and n.ssd is not None:
-                    n.ssd.read_into(e.offset, blob)
-                    present = True
-                elif m.src == "sharedfs" and n.sharedfs is not None:
-                    salt = n._fs_salt(e.tenant)
-                    hdr = n.sharedfs.read_into(salt, e.key, blob)
-                    present = hdr is not None or n.sharedfs.stat(salt, e.key) is not None
-                    ok_hdr = hdr is not None and hdr.sealed and hdr.size == e.size and hdr.kind == e.kind
-                    gen = hdr.generation if hdr is not None and ok_hdr else -1
-                else:
-                    present = False
-                if not present:
-                    code = pb.NOT_FOUND  # gone (another node removed it): a plain miss
-                elif gen >= 0 and n.at_rest.open_into(e.tenant, e.key, e.kind, gen, blob, dst):
-                    code = pb.OK
-                    previous_key = not n.at_rest.sealed_with_current(blob)
-                else:
-                    code, auth_failed = pb.CHECKSUM, True
-            if code == pb.OK:
-                actual = checksum(dst)
-                if not e.checksum and m.src == "sharedfs" and n.at_rest is not None:
-                    e.checksum = actual  # adopted: a sealed file carries no checksum; the tag vouched
-                elif actual != e.checksum:
-                    code = pb.CHECKSUM
+            code, auth_failed, previous_key = _open_up(self.at_rest, self.levels[m.src], e, salt, dst)
         except Exception as exc:  # noqa: BLE001 - an unreadable copy is a miss, never a crash
             log.warning("promotion read failed: %s", exc)
-            code = pb.NOT_FOUND
-        with n.lock:
+            code, auth_failed, previous_key = pb.NOT_FOUND, False, False
+        with self.room:
             e.pins -= 1
             e.moving = IDLE
             self._promoting.pop(id(e), None)
             self._promoting_bytes -= e.size
             if previous_key:
-                n.counters["at_rest_previous_key_opens"] += 1
+                self.owner.count("at_rest_previous_key_opens")
             if code == pb.OK and e.state == COMMITTED and e.tier == m.src:
-                if m.src == "ssd" and n.ssd is not None:
-                    n.lru_ssd.pop(id(e), None)
-                    n.ssd.alloc.free(e.offset)
-                else:
-                    n._tenant(e.tenant).used_bytes += e.size
-                e.tier, e.offset, e.token = "dram", m.offset, n._new_token()
+                if self.allocs[m.src] is None:
+                    self.owner.account(e.tenant, e.size)
+                self.index.move(e, ARENA, m.offset)
+                self.index.bind_token(e)
                 e.last_access = time.time()
-                n.by_token[e.token] = e
-                n.lru_dram[id(e)] = e
-                n.counters["promoted"] += 1
+                self.owner.count("promoted")
             else:
-                n.dram.alloc.free(m.offset)
+                self.allocs[ARENA].free(m.offset)  # type: ignore[union-attr]
                 if code == pb.OK:
                     code = pb.NOT_FOUND  # removed or moved meanwhile
                 elif e.state == COMMITTED:
                     if code == pb.CHECKSUM:
                         # A copy that does not authenticate (tampered, truncated, sealed for another
                         # tenant or key) is counted as such; the tag caught it before the checksum.
-                        what = "at_rest_auth_failures" if auth_failed else "checksum_failures"
-                        n.counters[what] += 1
-                        n._tenant(e.tenant).counters[what] += 1
-                    n._discard(e)  # the copy was bad or gone: forgotten, a miss
+                        self.owner.count("at_rest_auth_failures" if auth_failed else "checksum_failures", e.tenant)
+                    self.owner.discard(e)  # the copy was bad or gone: forgotten, a miss
             m.code = code
             self.room.notify_all()
         m.done.set()
