@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from enum import IntEnum
+from typing import Any, Generic, TypeVar
 
 from kvpool.arena.allocator import ExtentAllocator
 
@@ -90,12 +91,15 @@ class Entry:
         """Transfer token of its writes (store; 0: none)."""
 
 
-class Lease:
+E = TypeVar("E", bound=Entry)
+
+
+class Lease(Generic[E]):
     """Pins over ``entries`` until ``expires`` (or a release)."""
 
     __slots__ = ("lease_id", "expires", "entries", "tenant", "read_tokens")
 
-    def __init__(self, lease_id: int, expires: float, entries: list[Entry], tenant: str = "") -> None:
+    def __init__(self, lease_id: int, expires: float, entries: list[E], tenant: str = "") -> None:
         self.lease_id = lease_id
         self.expires = expires
         self.entries = entries
@@ -131,14 +135,14 @@ class ArenaIndex:
         # dict (a reserved or state entry must never count as a hit).
         self._blocks: dict[str, dict[bytes, Entry]] = {}
         self._lru: list[OrderedDict[int, Entry]] = [OrderedDict() for _ in self._allocs]
-        self._leases: dict[int, Lease] = {}
+        self._leases: dict[int, Lease[Any]] = {}
         # Leases whose pins are not counted into their entries yet (see settle_pins).
-        self._uncounted: dict[int, Lease] = {}
+        self._uncounted: dict[int, Lease[Any]] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._reservations: dict[int, Reservation] = {}
         self._res_heap: list[tuple[float, int]] = []
         self._by_token: dict[int, Entry] = {}
-        self._read_tokens: dict[int, tuple[Entry, Lease]] = {}
+        self._read_tokens: dict[int, tuple[Entry, Lease[Any]]] = {}
         # Ids start at a random base: an id held across a restart (a writer between reserve and
         # commit, a matcher holding a lease) names nothing in this life.
         self._first_id = 1 + secrets.randbits(62)
@@ -364,8 +368,8 @@ class ArenaIndex:
 
     # ------------------------------------------------------------------ leases
 
-    def new_lease(self, entries: list[Entry], expires: float, tenant: str = "", lazy: bool = False,
-                  read_tokens: bool = False, pinned: bool = False) -> Lease:
+    def new_lease(self, entries: list[E], expires: float, tenant: str = "", lazy: bool = False,
+                  read_tokens: bool = False, pinned: bool = False) -> Lease[E]:
         """Pin ``entries`` until ``expires``.  ``lazy``: the pins are counted only when something
         asks (:meth:`settle_pins`) — a match pins thousands of objects and is usually released
         within milliseconds, before anything reads ``pins``.  ``pinned``: the caller already took
@@ -386,26 +390,26 @@ class ArenaIndex:
         heapq.heappush(self._lease_heap, (expires, lease.lease_id))
         return lease
 
-    def lease(self, lease_id: int) -> Lease | None:
+    def lease(self, lease_id: int) -> Lease[Any] | None:
         return self._leases.get(lease_id)
 
-    def live(self, lease: Lease) -> bool:
+    def live(self, lease: Lease[Any]) -> bool:
         return self._leases.get(lease.lease_id) is lease
 
-    def add_to_lease(self, lease: Lease, e: Entry, pins: int = 1) -> None:
+    def add_to_lease(self, lease: Lease[E], e: E, pins: int = 1) -> None:
         lease.entries.append(e)
         if lease.lease_id in self._uncounted:
             pins -= 1
         e.pins += pins
 
-    def drop_from_lease(self, lease: Lease, e: Entry) -> bool:
+    def drop_from_lease(self, lease: Lease[E], e: E) -> bool:
         """Take ``e`` out of a live lease (its pin stays with the caller); False if it was not in."""
         if not self.live(lease) or e not in lease.entries:
             return False
         lease.entries.remove(e)
         return True
 
-    def drop_lease(self, lease: Lease) -> None:
+    def drop_lease(self, lease: Lease[Any]) -> None:
         if self._leases.pop(lease.lease_id, None) is None:
             return
         if self._uncounted.pop(lease.lease_id, None) is None:

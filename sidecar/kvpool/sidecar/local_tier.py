@@ -44,7 +44,7 @@ class LocalEntry(Entry):
         self.dirty = False    # exists only here and must reach the pool (write-back, state)
 
 
-LocalLease = Lease
+LocalLease = Lease[LocalEntry]
 
 
 class LocalTier:
@@ -52,17 +52,13 @@ class LocalTier:
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  reservation_seconds: float = 30.0, socket_path: str = "", tenant: str = "") -> None:
         # ``capacity`` is a payload capacity: that much fits before eviction starts.
-        self.arena: DramTier | PersistentArena
-        self.journal: Journal | None = None
+        size = payload_arena_bytes(capacity, high_watermark)
+        self.arena: DramTier | PersistentArena = (
+            PersistentArena(size, directory, socket_path, tenant) if socket_path
+            else DramTier(size, directory, label=label, keep_path=True))
+        self.journal: Journal | None = self.arena.journal if isinstance(self.arena, PersistentArena) else None
         """With ``socket_path``: the arena is a named file with a journal, which a restarted
         sidecar adopts (:meth:`adopt`, :mod:`kvpool.sidecar.journal`)."""
-        if socket_path:
-            self.arena = PersistentArena(payload_arena_bytes(capacity, high_watermark), directory, socket_path,
-                                         tenant)
-            self.journal = self.arena.journal
-        else:
-            self.arena = DramTier(payload_arena_bytes(capacity, high_watermark), directory, label=label,
-                                  keep_path=True)
         self.capacity = self.arena.capacity
         self.high, self.low = high_watermark, low_watermark
         self.reservation_seconds = reservation_seconds
@@ -92,13 +88,14 @@ class LocalTier:
     def _sweep(self, now: float) -> None:
         _, expired = self._index.sweep(now)
         for e in expired:
+            assert isinstance(e, LocalEntry)
             self._forget(e)
             self.counters["reservations_expired"] += 1
 
     def _new_lease(self, entries: list[LocalEntry], lease_ms: int, now: float) -> LocalLease:
         # Under the lock: pinning must be atomic with the lookup that found the entries, or a
         # concurrent eviction could free (and a put reuse) an extent between the two.
-        return self._index.new_lease(entries, now + max(lease_ms, 1) / 1000.0)  # type: ignore[arg-type]
+        return self._index.new_lease(entries, now + max(lease_ms, 1) / 1000.0)
 
     def lease(self, entries: list[LocalEntry], lease_ms: int) -> LocalLease:
         """Pin those of ``entries`` that are still live (an evicted one is left out: its extent
@@ -161,25 +158,16 @@ class LocalTier:
                 ) -> tuple[list[pb.Code], list[LocalEntry | None], int]:
         """Extents for a batch: per-item codes, entries (None where not reserved), reservation id."""
         now = time.time()
-        codes = [pb.OK] * len(keys)
         entries: list[LocalEntry | None] = [None] * len(keys)
         evicted: list[tuple[LocalEntry, bytes]] = []
         idx = self._index
         with self._lock:
             self._sweep(now)
-            incoming = 0
-            rounded = self.arena.alloc.rounded
-            for i, (k, s) in enumerate(zip(keys, sizes, strict=True)):
-                old = idx.get(_PART, k, kind)
-                if s <= 0 or len(k) != 32:
-                    codes[i] = pb.INVALID
-                elif rounded(s) > self.capacity:
-                    codes[i] = pb.TOO_LARGE
-                elif old is not None:
-                    codes[i] = pb.ALREADY_EXISTS if old.state == COMMITTED else pb.IN_FLIGHT
-                    old.last_access = now
-                else:
-                    incoming += rounded(s)
+            olds = [idx.get(_PART, k, kind) for k in keys]
+            codes, incoming = _admit(keys, sizes, olds, self.arena.alloc.rounded, self.capacity)
+            for e, c in zip(olds, codes, strict=True):
+                if e is not None and c in (pb.ALREADY_EXISTS, pb.IN_FLIGHT):
+                    e.last_access = now
             need = watermark_need(self.used, incoming, self.capacity, self.high, self.low)
             if need:
                 self._evict(need, evicted, whole=False)
@@ -282,10 +270,10 @@ class LocalTier:
             now = time.time()
             for k in keys:
                 e = idx.get(_PART, k, kind)
-                if e is not None and e.state == COMMITTED and live:
+                if isinstance(e, LocalEntry) and e.state == COMMITTED and live:
                     idx.add_to_lease(lease, e)
                     idx.touch(e, now)
-                    out.append(e)  # type: ignore[arg-type]
+                    out.append(e)
                 else:
                     pending += e is not None and e.state == RESERVED
                     out.append(None)
@@ -364,13 +352,11 @@ class LocalTier:
     def _alloc_evicting(self, size: int, evicted: list[tuple[LocalEntry, bytes]]) -> int:
         """Allocate, evicting least-recently-used objects until a *contiguous* extent is free:
         freeing ``size`` bytes in total is not enough when the free space is fragmented."""
-        alloc = self.arena.alloc
         try:
-            return alloc.alloc(size)
+            return self.arena.alloc.alloc(size)
         except OutOfSpace:
-            pass
-        self._evict(alloc.rounded(size), evicted, whole=True)
-        return alloc.alloc(size)
+            self._evict(self.arena.alloc.rounded(size), evicted, whole=True)
+        return self.arena.alloc.alloc(size)
 
     def _evict(self, need: int, out: list[tuple[LocalEntry, bytes]], whole: bool) -> None:
         """Free LRU victims now until ``need`` bytes were freed (``whole``: until a free extent
@@ -458,11 +444,7 @@ class LocalTier:
                 self._new_lease(kept, grace_ms, now)
             if quarantine:
                 self._new_lease(quarantine, int(self.reservation_seconds * 1000), now)
-        counts = {"restart_adopted_objects": len(kept), "restart_adopted_bytes": sum(e.size for e in kept),
-                  "restart_dropped_checksum": torn, "restart_dropped_uncommitted": len(plan.reserved),
-                  "restart_dropped_incoherent": len(plan.incoherent),
-                  "restart_dropped_objects": torn + len(plan.reserved) + len(plan.incoherent),
-                  "restart_quarantined_bytes": sum(q.size for q in quarantine)}
+        counts = _restart_counts(kept, quarantine, torn, plan)
         self.counters.update(counts)
         return kept, counts
 
@@ -517,3 +499,30 @@ def _survivors(arena: PersistentArena, plan: AdoptionPlan
     keep[[e.offset // align for e in kept]] = True
     slots["state"][~keep] = FREE
     return kept, extents, quarantine, torn
+
+
+def _admit(keys: Sequence[bytes], sizes: Sequence[int], olds: Sequence[Entry | None],
+           rounded: Callable[[int], int], capacity: int) -> tuple[list[pb.Code], int]:
+    """Which items of a write may reserve (``olds``: the entries their keys have now): per-item
+    codes and the bytes the admitted ones need."""
+    codes = [pb.OK] * len(keys)
+    incoming = 0
+    for i, (k, s, old) in enumerate(zip(keys, sizes, olds, strict=True)):
+        if s <= 0 or len(k) != 32:
+            codes[i] = pb.INVALID
+        elif rounded(s) > capacity:
+            codes[i] = pb.TOO_LARGE
+        elif old is not None:
+            codes[i] = pb.ALREADY_EXISTS if old.state == COMMITTED else pb.IN_FLIGHT
+        else:
+            incoming += rounded(s)
+    return codes, incoming
+
+
+def _restart_counts(kept: list[LocalEntry], quarantine: list[LocalEntry], torn: int, plan: AdoptionPlan
+                    ) -> dict[str, int]:
+    return {"restart_adopted_objects": len(kept), "restart_adopted_bytes": sum(e.size for e in kept),
+            "restart_dropped_checksum": torn, "restart_dropped_uncommitted": len(plan.reserved),
+            "restart_dropped_incoherent": len(plan.incoherent),
+            "restart_dropped_objects": torn + len(plan.reserved) + len(plan.incoherent),
+            "restart_quarantined_bytes": sum(q.size for q in quarantine)}

@@ -29,6 +29,7 @@ from kvpool.arena.index import ARENA, COMMITTED, RESERVED, ArenaIndex, Lease
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.ring import Ring, stale_wrong_owner
 from kvpool.core.sizing import payload_arena_bytes
+from kvpool.store.reads import Reads, check_kind
 from kvpool.store.settings import NodeConfig as NodeConfig
 from kvpool.store.space import Space
 from kvpool.store.tenants import DEFAULT_TENANT as DEFAULT_TENANT
@@ -37,23 +38,12 @@ from kvpool.store.tenants import Tenants
 from kvpool.store.writes import Writes
 from kvpool.tiers.atrest import AtRest
 from kvpool.tiers.base import FaultDelay
-from kvpool.tiers.chain import FsView, TierChain, TieredEntry
-from kvpool.tiers.sharedfs import SharedFsHeader, SharedFsTier
+from kvpool.tiers.chain import TierChain, TieredEntry
+from kvpool.tiers.sharedfs import SharedFsTier
 from kvpool.tiers.ssd import SsdTier
 from kvpool.wire.proto import store_pb2 as pb
 
 Entry = TieredEntry
-KINDS = (pb.BLOCK, pb.STATE)
-
-
-def check_kind(kind: int) -> int:
-    if kind not in KINDS:
-        raise InvalidArgument(f"unknown object kind {kind}")
-    return kind
-
-
-Promoted = tuple[dict[int, int], list[Entry]]
-"""What a read's promotion left: id(entry) → code of the failed ones, and the entries it pinned."""
 
 
 class StoreNode:
@@ -84,6 +74,8 @@ class StoreNode:
         self.chain = TierChain(self, self._index, self._lock, levels, self.at_rest) if below else None
         self._fs = self.chain.per_key if self.chain is not None else -1
         self._space = Space(cfg, self._index, self.tenants, self.chain, self.counters, self.discard)
+        self._reads = Reads(cfg, self._lock, self._index, self.tenants, self.chain, self.at_rest, self.dram,
+                            self.counters, self._sweep)
         self._writes = Writes(cfg, self._lock, self._index, self.tenants, self._space, self.dram, self.counters,
                               self.discard, self._published, self._sweep)
 
@@ -167,92 +159,10 @@ class StoreNode:
 
     # ------------------------------------------------------------------ lookups
 
-    def _lookup(self, tenant: str, key: bytes, kind: int, fs: FsView | None = None) -> Entry | None:
-        """The committed object of ``key``, or one adopted from ``fs``: the headers of the
-        shared-fs files of unknown keys, read without the lock (:meth:`_stat_sharedfs`)."""
-        e = self._index.get(tenant, key, kind)
-        if e is not None and e.state == COMMITTED:
-            return e  # type: ignore[return-value]
-        if e is None and fs is not None and kind == pb.BLOCK:
-            hdr = fs.headers.get(key)
-            if hdr is not None:
-                return self._adopt_sharedfs(tenant, key, hdr, fs.since)
-        return None
-
-    def _stat_sharedfs(self, tenant: str, keys: list[bytes], kind: int, prefix_only: bool) -> FsView | None:
-        """Headers of the shared-fs files of those ``keys`` this node does not hold, read without
-        the lock for at most ``tier_read_seconds`` (``TierChain.stat_files``; what is not read by
-        then is a miss); with ``prefix_only`` up to the first key with no file."""
-        if self._fs < 0 or self.chain is None or kind != pb.BLOCK:
-            return None
-        with self._lock:
-            missing = self._index.unknown(tenant, keys)
-            salt = self.tenants.fs_salt(tenant) if missing else b""
-        if not missing:
-            return None
-        return self.chain.stat_files(salt, missing, prefix_only, self.cfg.tier_read_seconds)
-
-    def _adopt_sharedfs(self, tenant: str, key: bytes, hdr: SharedFsHeader, since: float) -> Entry | None:
-        """A shared-filesystem object written by any node (or a previous life) becomes known;
-        ``hdr``: its header, read off the lock from ``since``."""
-        assert self.chain is not None
-        if hdr.kind != pb.BLOCK or not self.chain.may_adopt(tenant, key, since):
-            return None  # the file of an object removed here (its unlink on its way, or done since)
-        if hdr.sealed != (self.at_rest is not None):
-            # A file in the clear is not trusted by an encrypting node (anyone with write access
-            # to the mount could have planted it); a sealed one cannot be opened without a key.
-            return None
-        if not 0 < hdr.size <= min(self.cfg.max_object_bytes, self.dram.capacity):
-            return None  # a damaged header must not make the node evict DRAM for a phantom
-        e = Entry(key, tenant, hdr.kind, "", hdr.size)
-        e.state, e.tier, e.checksum, e.on_fs = COMMITTED, self._fs, hdr.checksum, True  # sealed: 0, set on open
-        self.tenants[tenant].objects += 1
-        self._index.adopt(e)
-        return e
-
     def exists(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, prefix_only: bool = True,
-               pin: bool = False, lease_ms: int = 0) -> tuple[int, bytes, Lease | None]:
+               pin: bool = False, lease_ms: int = 0) -> tuple[int, bytes, Lease[Entry] | None]:
         """Longest present prefix and per-key presence; optionally pin the prefix."""
-        check_kind(kind)
-        fs = self._stat_sharedfs(tenant, keys, kind, prefix_only)
-        now = time.time()
-        with self._lock:
-            self._sweep(now)
-            if self._fs < 0 and kind == pb.BLOCK:
-                # Fast path: C-level map over the committed blocks; the prefix ends at the first
-                # None.  No per-key Python: matching reads metadata only and does not touch the
-                # LRU (the Get that follows a match does).
-                found = self._index.match_blocks(tenant, keys)
-                # all() tests truthiness (an Entry is always true), ~3x cheaper than index(None)'s
-                # rich comparison per item; the usual answer is "all present".
-                prefix = len(found) if all(found) else found.index(None)
-                if prefix_only:
-                    present = bytearray(b"\x01" * prefix + b"\x00" * (len(keys) - prefix))
-                else:
-                    present = bytearray(e is not None for e in found)
-                hits: list[Entry] = found[:prefix]  # type: ignore[assignment]
-            else:
-                present = bytearray(len(keys))
-                prefix = 0
-                hits = []
-                for i, k in enumerate(keys):
-                    e = self._lookup(tenant, k, kind, fs)
-                    if e is None:
-                        if prefix_only:
-                            break
-                        continue
-                    present[i] = 1
-                    if prefix == i:
-                        prefix += 1
-                    hits.append(e)
-                self._index.touch_all(hits, now)
-            self._count_lookup(len(keys), prefix)  # the matched prefix are the hits
-            lease = (self._index.new_lease(hits[:prefix], self._lease_expiry(lease_ms, now), tenant, lazy=True)  # type: ignore[arg-type]
-                     if pin and prefix else None)
-            return prefix, bytes(present), lease
-
-    def _lease_expiry(self, lease_ms: int, now: float) -> float:
-        return now + min(lease_ms or self.cfg.lease_ms_default, self.cfg.lease_ms_max) / 1000.0
+        return self._reads.exists(tenant, keys, kind, prefix_only, pin, lease_ms)
 
     def where(self, tenant: str, key: bytes, kind: int = pb.BLOCK) -> str | None:
         """Name of the tier holding ``key`` (None: not held here)."""
@@ -300,120 +210,28 @@ class StoreNode:
     # ------------------------------------------------------------------ reads
 
     def get(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-            lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None], Lease | None]:
-        """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer.
-
-        Objects below DRAM are promoted first, without the lock and for at most
-        ``tier_read_seconds`` (the rest are misses); then each is pinned.  The lease's
-        ``read_tokens`` are the transfer tokens, index-parallel to the found objects.
-        """
-        check_kind(kind)
-        promoted = self._promote_for_read(tenant, keys, kind)
-        with self._lock:
-            return self._get_locked(tenant, keys, kind, lease_ms, lease_id, promoted)
-
-    def _get_locked(self, tenant: str, keys: list[bytes], kind: int, lease_ms: int, lease_id: int,
-                    promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None], Lease | None]:
-        """:meth:`get` once its promotions are done (``promoted``); caller holds the lock."""
-        now = time.time()
-        codes, found = self._pin_found(tenant, keys, kind, lease_id, now, promoted)
-        hits: list[Entry] = [e for e in found if e is not None]
-        if not hits:
-            return codes, found, None
-        # The read's own pins (taken by _pin_found) become the lease's.
-        lease = self._index.new_lease(hits, self._lease_expiry(lease_ms, now), tenant, pinned=True,  # type: ignore[arg-type]
-                                      read_tokens=True)
-        return codes, found, lease
-
-    def _promote_for_read(self, tenant: str, keys: list[bytes], kind: int) -> Promoted:
-        """Bring a read's objects that are below DRAM up, without the lock, waiting at most
-        ``tier_read_seconds``: id(entry) → code of those that failed (``TierChain.promote``),
-        and the read's objects, pinned meanwhile (making room for one must not demote
-        another); :meth:`_pin_found` unpins them."""
-        if self.chain is None:
-            return {}, []
-        fs = self._stat_sharedfs(tenant, keys, kind, prefix_only=False)
-        with self._lock:
-            found = [e for e in (self._lookup(tenant, k, kind, fs) for k in keys) if e is not None]
-            # Pinned even when all are in DRAM: a demotion in flight would otherwise move one down
-            # before the read's own pass takes its pin (then a miss).
-            self._index.pin(found)
-            if all(e.tier == ARENA for e in found):
-                return {}, found
-        try:
-            return self.chain.promote(found, self.cfg.tier_read_seconds, self.cfg.high_watermark,
-                                      self.cfg.low_watermark), found
-        except BaseException:
-            with self._lock:
-                self._index.unpin_all(found)
-            raise
-
-    def _pin_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
-                   now: float, promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None]]:
-        """Look up and pin (``pins`` + 1) each object of a read; drop the caller's
-        ``drop_lease_id`` (a match lease the read supersedes).  An object below DRAM (its
-        promotion, :meth:`_promote_for_read`, failed or is still on its way) is a miss: no tier
-        I/O here.  Caller holds the lock."""
-        failed, held = promoted
-        self._sweep(now)
-        codes = [pb.OK] * len(keys)
-        found: list[Entry | None] = self._index.lookup(tenant, keys, kind)  # type: ignore[assignment]
-        hits = 0
-        for i, e in enumerate(found):
-            if e is None:
-                codes[i] = pb.NOT_FOUND
-            elif e.tier != ARENA:
-                codes[i] = pb.Code.ValueType(failed.get(id(e), pb.NOT_FOUND))
-                found[i] = None
-            else:
-                e.pins += 1
-                self._index.touch(e, now)
-                hits += 1
-        self._index.unpin_all(held)  # the promotion's hold: the read's own pins are taken
-        self.counters["get_blocks"] += len(keys)
-        self.counters["get_hits"] += hits
-        old = self._index.lease(drop_lease_id) if drop_lease_id else None
-        if old is not None and old.tenant == tenant:
-            self._index.drop_lease(old)
-        else:
-            # Not the read of a match made here (whose Exists counted these blocks): the read
-            # is the lookup, over gRPC and the data session alike.
-            self._count_lookup(len(keys), hits)
-        return codes, found
-
-    def _count_lookup(self, asked: int, hits: int) -> None:
-        """Count a lookup in the hit rate the node reports (``hit_blocks`` / ``lookup_blocks`` of
-        Stats, summed into the pool's ``hitRate`` by the operator).  Block-weighted: every key
-        asked counts once per request, hits are the keys found.  An Exists counts (its matched
-        prefix are the hits), and so does a read, except the read of a match's lease: the match
-        counted those blocks already, so a match-then-read counts each block once.  Lock held."""
-        self.counters["lookup_blocks"] += asked
-        self.counters["hit_blocks"] += hits
+            lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None], Lease[Entry] | None]:
+        """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer
+        (:meth:`Reads.get <kvpool.store.reads.Reads.get>`)."""
+        return self._reads.get(tenant, keys, kind, lease_ms, lease_id)
 
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
                  drop_lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None]]:
-        """:meth:`get` for a transfer that happens right now on the caller's own connection (the
-        data session): no lease and no tokens; each found object stays in flight, so neither
-        eviction nor a removal can recycle its extent, until :meth:`read_unpin`.
-
-        The lookup pin becomes an in-flight mark at once: a removal that lands while the reply
-        is still being sent succeeds (the extent is freed after the send, as an unlinked open
-        file), rather than the caller who just got its bytes seeing IN_FLIGHT for its own read."""
-        check_kind(kind)
-        promoted = self._promote_for_read(tenant, keys, kind)
-        with self._lock:
-            codes, found = self._pin_found(tenant, keys, kind, drop_lease_id, time.time(), promoted)
-            for e in found:
-                if e is not None:
-                    e.pins -= 1
-                    e.inflight += 1
-        return codes, found
+        """:meth:`get` for a transfer on the caller's own connection, until :meth:`read_unpin`."""
+        return self._reads.read_pin(tenant, keys, kind, drop_lease_id)
 
     def read_unpin(self, found: Sequence[Entry | None]) -> None:
-        with self._lock:
-            for e in found:
-                if e is not None:
-                    self._index.release_inflight(e)  # removed while it was being sent: freed now
+        self._reads.read_unpin(found)
+
+    def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
+                 lease_id: int = 0) -> tuple[list[pb.Code], list[int], list[int], list[int], list[int],
+                                             Lease[Entry] | None]:
+        """:meth:`get` as plain numbers (codes, offsets, sizes, checksums, tokens, lease)."""
+        return self._reads.get_plan(tenant, keys, kind, lease_ms, lease_id)
+
+    def get_tokens(self, lease: Lease[Entry] | None, found: Sequence[Entry | None]) -> list[int]:
+        """Transfer tokens of a :meth:`get` answer, index-parallel to ``found`` (0 for misses)."""
+        return self._reads.get_tokens(lease, found)
 
     def note_range_read(self, keys: int, served: int, nbytes: int) -> None:
         """Count a ranged read: keys asked, keys served, bytes of ranges sent (``range_bytes_sent``:
@@ -422,27 +240,6 @@ class StoreNode:
             self.counters["range_reads"] += keys
             self.counters["range_hits"] += served
             self.counters["range_bytes_sent"] += nbytes
-
-    def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-                 lease_id: int = 0) -> tuple[list[pb.Code], list[int], list[int], list[int], list[int], Lease | None]:
-        """:meth:`get` as plain numbers (codes, offsets, sizes, checksums, tokens, lease), taken
-        under the lock: a lease that expires right away must not leave a half-read answer."""
-        check_kind(kind)
-        promoted = self._promote_for_read(tenant, keys, kind)
-        with self._lock:
-            codes, found, lease = self._get_locked(tenant, keys, kind, lease_ms, lease_id, promoted)
-            tokens = self.get_tokens(lease, found)
-            offsets = [e.offset if e is not None else 0 for e in found]
-            sizes = [e.size if e is not None else 0 for e in found]
-            sums = [e.checksum if e is not None else 0 for e in found]
-        return codes, offsets, sizes, sums, tokens, lease
-
-    def get_tokens(self, lease: Lease | None, found: Sequence[Entry | None]) -> list[int]:
-        """Transfer tokens of a :meth:`get` answer, index-parallel to ``found`` (0 for misses)."""
-        if lease is None:
-            return [0] * len(found)
-        it = iter(lease.read_tokens)
-        return [next(it) if e is not None else 0 for e in found]
 
     def release(self, lease_ids: Sequence[int], tenant: str | None = None, incarnation: int = 0) -> None:
         """Drop leases of ``tenant``; ``incarnation``: the life that issued them (0: unchecked),

@@ -28,7 +28,7 @@ that call (the copy still lands for the next).
 The shared filesystem's metadata is handled the same way: the headers of unknown keys are read
 off the lock (:meth:`TierChain.stat_files`, bounded like a read) and adopted under it, and a
 removed object's file is unlinked by the background thread, FIFO with the copies; until then,
-and for a header read before the unlink, the file is not adopted (:meth:`TierChain.may_adopt`).
+and for a header read before the unlink, the file is not adopted (:meth:`FsLedger.may_adopt`).
 """
 
 from __future__ import annotations
@@ -106,14 +106,14 @@ class _Move:
     code: int = pb.OK
     started: float = field(default_factory=time.monotonic)
     guarded: bool = False
-    """A per-key destination whose object was removed meanwhile: already in ``fs_removing``."""
+    """A per-key destination whose object was removed meanwhile: already marked removing."""
     done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
 class FsView:
     """Headers of shared-fs files read off the lock (:meth:`TierChain.stat_files`), and when the
-    reading started: a file unlinked after that is not adopted (``TierChain.may_adopt``)."""
+    reading started: a file unlinked after that is not adopted (``FsLedger.may_adopt``)."""
 
     headers: dict[bytes, SharedFsHeader]
     since: float
@@ -126,6 +126,40 @@ class _Unlink:
     tenant: str
     salt: bytes
     key: bytes
+
+
+class FsLedger:
+    """Which files of the per-key level a lookup may adopt: not one whose unlink is on its way,
+    nor one unlinked after the lookup started reading its header.  Called under the owner's lock."""
+
+    def __init__(self) -> None:
+        self._removing: Counter[tuple[str, bytes]] = Counter()
+        """(tenant, key) of files whose unlink is on its way: never adopted meanwhile."""
+        self._unlinked: dict[tuple[str, bytes], float] = {}
+        """(tenant, key) → when its file was unlinked (monotonic), recent ones: a header read
+        before that is stale."""
+        self.horizon = 60.0
+        """How long an unlink is remembered (a header is used within its read's bound)."""
+
+    def removing(self, tenant: str, key: bytes) -> None:
+        self._removing[(tenant, key)] += 1
+
+    def unlinked(self, tenant: str, key: bytes) -> None:
+        k = (tenant, key)
+        self._removing[k] -= 1
+        if self._removing[k] <= 0:
+            del self._removing[k]
+        now = self._unlinked[k] = time.monotonic()
+        if len(self._unlinked) > 4096:
+            self._unlinked = {x: t for x, t in self._unlinked.items() if t >= now - self.horizon}
+
+    def may_adopt(self, tenant: str, key: bytes, since: float) -> bool:
+        """Whether a file seen by a read that started at ``since`` may be adopted."""
+        k = (tenant, key)
+        return k not in self._removing and self._unlinked.get(k, -1.0) < since
+
+    def busy(self) -> bool:
+        return bool(self._removing)
 
 
 def _read_below(tier: Any, e: TieredEntry, salt: bytes, dst: memoryview) -> SharedFsHeader | None:
@@ -169,6 +203,48 @@ def _open_up(at_rest: AtRest | None, tier: Any, e: TieredEntry, salt: bytes, dst
     return pb.OK, False, previous
 
 
+def _fits(alloc: ExtentAllocator, sizes: Sequence[int]) -> bool:
+    """Whether extents of ``sizes`` could be allocated now (a trial, undone).  Lock held."""
+    if alloc.largest_free >= sum(sizes):
+        return True
+    got: list[int] = []
+    try:
+        for size in sizes:
+            got.append(alloc.alloc(size))
+        return True
+    except OutOfSpace:
+        return False
+    finally:
+        for off in got:
+            alloc.free(off)
+
+
+def _copy_down(m: _Move, levels: Sequence[Any], at_rest: AtRest | None, stored: int, salt: bytes) -> None:
+    """Read the object, seal it when encrypting at rest, write it below.  No lock held: the
+    entry's source extent is held by the mark (``inflight`` or ``pins``)."""
+    e = m.entry
+    src: memoryview
+    if m.src == ARENA:
+        src = levels[ARENA].slice(e.offset, e.size)
+        if at_rest is not None:
+            m.gen = secrets.randbits(63)
+            src = at_rest.seal(e.tenant, e.key, e.kind, m.gen, src)
+    else:  # between levels below: a sealed copy moves as it is, under the same generation
+        m.gen = e.gen
+        src = memoryview(bytearray(stored))
+        _read_below(levels[m.src], e, b"", src)
+    dst = levels[m.dst]
+    if m.offset >= 0:
+        dst.write(m.offset, src)
+        return
+    # An object promoted from the per-key level still has its (immutable) file there.
+    if not (e.on_fs and dst.stat(salt, e.key) is not None):
+        if at_rest is None:
+            dst.write(salt, e.key, e.kind, src, e.checksum)
+        else:
+            dst.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=m.gen)
+
+
 class TierChain:
     """The move engine of one arena and the levels below it (see the module docstring).
 
@@ -190,12 +266,8 @@ class TierChain:
         self.pending_bytes = 0
         """DRAM bytes of demotions planned and not yet flipped (freed soon, if the disk allows)."""
         self._queue: deque[_Move | _Unlink] = deque()
-        self.fs_removing: Counter[tuple[str, bytes]] = Counter()
-        """(tenant, key) of shared-fs files whose unlink is on its way: never adopted meanwhile."""
-        self._unlinked: dict[tuple[str, bytes], float] = {}
-        """(tenant, key) → when its file was unlinked (monotonic), recent ones: a header read
-        before that is stale."""
-        self._horizon = 60.0
+        self.files = FsLedger()
+        """Which per-key files a lookup may adopt (under the lock)."""
         self._wake = threading.Condition(threading.Lock())
         self._promoting: dict[int, _Move] = {}
         self._demoting: dict[int, _Move] = {}
@@ -220,7 +292,7 @@ class TierChain:
     def idle(self) -> bool:
         """No demotion, move or unlink queued or in flight."""
         with self.room:
-            return not self.pending_bytes and not self._queue and not self._demoting and not self.fs_removing
+            return not self.pending_bytes and not self._queue and not self._demoting and not self.files.busy()
 
     # ------------------------------------------------------------------ demotion
 
@@ -300,7 +372,7 @@ class TierChain:
             if need:
                 self.owner.evict_dram(need, time.time())
             step = max(need, max(sizes))
-            while not self._fits(alloc, sizes):
+            while not _fits(alloc, sizes):
                 if not self.pending_bytes:
                     # Nothing on its way down (a fragmented arena): move more, geometrically.
                     used = alloc.used
@@ -315,34 +387,18 @@ class TierChain:
                     return
                 self.room.wait(left)
 
-    @staticmethod
-    def _fits(alloc: ExtentAllocator, sizes: Sequence[int]) -> bool:
-        """Whether extents of ``sizes`` could be allocated now (a trial, undone).  Lock held."""
-        if alloc.largest_free >= sum(sizes):
-            return True
-        got: list[int] = []
-        try:
-            for size in sizes:
-                got.append(alloc.alloc(size))
-            return True
-        except OutOfSpace:
-            return False
-        finally:
-            for off in got:
-                alloc.free(off)
-
     def discarding(self, e: TieredEntry) -> None:
         """``e`` is being removed: if a copy of it to the per-key level is on its way, no lookup
         may adopt that file from now on (it is unlinked once written).  Lock held."""
         m = self._demoting.get(id(e))
         if m is not None and m.dst == self.per_key and not m.guarded:
             m.guarded = True
-            self.fs_removing[(e.tenant, e.key)] += 1
+            self.files.removing(e.tenant, e.key)
 
     def remove_file(self, tenant: str, salt: bytes, key: bytes) -> None:
         """Unlink an object's shared-fs file off the lock (FIFO: before any later copy of the same
         key is written); until then no lookup adopts it.  Lock held."""
-        self.fs_removing[(tenant, key)] += 1
+        self.files.removing(tenant, key)
         self._enqueue(_Unlink(tenant, salt, key))
 
     def _unlink(self, job: _Unlink) -> None:
@@ -351,20 +407,7 @@ class TierChain:
         except OSError as exc:
             log.warning("shared-fs removal failed: %s", exc)
         with self.room:
-            k = (job.tenant, job.key)
-            self.fs_removing[k] -= 1
-            if self.fs_removing[k] <= 0:
-                del self.fs_removing[k]
-            now = self._unlinked[k] = time.monotonic()
-            if len(self._unlinked) > 4096:
-                # A header is used within its read's bound of being read: older marks are moot.
-                self._unlinked = {x: t for x, t in self._unlinked.items() if t >= now - self._horizon}
-
-    def may_adopt(self, tenant: str, key: bytes, since: float) -> bool:
-        """Whether a shared-fs file seen by a read that started at ``since`` may be adopted: not
-        when its unlink is on its way or happened since.  Lock held."""
-        k = (tenant, key)
-        return k not in self.fs_removing and self._unlinked.get(k, -1.0) < since
+            self.files.unlinked(job.tenant, job.key)
 
     def stat_files(self, salt: bytes, keys: list[bytes], prefix_only: bool, timeout: float) -> FsView:
         """Headers of the per-key level's files of ``keys`` (with ``prefix_only`` up to the first
@@ -373,7 +416,7 @@ class TierChain:
         fs = self.levels[self.per_key]
         got: list[tuple[bytes, SharedFsHeader]] = []
         since = time.monotonic()
-        self._horizon = max(60.0, 10 * timeout)
+        self.files.horizon = max(60.0, 10 * timeout)
 
         def run() -> None:
             for k in keys:
@@ -422,30 +465,9 @@ class TierChain:
                     log.error("tier chain: %s", exc)
 
     def _copy_down(self, m: _Move) -> None:
-        """Read the object, seal it when encrypting at rest, write it below.  No lock held: the
-        entry's source extent is held by the mark (``inflight`` or ``pins``)."""
-        e = m.entry
-        src: memoryview
-        if m.src == ARENA:
-            src = self.levels[ARENA].slice(e.offset, e.size)
-            if self.at_rest is not None:
-                m.gen = secrets.randbits(63)
-                src = self.at_rest.seal(e.tenant, e.key, e.kind, m.gen, src)
-        else:  # between levels below: a sealed copy moves as it is, under the same generation
-            m.gen = e.gen
-            src = memoryview(bytearray(self.stored_size(e)))
-            _read_below(self.levels[m.src], e, b"", src)
-        dst = self.levels[m.dst]
-        if m.offset >= 0:
-            dst.write(m.offset, src)
-            return
-        salt = self.owner.fs_salt(e.tenant)
-        # An object promoted from the per-key level still has its (immutable) file there.
-        if not (e.on_fs and dst.stat(salt, e.key) is not None):
-            if self.at_rest is None:
-                dst.write(salt, e.key, e.kind, src, e.checksum)
-            else:
-                dst.write(salt, e.key, e.kind, src, 0, sealed_size=e.size, generation=m.gen)
+        """The move of a mark, without the lock (:func:`_copy_down`)."""
+        salt = self.owner.fs_salt(m.entry.tenant) if m.offset < 0 else b""
+        _copy_down(m, self.levels, self.at_rest, self.stored_size(m.entry), salt)
 
     def _flip_down(self, m: _Move) -> _Unlink | None:
         """Make a finished copy the object's place (or undo it); returns a shared-fs file to
@@ -474,7 +496,7 @@ class TierChain:
                 # copy of the same key), or a lookup would bring the removed object back.
                 if gone and dst_alloc is None:
                     if not m.guarded:
-                        self.fs_removing[(e.tenant, e.key)] += 1
+                        self.files.removing(e.tenant, e.key)
                     return _Unlink(e.tenant, self.owner.fs_salt(e.tenant), e.key)
                 return None
             if m.src == ARENA and (e.pins or e.inflight):
