@@ -5,6 +5,7 @@ fault hook (a file holding the seconds each SSD I/O sleeps)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,3 +191,43 @@ def test_a_full_ssd_moves_only_what_the_new_object_needs_to_the_shared_fs(tmp_pa
         assert tiers.count("sharedfs") == 2 and tiers.count("ssd") == 2, tiers
     finally:
         n.close()
+
+
+def test_demotions_a_put_needs_hold_the_lock_only_to_mark_and_flip(node: StoreNode) -> None:
+    """A put that needs room plans the demotions of many objects (as many as the watermark
+    needs): their disk writes run off the index lock.  While one of them is blocked in the
+    disk (deterministically, not a sleep), DRAM hits, matches, stats and other writes all
+    complete, and the put itself returns within its wait bound."""
+    vals = {bytes([i]) * 32: bytes([i]) * (128 * KiB) for i in range(7)}  # the arena holds about 7
+    for k, v in vals.items():
+        _put(node, k, v)
+    ssd = node.tier("ssd")
+    entered, release = threading.Event(), threading.Event()
+    write = ssd.write
+
+    def blocked_write(offset: int, src: memoryview) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the disk"
+        write(offset, src)
+
+    ssd.write = blocked_write
+    node.cfg.demote_wait_seconds = 0.2
+    try:
+        t0 = time.monotonic()
+        codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], "chatbot", pb.BLOCK)
+        assert time.monotonic() - t0 < 3.0  # its wait bound (0.2 s), not the blocked disk
+        assert entered.wait(10), "no demotion reached the disk"
+        assert node.counters["demoted"] == 0  # the copy is stuck in the disk: nothing flipped yet
+        for k, v in vals.items():  # every object, those being demoted too, is a DRAM hit
+            t0 = time.monotonic()
+            assert _read(node, k) == v
+            assert time.monotonic() - t0 < 1.0
+        assert node.exists(T, list(vals))[0] == len(vals)
+        assert node.stats()["node_id"] == "d"
+        if rid:
+            node.put_revoke(T, rid)
+        assert set(codes) <= {pb.OK, pb.NO_SPACE}
+    finally:
+        release.set()
+    _settled(node)
+    assert all(_read(node, k) == v for k, v in vals.items())

@@ -175,6 +175,13 @@ class ArenaIndex:
         part = self._parts.get(tenant)
         return part.get(index_key(key, kind)) if part is not None else None
 
+    def get_many(self, tenant: str, keys: Sequence[bytes], kind: int) -> list[Entry | None]:
+        """:meth:`get` of each of ``keys`` (one C-level map for blocks)."""
+        part = self._parts.get(tenant, {})
+        if kind == BLOCK:
+            return list(map(part.get, keys))
+        return [part.get(k + b"\x01") for k in keys]
+
     def committed(self, tenant: str, key: bytes, kind: int) -> Entry | None:
         e = self.get(tenant, key, kind)
         return e if e is not None and e.state == COMMITTED else None
@@ -216,14 +223,24 @@ class ArenaIndex:
         return len(self._lru[level])
 
     def touch(self, e: Entry, now: float) -> None:
+        """``e`` was used at ``now``: the most recently used of its level."""
         e.last_access = now
-        lru = self._lru[e.tier]
-        if id(e) in lru:
-            lru.move_to_end(id(e))
+        try:
+            self._lru[e.tier].move_to_end(id(e))
+        except KeyError:
+            pass  # a level without an LRU (a per-key file)
 
-    def touch_all(self, entries: Iterable[Entry], now: float) -> None:
+    def touch_all(self, entries: Iterable[Entry | None], now: float) -> None:
+        """:meth:`touch` each of ``entries`` (None: skipped)."""
+        lrus = self._lru
         for e in entries:
-            self.touch(e, now)
+            if e is None:
+                continue
+            e.last_access = now
+            try:
+                lrus[e.tier].move_to_end(id(e))
+            except KeyError:
+                pass
 
     # ------------------------------------------------------------------ writes
 
@@ -309,7 +326,7 @@ class ArenaIndex:
     def release_inflight(self, e: Entry) -> None:
         """A transfer or copy of ``e`` ended; a dead entry's extent goes with its last holder."""
         e.inflight -= 1
-        if e.inflight == 0:
+        if e.inflight == 0 and e.state == DEAD:
             self._free_if_unheld(e)
 
     def pin(self, entries: Iterable[Entry]) -> None:
@@ -318,12 +335,14 @@ class ArenaIndex:
 
     def unpin(self, e: Entry, n: int = 1) -> None:
         e.pins -= n
-        if e.pins == 0:
+        if e.pins == 0 and e.state == DEAD:
             self._free_if_unheld(e)
 
     def unpin_all(self, entries: Iterable[Entry]) -> None:
         for e in entries:
-            self.unpin(e)
+            e.pins -= 1
+            if e.pins == 0 and e.state == DEAD:
+                self._free_if_unheld(e)
 
     # ------------------------------------------------------------------ tokens
 

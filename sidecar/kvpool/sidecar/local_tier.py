@@ -163,7 +163,7 @@ class LocalTier:
         idx = self._index
         with self._lock:
             self._sweep(now)
-            olds = [idx.get(_PART, k, kind) for k in keys]
+            olds = idx.get_many(_PART, keys, kind)
             codes, incoming = _admit(keys, sizes, olds, self.arena.alloc.rounded, self.capacity)
             for e, c in zip(olds, codes, strict=True):
                 if e is not None and c in (pb.ALREADY_EXISTS, pb.IN_FLIGHT):

@@ -206,8 +206,8 @@ class Reads:
                 found[i] = None
             else:
                 e.pins += 1
-                self._index.touch(e, now)
                 hits += 1
+        self._index.touch_all(found, now)
         self._index.unpin_all(held)  # the promotion's hold: the read's own pins are taken
         self.counters["get_blocks"] += len(keys)
         self.counters["get_hits"] += hits

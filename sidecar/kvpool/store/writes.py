@@ -69,8 +69,8 @@ class Writes:
                 self.counters["refused_wrong_owner"] += int(foreign.sum())
             t = self.tenants[tenant]
             seen: set[bytes] = set()
-            for i, (k, size) in enumerate(zip(keys, sizes, strict=True)):
-                old = self.index.get(tenant, k, kind)
+            olds = self.index.get_many(tenant, keys, kind)
+            for i, (k, size, old) in enumerate(zip(keys, sizes, olds, strict=True)):
                 if foreign is not None and foreign[i]:
                     codes[i] = pb.WRONG_OWNER  # even when held here: its owner is where readers look
                 elif size <= 0 or len(k) != 32:
@@ -132,8 +132,8 @@ class Writes:
         with self._lock:
             cap = min(self.cfg.max_object_bytes, self.dram.capacity)
             rounded = self.dram.alloc.rounded
-            sizes_new = [rounded(s) for k, s in zip(keys, sizes, strict=True)
-                         if 0 < s <= cap and self.index.get(tenant, k, kind) is None]
+            olds = self.index.get_many(tenant, keys, kind)
+            sizes_new = [rounded(s) for s, old in zip(sizes, olds, strict=True) if 0 < s <= cap and old is None]
         if sizes_new:
             chain.make_room(sizes_new, time.monotonic() + self.cfg.demote_wait_seconds,
                             self.cfg.high_watermark, self.cfg.low_watermark)
