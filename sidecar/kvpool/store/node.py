@@ -47,6 +47,9 @@ Entry = TieredEntry
 
 
 class StoreNode:
+    """One shard of the pool (see the module docstring): the public API of the store, whose
+    parts share one index lock that only this composition creates."""
+
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.node_id = cfg.node_id
