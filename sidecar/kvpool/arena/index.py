@@ -121,6 +121,10 @@ class Reservation:
         self.expires = expires
 
 
+_NOTHING: list[Entry] = []
+"""What :meth:`ArenaIndex.sweep` hands back when nothing expired (never appended to)."""
+
+
 class ArenaIndex:
     """Entries, leases, reservations, LRU and tokens of one arena (and its levels below).
 
@@ -223,31 +227,33 @@ class ArenaIndex:
         return len(self._lru[level])
 
     def touch(self, e: Entry, now: float) -> None:
-        """``e`` was used at ``now``: the most recently used of its level."""
+        """``e`` was used at ``now``: in the arena, its most recently used object (the levels
+        below keep the order objects arrived in)."""
         e.last_access = now
-        try:
-            self._lru[e.tier].move_to_end(id(e))
-        except KeyError:
-            pass  # a level without an LRU (a per-key file)
+        if e.tier == ARENA:
+            self._lru[ARENA].move_to_end(id(e))
 
-    def touch_all(self, entries: Iterable[Entry | None], now: float) -> None:
-        """:meth:`touch` each of ``entries`` (None: skipped)."""
-        lrus = self._lru
+    def touch_all(self, entries: Iterable[Entry], now: float, level: int = -1) -> None:
+        """:meth:`touch` each of ``entries``; ``level``: ARENA when they are all there (the usual
+        batch of hits: one LRU for the whole loop)."""
+        if level == ARENA:
+            move = self._lru[ARENA].move_to_end
+            for e in entries:
+                e.last_access = now
+                move(id(e))
+            return
         for e in entries:
-            if e is None:
-                continue
-            e.last_access = now
-            try:
-                lrus[e.tier].move_to_end(id(e))
-            except KeyError:
-                pass
+            self.touch(e, now)
 
     # ------------------------------------------------------------------ writes
 
     def reserve(self, e: Entry, tenant_part: str | None = None) -> None:
         """Index a new RESERVED entry (the caller checked there is none for its key)."""
-        part = self._parts.setdefault(e.tenant if tenant_part is None else tenant_part, {})
-        part[index_key(e.key, e.kind)] = e
+        tid = e.tenant if tenant_part is None else tenant_part
+        part = self._parts.get(tid)
+        if part is None:
+            part = self._parts[tid] = {}
+        part[e.key if e.kind == BLOCK else e.key + b"\x01"] = e
         if e.token:
             self._by_token[e.token] = e
 
@@ -269,7 +275,10 @@ class ArenaIndex:
         e.state = COMMITTED
         e.last_access = now
         if e.kind == BLOCK:
-            self._blocks.setdefault(e.tenant, {})[e.key] = e
+            blocks = self._blocks.get(e.tenant)
+            if blocks is None:
+                blocks = self._blocks[e.tenant] = {}
+            blocks[e.key] = e
         self._lru[e.tier][id(e)] = e
 
     def adopt(self, e: Entry) -> None:
@@ -285,7 +294,7 @@ class ArenaIndex:
         """Forget an object everywhere and free its extent unless a holder keeps it (then the
         last holder frees it: :meth:`release_inflight`, :meth:`unpin`)."""
         part = self._parts.get(e.tenant)
-        ik = index_key(e.key, e.kind)
+        ik = e.key if e.kind == BLOCK else e.key + b"\x01"
         if part is not None and part.get(ik) is e:
             del part[ik]
         blocks = self._blocks.get(e.tenant)
@@ -296,7 +305,8 @@ class ArenaIndex:
             self._by_token.pop(e.token, None)
             e.token = 0
         e.state = DEAD
-        self._free_if_unheld(e)
+        if not e.inflight and not (self._pins_hold and e.pins):
+            self._free_if_unheld(e)
 
     def _free_if_unheld(self, e: Entry) -> None:
         if e.state != DEAD or e.offset < 0 or e.inflight or (self._pins_hold and e.pins):
@@ -432,8 +442,7 @@ class ArenaIndex:
         if self._leases.pop(lease.lease_id, None) is None:
             return
         if self._uncounted.pop(lease.lease_id, None) is None:
-            for e in lease.entries:
-                self.unpin(e)
+            self.unpin_all(lease.entries)
         for t in lease.read_tokens:
             self._read_tokens.pop(t, None)
         # lease.read_tokens stays as it is: a reply may still be assembled from it (outside the
@@ -462,6 +471,9 @@ class ArenaIndex:
         """Drop the leases that expired; close the reservations that did.  Returns the number of
         leases dropped and the still-RESERVED entries of the expired reservations, for the owner
         to forget (with its own accounting).  Cheap: heaps ordered by expiry."""
+        lh, rh = self._lease_heap, self._res_heap
+        if (not lh or lh[0][0] > now) and (not rh or rh[0][0] > now):
+            return 0, _NOTHING  # the usual call: nothing expired
         dropped = 0
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, lid = heapq.heappop(self._lease_heap)

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from kvpool.arena.allocator import OutOfSpace
 from kvpool.arena.dram import DramTier
 from kvpool.arena.eviction import watermark_need
-from kvpool.arena.index import COMMITTED, DEAD, RESERVED, ArenaIndex, Entry, Lease
+from kvpool.arena.index import ARENA, COMMITTED, DEAD, RESERVED, ArenaIndex, Entry, Lease
 from kvpool.core.checksum import checksum
 from kvpool.core.sizing import payload_arena_bytes
 from kvpool.sidecar.journal import FLAG_DIRTY, FLAG_POOLED, FREE, AdoptionPlan, Journal, PersistentArena
@@ -135,7 +135,7 @@ class LocalTier:
             n = len(found) if all(found) else found.index(None)  # all(): see StoreNode.exists
             hits: list[LocalEntry] = found[:n]  # type: ignore[assignment]
             now = time.time()
-            self._index.touch_all(hits, now)
+            self._index.touch_all(hits, now, ARENA)
             lease = self._new_lease(hits, lease_ms, now) if lease_ms and hits else None
             return n, lease
 
@@ -148,7 +148,7 @@ class LocalTier:
             self._sweep(now)
             out: list[LocalEntry | None] = self._index.lookup(_PART, keys, kind)  # type: ignore[assignment]
             hits = [e for e in out if e is not None]
-            self._index.touch_all(hits, now)
+            self._index.touch_all(hits, now, ARENA)
             lease = self._new_lease(hits, lease_ms, now) if lease_ms else None
             return out, lease
 
@@ -172,10 +172,11 @@ class LocalTier:
             if need:
                 self._evict(need, evicted, whole=False)
             expires = now + self.reservation_seconds
+            seen: set[bytes] = set()
             for i, (k, s) in enumerate(zip(keys, sizes, strict=True)):
                 if codes[i] != pb.OK:
                     continue
-                if idx.get(_PART, k, kind) is not None:  # duplicate inside the batch
+                if k in seen:  # duplicate inside the batch
                     codes[i] = pb.INVALID
                     continue
                 try:
@@ -188,11 +189,11 @@ class LocalTier:
                 e.expires = expires
                 idx.reserve(e)
                 entries[i] = e
+                seen.add(k)
             if self.journal is not None:
                 self.journal.reserved([e for e in entries if e is not None])
-            rid = 0
-            if any(e is not None for e in entries):
-                rid = idx.open_reservation(_PART, entries, expires)  # type: ignore[arg-type]
+            rid = (idx.open_reservation(_PART, entries, expires)  # type: ignore[arg-type]
+                   if any(e is not None for e in entries) else 0)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         return codes, entries, rid

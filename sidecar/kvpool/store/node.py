@@ -155,7 +155,8 @@ class StoreNode:
     def _sweep(self, now: float) -> None:
         """Drop expired leases and reservations.  Lock held."""
         dropped, expired = self._index.sweep(now)
-        self.counters["leases_expired"] += dropped
+        if dropped:
+            self.counters["leases_expired"] += dropped
         for e in expired:
             self.discard(e)  # type: ignore[arg-type]
             self.counters["reservations_expired"] += 1

@@ -197,7 +197,7 @@ class Reads:
         self._sweep(now)
         codes = [pb.OK] * len(keys)
         found: list[Entry | None] = self._index.lookup(tenant, keys, kind)  # type: ignore[assignment]
-        hits = 0
+        hit: list[Entry] = []
         for i, e in enumerate(found):
             if e is None:
                 codes[i] = pb.NOT_FOUND
@@ -206,8 +206,9 @@ class Reads:
                 found[i] = None
             else:
                 e.pins += 1
-                hits += 1
-        self._index.touch_all(found, now)
+                hit.append(e)
+        self._index.touch_all(hit, now, ARENA)
+        hits = len(hit)
         self._index.unpin_all(held)  # the promotion's hold: the read's own pins are taken
         self.counters["get_blocks"] += len(keys)
         self.counters["get_hits"] += hits
