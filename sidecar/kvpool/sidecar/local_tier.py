@@ -86,10 +86,8 @@ class LocalTier:
     # -- leases -------------------------------------------------------------------------------
 
     def _sweep(self, now: float) -> None:
-        _, expired = self._index.sweep(now)
-        for e in expired:
-            assert isinstance(e, LocalEntry)
-            self._forget(e)
+        for e in self._index.sweep(now)[1]:
+            self._forget(e)  # type: ignore[arg-type]
             self.counters["reservations_expired"] += 1
 
     def _new_lease(self, entries: list[LocalEntry], lease_ms: int, now: float) -> LocalLease:
