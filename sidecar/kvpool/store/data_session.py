@@ -19,6 +19,7 @@ import numpy as np
 
 from kvpool.core import errors, ranges
 from kvpool.core.checksum import checksum
+from kvpool.core.errors import Code
 from kvpool.core.keys import unpack_keys
 from kvpool.core.put_order import PutOrder
 from kvpool.store.node import Entry, StoreNode
@@ -128,11 +129,12 @@ class DataSessionHandler:
         """Only the asked byte ranges of each object, straight from the arena; each range hashed
         as it is queued (the client verifies it), the objects held in flight for the send."""
         node = self.node
-        codes, found = node.read_pin(tenant, keys, req.kind, req.lease_id)
+        pinned, found = node.read_pin(tenant, keys, req.kind, req.lease_id)
         try:
             n = len(keys)
             sizes = [e.size if e is not None else 0 for e in found]
-            codes = ranges.plan(codes, sizes, per_key, node.cfg.max_ranges_per_key, node.cfg.max_range_bytes)
+            codes = ranges.plan([Code(c) for c in pinned], sizes, per_key, node.cfg.max_ranges_per_key,
+                                node.cfg.max_range_bytes)
             sums = np.zeros(sum(len(p) for p in per_key), np.uint64)
             views: list[memoryview] = []
             arena = node.dram
@@ -140,10 +142,10 @@ class DataSessionHandler:
             sent = 0
             for i, e in enumerate(found):
                 pairs = per_key[i]
-                if e is not None and codes[i] == pb.OK:
+                if e is not None and codes[i] == Code.OK:
                     whole = arena.slice(e.offset, e.size)
                     if req.flags & dp.FLAG_VERIFY_OBJECT and checksum(whole) != e.checksum:
-                        codes[i] = pb.CHECKSUM
+                        codes[i] = Code.CHECKSUM
                     else:
                         for j, (off, ln) in enumerate(pairs.tolist()):
                             v = whole[off:off + ln]
@@ -154,7 +156,7 @@ class DataSessionHandler:
                 at += len(pairs)
             head = dp.encode_response(dp.OP_GET_RANGES, req.request_id, n, epoch=node.ring.epoch, payload_len=sent)
             # Counted before the first byte leaves: a client that has its bytes sees the count.
-            node.note_range_read(n, sum(1 for c in codes if c == pb.OK), sent)
+            node.note_range_read(n, sum(1 for c in codes if c == Code.OK), sent)
             stream.send([head, dp.encode_range_table(codes, sizes, sums), *views])
         finally:
             node.read_unpin(found)
