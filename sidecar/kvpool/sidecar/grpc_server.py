@@ -1,10 +1,12 @@
-"""The sidecar's gRPC front end: protobuf in, calls of the sidecar's parts, protobuf out.
+"""The sidecar's gRPC front end, for the client's cold calls: protobuf in, calls of the sidecar's
+parts, protobuf out.
 
 Every method checks the request's shape (a malformed one is refused with INVALID_ARGUMENT),
 calls :class:`~kvpool.sidecar.reads.Reads`, :class:`~kvpool.sidecar.puts.Puts` or the
-:class:`~kvpool.sidecar.handoff.HandoffService`, and builds the reply; the fast session
-(:mod:`kvpool.sidecar.session_server`) calls the same methods.  :class:`IncarnationCheck`
-refuses a call that names another life of the sidecar before it runs.
+:class:`~kvpool.sidecar.handoff.HandoffService`, and builds the reply.  The hot calls (match,
+read, write, release) have no gRPC form: the fast session (:mod:`kvpool.sidecar.session_server`)
+serves them.  :class:`IncarnationCheck` refuses a call that names another life of the sidecar
+before it runs.
 """
 
 from __future__ import annotations
@@ -71,18 +73,6 @@ class SidecarServicer(spbg.SidecarServicer):
         prefix, n_local, lease_id = self.reads.match_keys(arr, self.cfg.lease(request.lease_ms), request.local_only)
         return spb.MatchReply(prefix=prefix, local_prefix=n_local, lease_id=lease_id)
 
-    def Release(self, request: spb.LeaseRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.reads.release_leases(list(request.lease_ids))
-        return pb.Empty()
-
-    def Read(self, request: spb.ReadRequest, context: grpc.ServicerContext) -> spb.ReadReply:
-        keys, arr = _keys(request.keys, context)
-        kind = _kind(request.kind, context)
-        r = self.reads.read_keys(keys, arr, kind, self.cfg.lease(request.lease_ms), request.lease_id)
-        return spb.ReadReply(codes=r.codes, offsets=r.offsets, sizes=r.sizes, checksums=r.checksums,
-                             lease_id=r.lease_id, lease_expires_unix_ms=r.lease_expires_unix_ms,
-                             local_hits=r.local_hits, pool_hits=r.pool_hits)
-
     def ReadRanges(self, request: spb.ReadRangesRequest, context: grpc.ServicerContext) -> spb.ReadRangesReply:
         """Byte ranges of objects (:meth:`Reads.read_ranges`)."""
         if request.release_lease_ids:  # the client's copies out of them are done
@@ -101,27 +91,7 @@ class SidecarServicer(spbg.SidecarServicer):
                                    lease_expires_unix_ms=r.lease_expires_unix_ms, local_hits=r.local_hits,
                                    pool_hits=r.pool_hits, pool_bytes=r.pool_bytes)
 
-    # -- writes -------------------------------------------------------------------------------
-
-    def WriteStart(self, request: spb.WriteStartRequest, context: grpc.ServicerContext) -> spb.WriteStartReply:
-        keys, _ = _keys(request.keys, context)
-        if len(request.sizes) != len(keys):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys but {len(request.sizes)} sizes")
-        _kind(request.kind, context)
-        codes, entries, rid = self.puts.write_start(keys, list(request.sizes), request.kind, request.traffic_class)
-        return spb.WriteStartReply(codes=codes, offsets=[e.offset if e else 0 for e in entries], reservation_id=rid)
-
-    def WriteCommit(self, request: spb.WriteCommitRequest, context: grpc.ServicerContext) -> pb.CodesReply:
-        try:
-            return pb.CodesReply(codes=self.puts.write_commit(request.reservation_id, list(request.checksums),
-                                                              request.pool_wait_ms))
-        except errors.InvalidArgument as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # not reached: abort raises
-
-    def WriteRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.puts.revoke(request.reservation_id)
-        return pb.Empty()
+    # -- writes ---------------------------------------------------------------------------------
 
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.CodesReply:
         keys, _ = _keys(request.keys, context)

@@ -142,12 +142,6 @@ class Puts:
         self.counters["pool_writes"] += ok
         return codes
 
-    def revoke(self, reservation_id: int) -> None:
-        """Give a reservation's extents back (the client's copy failed or it gave up)."""
-        self.local.revoke(reservation_id)
-        with self._lock:
-            self._spilling.pop(reservation_id, None)
-
     def remove(self, keys: list[bytes], kind: int) -> list[pb.Code]:
         """Drop objects from the local tier (the pool keeps its copies): per-item codes."""
         return self.local.remove(keys, kind)

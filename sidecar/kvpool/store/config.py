@@ -88,10 +88,6 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
     if not isinstance(res, int | float) or res <= 0:
         raise ConfigError(f"reservationSeconds must be a positive number, got {res!r}")
     cfg.reservation_seconds = float(res)
-    session = doc.get("dataSession", True)
-    if not isinstance(session, bool):
-        raise ConfigError(f"dataSession must be true or false, got {session!r}")
-    cfg.data_session = session
     cfg.max_range_bytes = _bytes(doc, "maxRangeBytes", cfg.max_range_bytes)
     per_key = doc.get("maxRangesPerKey", cfg.max_ranges_per_key)
     if cfg.max_range_bytes <= 0 or not isinstance(per_key, int) or isinstance(per_key, bool) or per_key <= 0:

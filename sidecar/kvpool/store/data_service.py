@@ -4,8 +4,8 @@ protobuf out.
 The tenant comes from the token in the call's metadata, never from the message; an unknown or
 missing token is UNAUTHENTICATED (the admin token names no tenant either).  ``Health`` and
 ``GetRing`` are open (probes, a sidecar catching up with the ring); ``Stats`` shows a tenant its own
-usage and the admin (the operator) every tenant's.  Hot reads and writes normally go over the data
-session (:mod:`.data_session`); these are their gRPC form.
+usage and the admin (the operator) every tenant's.  These are the cold calls only: exists, reads and
+writes have no gRPC form, they go over the data session (:mod:`.data_session`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def _keys(blob: bytes) -> list[bytes]:
 
 
 class StoreDataService(pbg.StoreDataServicer):
-    def __init__(self, node: StoreNode, location: pb.Location, admin_token: str = "") -> None:
+    def __init__(self, node: StoreNode, transfer_address: str, admin_token: str = "") -> None:
         self.node = node
-        self.location = location
-        """Where the node's DRAM arena is reached (its transfer address, its shared-memory file)."""
+        self.transfer_address = transfer_address
+        """Where the node's data session is served (its Health says so)."""
         self.admin_token = admin_token
 
     def _tenant(self, context: grpc.ServicerContext) -> str:
@@ -43,53 +43,6 @@ class StoreDataService(pbg.StoreDataServicer):
         if tid is None:
             grpc_status.abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or missing tenant token")
         return tid
-
-    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext) -> pb.ExistsReply:
-        tenant = self._tenant(context)
-
-        def run() -> pb.ExistsReply:
-            prefix, present, lease = self.node.exists(
-                tenant, _keys(request.keys), request.kind, request.prefix_only, request.pin, request.lease_ms)
-            return pb.ExistsReply(prefix=prefix, present=present, lease_id=lease.lease_id if lease else 0,
-                                  lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
-                                  epoch=self.node.ring.epoch, incarnation=self.node.incarnation)
-        return grpc_status.answer(context, run)
-
-    def PutStart(self, request: pb.PutStartRequest, context: grpc.ServicerContext) -> pb.PutStartReply:
-        tenant = self._tenant(context)
-
-        def run() -> pb.PutStartReply:
-            codes, offsets, tokens, rid = self.node.put_start(
-                tenant, _keys(request.keys), list(request.sizes), request.traffic_class or "chatbot",
-                request.kind, request.timeout_ms, request.epoch)
-            return pb.PutStartReply(codes=codes, offsets=offsets, tokens=tokens, reservation_id=rid,
-                                    location=self.location, epoch=self.node.ring.epoch,
-                                    incarnation=self.node.incarnation)
-        return grpc_status.answer(context, run)
-
-    def PutCommit(self, request: pb.PutCommitRequest, context: grpc.ServicerContext) -> pb.PutCommitReply:
-        tenant = self._tenant(context)
-        return grpc_status.answer(context, lambda: pb.PutCommitReply(codes=self.node.put_commit(
-            tenant, request.reservation_id, list(request.checksums), request.revoke, request.incarnation)))
-
-    def PutRevoke(self, request: pb.PutRevokeRequest, context: grpc.ServicerContext) -> pb.Empty:
-        tenant = self._tenant(context)
-        self.node.put_revoke(tenant, request.reservation_id)
-        return pb.Empty()
-
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetReply:
-        tenant = self._tenant(context)
-
-        def run() -> pb.GetReply:
-            # Tokens are lease-scoped: they die with the lease.
-            codes, offsets, sizes, sums, tokens, lease = self.node.get_plan(
-                tenant, _keys(request.keys), request.kind, request.lease_ms, request.lease_id)
-            return pb.GetReply(codes=codes, offsets=offsets, sizes=sizes, checksums=sums, tokens=tokens,
-                               lease_id=lease.lease_id if lease else 0,
-                               lease_expires_unix_ms=int(lease.expires * 1000) if lease else 0,
-                               location=self.location, epoch=self.node.ring.epoch,
-                               incarnation=self.node.incarnation)
-        return grpc_status.answer(context, run)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.Empty:
         tenant = self._tenant(context)
@@ -104,7 +57,7 @@ class StoreDataService(pbg.StoreDataServicer):
 
     def Health(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.HealthReply:
         return pb.HealthReply(ok=True, node_id=self.node.node_id, epoch=self.node.ring.epoch,
-                              transfer_address=self.location.transfer_address, incarnation=self.node.incarnation)
+                              transfer_address=self.transfer_address, incarnation=self.node.incarnation)
 
     def GetRing(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Ring:
         return ring_to_pb(self.node.ring)

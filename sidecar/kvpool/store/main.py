@@ -1,11 +1,11 @@
-"""A store node's process (`kvpool store`): the node, its gRPC services and its transfer server.
+"""A store node's process (`kvpool store`): the node, its gRPC services and its data session.
 
 :func:`start_store` assembles them: the :class:`StoreNode`; the ``StoreData`` and ``StoreAdmin``
 services (:mod:`.data_service`, :mod:`.admin_service`) on one gRPC port, the admin one behind its
-credential check; the DRAM arena served to peers by a :class:`~kvpool.transfer.TransferServer`
-with the node as its guard, whose port also serves the one-round-trip data session
-(:mod:`.data_session`).  :func:`serve_forever` runs it until SIGTERM, with the housekeeping
-(expiry sweep, master-key reload).
+credential check; the one-round-trip data session (:mod:`.data_session`), the node's only wire for
+bytes, served on the transfer port by a :class:`~kvpool.transfer.TransferServer` that exposes no
+segment (no peer reaches the DRAM arena by offset).  :func:`serve_forever` runs it until SIGTERM,
+with the housekeeping (expiry sweep, master-key reload).
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ from kvpool.store.admin_service import AdminGate, StoreAdminService
 from kvpool.store.data_service import StoreDataService
 from kvpool.store.data_session import DataSessionHandler
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
-from kvpool.transfer import Segment, SegmentRegistry, TransferServer
-from kvpool.wire.proto import store_pb2 as pb
+from kvpool.transfer import SegmentRegistry, TransferServer
 from kvpool.wire.proto import store_pb2_grpc as pbg
 
 log = logging.getLogger("kvpool.store")
-
-SEGMENT_NAME = "dram"
 
 
 @dataclass
@@ -55,19 +52,16 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     if cfg.events is not None:
         from kvpool.wire.kv_events import MEDIUM_POOL, EventPublisher
         node.events = EventPublisher(cfg.events, MEDIUM_POOL, node.events_snapshot)
-    registry = SegmentRegistry()
-    registry.register(Segment(SEGMENT_NAME, node.dram.view), guard=_Guard(node))
     tport = transfer_port if transfer_port is not None else (int(port_s) + 1 if int(port_s) else 0)
-    sessions = {DataSessionHandler.magic: DataSessionHandler(node)} if cfg.data_session else None
-    transfer = TransferServer(registry, host=host, port=tport, sessions=sessions)
+    transfer = TransferServer(SegmentRegistry(), host=host, port=tport,
+                              sessions={DataSessionHandler.magic: DataSessionHandler(node)})
     transfer.start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
                          interceptors=[AdminGate(admin_token)],
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.so_reuseport", 0)])
-    location = pb.Location(segment=SEGMENT_NAME, transfer_address=transfer.address, shm_path=node.dram.path)
-    pbg.add_StoreDataServicer_to_server(StoreDataService(node, location, admin_token), server)
+    pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token), server)
     pbg.add_StoreAdminServicer_to_server(StoreAdminService(node), server)
     bound = server.add_insecure_port(f"{host}:{port_s}")
     if bound == 0:
@@ -76,19 +70,6 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
         raise OSError(f"cannot listen on {listen}")
     server.start()
     return RunningStore(node, server, transfer, f"{host}:{bound}", transfer.address)
-
-
-class _Guard:
-    """Adapts the node to the transfer server's guard protocol."""
-
-    def __init__(self, node: StoreNode) -> None:
-        self.node = node
-
-    def acquire(self, op: str, offset: int, length: int, token: int) -> object | None:
-        return self.node.acquire(op, offset, length, token)
-
-    def release(self, handle: object) -> None:
-        self.node.release_guard(handle)  # type: ignore[arg-type]
 
 
 def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin_token: str,

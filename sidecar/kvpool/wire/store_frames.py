@@ -2,10 +2,9 @@
 
 A data session is a TCP connection to a store node's transfer port whose first bytes are the
 request magic below (the transfer server hands such connections to the node's session handler,
-:mod:`kvpool.store.data_session`).  It carries the hot calls that the gRPC API needs two or
-three unary calls for (Get → transfer read → Release; PutStart → transfer write → PutCommit):
-the one data wire of the sidecar ↔ store hop; gRPC stays for the cold and admin calls.  Nothing here does I/O, so every
-frame is unit-tested without sockets.  All integers are little-endian.
+:mod:`kvpool.store.data_session`).  It carries the hot calls, each in one round trip: the one
+data wire of the sidecar ↔ store hop; gRPC stays for the cold and admin calls.  Nothing here does
+I/O, so every frame is unit-tested without sockets.  All integers are little-endian.
 
 Request header (40 bytes), then ``token_len`` bytes of tenant token (UTF-8), ``class_len`` bytes
 of traffic class (PUT only), ``count`` × 32 key bytes, and for PUT ``count`` × u64 sizes::

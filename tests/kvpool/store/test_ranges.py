@@ -32,7 +32,6 @@ def nodes(module_stores: Any) -> Any:
         "open": {"dram": "40MiB"},
         "limited": {"dram": "8MiB", "config": {"maxRangesPerKey": 8, "maxRangeBytes": 1 * MiB}},
         "tenants": {"dram": "8MiB", "tenants": TENANTS, "closed": True},
-        "legacy": {"dram": "8MiB", "config": {"dataSession": False}},
     })
 
 
@@ -273,11 +272,3 @@ def test_a_removal_during_the_send_succeeds_and_the_ranges_stay_whole(nodes: Any
         raw.close()
     h.wait_for(lambda: h.stats_tier(c.stats(), "dram").used_bytes == used0, what="the extent to be freed")
 
-
-def test_a_node_without_the_session_serves_no_ranges(nodes: Any, h: Any, rng: random.Random) -> None:
-    """The data session is the one data path: a node without it cannot be read (Unavailable), and
-    nothing is fetched some other way."""
-    c = nodes["legacy"].client()
-    [key] = h.rand_keys(rng, 1)
-    with pytest.raises(errors.Unavailable):
-        c.get_ranges(key, [(0, 1)])

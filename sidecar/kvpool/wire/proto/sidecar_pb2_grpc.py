@@ -27,7 +27,10 @@ if _version_not_supported:
 
 
 class SidecarStub(object):
-    """Missing associated documentation comment in .proto file."""
+    """The client's cold calls.  Its hot calls (match, read, write, release) have no gRPC form: they go
+    over the fast session (kvpool/wire/sidecar_frames.py).  Match is here for its
+    per-key form (the state probe of Client.has_states), which the session has no frame for.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -44,31 +47,6 @@ class SidecarStub(object):
                 '/kvpool.v1.Sidecar/Match',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchReply.FromString,
-                _registered_method=True)
-        self.Read = channel.unary_unary(
-                '/kvpool.v1.Sidecar/Read',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ReadRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ReadReply.FromString,
-                _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/kvpool.v1.Sidecar/Release',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
-                _registered_method=True)
-        self.WriteStart = channel.unary_unary(
-                '/kvpool.v1.Sidecar/WriteStart',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteStartRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteStartReply.FromString,
-                _registered_method=True)
-        self.WriteCommit = channel.unary_unary(
-                '/kvpool.v1.Sidecar/WriteCommit',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteCommitRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.FromString,
-                _registered_method=True)
-        self.WriteRevoke = channel.unary_unary(
-                '/kvpool.v1.Sidecar/WriteRevoke',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                 _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/kvpool.v1.Sidecar/Remove',
@@ -103,7 +81,10 @@ class SidecarStub(object):
 
 
 class SidecarServicer(object):
-    """Missing associated documentation comment in .proto file."""
+    """The client's cold calls.  Its hot calls (match, read, write, release) have no gRPC form: they go
+    over the fast session (kvpool/wire/sidecar_frames.py).  Match is here for its
+    per-key form (the state probe of Client.has_states), which the session has no frame for.
+    """
 
     def Hello(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -112,36 +93,6 @@ class SidecarServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Match(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Read(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WriteStart(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WriteCommit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WriteRevoke(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,31 +150,6 @@ def add_SidecarServicer_to_server(servicer, server):
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchRequest.FromString,
                     response_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchReply.SerializeToString,
             ),
-            'Read': grpc.unary_unary_rpc_method_handler(
-                    servicer.Read,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ReadRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ReadReply.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.LeaseRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-            ),
-            'WriteStart': grpc.unary_unary_rpc_method_handler(
-                    servicer.WriteStart,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteStartRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteStartReply.SerializeToString,
-            ),
-            'WriteCommit': grpc.unary_unary_rpc_method_handler(
-                    servicer.WriteCommit,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteCommitRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.SerializeToString,
-            ),
-            'WriteRevoke': grpc.unary_unary_rpc_method_handler(
-                    servicer.WriteRevoke,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-            ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.RemoveRequest.FromString,
@@ -263,7 +189,10 @@ def add_SidecarServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Sidecar(object):
-    """Missing associated documentation comment in .proto file."""
+    """The client's cold calls.  Its hot calls (match, read, write, release) have no gRPC form: they go
+    over the fast session (kvpool/wire/sidecar_frames.py).  Match is here for its
+    per-key form (the state probe of Client.has_states), which the session has no frame for.
+    """
 
     @staticmethod
     def Hello(request,
@@ -309,141 +238,6 @@ class Sidecar(object):
             '/kvpool.v1.Sidecar/Match',
             kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Read(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.Sidecar/Read',
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ReadRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ReadReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.Sidecar/Release',
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.LeaseRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WriteStart(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.Sidecar/WriteStart',
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteStartRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteStartReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WriteCommit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.Sidecar/WriteCommit',
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.WriteCommitRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WriteRevoke(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.Sidecar/WriteRevoke',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

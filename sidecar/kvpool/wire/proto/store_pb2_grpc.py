@@ -26,8 +26,8 @@ if _version_not_supported:
 
 
 class StoreDataStub(object):
-    """The data and cold calls of a tenant's sidecar (hot reads and writes go over the data session
-    on the transfer port; these are the gRPC form of the same calls, and what it has no frame for).
+    """The cold calls of a tenant's sidecar.  Its hot calls (exists, reads, ranged reads, writes)
+    have no gRPC form: they go over the data session on the transfer port (store_frames).
     """
 
     def __init__(self, channel):
@@ -36,31 +36,6 @@ class StoreDataStub(object):
         Args:
             channel: A grpc.Channel.
         """
-        self.Exists = channel.unary_unary(
-                '/kvpool.v1.StoreData/Exists',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsReply.FromString,
-                _registered_method=True)
-        self.PutStart = channel.unary_unary(
-                '/kvpool.v1.StoreData/PutStart',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartReply.FromString,
-                _registered_method=True)
-        self.PutCommit = channel.unary_unary(
-                '/kvpool.v1.StoreData/PutCommit',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitReply.FromString,
-                _registered_method=True)
-        self.PutRevoke = channel.unary_unary(
-                '/kvpool.v1.StoreData/PutRevoke',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
-                _registered_method=True)
-        self.Get = channel.unary_unary(
-                '/kvpool.v1.StoreData/Get',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.GetRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.GetReply.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvpool.v1.StoreData/Release',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseRequest.SerializeToString,
@@ -89,39 +64,9 @@ class StoreDataStub(object):
 
 
 class StoreDataServicer(object):
-    """The data and cold calls of a tenant's sidecar (hot reads and writes go over the data session
-    on the transfer port; these are the gRPC form of the same calls, and what it has no frame for).
+    """The cold calls of a tenant's sidecar.  Its hot calls (exists, reads, ranged reads, writes)
+    have no gRPC form: they go over the data session on the transfer port (store_frames).
     """
-
-    def Exists(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PutStart(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PutCommit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PutRevoke(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Get(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -156,31 +101,6 @@ class StoreDataServicer(object):
 
 def add_StoreDataServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Exists': grpc.unary_unary_rpc_method_handler(
-                    servicer.Exists,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsReply.SerializeToString,
-            ),
-            'PutStart': grpc.unary_unary_rpc_method_handler(
-                    servicer.PutStart,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartReply.SerializeToString,
-            ),
-            'PutCommit': grpc.unary_unary_rpc_method_handler(
-                    servicer.PutCommit,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitReply.SerializeToString,
-            ),
-            'PutRevoke': grpc.unary_unary_rpc_method_handler(
-                    servicer.PutRevoke,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
-            ),
-            'Get': grpc.unary_unary_rpc_method_handler(
-                    servicer.Get,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.GetRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.GetReply.SerializeToString,
-            ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseRequest.FromString,
@@ -215,144 +135,9 @@ def add_StoreDataServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class StoreData(object):
-    """The data and cold calls of a tenant's sidecar (hot reads and writes go over the data session
-    on the transfer port; these are the gRPC form of the same calls, and what it has no frame for).
+    """The cold calls of a tenant's sidecar.  Its hot calls (exists, reads, ranged reads, writes)
+    have no gRPC form: they go over the data session on the transfer port (store_frames).
     """
-
-    @staticmethod
-    def Exists(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StoreData/Exists',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.ExistsReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PutStart(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StoreData/PutStart',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.PutStartReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PutCommit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StoreData/PutCommit',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.PutCommitReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PutRevoke(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StoreData/PutRevoke',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.PutRevokeRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Get(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.v1.StoreData/Get',
-            kvpool_dot_wire_dot_proto_dot_store__pb2.GetRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_store__pb2.GetReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Release(request,
