@@ -14,9 +14,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvpool.apps.cluster import LocalCluster
+from kvpool.pool.node_client import StoreClient
+from kvpool.transfer.testing import RawConnection, tcp_socket
+from kvpool.wire import store_frames as dp
+from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 _long_lived: list[LocalCluster] = []  # clusters of session/module fixtures, while they run
@@ -103,10 +108,36 @@ def rng(request: pytest.FixtureRequest) -> random.Random:
     return random.Random(request.node.nodeid)
 
 
+class HeldReservation:
+    """Another writer's reservation of ``key`` at the store node ``address``: a data-session PUT
+    answered PUT_READY whose payload never comes.  :meth:`let_go` hangs up, and returns once the
+    node has revoked it (a broken put is revoked at once)."""
+
+    def __init__(self, address: str, key: bytes, size: int, timeout_ms: int = 120_000) -> None:
+        self._node = StoreClient(address)
+        self.raw = RawConnection(tcp_socket(self._node.health().transfer_address))
+        self._revoked = self._node.stats().counters.get("revoked", 0)
+        self.raw.send(dp.encode_request(dp.OP_PUT, 1, b"", key, lease_ms=timeout_ms,
+                                        sizes=np.array([size], np.uint64)))
+        resp = dp.decode_response(self.raw.recv(dp.RESPONSE_SIZE))
+        body = self.raw.recv(resp.msg_len + 1)
+        assert resp.op == dp.OP_PUT_READY and resp.status == 0 and body[-1:] == bytes([pb.OK]), (resp, body)
+        self.held = True
+
+    def let_go(self) -> None:
+        if self.held:
+            self.held = False
+            self.raw.close()
+            H.wait_for(lambda: self._node.stats().counters.get("revoked", 0) > self._revoked, 30,
+                       "the node to revoke the held reservation")
+        self._node.close()
+
+
 class H:
     """Helpers handed to tests through the ``h`` fixture (test modules cannot import conftest)."""
 
     KiB, MiB = KiB, MiB
+    HeldReservation = HeldReservation
 
     @staticmethod
     def keys(rng: random.Random, n: int) -> list[bytes]:

@@ -43,52 +43,27 @@ def test_keys_blob_not_a_multiple_of_32(shared: Any, h: Any, rng: random.Random,
     blob = rng.randbytes(nbytes)
     for call in (lambda: stub.Match(spb.MatchRequest(keys=blob), timeout=10),
                  lambda: stub.Match(spb.MatchRequest(keys=blob, per_key=True, kind=pb.STATE), timeout=10),
-                 lambda: stub.Read(spb.ReadRequest(keys=blob), timeout=10),
-                 lambda: stub.WriteStart(spb.WriteStartRequest(keys=blob, sizes=[1]), timeout=10),
                  lambda: stub.Remove(pb.RemoveRequest(keys=blob), timeout=10)):
         detail = _invalid(call)
         assert f"{nbytes} bytes" in detail and "multiple of 32" in detail
     _still_serving(shared, h, rng)
 
 
-def test_mismatched_sizes_and_checksums(shared: Any, h: Any, rng: random.Random, stub: Any) -> None:
-    keys = b"".join(h.keys(rng, 3))
-    detail = _invalid(lambda: stub.WriteStart(spb.WriteStartRequest(keys=keys, sizes=[10, 10]), timeout=10))
-    assert "3 keys but 2 sizes" in detail
-    start = stub.WriteStart(spb.WriteStartRequest(keys=keys, sizes=[10, 10, 10]), timeout=10)
-    assert list(start.codes) == [pb.OK] * 3 and start.reservation_id
-    detail = _invalid(lambda: stub.WriteCommit(spb.WriteCommitRequest(
-        reservation_id=start.reservation_id, checksums=[1, 2]), timeout=10))
-    assert "2 checksums for 3 items" in detail
-    # The reservation survived the bad commit: a correct one publishes it.
-    ok = stub.WriteCommit(spb.WriteCommitRequest(reservation_id=start.reservation_id, checksums=[0, 0, 0]),
-                          timeout=10)
-    assert list(ok.codes) == [pb.OK] * 3
-    # Committing twice, or an unknown reservation, is a per-item failure, not a crash.
-    again = stub.WriteCommit(spb.WriteCommitRequest(reservation_id=start.reservation_id, checksums=[0, 0, 0]),
-                             timeout=10)
-    assert list(again.codes) == [pb.LEASE_EXPIRED] * 3
-    unknown = stub.WriteCommit(spb.WriteCommitRequest(reservation_id=987654321, checksums=[0]), timeout=10)
-    assert list(unknown.codes) == [pb.LEASE_EXPIRED]
-    _still_serving(shared, h, rng)
-
-
 def test_bad_items_are_refused_per_item(shared: Any, h: Any, rng: random.Random, stub: Any) -> None:
+    """Over the fast session (the write's only wire; its whole-call refusals, such as a checksum
+    count that does not match, are in test_fast_session.py)."""
     k = h.keys(rng, 4)
-    capacity = shared.connect(0).stats().local_capacity_bytes
-    start = stub.WriteStart(spb.WriteStartRequest(keys=b"".join([k[0], k[1], k[2], k[2], k[3]]),
-                                                  sizes=[0, capacity * 2, 10, 10, 1 << 62]), timeout=10)
-    assert list(start.codes) == [pb.INVALID, pb.TOO_LARGE, pb.OK, pb.INVALID, pb.TOO_LARGE]
-    stub.WriteRevoke(pb.PutRevokeRequest(reservation_id=start.reservation_id), timeout=10)
-    # A revoked reservation cannot be committed, and its key is free again.
-    assert list(stub.WriteCommit(spb.WriteCommitRequest(reservation_id=start.reservation_id,
-                                                        checksums=[0] * 5), timeout=10).codes) == [
-        pb.LEASE_EXPIRED] * 5
     with shared.connect(0) as c:
-        assert c.put([k[2]], [b"x" * 10]) == [pb.OK]
-    # Releasing leases nobody holds, reading an unknown kind: harmless.
-    stub.Release(spb.LeaseRequest(lease_ids=[0, 1, 2**63]), timeout=10)
-    assert stub.Match(spb.MatchRequest(keys=b""), timeout=10).prefix == 0
+        capacity = c.stats().local_capacity_bytes
+        codes, _, rid, inc = c._fast.write_start(b"".join([k[0], k[1], k[2], k[2], k[3]]),
+                                                 [0, capacity * 2, 10, 10, 1 << 40], pb.BLOCK, "chatbot")
+        assert codes == [pb.INVALID, pb.TOO_LARGE, pb.OK, pb.INVALID, pb.TOO_LARGE]
+        assert c._fast.write_commit(rid, [0] * 5, inc)[2] == pb.OK
+        # Committing twice is a per-item failure, not a crash.
+        assert c._fast.write_commit(rid, [0] * 5, inc) == [pb.LEASE_EXPIRED] * 5
+        assert c.put([k[2]], [b"x" * 10]) == [pb.ALREADY_EXISTS]
+        assert c.put([k[0], k[3]], [b"y", b"z"]) == [pb.OK, pb.OK]  # refused items held nothing
+    assert stub.Match(spb.MatchRequest(keys=b""), timeout=10).prefix == 0  # matching nothing: harmless
     _still_serving(shared, h, rng)
 
 
@@ -96,9 +71,7 @@ def test_unknown_kind_is_refused_at_the_sidecar(shared: Any, h: Any, rng: random
     """Regression: a bad kind used to reach the store nodes, whose refusal marked them down, so
     the next writes silently skipped the pool."""
     key = h.keys(rng, 1)[0]
-    for call in (lambda: stub.Read(spb.ReadRequest(keys=key, kind=7), timeout=10),
-                 lambda: stub.Match(spb.MatchRequest(keys=key, per_key=True, kind=7), timeout=10),
-                 lambda: stub.WriteStart(spb.WriteStartRequest(keys=key, sizes=[1], kind=7), timeout=10),
+    for call in (lambda: stub.Match(spb.MatchRequest(keys=key, per_key=True, kind=7), timeout=10),
                  lambda: stub.Remove(pb.RemoveRequest(keys=key, kind=7), timeout=10)):
         assert "unknown object kind 7" in _invalid(call)
     with shared.connect(0) as a, shared.connect(1) as b:
@@ -131,11 +104,14 @@ def test_client_side_argument_errors(shared: Any, h: Any, rng: random.Random) ->
 
 def test_oversized_lease_is_capped(shared: Any, h: Any, rng: random.Random, stub: Any) -> None:
     """A client cannot pin the local tier for weeks: leases are capped by the sidecar."""
+    import struct
     import time
 
     with shared.connect(0) as c:
         keys = h.keys(rng, 1)
         assert c.put(keys, [b"v" * 64]) == [pb.OK]
-    r = stub.Read(spb.ReadRequest(keys=keys[0], lease_ms=2**32 - 1), timeout=10)
+    r = stub.ReadRanges(spb.ReadRangesRequest(keys=keys[0], counts=[1], ranges=struct.pack("<QQ", 0, 64),
+                                              lease_ms=2**32 - 1), timeout=10)
+    assert list(r.codes) == [pb.OK]
     assert r.lease_id and r.lease_expires_unix_ms <= (time.time() + 120) * 1000
-    stub.Release(spb.LeaseRequest(lease_ids=[r.lease_id]), timeout=10)
+    stub.ReadRanges(spb.ReadRangesRequest(release_lease_ids=[r.lease_id]), timeout=10)

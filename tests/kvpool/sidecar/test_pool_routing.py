@@ -129,13 +129,13 @@ def test_rpc_status_decides_down(shared: Any, rng: random.Random) -> None:
     """Real failed calls: a refused request leaves the node up, an unreachable node is down."""
     with StoreClient(shared.stores[0]) as c:
         with pytest.raises(grpc.RpcError) as bad:
-            c.stub.Exists(pb.ExistsRequest(keys=b"x" * 33), timeout=10)
+            c.stub.Remove(pb.RemoveRequest(keys=b"x" * 33), timeout=10)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and not node_is_down(bad.value)
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]  # bound, never listening: connections are refused
         with StoreClient(f"127.0.0.1:{port}", timeout=5) as c, pytest.raises(grpc.RpcError) as gone:
-            c.stub.Exists(pb.ExistsRequest(keys=b""), timeout=5)
+            c.stub.Remove(pb.RemoveRequest(keys=b""), timeout=5)
     assert gone.value.code() == grpc.StatusCode.UNAVAILABLE and node_is_down(gone.value)
 
 

@@ -118,10 +118,9 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
             assert h.counters(c).get("local_only_objects", 0) == len(keys) + 1  # write-back: only here
             # A write the crash interrupts: reserved, bytes copied, never committed.
             torn_key = rng.randbytes(32)
-            from kvpool.wire.proto import sidecar_pb2 as spb
-            start = c._link.stub.WriteStart(spb.WriteStartRequest(keys=torn_key, sizes=[64 * KiB], kind=pb.BLOCK))
-            assert start.reservation_id and list(start.codes) == [pb.OK]
-            c._arena[start.offsets[0]:start.offsets[0] + 64 * KiB] = rng.randbytes(64 * KiB)
+            codes, offsets, rid, _ = c._fast.write_start(torn_key, [64 * KiB], pb.BLOCK, "chatbot")
+            assert rid and codes == [pb.OK]
+            c._arena[offsets[0]:offsets[0] + 64 * KiB] = rng.randbytes(64 * KiB)
             # A committed object whose bytes a stray writer changed: its checksum fails.
             with c.get([keys[0]]) as got:
                 off = _view_offset(c, got[0])

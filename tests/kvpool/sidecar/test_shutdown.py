@@ -144,16 +144,14 @@ def test_sigterm_flush_waits_out_a_store_node_stopped_for_a_moment(h: Any, rng: 
 
 
 @contextlib.contextmanager
-def _held(lc: LocalCluster, key: bytes, size: int) -> Iterator[None]:
-    """Another writer's reservation of ``key`` at its owner (a PutStart never committed), let go
-    on leaving."""
-    with StoreClient(lc.stores[owners(key, lc.store_ids)[0, 0]]) as other:
-        start = other.stub.PutStart(pb.PutStartRequest(keys=key, sizes=[size], timeout_ms=120_000), timeout=10)
-        assert list(start.codes) == [pb.OK]
-        try:
-            yield
-        finally:
-            other.stub.PutRevoke(pb.PutRevokeRequest(reservation_id=start.reservation_id), timeout=10)
+def _held(lc: LocalCluster, key: bytes, size: int, h: Any) -> Iterator[None]:
+    """Another writer's reservation of ``key`` at its owner (a data-session PUT whose payload never
+    comes), let go on leaving."""
+    held = h.HeldReservation(lc.stores[owners(key, lc.store_ids)[0, 0]], key, size)
+    try:
+        yield
+    finally:
+        held.let_go()
 
 
 def _stored(lc: LocalCluster, keys: list[bytes], kind: int = pb.BLOCK) -> list[bytes | None]:
@@ -178,7 +176,7 @@ def test_sigterm_flush_retries_an_object_another_writer_holds_until_it_lets_go(
     w = lc.sidecars.index(lc.add_sidecar(extra_args=["--write-back", "--drain-seconds", "60"]))
     proc = lc.sidecar_procs[w]
     [key], [value] = h.keys(rng, 1), h.values(rng, [32 * KiB])
-    with _held(lc, key, len(value)):
+    with _held(lc, key, len(value), h):
         with lc.connect(w) as a:
             assert a.put([key], [value]) == [pb.OK]  # write-back: local-only until the flush
         # The flush's write meets the reservation (IN_FLIGHT, a passing failure) ...
@@ -195,7 +193,7 @@ def test_sigterm_flush_writes_the_evicted_copies_waiting_for_a_retry(
     w = lc.sidecars.index(lc.add_sidecar(local_bytes=MiB, extra_args=["--write-back", "--drain-seconds", "60"]))
     proc = lc.sidecar_procs[w]
     [key], [value] = h.keys(rng, 1), h.values(rng, [8 * KiB])
-    with _held(lc, key, len(value)):
+    with _held(lc, key, len(value), h):
         with lc.connect(w) as a:
             assert a.put([key], [value]) == [pb.OK]
             for _ in range(6):  # evicts the block: its copy meets the reservation and waits

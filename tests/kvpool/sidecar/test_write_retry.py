@@ -30,23 +30,14 @@ def _count(h: Any, client: Any, name: str) -> int:
 
 @pytest.fixture
 def held(module_cluster: LocalCluster, h: Any, rng: random.Random) -> Iterator[tuple[bytes, bytes, Any]]:
-    """A key another writer holds a reservation for (its PutStart, never committed), its value,
-    and a function letting go of that reservation."""
+    """A key another writer holds a reservation for (a data-session PUT whose payload never comes),
+    its value, and a function letting go of that reservation."""
     key, value = h.keys(rng, 1)[0], rng.randbytes(8 * KiB)
-    with StoreClient(module_cluster.stores[0]) as other:
-        start = other.stub.PutStart(pb.PutStartRequest(keys=key, sizes=[len(value)], timeout_ms=120_000), timeout=10)
-        assert list(start.codes) == [pb.OK]
-        done = []
-
-        def let_go() -> None:
-            if not done:
-                other.stub.PutRevoke(pb.PutRevokeRequest(reservation_id=start.reservation_id), timeout=10)
-                done.append(1)
-
-        try:
-            yield key, value, let_go
-        finally:
-            let_go()
+    held = h.HeldReservation(module_cluster.stores[0], key, len(value))
+    try:
+        yield key, value, held.let_go
+    finally:
+        held.let_go()
 
 
 def test_a_block_another_writer_holds_reaches_the_pool_once_it_lets_go(

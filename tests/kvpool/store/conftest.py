@@ -27,13 +27,8 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool.core import errors
-from kvpool.core.checksum import checksum
-from kvpool.core.keys import pack_keys
 from kvpool.pool.admin_client import AdminClient
 from kvpool.pool.node_client import StoreClient
-from kvpool.transfer import TransferEngine, TransferRequest, TransferStatus
-from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
 
@@ -65,6 +60,8 @@ class StoreProcess:
         return c
 
     def stub(self) -> pbg.StoreDataStub:
+        """The node's ``StoreData`` service by hand (its cold calls: the data moves over the
+        data session, through :meth:`client`)."""
         return pbg.StoreDataStub(self._channel())  # type: ignore[no-untyped-call]
 
     def admin_stub(self) -> pbg.StoreAdminStub:
@@ -298,56 +295,6 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-# -- the node's gRPC data calls (Get, then the transfer engine), for tests of that API ----------
-
-@dataclass
-class GetPlan:
-    """What a node answered to Get: where each object is and the lease pinning them."""
-
-    codes: list[pb.Code]
-    offsets: list[int]
-    sizes: list[int]
-    checksums: list[int]
-    tokens: list[int]
-    lease_id: int
-    location: pb.Location
-    epoch: int
-
-
-def get_plan(c: StoreClient, keys: Sequence[bytes], lease_ms: int = 0, lease_id: int = 0, kind: int = pb.BLOCK,
-             epoch: int = 0) -> GetPlan:
-    r = c._rpc(c.stub.Get, pb.GetRequest(keys=pack_keys(keys), lease_ms=lease_ms, lease_id=lease_id,
-                                         kind=grpc_status.as_kind(kind), epoch=epoch))
-    return GetPlan(list(r.codes), list(r.offsets), list(r.sizes), list(r.checksums), list(r.tokens),
-                   r.lease_id, r.location, r.epoch)
-
-
-def fetch_into(c: StoreClient, plan: GetPlan, buffers: Sequence[memoryview | None]) -> list[pb.Code]:
-    """The node's gRPC data path driven by hand (StoreClient moves bytes over the data session
-    only; the node still serves Get over gRPC): move the bytes of a :class:`GetPlan` into
-    ``buffers`` with the transfer engine; verify them against its checksums when ``c`` verifies."""
-    codes = list(plan.codes)
-    todo = [i for i, code in enumerate(codes) if code == pb.OK and buffers[i] is not None]
-    reqs = []
-    for i in todo:
-        buf = buffers[i]
-        assert buf is not None
-        if len(buf) < plan.sizes[i]:
-            raise errors.InvalidArgument(f"buffer {i} has {len(buf)} bytes, object has {plan.sizes[i]}")
-        reqs.append(TransferRequest("read", buf[:plan.sizes[i]], plan.location.segment, plan.offsets[i],
-                                    plan.sizes[i], plan.tokens[i]))
-    if not reqs:
-        return codes
-    with TransferEngine() as engine:
-        statuses: list[TransferStatus] = engine.submit(plan.location.transfer_address, reqs).wait()
-    for j, (i, st) in enumerate(zip(todo, statuses, strict=True)):
-        if not st.ok:
-            codes[i] = pb.LEASE_EXPIRED
-        elif c.verify and checksum(reqs[j].local) != plan.checksums[i]:
-            codes[i] = pb.CHECKSUM
-    return codes
-
-
 class H:
     """Helpers handed to tests through the ``h`` fixture (test modules cannot import conftest)."""
 
@@ -357,8 +304,6 @@ class H:
     stats_tenant = staticmethod(stats_tenant)
     wait_for = staticmethod(wait_for)
     bearer = staticmethod(bearer)
-    get_plan = staticmethod(get_plan)
-    fetch_into = staticmethod(fetch_into)
     here = HERE
 
 

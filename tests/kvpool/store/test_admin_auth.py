@@ -110,9 +110,6 @@ def test_data_calls_with_the_admin_token_are_handled_as_before(nodes: Any, h: An
     node = nodes["guarded"]
     key = b"k" * 32
     requests: dict[str, Any] = {
-        "Exists": pb.ExistsRequest(keys=key), "PutStart": pb.PutStartRequest(keys=key, sizes=[8]),
-        "PutCommit": pb.PutCommitRequest(reservation_id=1, checksums=[0]),
-        "PutRevoke": pb.PutRevokeRequest(reservation_id=1), "Get": pb.GetRequest(keys=key),
         "Release": pb.ReleaseRequest(lease_ids=[1]), "Remove": pb.RemoveRequest(keys=key),
         "Stats": pb.Empty(), "GetRing": pb.Empty(), "Health": pb.Empty()}
     served = {"Stats", "GetRing", "Health"}

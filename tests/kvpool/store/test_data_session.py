@@ -32,7 +32,6 @@ def nodes(module_stores: Any) -> Any:
     return module_stores.start_many({
         "open": {"dram": "32MiB"},
         "tenants": {"dram": "16MiB", "tenants": TENANTS, "closed": True},
-        "legacy": {"dram": "8MiB", "config": {"dataSession": False}},
     })
 
 
@@ -424,25 +423,6 @@ def test_buffers_that_are_too_small_or_refused(nodes: Any, h: Any, rng: random.R
     r = c.read(keys, lambda i, size: None if i == 0 else memoryview(bytearray(size)))
     assert r.codes == [pb.INVALID, pb.OK, pb.OK] and r.sizes == [3000, 5000, 7000]
     c.remove(keys)
-
-
-def test_a_node_without_the_session_serves_no_data(nodes: Any, h: Any, rng: random.Random) -> None:
-    """The data session is the one data path: a node without it is unreachable for data (its
-    admin and cold calls still answer), never served another way."""
-    node = nodes["legacy"]
-    c = node.client()
-    keys = h.rand_keys(rng, 4)
-    with pytest.raises(errors.Unavailable):
-        c.put(keys, [b"v"] * 4)
-    with pytest.raises(errors.Unavailable):
-        c.session()
-    assert c.health().ok
-    raw = Raw(node)  # the transfer protocol there: an unknown magic closes the connection
-    try:
-        raw.request(dp.OP_HELLO, dp.HELLO_PADDING, b"")
-        assert raw.closed_by_peer()
-    finally:
-        raw.close()
 
 
 def test_a_broken_idle_connection_is_replaced_once(nodes: Any, h: Any, rng: random.Random) -> None:
