@@ -383,7 +383,7 @@ class Client:
     def has_states(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
-        r = self._link.call(self._link.stub.Match, spb.MatchRequest(keys=pack_keys(keys), per_key=True, kind=pb.STATE))
+        r = self._link.call(self._link.stub.Probe, spb.ProbeRequest(keys=pack_keys(keys), kind=pb.STATE))
         return [b == 1 for b in r.present]
 
     def plan(self, prompt_tokens: int, keys: Sequence[bytes], window_tokens: int = 128,

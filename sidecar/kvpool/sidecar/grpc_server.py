@@ -65,13 +65,11 @@ class SidecarServicer(spbg.SidecarServicer):
 
     # -- reads --------------------------------------------------------------------------------
 
-    def Match(self, request: spb.MatchRequest, context: grpc.ServicerContext) -> spb.MatchReply:
+    def Probe(self, request: spb.ProbeRequest, context: grpc.ServicerContext) -> spb.ProbeReply:
+        """Per-key presence, local tier or pool (:meth:`Reads.probe`)."""
         keys, arr = _keys(request.keys, context)
-        if request.per_key:
-            present = self.reads.probe(keys, arr, _kind(request.kind, context))
-            return spb.MatchReply(present=present.astype(np.uint8).tobytes(), prefix=int(present.sum()))
-        prefix, n_local, lease_id = self.reads.match_keys(arr, self.cfg.lease(request.lease_ms), request.local_only)
-        return spb.MatchReply(prefix=prefix, local_prefix=n_local, lease_id=lease_id)
+        present = self.reads.probe(keys, arr, _kind(request.kind, context))
+        return spb.ProbeReply(present=present.astype(np.uint8).tobytes())
 
     def ReadRanges(self, request: spb.ReadRangesRequest, context: grpc.ServicerContext) -> spb.ReadRangesReply:
         """Byte ranges of objects (:meth:`Reads.read_ranges`)."""

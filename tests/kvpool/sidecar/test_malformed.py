@@ -41,8 +41,7 @@ def _invalid(call: Any) -> str:
 @pytest.mark.parametrize("nbytes", [1, 31, 33, 65])
 def test_keys_blob_not_a_multiple_of_32(shared: Any, h: Any, rng: random.Random, stub: Any, nbytes: int) -> None:
     blob = rng.randbytes(nbytes)
-    for call in (lambda: stub.Match(spb.MatchRequest(keys=blob), timeout=10),
-                 lambda: stub.Match(spb.MatchRequest(keys=blob, per_key=True, kind=pb.STATE), timeout=10),
+    for call in (lambda: stub.Probe(spb.ProbeRequest(keys=blob, kind=pb.STATE), timeout=10),
                  lambda: stub.Remove(pb.RemoveRequest(keys=blob), timeout=10)):
         detail = _invalid(call)
         assert f"{nbytes} bytes" in detail and "multiple of 32" in detail
@@ -63,7 +62,7 @@ def test_bad_items_are_refused_per_item(shared: Any, h: Any, rng: random.Random,
         assert c._fast.write_commit(rid, [0] * 5, inc) == [pb.LEASE_EXPIRED] * 5
         assert c.put([k[2]], [b"x" * 10]) == [pb.ALREADY_EXISTS]
         assert c.put([k[0], k[3]], [b"y", b"z"]) == [pb.OK, pb.OK]  # refused items held nothing
-    assert stub.Match(spb.MatchRequest(keys=b""), timeout=10).prefix == 0  # matching nothing: harmless
+    assert stub.Probe(spb.ProbeRequest(keys=b""), timeout=10).present == b""  # probing nothing: harmless
     _still_serving(shared, h, rng)
 
 
@@ -71,7 +70,7 @@ def test_unknown_kind_is_refused_at_the_sidecar(shared: Any, h: Any, rng: random
     """Regression: a bad kind used to reach the store nodes, whose refusal marked them down, so
     the next writes silently skipped the pool."""
     key = h.keys(rng, 1)[0]
-    for call in (lambda: stub.Match(spb.MatchRequest(keys=key, per_key=True, kind=7), timeout=10),
+    for call in (lambda: stub.Probe(spb.ProbeRequest(keys=key, kind=7), timeout=10),
                  lambda: stub.Remove(pb.RemoveRequest(keys=key, kind=7), timeout=10)):
         assert "unknown object kind 7" in _invalid(call)
     with shared.connect(0) as a, shared.connect(1) as b:

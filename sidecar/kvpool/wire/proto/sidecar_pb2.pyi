@@ -47,31 +47,19 @@ class HelloReply(_message.Message):
     arena_generation: int
     def __init__(self, arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., tenant_id: _Optional[str] = ..., version: _Optional[str] = ..., ring_epoch: _Optional[int] = ..., pool_nodes: _Optional[int] = ..., handoff_address: _Optional[str] = ..., instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., arena_generation: _Optional[int] = ...) -> None: ...
 
-class MatchRequest(_message.Message):
-    __slots__ = ("keys", "lease_ms", "local_only", "kind", "per_key")
+class ProbeRequest(_message.Message):
+    __slots__ = ("keys", "kind")
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
-    PER_KEY_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
-    lease_ms: int
-    local_only: bool
     kind: _store_pb2.Kind
-    per_key: bool
-    def __init__(self, keys: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., local_only: bool = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ..., per_key: bool = ...) -> None: ...
+    def __init__(self, keys: _Optional[bytes] = ..., kind: _Optional[_Union[_store_pb2.Kind, str]] = ...) -> None: ...
 
-class MatchReply(_message.Message):
-    __slots__ = ("prefix", "local_prefix", "lease_id", "present")
-    PREFIX_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_PREFIX_FIELD_NUMBER: _ClassVar[int]
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+class ProbeReply(_message.Message):
+    __slots__ = ("present",)
     PRESENT_FIELD_NUMBER: _ClassVar[int]
-    prefix: int
-    local_prefix: int
-    lease_id: int
     present: bytes
-    def __init__(self, prefix: _Optional[int] = ..., local_prefix: _Optional[int] = ..., lease_id: _Optional[int] = ..., present: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, present: _Optional[bytes] = ...) -> None: ...
 
 class SidecarStats(_message.Message):
     __slots__ = ("counters", "local_capacity_bytes", "local_used_bytes", "local_objects", "ring_epoch", "pool_nodes_up", "pending_pool_bytes")

@@ -27,9 +27,9 @@ if _version_not_supported:
 
 
 class SidecarStub(object):
-    """The client's cold calls.  Its hot calls (match, read, write, release) have no gRPC form: they go
-    over the fast session (kvpool/wire/sidecar_frames.py).  Match is here for its
-    per-key form (the state probe of Client.has_states), which the session has no frame for.
+    """The client's cold calls, and what the fast session has no frame for (Probe).  Its hot calls
+    (match, read, write, release) have no gRPC form: they go over the fast session
+    (kvpool/wire/sidecar_frames.py).
     """
 
     def __init__(self, channel):
@@ -43,10 +43,10 @@ class SidecarStub(object):
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.HelloReply.FromString,
                 _registered_method=True)
-        self.Match = channel.unary_unary(
-                '/kvpool.v1.Sidecar/Match',
-                request_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchRequest.SerializeToString,
-                response_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchReply.FromString,
+        self.Probe = channel.unary_unary(
+                '/kvpool.v1.Sidecar/Probe',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ProbeReply.FromString,
                 _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/kvpool.v1.Sidecar/Remove',
@@ -81,9 +81,9 @@ class SidecarStub(object):
 
 
 class SidecarServicer(object):
-    """The client's cold calls.  Its hot calls (match, read, write, release) have no gRPC form: they go
-    over the fast session (kvpool/wire/sidecar_frames.py).  Match is here for its
-    per-key form (the state probe of Client.has_states), which the session has no frame for.
+    """The client's cold calls, and what the fast session has no frame for (Probe).  Its hot calls
+    (match, read, write, release) have no gRPC form: they go over the fast session
+    (kvpool/wire/sidecar_frames.py).
     """
 
     def Hello(self, request, context):
@@ -92,7 +92,7 @@ class SidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Match(self, request, context):
+    def Probe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,10 +145,10 @@ def add_SidecarServicer_to_server(servicer, server):
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                     response_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.HelloReply.SerializeToString,
             ),
-            'Match': grpc.unary_unary_rpc_method_handler(
-                    servicer.Match,
-                    request_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchRequest.FromString,
-                    response_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchReply.SerializeToString,
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ProbeRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ProbeReply.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
@@ -189,9 +189,9 @@ def add_SidecarServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Sidecar(object):
-    """The client's cold calls.  Its hot calls (match, read, write, release) have no gRPC form: they go
-    over the fast session (kvpool/wire/sidecar_frames.py).  Match is here for its
-    per-key form (the state probe of Client.has_states), which the session has no frame for.
+    """The client's cold calls, and what the fast session has no frame for (Probe).  Its hot calls
+    (match, read, write, release) have no gRPC form: they go over the fast session
+    (kvpool/wire/sidecar_frames.py).
     """
 
     @staticmethod
@@ -222,7 +222,7 @@ class Sidecar(object):
             _registered_method=True)
 
     @staticmethod
-    def Match(request,
+    def Probe(request,
             target,
             options=(),
             channel_credentials=None,
@@ -235,9 +235,9 @@ class Sidecar(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvpool.v1.Sidecar/Match',
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchRequest.SerializeToString,
-            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.MatchReply.FromString,
+            '/kvpool.v1.Sidecar/Probe',
+            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ProbeRequest.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_sidecar__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,
