@@ -1,5 +1,6 @@
 """Repository layout contracts: source roots are not packages; generated code is current; the code type-checks."""
 
+import ast
 import importlib.util
 import pathlib
 import subprocess
@@ -85,3 +86,26 @@ def test_the_type_check_does_not_depend_on_optional_packages(tmp_path: pathlib.P
                        capture_output=True, text=True, cwd=ROOT, timeout=240,
                        env={**os.environ, "MYPYPATH": str(stubs)})
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+MAX_CLASS_LINES = 400
+COMPOSITIONS = {"sidecar/kvpool/store/node.py": 600, "sidecar/kvpool/sidecar/server.py": 600}
+
+
+def test_no_class_over_400_lines_and_the_compositions_stay_small() -> None:
+    """Issue 20's bound on the data plane's rooms: no class of kvpool or the operator is over 400
+    lines, and the store node and the sidecar, the two compositions, stay at most 600 lines."""
+    too_big = []
+    for path in sorted([*(ROOT / "sidecar" / "kvpool").rglob("*.py"), *(ROOT / "operator").rglob("*.py")]):
+        if "proto" in path.parts:
+            continue  # generated code
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    too_big.append(f"{path.relative_to(ROOT)}: class {node.name} has {lines} lines")
+    for rel, limit in COMPOSITIONS.items():
+        lines = len((ROOT / rel).read_text().splitlines())
+        if lines > limit:
+            too_big.append(f"{rel}: {lines} lines (a composition of at most {limit})")
+    assert not too_big, "\n".join(too_big)
