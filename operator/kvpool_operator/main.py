@@ -53,46 +53,55 @@ def seniority_priority(started_unix: float, tiebreak: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     d = Settings()
     ap = argparse.ArgumentParser(prog="kvpool operator", description="Run the kvpool operator (kopf)")
-    ap.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", d.namespace),
+    ns = ap.add_argument_group("namespaces")
+    ns.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", d.namespace),
                     help="namespace the operator runs in")
-    ap.add_argument("--watch-namespace", action="append", default=[],
+    ns.add_argument("--watch-namespace", action="append", default=[],
                     help="watch only this namespace (repeatable; default: the whole cluster)")
-    ap.add_argument("--image", default=os.environ.get("KVPOOL_IMAGE", d.image),
-                    help="image of store nodes and sidecars when a pool names none")
-    ap.add_argument("--image-pull-policy", default=d.image_pull_policy)
-    ap.add_argument("--command", default=" ".join(d.command),
-                    help="entry point of that image (the role is appended), e.g. 'kvpool'")
-    ap.add_argument("--default-dram", default=str(d.default_dram_bytes),
-                    help="DRAM per node of a pool that lists no KVTier (bytes or e.g. 1Gi)")
-    ap.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_seconds)
-    ap.add_argument("--tenant-interval", type=float, default=d.tenant_interval_seconds)
-    ap.add_argument("--member-unready-grace", type=float, default=d.member_unready_grace_seconds,
-                    help="seconds a store pod that went not-ready stays in the ring (0: leaves at once); "
-                         "a KVPool's spec.storage.memberUnreadyGraceSeconds overrides it")
-    ap.add_argument("--sidecar-metrics-port", type=int, default=d.sidecar_metrics_port)
-    ap.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
-                    help="pod port of injected sidecars' prefill -> decode state exports (0 off)")
-    ap.add_argument("--webhook-port", type=int, default=None, help="serve the injection webhook on this port")
-    ap.add_argument("--webhook-addr", default="0.0.0.0", help="address the webhook listens on")
-    ap.add_argument("--webhook-host", default=None, help="host name or IP the API server reaches the webhook at")
-    ap.add_argument("--webhook-cert", default=None, help="PEM certificate of the webhook server")
-    ap.add_argument("--webhook-key", default=None, help="PEM private key of the webhook server")
-    ap.add_argument("--webhook-ca", default=None, help="CA bundle for a managed webhook configuration")
-    ap.add_argument("--webhook-managed", default=None, metavar="NAME",
-                    help="let the operator keep the MutatingWebhookConfiguration NAME up to date; NAME is a "
-                         "domain of at least two dots' worth, e.g. inject.kvpool.io (webhooks are named "
-                         "<handler>.<NAME>)")
-    ap.add_argument("--peering", default="kvpool-operator", help="kopf peering name (several replicas)")
-    ap.add_argument("--standalone", action="store_true", help="no peering: this replica handles everything")
-    ap.add_argument("--priority", type=int, default=None,
-                    help="peering priority (default: from the start time, the oldest replica is active and "
-                         "the others stand by; kopf freezes replicas of equal priority)")
-    ap.add_argument("--peering-lifetime", type=int, default=PEERING_LIFETIME_SECONDS,
-                    help="seconds a replica's peering record counts as alive: a replica that replaces a "
-                         "killed one of higher priority stands by this long (kopf's default is 60)")
-    ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL ('' off)")
-    ap.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0 off)")
-    ap.add_argument("--metrics-addr", default="0.0.0.0", help="address the metrics server listens on")
+    pods = ap.add_argument_group("pool defaults (store and sidecar pods)")
+    pods.add_argument("--image", default=os.environ.get("KVPOOL_IMAGE", d.image),
+                      help="image of store nodes and sidecars when a pool names none")
+    pods.add_argument("--image-pull-policy", default=d.image_pull_policy, help="pull policy of that image")
+    pods.add_argument("--command", default=" ".join(d.command),
+                      help="entry point of that image (the role is appended), e.g. 'kvpool'")
+    pods.add_argument("--default-dram", default=str(d.default_dram_bytes),
+                      help="DRAM per node of a pool that lists no KVTier (bytes or e.g. 1Gi)")
+    pods.add_argument("--sidecar-metrics-port", type=int, default=d.sidecar_metrics_port,
+                      help="Prometheus port of injected sidecars (0 off)")
+    pods.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
+                      help="pod port of injected sidecars' prefill -> decode state exports (0 off)")
+    timing = ap.add_argument_group("reconcile timing")
+    timing.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_seconds,
+                        help="period of the KVPool timer: ring, stats, drain progress, drift repair")
+    timing.add_argument("--tenant-interval", type=float, default=d.tenant_interval_seconds,
+                        help="period of the TenantNamespace timer: Secrets and usage in status")
+    timing.add_argument("--member-unready-grace", type=float, default=d.member_unready_grace_seconds,
+                        help="seconds a store pod that went not-ready stays in the ring (0: leaves at once); "
+                             "a KVPool's spec.storage.memberUnreadyGraceSeconds overrides it")
+    hook = ap.add_argument_group("injection webhook")
+    hook.add_argument("--webhook-port", type=int, default=None, help="serve the injection webhook on this port")
+    hook.add_argument("--webhook-addr", default="0.0.0.0", help="address the webhook listens on")
+    hook.add_argument("--webhook-host", default=None, help="host name or IP the API server reaches the webhook at")
+    hook.add_argument("--webhook-cert", default=None, help="PEM certificate of the webhook server")
+    hook.add_argument("--webhook-key", default=None, help="PEM private key of the webhook server")
+    hook.add_argument("--webhook-ca", default=None, help="CA bundle for a managed webhook configuration")
+    hook.add_argument("--webhook-managed", default=None, metavar="NAME",
+                      help="let the operator keep the MutatingWebhookConfiguration NAME up to date; NAME is a "
+                           "domain of at least two dots' worth, e.g. inject.kvpool.io (webhooks are named "
+                           "<handler>.<NAME>)")
+    peer = ap.add_argument_group("peering (several replicas)")
+    peer.add_argument("--peering", default="kvpool-operator", help="kopf peering name (several replicas)")
+    peer.add_argument("--standalone", action="store_true", help="no peering: this replica handles everything")
+    peer.add_argument("--priority", type=int, default=None,
+                      help="peering priority (default: from the start time, the oldest replica is active and "
+                           "the others stand by; kopf freezes replicas of equal priority)")
+    peer.add_argument("--peering-lifetime", type=int, default=PEERING_LIFETIME_SECONDS,
+                      help="seconds a replica's peering record counts as alive: a replica that replaces a "
+                           "killed one of higher priority stands by this long (kopf's default is 60)")
+    obs = ap.add_argument_group("observability")
+    obs.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL ('' off)")
+    obs.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (0 off)")
+    obs.add_argument("--metrics-addr", default="0.0.0.0", help="address the metrics server listens on")
     return ap
 
 

@@ -380,17 +380,26 @@ class LocalCluster:
         return self.store_pids + self.sidecar_pids
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`kvpool up`: run a LocalCluster in the foreground and print its addresses until Ctrl-C."""
+def build_parser() -> argparse.ArgumentParser:
     from kvpool.core.units import parse_bytes
 
     ap = argparse.ArgumentParser(prog="kvpool up", description=main.__doc__)
-    ap.add_argument("--stores", type=int, default=2)
-    ap.add_argument("--sidecars", type=int, default=1)
-    ap.add_argument("--store-bytes", type=parse_bytes, default=256 << 20)
-    ap.add_argument("--local-bytes", type=parse_bytes, default=64 << 20)
-    ap.add_argument("--ssd-bytes", type=parse_bytes, default=0)
-    args = ap.parse_args(argv)
+    shape = ap.add_argument_group("pool membership")
+    shape.add_argument("--stores", type=int, default=2, help="store nodes (default 2)")
+    shape.add_argument("--sidecars", type=int, default=1, help="sidecars, each on its own unix socket (default 1)")
+    cap = ap.add_argument_group("capacity")
+    cap.add_argument("--store-bytes", type=parse_bytes, default=256 << 20,
+                     help="DRAM of each store node (default 256MiB)")
+    cap.add_argument("--local-bytes", type=parse_bytes, default=64 << 20,
+                     help="local tier of each sidecar (default 64MiB)")
+    cap.add_argument("--ssd-bytes", type=parse_bytes, default=0,
+                     help="SSD tier of each store node, in a temporary directory (default 0: none)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kvpool up`: run a LocalCluster in the foreground and print its addresses until Ctrl-C."""
+    args = build_parser().parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -667,22 +667,25 @@ def interpret(out: dict[str, Any]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvpool demo", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--sessions", type=int, default=None, help=f"chat sessions (default {FULL_SESSIONS})")
-    ap.add_argument("--quick", action="store_true", help=f"reduced size: {QUICK_SESSIONS} sessions")
-    ap.add_argument("--cells", default=None,
-                    help="comma-separated subset, e.g. 'random', 'sticky/no-pool', 'pool/2000' (default: all 8)")
-    ap.add_argument("--capacities", default=None,
-                    help="local capacities in blocks, comma-separated (default 8000,2000 × sessions/300)")
-    ap.add_argument("--value-bytes", type=int, default=VALUE_BYTES, help="bytes per block value (default 4096)")
-    ap.add_argument("--stores", type=int, default=2, help="store nodes in the with-pool cells (default 2)")
-    ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--verify-every", type=int, default=4, metavar="N",
-                    help="verify every block byte-exact on every N-th turn, size and header on the others "
-                         "(default 4; 1: every block of every turn)")
-    ap.add_argument("--jobs", type=int, default=2, metavar="N",
-                    help="clusters running at the same time (default 2; wall times per cell grow with it)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    work = ap.add_argument_group("workload")
+    work.add_argument("--sessions", type=int, default=None, help=f"chat sessions (default {FULL_SESSIONS})")
+    work.add_argument("--quick", action="store_true", help=f"reduced size: {QUICK_SESSIONS} sessions")
+    work.add_argument("--value-bytes", type=int, default=VALUE_BYTES, help="bytes per block value (default 4096)")
+    work.add_argument("--seed", type=int, default=SEED, help=f"seed of the workload (default {SEED})")
+    cells = ap.add_argument_group("cells (routing x capacity)")
+    cells.add_argument("--cells", default=None,
+                       help="comma-separated subset, e.g. 'random', 'sticky/no-pool', 'pool/2000' (default: all 8)")
+    cells.add_argument("--capacities", default=None,
+                       help="local capacities in blocks, comma-separated (default 8000,2000 × sessions/300)")
+    cells.add_argument("--stores", type=int, default=2, help="store nodes in the with-pool cells (default 2)")
+    run = ap.add_argument_group("running and output")
+    run.add_argument("--verify-every", type=int, default=4, metavar="N",
+                     help="verify every block byte-exact on every N-th turn, size and header on the others "
+                          "(default 4; 1: every block of every turn)")
+    run.add_argument("--jobs", type=int, default=2, metavar="N",
+                     help="clusters running at the same time (default 2; wall times per cell grow with it)")
+    run.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    run.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     return ap
 
 

@@ -153,23 +153,30 @@ def run_prompt(client: Any, keys: Sequence[bytes], value_bytes: int, read_only: 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvpool loadgen", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--address", default=os.environ.get("KVPOOL_ADDRESS", "unix:///run/kvpool/kvpool.sock"))
-    ap.add_argument("--model", default="loadgen")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--prompt-blocks", type=int, default=8)
-    ap.add_argument("--block-tokens", type=int, default=int(os.environ.get("KVPOOL_BLOCK_TOKENS", "16")))
-    ap.add_argument("--value-bytes", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--duration", type=float, default=0.0, help="repeat rounds for this many seconds")
-    ap.add_argument("--interval", type=float, default=0.0, help="pause between prompts (seconds)")
-    ap.add_argument("--read-only", action="store_true", help="match and get only, never put")
-    ap.add_argument("--states", action="store_true", help="a state object at the end of each prompt too")
-    ap.add_argument("--state-bytes", type=int, default=8192)
-    ap.add_argument("--flush", action="store_true", help="flush the sidecar's pending writes at the end")
-    ap.add_argument("--report", default=None, help="also write the summary JSON here")
-    ap.add_argument("--hold", action="store_true", help="stay up after the run until SIGTERM")
-    ap.add_argument("--connect-timeout", type=float, default=60.0)
+    conn = ap.add_argument_group("sidecar connection")
+    conn.add_argument("--address", default=os.environ.get("KVPOOL_ADDRESS", "unix:///run/kvpool/kvpool.sock"),
+                      help="address of the sidecar (default: $KVPOOL_ADDRESS or unix:///run/kvpool/kvpool.sock)")
+    conn.add_argument("--connect-timeout", type=float, default=60.0,
+                      help="seconds to keep trying to connect while the sidecar starts (default 60)")
+    work = ap.add_argument_group("workload")
+    work.add_argument("--model", default="loadgen", help="model name: part of every key (default loadgen)")
+    work.add_argument("--seed", type=int, default=0, help="seed of the prompts (same seed, same blocks)")
+    work.add_argument("--prompts", type=int, default=32, help="prompts per round (default 32)")
+    work.add_argument("--prompt-blocks", type=int, default=8, help="full blocks per prompt (default 8)")
+    work.add_argument("--block-tokens", type=int, default=int(os.environ.get("KVPOOL_BLOCK_TOKENS", "16")),
+                      help="tokens per block (default: $KVPOOL_BLOCK_TOKENS or 16)")
+    work.add_argument("--value-bytes", type=int, default=4096, help="bytes per block value (default 4096)")
+    work.add_argument("--read-only", action="store_true", help="match and get only, never put")
+    work.add_argument("--states", action="store_true", help="a state object at the end of each prompt too")
+    work.add_argument("--state-bytes", type=int, default=8192, help="bytes per state object (default 8192)")
+    dur = ap.add_argument_group("duration")
+    dur.add_argument("--rounds", type=int, default=1, help="replays of the prompts (default 1)")
+    dur.add_argument("--duration", type=float, default=0.0, help="repeat rounds for this many seconds")
+    dur.add_argument("--interval", type=float, default=0.0, help="pause between prompts (seconds)")
+    end = ap.add_argument_group("end of the run")
+    end.add_argument("--flush", action="store_true", help="flush the sidecar's pending writes at the end")
+    end.add_argument("--report", default=None, help="also write the summary JSON here")
+    end.add_argument("--hold", action="store_true", help="stay up after the run until SIGTERM")
     return ap
 
 

@@ -295,12 +295,18 @@ def _split(listen: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvpool router-api", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pool", required=True, help="comma-separated store node addresses (seeds)")
-    ap.add_argument("--listen", default="127.0.0.1:7450", help="HOST:PORT of the gRPC API (port 0: any)")
-    ap.add_argument("--http", default="127.0.0.1:7451", help="HOST:PORT of the HTTP/JSON API (empty: none)")
-    args = ap.parse_args(argv)
+    member = ap.add_argument_group("pool membership")
+    member.add_argument("--pool", required=True, help="comma-separated store node addresses (seeds)")
+    serve = ap.add_argument_group("listening")
+    serve.add_argument("--listen", default="127.0.0.1:7450", help="HOST:PORT of the gRPC API (port 0: any)")
+    serve.add_argument("--http", default="127.0.0.1:7451", help="HOST:PORT of the HTTP/JSON API (empty: none)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     service = MatchService([a.strip() for a in args.pool.split(",") if a.strip()])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-rpc"))
     rpbg.add_RouterServicer_to_server(RouterServicer(service), server)

@@ -5,26 +5,31 @@ services (:mod:`.data_service`, :mod:`.admin_service`) on one gRPC port, the adm
 credential check; the one-round-trip data session (:mod:`.data_session`), the node's only wire for
 bytes, served on the transfer port by a :class:`~kvpool.transfer.TransferServer` that exposes no
 segment (no peer reaches the DRAM arena by offset).  :func:`serve_forever` runs it until SIGTERM,
-with the housekeeping (expiry sweep, master-key reload).
+with the housekeeping (expiry sweep, master-key reload).  :func:`build_parser` and :func:`main` are
+the command line (``kvpool store``; its flags in groups).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 
+from kvpool.core.units import parse_bytes
 from kvpool.store.admin_service import AdminGate, StoreAdminService
 from kvpool.store.data_service import StoreDataService
 from kvpool.store.data_session import DataSessionHandler
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.transfer import SegmentRegistry, TransferServer
+from kvpool.wire.kv_events import add_event_args
 from kvpool.wire.proto import store_pb2_grpc as pbg
 
 log = logging.getLogger("kvpool.store")
@@ -102,3 +107,59 @@ def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvpool store",
+                                 description="Run a store node: a shard of the pool (DRAM, SSD, shared-fs tiers)")
+    member = ap.add_argument_group("pool membership")
+    member.add_argument("--listen", default="127.0.0.1:7400", help="HOST:PORT of the control API (gRPC)")
+    member.add_argument("--transfer-port", type=int, default=None,
+                        help="port of the transfer server (default: listen port + 1, or ephemeral for port 0)")
+    member.add_argument("--node-id", default=None,
+                        help="this node's id in the ring (default: the config's nodeId, $KVPOOL_NODE_ID "
+                             "or the host name)")
+    member.add_argument("--config", default=None, help="JSON node configuration (the operator's ConfigMap)")
+
+    cap = ap.add_argument_group("capacity (tiers)")
+    cap.add_argument("--dram", type=parse_bytes, default=None, help="DRAM arena payload capacity")
+    cap.add_argument("--ssd-path", default=None, help="directory of the SSD tier")
+    cap.add_argument("--ssd", type=parse_bytes, default=None, help="SSD tier capacity")
+    cap.add_argument("--sharedfs", default=None, help="directory of a shared-filesystem tier")
+
+    sec = ap.add_argument_group("security")
+    sec.add_argument("--tenants", default=None, help="JSON file of tenants (id, token, salt, quota, ttl)")
+    sec.add_argument("--closed", action="store_true", help="refuse calls without a tenant token")
+    sec.add_argument("--admin-token", default=None, help="token of the admin calls (SetRing, Drain, ...)")
+    sec.add_argument("--admin-token-file", default=None, help="file holding the admin token (a mounted Secret)")
+    sec.add_argument("--master-key-file", default=None,
+                     help="file holding the master key of encryption at rest (a mounted Secret, >= 32 bytes): "
+                          "objects on the SSD and shared-filesystem tiers are encrypted per tenant")
+    sec.add_argument("--previous-master-keys-file", default=None,
+                     help="file of earlier master keys, one per line, still opened but never used to seal "
+                          "(key rotation; a missing file holds none); both files are re-read when they change")
+
+    obs = ap.add_argument_group("observability (KV events)")
+    add_event_args(obs)
+    obs.add_argument("--events-tenant", default="default", help="the tenant whose block events are published")
+
+    test = ap.add_argument_group("testing/fault injection")
+    test.add_argument("--fault-tier-delay-file", default=None,
+                      help="test hook: while this file exists, each SSD/shared-fs I/O sleeps the seconds it holds")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kvpool store ...`: parse the flags, load the configuration and tenants, serve."""
+    from kvpool.store.config import load_node_config, load_tenants
+
+    args = build_parser().parse_args(argv)
+    cfg = load_node_config(args)
+    tenants = load_tenants(args.tenants) if args.tenants else []
+    admin = args.admin_token or ""
+    if args.admin_token_file:
+        with open(args.admin_token_file) as f:
+            admin = f.read().strip()
+    return serve_forever(cfg, args.listen, args.transfer_port, admin, tenants)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -258,7 +258,7 @@ def add_event_args(ap: Any) -> None:
     ap.add_argument("--events-endpoint", default="",
                     help="ZMQ endpoint to publish KV events on (vLLM kv_events format), e.g. tcp://*:5557")
     ap.add_argument("--events-replay-endpoint", default="", help="ZMQ endpoint of the events replay socket")
-    ap.add_argument("--events-topic", default=TOPIC)
+    ap.add_argument("--events-topic", default=TOPIC, help=f"topic of the published events (default {TOPIC})")
     ap.add_argument("--events-hash-format", choices=HASH_FORMATS, default="bytes",
                     help="block hashes as the 32-byte keys or as the integer of their last 8 bytes")
     ap.add_argument("--events-block-size", type=int, default=128, help="tokens per block (BlockStored.block_size)")
