@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.store.quota import pool_usage
+from kvpool.wire.counters import EVICTIONS, REFUSALS, total
 
 from .drain import DrainState, Event
 from .rebalance import RebalanceState
@@ -78,10 +79,6 @@ class PoolUsage:
         return self.hit_blocks / self.lookup_blocks if self.lookup_blocks else 0.0
 
 
-REFUSAL_COUNTERS = ("refused_quota",)
-EVICTION_COUNTERS = ("evicted", "evicted_quota", "expired")
-
-
 def aggregate(stats: Iterable[NodeStats], replicas: int = 1) -> PoolUsage:
     """The pool's usage from the nodes' reports; ``replicas``: the ring's replication (R).
 
@@ -116,8 +113,8 @@ def aggregate(stats: Iterable[NodeStats], replicas: int = 1) -> PoolUsage:
 def tenant_status(u: TenantUsage) -> dict[str, Any]:
     return {"tenantId": u.tenant_id, "usedBytes": u.used_bytes, "physicalBytes": u.physical_bytes,
             "quotaBytes": u.quota_bytes, "objects": u.objects,
-            "refusals": sum(int(u.counters.get(k, 0)) for k in REFUSAL_COUNTERS),
-            "evictions": sum(int(u.counters.get(k, 0)) for k in EVICTION_COUNTERS)}
+            "refusals": total(u.counters, REFUSALS),
+            "evictions": total(u.counters, EVICTIONS)}
 
 
 def usage_status(u: PoolUsage) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.wire.counters import SidecarCounter, copyover_result
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.sidecar.copyover")
@@ -88,8 +89,8 @@ class CopyOver:
         with self._cv:
             o = admit([e.key for e in blocks], [e.size for e in blocks], self._keys, self.queued_bytes,
                       self.max_bytes)
-            self.counters["pool_copyover_shed"] += o.shed
-            self.counters["pool_copyover_duplicate"] += o.duplicate
+            self.counters[SidecarCounter.POOL_COPYOVER_SHED] += o.shed
+            self.counters[SidecarCounter.POOL_COPYOVER_DUPLICATE] += o.duplicate
             if not o.take:
                 return
             live, release = self._pin([blocks[i] for i in o.take])
@@ -98,7 +99,7 @@ class CopyOver:
                 return
             self._keys.update(e.key for e in live)
             self.queued_bytes += sum(e.size for e in live)
-            self.counters["pool_copyover_queued"] += len(live)
+            self.counters[SidecarCounter.POOL_COPYOVER_QUEUED] += len(live)
             self._queue.append((live, release))
             self._cv.notify()
 
@@ -119,11 +120,10 @@ class CopyOver:
             try:
                 codes = self._put(entries)
                 for c in codes:
-                    name = ("written" if c == pb.OK else "present" if c == pb.ALREADY_EXISTS else "failed")
-                    self.counters[f"pool_copyover_{name}"] += 1
+                    self.counters[copyover_result(c)] += 1
             except Exception:  # noqa: BLE001 - best effort: the warm-up push covers what fails here
                 log.exception("copy-over failed")
-                self.counters["pool_copyover_failed"] += len(entries)
+                self.counters[SidecarCounter.POOL_COPYOVER_FAILED] += len(entries)
             finally:
                 release()
                 with self._cv:

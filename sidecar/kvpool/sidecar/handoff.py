@@ -39,6 +39,7 @@ from kvpool.sidecar.reads import Reads
 from kvpool.sidecar.writer import Writer
 from kvpool.transfer import Segment, SegmentRegistry, TransferEngine, TransferRequest, TransferServer
 from kvpool.wire import grpc_status
+from kvpool.wire.counters import SidecarCounter, handoff_refused, handoff_state
 from kvpool.wire.proto import sidecar_pb2 as spb
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -177,7 +178,7 @@ class HandoffService:
             created_unix_ms=now_ms, expires_unix_ms=now_ms + (request.record_ttl_ms or 600_000),
             state_position=p if flags & ho.FLAG_STATE else 0, instance=self.instance, flags=flags, **fields,
         ).signed(self.key(self.cfg.tenant_id))
-        self.counters["handoffs_published"] += 1
+        self.counters[SidecarCounter.HANDOFFS_PUBLISHED] += 1
         return spb.PublishPrefillReply(code=pb.OK, codes=codes, record=rec.to_bytes(), blocks_written=written,
                                        publish_us=int((time.perf_counter() - t0) * 1e6),
                                        state_exported=bool(flags & ho.FLAG_PEER))
@@ -233,7 +234,7 @@ class HandoffService:
         checked, why = ho.check(rec, self.key(self.cfg.tenant_id), self.cfg.tenant_id, int(time.time() * 1000))
         code = grpc_status.as_code(checked)
         if code != pb.OK:
-            self.counters[f"handoffs_refused_{pb.Code.Name(code).lower()}"] += 1
+            self.counters[handoff_refused(code)] += 1
             return spb.AcceptHandoffReply(code=code, message=why)
         lease_ms = self.cfg.lease(request.lease_ms)
         t0 = time.perf_counter()
@@ -256,8 +257,8 @@ class HandoffService:
             reply.state_us = us
             if where is not None:
                 reply.state_offset, reply.state_size, reply.state_lease_id = where[0], where[1], lease_id
-        self.counters["handoffs_accepted"] += 1
-        self.counters[f"handoff_state_{ho.StateOutcome(reply.state).name.lower()}"] += 1
+        self.counters[SidecarCounter.HANDOFFS_ACCEPTED] += 1
+        self.counters[handoff_state(ho.StateOutcome(reply.state))] += 1
         return reply
 
     def _land_state(self, rec: ho.HandoffRecord, lease_ms: int
@@ -314,7 +315,7 @@ class HandoffService:
         csum = checksum(self.local.view(e))
         if csum != rec.state_checksum:
             self.local.abandon(e)
-            self.counters["handoff_state_checksum_failures"] += 1
+            self.counters[SidecarCounter.HANDOFF_STATE_CHECKSUM_FAILURES] += 1
             return "the state bytes from the prefill sidecar failed their checksum"
         lease = self.local.lease([], lease_ms)
         self.local.insert_fetched(e, csum, lease)

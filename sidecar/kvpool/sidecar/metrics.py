@@ -12,6 +12,8 @@ from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpool.wire.counters import SidecarCounter
+
 LOOKUP_BLOCKS = Counter("kvpool_lookup_blocks_total", "Blocks asked for by match calls", ["tenant"])
 HIT_BLOCKS = Counter("kvpool_hit_blocks_total", "Blocks matched (block-weighted hits)", ["tenant", "tier"])
 READ_BLOCKS = Counter("kvpool_read_blocks_total", "Blocks read", ["tenant", "tier"])
@@ -63,17 +65,17 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("kvpool_pool_calls_skipped", "Pool calls not sent: their store node was suspect",
                                   value=s.pool.calls_skipped)
         yield CounterMetricFamily("kvpool_local_evictions", "Objects evicted from the local tier",
-                                  value=s.counters["evicted"])
+                                  value=s.counters[SidecarCounter.EVICTED])
         yield CounterMetricFamily("kvpool_pool_writes_shed", "Pool writes deferred because the backlog was full",
-                                  value=s.counters["pool_writes_shed"])
+                                  value=s.counters[SidecarCounter.POOL_WRITES_SHED])
         yield CounterMetricFamily("kvpool_pool_writes_backoff",
                                   "Write-through blocks and evicted copies scheduled for another pool write "
                                   "after a passing failure",
-                                  value=s.counters["pool_writes_backoff"])
+                                  value=s.counters[SidecarCounter.POOL_WRITES_BACKOFF])
         yield CounterMetricFamily("kvpool_pool_writes_dropped",
                                   "Pool writes given up after their retries or for a full backlog (write-through "
                                   "blocks stay local-only, evicted copies are lost)",
-                                  value=s.counters["pool_writes_dropped"])
+                                  value=s.counters[SidecarCounter.POOL_WRITES_DROPPED])
 
 
 def record_put(tenant: str, nbytes: int, seconds: float) -> None:

@@ -25,6 +25,7 @@ from kvpool.core.put_order import PutOrder
 from kvpool.store.node import Entry, StoreNode
 from kvpool.transfer.stream import STALL_ERRORS, Stream
 from kvpool.wire import store_frames as dp
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store.session")
@@ -169,7 +170,7 @@ class DataSessionHandler:
         if ticket is not None:
             # One part of a batch sent over several connections: reserve in batch order.
             if not self.order.wait_turn(tenant, ticket[0], ticket[1]):
-                node.count("put_order_waited_out")  # the batch's order is lost (its earlier part is late or gone)
+                node.count(StoreCounter.PUT_ORDER_WAITED_OUT)  # the batch's order is lost (its earlier part is late or gone)
         try:
             codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
                                                          req.kind, req.lease_ms, req.epoch)

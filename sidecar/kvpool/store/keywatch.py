@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from kvpool.store.node import StoreNode
 from kvpool.tiers.atrest import MasterKeyError, load_master_key, load_previous_keys
+from kvpool.wire.counters import StoreCounter
 
 log = logging.getLogger("kvpool.store.keys")
 
@@ -58,7 +59,7 @@ class MasterKeyWatcher:
             previous = load_previous_keys(self.paths[1]) if len(self.paths) > 1 else []
             self.node.set_master_keys(current, previous)
         except (MasterKeyError, ValueError) as exc:
-            self.node.count("master_key_reload_errors")
+            self.node.count(StoreCounter.MASTER_KEY_RELOAD_ERRORS)
             log.error("master key files changed but cannot be used, keeping the keys loaded before: %s", exc)
             return False
         finally:

@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.wire.counters import EventsCounter
+
 log = logging.getLogger("kvpool.wire.kv_events")
 
 TOPIC = "kv-events"
@@ -190,8 +192,8 @@ class EventPublisher:
             self.seq += 1
             self._buffer.append((self.seq, payload))
             self._pub.send_multipart([self.cfg.topic.encode(), self.seq.to_bytes(8, "big"), payload])
-            self.counters["batches"] += 1
-        self.counters["events"] += len(events)
+            self.counters[EventsCounter.BATCHES] += 1
+        self.counters[EventsCounter.EVENTS] += len(events)
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -202,7 +204,7 @@ class EventPublisher:
             except zmq.Again:
                 return
             if len(frames) != 3 or len(frames[2]) != 8:
-                self.counters["replay_malformed"] += 1
+                self.counters[EventsCounter.REPLAY_MALFORMED] += 1
                 continue
             ident, _, raw = frames
             start = int.from_bytes(raw, "big")
@@ -213,12 +215,12 @@ class EventPublisher:
                     self._send(pending)  # everything before the snapshot, in order
                 snap = [(CLEARED, b"")] + [(STORED, k) for k in keys]
                 self._replay.send_multipart([ident, b"", self.seq.to_bytes(8, "big"), self._batch(snap)])
-                self.counters["snapshots"] += 1
+                self.counters[EventsCounter.SNAPSHOTS] += 1
             for seq, payload in list(self._buffer):
                 if seq >= start:
                     self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
             self._replay.send_multipart([ident, b"", END_SEQ, b""])
-            self.counters["replays"] += 1
+            self.counters[EventsCounter.REPLAYS] += 1
 
     def _run(self) -> None:
         zmq = self._zmq
@@ -238,7 +240,7 @@ class EventPublisher:
                     self._send(events)
             except Exception:  # a router's bad request or a full queue must not stop the events
                 log.exception("kv events publisher")
-                self.counters["errors"] += 1
+                self.counters[EventsCounter.ERRORS] += 1
         events = self.take_pending()
         if events:
             self._send(events)
