@@ -447,6 +447,8 @@ def _counters(c: Client) -> dict[str, int]:
 def _probe(c: Client, keys: list[bytes], sizes: Sequence[int]) -> tuple[int, int, int]:
     """Read ``keys`` through the arena (plain buffers) on a quiet sidecar: (local hits, pool
     hits, wrong bytes) from the sidecar's counters around the reads."""
+    from kvpool.wire.counters import SidecarCounter
+
     before = _counters(c)
     bad = 0
     for at in range(0, len(keys), 16):
@@ -455,8 +457,8 @@ def _probe(c: Client, keys: list[bytes], sizes: Sequence[int]) -> tuple[int, int
         got = c.get_into(batch, outs)
         bad += sum(wrong_bytes(k, o[:g], sizes) for k, o, g in zip(batch, outs, got, strict=True) if g >= 0)
     after = _counters(c)
-    return (after.get("read_hits_local", 0) - before.get("read_hits_local", 0),
-            after.get("read_hits_pool", 0) - before.get("read_hits_pool", 0), bad)
+    return (after.get(SidecarCounter.READ_HITS_LOCAL, 0) - before.get(SidecarCounter.READ_HITS_LOCAL, 0),
+            after.get(SidecarCounter.READ_HITS_POOL, 0) - before.get(SidecarCounter.READ_HITS_POOL, 0), bad)
 
 
 def _wait(what: str, cond: Callable[[], bool], timeout: float) -> None:
@@ -516,6 +518,7 @@ def run_fault(fault: Fault, settings: Settings = Settings(), log: Log = _stderr)
     ensure_kvpool_importable()
     import kvpool
     from kvpool.apps.cluster import LocalCluster
+    from kvpool.wire.counters import SidecarCounter
 
     s = settings
     out = Outcome(fault.name, probe_objects=s.probe_objects)
@@ -536,7 +539,7 @@ def run_fault(fault: Fault, settings: Settings = Settings(), log: Log = _stderr)
             load.start()
             time.sleep(s.before_seconds)
             with kvpool.connect(lc.sidecars[0]) as watcher:
-                out.evicted_before = _counters(watcher).get("evicted", 0)
+                out.evicted_before = _counters(watcher).get(SidecarCounter.EVICTED, 0)
             t0, t_back = _inject(lc, fault, s, log)
             t_end = t_back + s.settle_seconds
             out.back_seconds, out.window_seconds = t_back - t0, t_end - t0
@@ -548,7 +551,7 @@ def run_fault(fault: Fault, settings: Settings = Settings(), log: Log = _stderr)
             load.close()
         _measure(out, load, calls, fault, t0, t_end, s.clients)
         with kvpool.connect(lc.sidecars[1]) as reader:
-            out.reader_pool_hits = _counters(reader).get("read_hits_pool", 0)
+            out.reader_pool_hits = _counters(reader).get(SidecarCounter.READ_HITS_POOL, 0)
         if fault.target == "sidecar" and fault.action == "kill":
             with kvpool.connect(lc.sidecars[0]) as prober:
                 out.adoption_counters = {k: v for k, v in _counters(prober).items()

@@ -173,10 +173,12 @@ def _read_into(client: Any, keys: list[bytes], outs: list[np.ndarray]) -> int:
 
 def _pool_hits(client: Any) -> tuple[int, int]:
     """(pool hits, local hits) the sidecar has counted for its reads so far ((0, 0): unknown)."""
+    from kvpool.wire.counters import SidecarCounter
+
     if not hasattr(client, "stats"):
         return 0, 0
     c = dict(client.stats().counters)
-    return int(c.get("read_hits_pool", 0)), int(c.get("read_hits_local", 0))
+    return int(c.get(SidecarCounter.READ_HITS_POOL, 0)), int(c.get(SidecarCounter.READ_HITS_LOCAL, 0))
 
 
 def _remote_get(plan: Any, a: Any, b: Any, vals: list[Any], src: np.ndarray, dst: np.ndarray,

@@ -41,6 +41,7 @@ ensure_kvpool_importable()
 
 from kvpool.apps.cluster import LocalCluster  # noqa: E402
 from kvpool.core.ring import owners  # noqa: E402
+from kvpool.wire.counters import SidecarCounter  # noqa: E402
 
 
 def _pass(c: Any, keys: list[bytes], size: int, batch: int = 64) -> tuple[float, float]:
@@ -123,11 +124,11 @@ def one_round(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             out["during_hit"] = min(h for h, _ in during)
             out["during_pass_s"] = statistics.median(t for _, t in during)
             t0 = time.monotonic()
-            while (c := dict(a.stats().counters)).get("pool_copyover_queued", 0) > (
-                    c.get("pool_copyover_written", 0) + c.get("pool_copyover_present", 0)
-                    + c.get("pool_copyover_failed", 0)):
+            while (c := dict(a.stats().counters)).get(SidecarCounter.POOL_COPYOVER_QUEUED, 0) > (
+                    c.get(SidecarCounter.POOL_COPYOVER_WRITTEN, 0) + c.get(SidecarCounter.POOL_COPYOVER_PRESENT, 0)
+                    + c.get(SidecarCounter.POOL_COPYOVER_FAILED, 0)):
                 time.sleep(0.01)
-            out["copyover_written"] = c.get("pool_copyover_written", 0)
+            out["copyover_written"] = c.get(SidecarCounter.POOL_COPYOVER_WRITTEN, 0)
             out["copyover_settle_s"] = time.monotonic() - t0
             out["cold_hit"] = _pass(b, other, size)[0]  # at the owners, no fallback, no push yet
 

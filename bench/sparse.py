@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from kvpool.apps.cluster import LocalCluster  # noqa: E402
 from kvpool.core.ring import owners  # noqa: E402
 from kvpool.pool.node_client import StoreClient  # noqa: E402
+from kvpool.wire.counters import StoreCounter  # noqa: E402
 from kvpool.wire.proto import store_pb2 as pb  # noqa: E402
 
 FRACTIONS = (0.01, 0.10, 1.00)
@@ -63,7 +64,7 @@ def sent(lc: LocalCluster) -> int:
     total = 0
     for addr in lc.stores:
         with lc.admin(addr) as c:
-            total += int(c.stats().counters["range_bytes_sent"])
+            total += int(c.stats().counters[StoreCounter.RANGE_BYTES_SENT])
     return total
 
 

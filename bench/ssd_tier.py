@@ -40,6 +40,7 @@ ensure_kvpool_importable()
 
 from kvpool.tiers.atrest import AtRest, sealed_size  # noqa: E402
 from kvpool.tiers.ssd import SsdTier  # noqa: E402
+from kvpool.wire.counters import StoreCounter  # noqa: E402
 
 MASTER = os.urandom(32).hex().encode()
 
@@ -129,7 +130,7 @@ def node_round(procs: Procs, work: Path, size: int, total: int, encrypted: bool)
                 if any(code != pb.OK for code in codes):
                     raise AssertionError(f"put failed: {codes}")
             t_put = time.perf_counter() - t0
-            demoted = c.stats().counters["demoted"]
+            demoted = c.stats().counters[StoreCounter.DEMOTED]
             bufs = [memoryview(bytearray(size)) for _ in range(batch)]
             t0 = time.perf_counter()
             for i in range(0, n, batch):
@@ -141,11 +142,11 @@ def node_round(procs: Procs, work: Path, size: int, total: int, encrypted: bool)
             st = c.stats().counters
             if bytes(bufs[0]) != val:
                 raise AssertionError("read back other bytes")
-            if encrypted and st.get("sealed", 0) < demoted:
+            if encrypted and st.get(StoreCounter.SEALED, 0) < demoted:
                 raise AssertionError("the encrypted node did not seal what it demoted")
         shutil.rmtree(ssd_dir, ignore_errors=True)
     return {"put+demote": _gbps(n * size, t_put), "get+promote": _gbps(n * size, t_get),
-            "demoted_fraction": demoted / n, "promoted_fraction": st.get("promoted", 0) / n}
+            "demoted_fraction": demoted / n, "promoted_fraction": st.get(StoreCounter.PROMOTED, 0) / n}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from e2e.cluster import Cluster, free_port
 from e2e.nodeagent import POD_MARKER_ENV
 from e2e.test_operator_crds import install_crds
 from e2e.testutil import wait_for
+from kvpool.wire.counters import StoreCounter
 from kvpool_operator.kube import Kube
 
 pytestmark = pytest.mark.cluster
@@ -397,10 +398,10 @@ def test_encrypted_tier_gets_a_master_key_and_seals_what_it_demotes(operator: Op
         with StoreClient(st["ring"]["members"][0]["address"]) as c:
             for i in range(0, 24, 4):
                 assert c.put(keys[i:i + 4], vals[i:i + 4]) == [0] * 4
-            assert c.stats().counters["sealed"] > 10
+            assert c.stats().counters[StoreCounter.SEALED] > 10
             got = [bytes(g) if g is not None else None for i in range(0, 24, 2) for g in c.get(keys[i:i + 2])]
             assert got == vals
-            assert c.stats().counters.get("at_rest_auth_failures", 0) == 0
+            assert c.stats().counters.get(StoreCounter.AT_REST_AUTH_FAILURES, 0) == 0
     finally:
         kube.delete(API, "KVTier", dram)
         kube.delete(API, "KVTier", ssd)

@@ -50,6 +50,7 @@ from e2e.test_operator_pool import (  # noqa: F401 (fixtures used by name)
     wait_status,
 )
 from e2e.testutil import python_cmd, wait_for
+from kvpool.wire.counters import SidecarCounter
 from kvpool_operator.kube import Kube
 from kvpool_operator.units import parse_bytes
 
@@ -453,17 +454,18 @@ def test_a_killed_sidecar_is_restarted_in_the_pod_and_keeps_the_cache(cluster: C
     assert seen["arena_files"] and all(n.startswith("kvpool-sidecar-") for n in seen["arena_files"])
     assert _adopted(seen["ready"][-1]) == (OBJECTS, 0), seen["ready"][-1]
     counters = seen["final"]["counters"]
-    assert counters.get("restart_adopted_objects") == OBJECTS, _summary(seen)
-    assert counters.get("restart_adopted_bytes") == OBJECTS * VALUE_BYTES, _summary(seen)
-    assert counters.get("restart_arena_reset", 0) == 0
-    assert counters.get("read_hits_pool", 0) == 0 and counters.get("hit_blocks_pool", 0) == 0, _summary(seen)
-    assert counters.get("read_misses", 0) == 0, _summary(seen)
+    assert counters.get(SidecarCounter.RESTART_ADOPTED_OBJECTS) == OBJECTS, _summary(seen)
+    assert counters.get(SidecarCounter.RESTART_ADOPTED_BYTES) == OBJECTS * VALUE_BYTES, _summary(seen)
+    assert counters.get(SidecarCounter.RESTART_ARENA_RESET, 0) == 0
+    assert counters.get(SidecarCounter.READ_HITS_POOL, 0) == 0, _summary(seen)
+    assert counters.get(SidecarCounter.HIT_BLOCKS_POOL, 0) == 0, _summary(seen)
+    assert counters.get(SidecarCounter.READ_MISSES, 0) == 0, _summary(seen)
     reads_after = seen["final"]["tally"]["after"]["objects"]
-    assert counters.get("read_hits_local", 0) >= reads_after, _summary(seen)
-    assert counters.get("hit_blocks_local", 0) >= AFTER_ROUNDS * OBJECTS, _summary(seen)
+    assert counters.get(SidecarCounter.READ_HITS_LOCAL, 0) >= reads_after, _summary(seen)
+    assert counters.get(SidecarCounter.HIT_BLOCKS_LOCAL, 0) >= AFTER_ROUNDS * OBJECTS, _summary(seen)
     assert seen["final"]["local_objects"] == OBJECTS
     # The old life's reads were local hits too (what the new life continues).
-    assert seen["warm"]["counters"].get("read_hits_local", 0) > 0
+    assert seen["warm"]["counters"].get(SidecarCounter.READ_HITS_LOCAL, 0) > 0
     # The kept arena and its journal fit in the volume the operator sized for them (the node agent
     # does not enforce sizeLimit: a kubelet's tmpfs of that size would).
     for vol in (seen["volume_before"], seen["volume_after"]):
@@ -482,10 +484,11 @@ def test_a_sidecar_restarted_without_its_arena_serves_right_bytes_from_the_pool(
     _client_kept_working(seen)
     assert _adopted(seen["ready"][-1]) == (0, 0), seen["ready"][-1]
     counters = seen["final"]["counters"]
-    assert counters.get("restart_adopted_objects", 0) == 0, _summary(seen)
+    assert counters.get(SidecarCounter.RESTART_ADOPTED_OBJECTS, 0) == 0, _summary(seen)
     # Each object came from the pool once (promoted into the new arena), then locally.
-    assert counters.get("read_hits_pool", 0) + counters.get("hit_blocks_pool", 0) >= OBJECTS, _summary(seen)
-    assert counters.get("read_misses", 0) == 0, _summary(seen)
+    from_pool = counters.get(SidecarCounter.READ_HITS_POOL, 0) + counters.get(SidecarCounter.HIT_BLOCKS_POOL, 0)
+    assert from_pool >= OBJECTS, _summary(seen)
+    assert counters.get(SidecarCounter.READ_MISSES, 0) == 0, _summary(seen)
 
 
 def test_the_store_memory_volume_holds_its_arena(cluster: Cluster, kube: Kube, pool_ns: str) -> None:  # noqa: F811

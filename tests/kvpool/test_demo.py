@@ -18,6 +18,7 @@ import pytest
 
 from kvpool import KeySpace
 from kvpool.apps import demo
+from kvpool.wire.counters import SidecarCounter
 
 SESSIONS = 40  # capacities scale with sessions/300: 1067 and 267 blocks
 
@@ -96,7 +97,8 @@ def test_bytes_exact_and_moved(result: dict[str, Any]) -> None:
         if c["pool"]:
             # Write-through: every block put reached the pool (deferred ones included) by the end.
             pool = {k: v for k, v in c["counters"].items() if k.startswith(("pool_", "local_only", "put_"))}
-            assert c["counters"].get("pool_writes", 0) >= c["counters"]["put_blocks"] > 0, (c["name"], pool)
+            written, put = c["counters"].get(SidecarCounter.POOL_WRITES, 0), c["counters"][SidecarCounter.PUT_BLOCKS]
+            assert written >= put > 0, (c["name"], pool)
         else:
             assert c["pool_read_bytes"] == 0 and c["pool_write_bytes"] == 0, c
     # With tight local tiers and random routing, the pool serves a large part of the hits.

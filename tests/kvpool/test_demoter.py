@@ -15,6 +15,7 @@ import pytest
 
 from kvpool.core.checksum import checksum
 from kvpool.store.node import NodeConfig, StoreNode
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -77,9 +78,9 @@ def test_a_demotion_lands_and_the_object_comes_back_byte_exact(node: StoreNode) 
     _demote(node, k)
     _settled(node)
     assert node.where(T, k) == "ssd" and node.dram.alloc.used == used - node.dram.alloc.rounded(len(v))
-    assert node.counters["demoted"] == 1
+    assert node.counters[StoreCounter.DEMOTED] == 1
     assert _read(node, k) == v
-    assert node.where(T, k) == "dram" and node.counters["promoted"] == 1 and node.tier("ssd").alloc.used == 0
+    assert node.where(T, k) == "dram" and node.counters[StoreCounter.PROMOTED] == 1 and node.tier("ssd").alloc.used == 0
 
 
 def test_an_object_being_demoted_stays_readable_and_a_read_keeps_it_in_dram(node: StoreNode) -> None:
@@ -95,7 +96,7 @@ def test_an_object_being_demoted_stays_readable_and_a_read_keeps_it_in_dram(node
     assert codes == [pb.OK] and bytes(node.dram.slice(found[0].offset, len(v))) == v  # type: ignore[union-attr]
     _settled(node)
     node.read_unpin(found)
-    assert node.where(T, k) == "dram" and node.counters["demotions_abandoned"] == 1
+    assert node.where(T, k) == "dram" and node.counters[StoreCounter.DEMOTIONS_ABANDONED] == 1
     assert node.tier("ssd").alloc.used == 0
     assert _read(node, k) == v
 
@@ -217,7 +218,7 @@ def test_demotions_a_put_needs_hold_the_lock_only_to_mark_and_flip(node: StoreNo
         codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], "chatbot", pb.BLOCK)
         assert time.monotonic() - t0 < 3.0  # its wait bound (0.2 s), not the blocked disk
         assert entered.wait(10), "no demotion reached the disk"
-        assert node.counters["demoted"] == 0  # the copy is stuck in the disk: nothing flipped yet
+        assert node.counters[StoreCounter.DEMOTED] == 0  # the copy is stuck in the disk: nothing flipped yet
         for k, v in vals.items():  # every object, those being demoted too, is a DRAM hit
             t0 = time.monotonic()
             assert _read(node, k) == v

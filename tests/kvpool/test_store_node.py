@@ -18,6 +18,7 @@ from kvpool.core import errors
 from kvpool.core.checksum import checksum
 from kvpool.core.ring import Member, Ring
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -220,7 +221,7 @@ def test_promotion_in_a_batch_never_evicts_an_earlier_item(make_node, tmp_path: 
     vals = [bytes([i]) * (60 * KiB) for i in range(16)]
     for k, v in zip(keys, vals, strict=True):
         assert put(node, [k], [v]) == [pb.OK]
-    assert node.counters["demoted"] > 0
+    assert node.counters[StoreCounter.DEMOTED] > 0
     # Batches of 3 x 60 KiB fit in DRAM together; each promotion evicts others (never these).
     for i in range(0, 15, 3):
         assert get(node, keys[i:i + 3]) == vals[i:i + 3]
@@ -261,7 +262,8 @@ def test_random_operations_keep_the_books_balanced(make_node, tmp_path: Path) ->
         for part in (node.dram.alloc, node.tier("ssd").alloc):
             assert 0 <= part.used <= part.capacity
         assert all(x.used_bytes >= 0 and x.objects >= 0 for x in node.tenants.values())
-    assert node.counters["demoted"] and node.counters["promoted"] and node.counters["evicted_quota"], node.counters
+    assert node.counters[StoreCounter.DEMOTED], node.counters
+    assert node.counters[StoreCounter.PROMOTED] and node.counters[StoreCounter.EVICTED_QUOTA], node.counters
     time.sleep(0.05)  # every reservation and lease above has expired
     for t in tenants:
         for kind in (pb.BLOCK, pb.STATE):
@@ -288,7 +290,7 @@ def test_state_objects_never_leave_dram(make_node, tmp_path: Path) -> None:  # t
     assert put(node, states, [b"S" * (40 * KiB)] * 3, kind=pb.STATE) == [pb.OK] * 3
     for i in range(20):  # push 5x the arena of blocks through
         assert put(node, [bytes([0xB0, i]) * 16], [b"B" * (60 * KiB)]) == [pb.OK]
-    assert node.counters["demoted"] > 0
+    assert node.counters[StoreCounter.DEMOTED] > 0
     assert {node.where(T, k, pb.STATE) for k in states} <= {None, "dram"}
     # Evicted states are gone (a miss), never served from a lower tier.
     for g in get(node, states, kind=pb.STATE):
@@ -332,7 +334,7 @@ def test_reads_count_in_the_hit_rate_once_per_block(make_node) -> None:  # type:
     assert put(node, keys[:3], [b"v" * 100] * 3) == [pb.OK] * 3
 
     def rate() -> tuple[int, int]:
-        return node.counters["hit_blocks"], node.counters["lookup_blocks"]
+        return node.counters[StoreCounter.HIT_BLOCKS], node.counters[StoreCounter.LOOKUP_BLOCKS]
 
     # A read over gRPC (get) and one over the data session (read_pin) are lookups themselves.
     assert get(node, keys) == [b"v" * 100] * 3 + [None]
@@ -398,11 +400,11 @@ def test_a_write_routed_by_a_stale_epoch_is_refused_for_what_the_node_does_not_o
     node.set_ring(Ring(epoch=3, members=(Member("n0", "a"), Member("n9", "b"))))
     want = [(pb.ALREADY_EXISTS if i < 8 else pb.OK) if p else pb.WRONG_OWNER for i, p in enumerate(primary)]
     assert _codes(node, keys, 2) == want
-    assert node.counters["refused_wrong_owner"] == 2 * refused
+    assert node.counters[StoreCounter.REFUSED_WRONG_OWNER] == 2 * refused
     # The caller's own epoch, a newer one (this node is behind) or none: taken as before.
     for epoch in (0, 3, 4):
         assert _codes(node, keys[8:], epoch) == [pb.OK] * 56
     # A node draining in the newest ring answers DRAINING to everyone, stale or not.
     node.set_ring(Ring(epoch=4, members=(Member("n0", "a", "draining"), Member("n9", "b"))))
     assert _codes(node, keys, 3) == [pb.DRAINING] * 64
-    assert node.counters["refused_wrong_owner"] == 2 * refused
+    assert node.counters[StoreCounter.REFUSED_WRONG_OWNER] == 2 * refused

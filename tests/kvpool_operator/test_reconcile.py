@@ -5,6 +5,7 @@ from typing import Any
 
 from kvpool.core.push_status import DrainStatus
 from kvpool.wire.convert import ring_to_pb
+from kvpool.wire.counters import StoreCounter
 from kvpool_operator.membership import StorePod
 from kvpool_operator.model import SpecError, parse_tier
 from kvpool_operator.reconcile import PoolObserved, PoolPlan, plan_pool
@@ -245,7 +246,7 @@ def test_a_tenants_pool_usage_is_in_its_quotas_unit() -> None:
     mib = 1 << 20
     stats: dict[str, NodeStats | None] = {
         f"p-store-{i}": NodeStats(f"p-store-{i}", capacity_bytes=GI, used_bytes=mib // 2,
-                                  tenants=(TenantUsage("t", mib // 2, mib, 128, {"refused_quota": 1}),))
+                                  tenants=(TenantUsage("t", mib // 2, mib, 128, {StoreCounter.REFUSED_QUOTA: 1}),))
         for i in range(4)}
     body = pool_body(storage={"replicas": 4, "replication": 2})
     plan, _ = _run(body, pods=_pods(4), sts_replicas=4, stats=stats)

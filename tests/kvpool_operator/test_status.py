@@ -1,5 +1,6 @@
 """Status: aggregation of node stats, conditions, phase and transition Events."""
 
+from kvpool.wire.counters import StoreCounter
 from kvpool_operator.drain import DrainState
 from kvpool_operator.scaling import ScaleDecision
 from kvpool_operator.status import (
@@ -19,9 +20,9 @@ def _by_type(view: object) -> dict[str, tuple[bool, str]]:
 
 def test_aggregate_is_block_weighted() -> None:
     a = NodeStats("a", capacity_bytes=100, used_bytes=30, hit_blocks=90, lookup_blocks=100,
-                  tenants=(TenantUsage("t", 10, 50, 2, {"refused_quota": 3, "evicted": 1}),))
+                  tenants=(TenantUsage("t", 10, 50, 2, {StoreCounter.REFUSED_QUOTA: 3, StoreCounter.EVICTED: 1}),))
     b = NodeStats("b", capacity_bytes=100, used_bytes=10, hit_blocks=0, lookup_blocks=900,
-                  tenants=(TenantUsage("t", 5, 50, 1, {"refused_quota": 1}),))
+                  tenants=(TenantUsage("t", 5, 50, 1, {StoreCounter.REFUSED_QUOTA: 1}),))
     u = aggregate([a, b])
     assert (u.capacity_bytes, u.used_bytes, u.utilization) == (200, 40, 0.2)
     assert u.hit_rate == 0.09  # 90 of 1000 blocks, not the mean of 0.9 and 0.0
@@ -39,7 +40,8 @@ def test_tenant_quota_and_usage_are_the_pools_in_one_unit() -> None:
     on two nodes, so 4 nodes holding 2 MiB of a tenant's replicas hold 1 MiB of its quota."""
     mib = 1 << 20
     nodes = [NodeStats(f"n{i}", capacity_bytes=64 * mib, used_bytes=mib // 2,
-                       tenants=(TenantUsage("t", mib // 2, mib, 128, {"refused_quota": 5}),)) for i in range(4)]
+                       tenants=(TenantUsage("t", mib // 2, mib, 128, {StoreCounter.REFUSED_QUOTA: 5}),))
+             for i in range(4)]
     u = aggregate(nodes, replicas=2)
     t = u.tenants["t"]
     assert (t.used_bytes, t.physical_bytes, t.quota_bytes, t.objects) == (mib, 2 * mib, mib, 256)

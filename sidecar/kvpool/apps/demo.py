@@ -45,6 +45,7 @@ import numpy.typing as npt
 
 from kvpool.core.keys import KeySpace
 from kvpool.core.planning import plan_hit
+from kvpool.wire.counters import SidecarCounter
 
 BLOCK_TOKENS = 16
 SYSTEM_PROMPTS = 3
@@ -321,11 +322,11 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
     d = {key: after.get(key, 0) - before.get(key, 0) for key in sorted(after)}
     res.counters = {key: v for key, v in d.items() if v}
     res.recompute_share = res.recomputed_tokens / res.prompt_tokens if res.prompt_tokens else 0.0
-    res.local_read_bytes = d.get("hit_blocks_local", 0) * values.size
-    res.pool_read_bytes = d.get("hit_blocks_pool", 0) * values.size
-    res.local_write_bytes = d.get("put_blocks", 0) * values.size
-    res.pool_write_bytes = d.get("pool_writes", 0) * values.size
-    res.pool_writes_shed = d.get("pool_writes_shed", 0)
+    res.local_read_bytes = d.get(SidecarCounter.HIT_BLOCKS_LOCAL, 0) * values.size
+    res.pool_read_bytes = d.get(SidecarCounter.HIT_BLOCKS_POOL, 0) * values.size
+    res.local_write_bytes = d.get(SidecarCounter.PUT_BLOCKS, 0) * values.size
+    res.pool_write_bytes = d.get(SidecarCounter.POOL_WRITES, 0) * values.size
+    res.pool_writes_shed = d.get(SidecarCounter.POOL_WRITES_SHED, 0)
     return res
 
 
@@ -617,7 +618,7 @@ def format_report(out: dict[str, Any]) -> str:
             f"{_mb(c['local_read_bytes']):>11} {_mb(c['pool_read_bytes']):>10} {_mb(c['pool_write_bytes']):>10}  "
             f"{c['wall_seconds']:6.1f}  {c['mismatches']:>4}")
         extra = [f"{k}={c[k]}" for k in ("get_failures", "put_failures") if c[k]]
-        if c["pool_writes_shed"]:
+        if c[SidecarCounter.POOL_WRITES_SHED]:
             extra.append(f"{c['pool_writes_shed']} pool writes deferred (write-through backlog full)")
         if c["pool"] and c["turns_above_floor"]:
             extra.append(f"{c['turns_above_floor']} of {c['turns']} turns above their floor (a prefix another "

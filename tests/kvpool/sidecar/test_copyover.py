@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.sidecar.copyover import CopyOver, admit
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 
@@ -54,7 +55,8 @@ def test_the_worker_writes_each_block_once_and_releases_its_pin() -> None:
             deadline.wait(0.01)
         assert co.idle and co.queued_bytes == 0
         assert sorted(k for batch in written for k in batch) == [b"a", b"b", b"have"]
-        assert counters["pool_copyover_written"] == 2 and counters["pool_copyover_present"] == 1
-        assert counters["pool_copyover_duplicate"] == 1 and len(released) == 2
+        assert counters[SidecarCounter.POOL_COPYOVER_WRITTEN] == 2
+        assert counters[SidecarCounter.POOL_COPYOVER_PRESENT] == 1
+        assert counters[SidecarCounter.POOL_COPYOVER_DUPLICATE] == 1 and len(released) == 2
     finally:
         co.close()

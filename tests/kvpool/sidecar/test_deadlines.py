@@ -29,6 +29,7 @@ from kvpool.pool.data_client import DataSession
 from kvpool.pool.node_client import StoreClient
 from kvpool.transfer.testing import CuttingProxy
 from kvpool.wire import store_frames as dp
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -95,29 +96,29 @@ def test_stopped_store_node_costs_one_deadline(h: Any, rng: random.Random) -> No
                     else:
                         assert s == 8 * KiB and bytes(b) == expect[k]
                 st = h.counters(c)
-                assert st["pool_deadline_misses"] >= 1
-                skipped = st["pool_calls_skipped"]
+                assert st[SidecarCounter.POOL_DEADLINE_MISSES] >= 1
+                skipped = st[SidecarCounter.POOL_CALLS_SKIPPED]
                 # The node is suspect now: the next calls do not wait for it at all.
                 n, took = _timed(c.match, dead[44:60])
                 assert n == 0 and took <= MATCH_BOUND
                 with c.get(live[44:60]) as got:
                     assert [bytes(v) for v in got] == [expect[k] for k in live[44:60]]
                 st2 = h.counters(c)
-                assert st2["pool_calls_skipped"] > skipped
+                assert st2[SidecarCounter.POOL_CALLS_SKIPPED] > skipped
                 # Asked again and again while it is stopped, it costs a deadline at most once per
                 # back-off period (probes run beside the calls, not in them).
                 t0 = time.monotonic()
                 for i in range(10):
                     assert c.match(dead[60 + i:61 + i]) == 0
                 assert time.monotonic() - t0 <= 10 * MATCH_BOUND
-                assert st2["read_hits_pool"] - st["read_hits_pool"] == 16
+                assert st2[SidecarCounter.READ_HITS_POOL] - st[SidecarCounter.READ_HITS_POOL] == 16
             finally:
                 os.kill(pid, signal.SIGCONT)
             # Running again: a probe lets it back in, and its keys hit again.
             h.wait_for(lambda: c.match(dead[70:80]) == 10, timeout=60, what="the node to be let back in")
             with c.get(dead[80:90]) as got:
                 assert [bytes(v) for v in got] == [expect[k] for k in dead[80:90]]
-            assert h.counters(c)["pool_probes_ok"] >= 1
+            assert h.counters(c)[SidecarCounter.POOL_PROBES_OK] >= 1
 
 
 def test_stopped_node_keys_are_read_at_replicas(h: Any, rng: random.Random) -> None:
@@ -141,7 +142,7 @@ def test_stopped_node_keys_are_read_at_replicas(h: Any, rng: random.Random) -> N
                     with got:
                         assert [bytes(v) for v in got] == [values[keys.index(k)] for k in batch]
                     assert took <= MATCH_BOUND, took
-                assert h.counters(c)["pool_calls_skipped"] > 0
+                assert h.counters(c)[SidecarCounter.POOL_CALLS_SKIPPED] > 0
             finally:
                 os.kill(pid, signal.SIGCONT)
 
@@ -202,9 +203,10 @@ def test_store_killed_mid_get_counts_only_what_was_delivered(h: Any, rng: random
         served = [i for i, s in enumerate(sizes) if s != -1]
         assert all(sizes[i] == size and bytes(bufs[i]) == expect[keys[i]] for i in served)
         assert {keys[i] for i in served} >= set(live)  # the live node's objects all came
-        assert after["read_hits_pool"] - before.get("read_hits_pool", 0) == len(served)
-        assert after.get("read_hits_local", 0) == before.get("read_hits_local", 0)
-        assert after.get("read_misses", 0) - before.get("read_misses", 0) == len(keys) - len(served)
+        assert after[SidecarCounter.READ_HITS_POOL] - before.get(SidecarCounter.READ_HITS_POOL, 0) == len(served)
+        assert after.get(SidecarCounter.READ_HITS_LOCAL, 0) == before.get(SidecarCounter.READ_HITS_LOCAL, 0)
+        misses = after.get(SidecarCounter.READ_MISSES, 0) - before.get(SidecarCounter.READ_MISSES, 0)
+        assert misses == len(keys) - len(served)
 
 
 def test_client_calls_are_bounded(h: Any, rng: random.Random) -> None:

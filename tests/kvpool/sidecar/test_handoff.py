@@ -17,9 +17,11 @@ import pytest
 from kvpool.apps.cluster import LocalCluster
 from kvpool.core import errors
 from kvpool.core import handoff_record as ho
+from kvpool.core.handoff_record import StateOutcome
 from kvpool.core.keys import KeySpace
 from kvpool.core.planning import plan_hit
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter, handoff_state
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -63,11 +65,12 @@ def test_blocks_and_state_byte_exact_on_the_decode_side(lc: LocalCluster, rng: r
             assert (res.plan.hit_tokens, res.plan.state_position, res.plan.compute_tokens) == (pos, pos, prompt - pos)
             assert res.blocks_local_seconds > 0 and res.total_seconds >= res.blocks_local_seconds
         after = h.counters(d)
-        assert after["handoff_state_peer"] == before.get("handoff_state_peer", 0) + 1
+        peer = handoff_state(StateOutcome.PEER)
+        assert after[peer] == before.get(peer, 0) + 1
         # Everything is local on the decode side now: a read is all local hits, the state too.
         with d.get(keys) as got:
             assert [bytes(v) for v in got] == values
-        assert h.counters(d)["read_hits_local"] - after["read_hits_local"] == len(keys)
+        assert h.counters(d)[SidecarCounter.READ_HITS_LOCAL] - after[SidecarCounter.READ_HITS_LOCAL] == len(keys)
         assert bytes(d.get_state(keys[pos // B - 1], pos) or b"") == state
         # The JSON form is accepted as well (the same record).
         with d.accept_handoff(rec.to_json()) as again:
@@ -79,9 +82,9 @@ def test_write_back_blocks_are_written_to_the_pool_by_the_publish(lc: LocalClust
     addr = lc.add_sidecar("acme", extra_args=["--write-back"])
     with LocalClient(lc, addr) as p, lc.connect(1) as d:
         keys, values, state, prompt, pos = prefill(p, rng, blocks=6)
-        assert h.counters(p)["local_only_objects"] == len(keys) + 1  # only here, before the publish
+        assert h.counters(p)[SidecarCounter.LOCAL_ONLY_OBJECTS] == len(keys) + 1  # only here, before the publish
         rec = p.publish_prefill(keys, prompt)
-        assert h.counters(p)["local_only_objects"] == 1  # the blocks reached the pool; the state stays
+        assert h.counters(p)[SidecarCounter.LOCAL_ONLY_OBJECTS] == 1  # the blocks reached the pool; the state stays
         with d.accept_handoff(rec) as res:
             assert res.state_outcome == ho.StateOutcome.PEER
             assert [bytes(v) for v in res.blocks] == values and bytes(res.state or b"") == state

@@ -14,6 +14,7 @@ import pytest
 from kvpool.arena.allocator import ExtentAllocator
 from kvpool.sidecar import journal as j
 from kvpool.sidecar.local_tier import LocalTier
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 A = 4096
@@ -103,7 +104,8 @@ def test_a_tier_adopts_what_the_previous_one_left(tmp_path: Path) -> None:
     kept, counts = t2.adopt(grace_ms=1)
     assert sorted(e.key for e in kept) == sorted(keys[:5])
     assert all(e.dirty and not e.pooled for e in kept)
-    assert counts["restart_dropped_uncommitted"] == 1 and counts["restart_dropped_objects"] == 1
+    assert counts[SidecarCounter.RESTART_DROPPED_UNCOMMITTED] == 1
+    assert counts[SidecarCounter.RESTART_DROPPED_OBJECTS] == 1
     found, _ = t2.lookup(keys, pb.BLOCK)
     assert [bytes(t2.view(e)) if e else None for e in found] == vals[:5] + [None]
     t2.arena.alloc.check()

@@ -23,6 +23,7 @@ pytest.importorskip("msgspec", reason="the events extra (pyzmq, msgspec) is not 
 
 from kvpool.apps.cluster import LocalCluster, spawn, stop_procs  # noqa: E402
 from kvpool.pool.node_client import StoreClient  # noqa: E402
+from kvpool.wire.counters import SidecarCounter, StoreCounter
 
 KiB, MiB = 1 << 10, 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -125,7 +126,7 @@ def test_router_index_follows_puts_evictions_and_a_restart(router: Router, h: An
         put_blocks("a", 40)
         h.wait_for(consistent, 30, what="the router's index after evictions")
         st = clients["a"].stats()
-        assert st.counters["evicted"] > 10
+        assert st.counters[SidecarCounter.EVICTED] > 10
         assert len(router.index()["a"]) == st.local_objects < 48
         # An explicit removal is an event too.
         assert clients["b"].remove(put["b"][:2]) == [0, 0]
@@ -194,7 +195,7 @@ def test_store_node_events_of_one_tenant(router: Router, h: Any, tmp_path: Path)
             keys += put(c1, 20)  # 2 MiB of DRAM and no tier below: the oldest are dropped
             assert c1.remove(keys[-2:]) == [0, 0]
             h.wait_for(consistent, 30, what="the store's events after evictions and removals")
-            assert c1.stats().counters["evicted"] > 5
+            assert c1.stats().counters[StoreCounter.EVICTED] > 5
             assert not router.index()["t1"] & {k.hex() for k in theirs}
     finally:
         stop_procs([proc])

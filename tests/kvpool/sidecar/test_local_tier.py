@@ -10,6 +10,8 @@ import urllib.request
 from typing import Any
 
 from kvpool.core import errors
+from kvpool.core.retry import UNREACHABLE
+from kvpool.wire.counters import SidecarCounter, pool_write_failed
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -36,9 +38,9 @@ def test_eviction_under_pressure_keeps_capacity_and_data(shared: Any, h: Any, rn
             # Pinned views were never evicted, so their bytes never changed under us.
             assert [bytes(v) for v in pinned] == pinned_vals
         st = c.stats()
-        assert st.counters["evicted"] > 0 and st.local_used_bytes <= st.local_capacity_bytes
+        assert st.counters[SidecarCounter.EVICTED] > 0 and st.local_used_bytes <= st.local_capacity_bytes
         h.wait_for(lambda: c.stats().pending_pool_bytes == 0, what="write-through backlog")
-        assert st.counters.get("pool_write_unreachable", 0) == 0
+        assert st.counters.get(pool_write_failed(UNREACHABLE), 0) == 0
         # Everything is still readable: what was evicted comes back from the pool.
         before = h.counters(c)
         keys = [k for k, _ in written]
@@ -47,7 +49,7 @@ def test_eviction_under_pressure_keeps_capacity_and_data(shared: Any, h: Any, rn
             with c.get(keys[j:j + 16]) as got:
                 assert [bytes(v) for v in got] == [v for _, v in written[j:j + 16]]
         after = h.counters(c)
-        assert after["read_hits_pool"] > before.get("read_hits_pool", 0)
+        assert after[SidecarCounter.READ_HITS_POOL] > before.get(SidecarCounter.READ_HITS_POOL, 0)
         assert c.stats().local_used_bytes <= cap
 
 
@@ -169,5 +171,5 @@ def test_concurrent_reads_and_writes_under_pressure_never_see_wrong_bytes(shared
     assert hits > 0
     with shared.connect(i) as c:
         st = c.stats()
-        assert st.counters["evicted"] > 0 and st.local_used_bytes <= st.local_capacity_bytes
+        assert st.counters[SidecarCounter.EVICTED] > 0 and st.local_used_bytes <= st.local_capacity_bytes
         assert shared.sidecar_procs[i].popen.poll() is None

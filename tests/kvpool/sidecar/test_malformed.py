@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from kvpool.core import errors
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import sidecar_pb2 as spb
 from kvpool.wire.proto import sidecar_pb2_grpc as spbg
 from kvpool.wire.proto import store_pb2 as pb
@@ -74,13 +75,13 @@ def test_unknown_kind_is_refused_at_the_sidecar(shared: Any, h: Any, rng: random
                  lambda: stub.Remove(pb.RemoveRequest(keys=key, kind=7), timeout=10)):
         assert "unknown object kind 7" in _invalid(call)
     with shared.connect(0) as a, shared.connect(1) as b:
-        before = h.counters(a).get("pool_errors", 0)
+        before = h.counters(a).get(SidecarCounter.POOL_ERRORS, 0)
         keys = h.keys(rng, 16)
         values = h.values(rng, [100] * 16)
         assert a.put(keys, values) == [pb.OK] * 16
         h.wait_for(lambda: a.stats().pending_pool_bytes == 0, what="write-through backlog")
         assert b.match(keys) == 16
-        assert h.counters(a).get("pool_errors", 0) == before
+        assert h.counters(a).get(SidecarCounter.POOL_ERRORS, 0) == before
 
 
 def test_client_side_argument_errors(shared: Any, h: Any, rng: random.Random) -> None:

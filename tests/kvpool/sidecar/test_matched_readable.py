@@ -24,6 +24,7 @@ from kvpool.apps.cluster import LocalCluster
 from kvpool.core import errors
 from kvpool.core.planning import plan_hit
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -90,7 +91,7 @@ def test_matched_prefix_is_readable_while_views_fill_the_tier() -> None:
         clients = [lc.connect(i) for i in range(4)]
         try:
             turns, failed, wrong = replay_holding_views(clients, HELD_TURNS)
-            spilled = sum(int(c.stats().counters.get("read_no_room", 0)) for c in clients)
+            spilled = sum(int(c.stats().counters.get(SidecarCounter.READ_NO_ROOM, 0)) for c in clients)
         finally:
             for c in clients:
                 c.close()
@@ -219,7 +220,7 @@ def test_put_into_a_tier_pinned_full_streams_from_client_memory() -> None:
                     dst[:] = src
                 new_vals = plain + list(registered)
                 assert c.put(more, new_vals) == [pb.OK] * 8
-                assert c.stats().counters["put_streamed"] == 8
+                assert c.stats().counters[SidecarCounter.PUT_STREAMED] == 8
                 with c.get(more) as got:
                     for v, want in zip(got, new_vals, strict=True):
                         assert bytes(v) == bytes(want)

@@ -15,6 +15,7 @@ from kvpool.core.keys import KEY_BYTES
 from kvpool.core.ring import owners
 from kvpool.pool.fanout import Pool
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -48,7 +49,7 @@ def test_remote_reads_and_matches(cluster: Any, h: Any, rng: random.Random) -> N
         bufs = [np.zeros(s, np.uint8) for s in sizes]
         assert b.get_into(keys, bufs) == sizes
         assert [x.tobytes() for x in bufs] == values
-        assert h.counters(b)["read_hits_pool"] - before.get("read_hits_pool", 0) == len(keys)
+        assert h.counters(b)[SidecarCounter.READ_HITS_POOL] - before.get(SidecarCounter.READ_HITS_POOL, 0) == len(keys)
         # A miss in the middle: the prefix stops there, the rest of the batch is still read.
         gap = keys[:4] + h.keys(rng, 1) + keys[4:8]
         assert b.match(gap) == 4
@@ -89,8 +90,8 @@ def test_a_released_match_drops_its_pins_with_the_next_frame_to_each_node(
         with b.get(keys) as got:    # the read drops the second match's pins
             assert len(got) == 12
         after = h.counters(b)
-        sent = after["pool_match_releases_sent"] - before["pool_match_releases_sent"]
-        carried = after["pool_match_releases_carried"] - before["pool_match_releases_carried"]
+        sent = after[SidecarCounter.POOL_MATCH_RELEASES_SENT] - before[SidecarCounter.POOL_MATCH_RELEASES_SENT]
+        carried = after[SidecarCounter.POOL_MATCH_RELEASES_CARRIED] - before[SidecarCounter.POOL_MATCH_RELEASES_CARRIED]
         assert (sent, carried) == (0, len(groups))
         for address, ks in groups.items():
             with StoreClient(address) as node:

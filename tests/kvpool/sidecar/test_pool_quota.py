@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvpool.apps.cluster import LocalCluster
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -174,7 +175,8 @@ def test_writer_sees_the_pools_codes_for_a_batch_larger_than_the_local_tier(h: A
             h.wait_for(lambda: c.stats().ring_epoch == lc.epoch, what="the sidecar to learn the ring")
             codes = c.put(keys, values, wait=True)
             counters = h.counters(c)
-        assert counters.get("put_spilled_rounds", 0) + counters.get("put_streamed", 0) > 0, counters
+        assert counters.get(SidecarCounter.PUT_SPILLED_ROUNDS, 0) + counters.get(SidecarCounter.PUT_STREAMED, 0) > 0, \
+            counters
         assert set(codes) <= {pb.OK, pb.QUOTA_EXCEEDED}, sorted(set(codes))
         ok = [i for i, code in enumerate(codes) if code == pb.OK]
         assert 0.75 * QUOTA <= len(ok) * OBJECT <= QUOTA * (1 + SLACK)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool.core import errors
+from kvpool.wire.counters import SidecarCounter, StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -26,7 +27,7 @@ def _sent(lc: Any) -> int:
     total = 0
     for addr in lc.stores:
         with lc.admin(addr) as c:
-            total += int(c.stats().counters["range_bytes_sent"])
+            total += int(c.stats().counters[StoreCounter.RANGE_BYTES_SENT])
     return total
 
 
@@ -63,9 +64,10 @@ def test_remote_ranges_move_only_the_ranges(shared: Any, reader: int, h: Any, rn
         # Served from the owner, never brought into b's local tier, its scratch freed with the lease.
         assert after_b.local_objects == before_b.local_objects == 0
         assert after_b.local_used_bytes == before_b.local_used_bytes == 0
-        assert after_b.counters["range_hits_pool"] - before_b.counters["range_hits_pool"] == 3
-        assert after_b.counters["read_hits_pool"] == before_b.counters["read_hits_pool"]
-        assert b.match([key]) == 1 and b.stats().counters["hit_blocks_local"] == after_b.counters["hit_blocks_local"]
+        assert after_b.counters[SidecarCounter.RANGE_HITS_POOL] - before_b.counters[SidecarCounter.RANGE_HITS_POOL] == 3
+        assert after_b.counters[SidecarCounter.READ_HITS_POOL] == before_b.counters[SidecarCounter.READ_HITS_POOL]
+        assert b.match([key]) == 1
+        assert b.stats().counters[SidecarCounter.HIT_BLOCKS_LOCAL] == after_b.counters[SidecarCounter.HIT_BLOCKS_LOCAL]
 
 
 def test_local_ranges_come_from_the_local_tier(shared: Any, h: Any, rng: random.Random) -> None:
@@ -81,8 +83,8 @@ def test_local_ranges_come_from_the_local_tier(shared: Any, h: Any, rng: random.
             assert b"".join(bytes(v) for v in views) == _expected(value, pairs)
         assert _sent(shared) == sent0  # nothing asked of the pool
         after = a.stats().counters
-        assert after["range_hits_local"] - before["range_hits_local"] == 1
-        assert after["range_bytes_local"] - before["range_bytes_local"] == 4008
+        assert after[SidecarCounter.RANGE_HITS_LOCAL] - before[SidecarCounter.RANGE_HITS_LOCAL] == 1
+        assert after[SidecarCounter.RANGE_BYTES_LOCAL] - before[SidecarCounter.RANGE_BYTES_LOCAL] == 4008
 
 
 def test_batches_mix_local_remote_missing_and_invalid(shared: Any, h: Any, rng: random.Random) -> None:

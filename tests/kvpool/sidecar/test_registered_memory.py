@@ -21,6 +21,7 @@ from kvpool.transfer import memfd
 from kvpool.transfer._sockio import send_with_fd
 from kvpool.transfer.testing import RawConnection, unix_socket
 from kvpool.wire import sidecar_frames as fp
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 MiB = 1 << 20
@@ -61,8 +62,8 @@ def test_pool_objects_land_in_registered_buffers_without_entering_the_local_tier
             assert all(bytes(o[len(v):]) == b"\xee" * 4 for o, v in zip(outs, values, strict=True))
         after = h.counters(b)
         # Both reads came from the pool: a read-through leaves the local tier as it was.
-        assert after["read_hits_pool"] - before.get("read_hits_pool", 0) == 2 * len(keys)
-        assert after.get("read_hits_local", 0) == before.get("read_hits_local", 0)
+        assert after[SidecarCounter.READ_HITS_POOL] - before.get(SidecarCounter.READ_HITS_POOL, 0) == 2 * len(keys)
+        assert after.get(SidecarCounter.READ_HITS_LOCAL, 0) == before.get(SidecarCounter.READ_HITS_LOCAL, 0)
         assert b.match_lease(keys, lease_ms=1000)[0] == len(keys)
 
 
@@ -85,9 +86,11 @@ def test_local_hits_duplicates_and_misses_in_one_registered_read(module_cluster:
             if v is not None:
                 assert bytes(o[:len(v)]) == v
         after = h.counters(b)
-        assert after["read_hits_local"] - before.get("read_hits_local", 0) == 3  # L0 twice, L1
-        assert after["read_hits_pool"] - before.get("read_hits_pool", 0) == 3  # P0 twice (fetched once), P1
-        assert after["read_misses"] - before.get("read_misses", 0) == 1
+        def grew(name: str) -> int:
+            return int(after[name] - before.get(name, 0))
+        assert grew(SidecarCounter.READ_HITS_LOCAL) == 3  # L0 twice, L1
+        assert grew(SidecarCounter.READ_HITS_POOL) == 3  # P0 twice (fetched once), P1
+        assert grew(SidecarCounter.READ_MISSES) == 1
 
 
 def test_a_registered_buffer_smaller_than_its_object_is_refused(module_cluster: Any, rng: random.Random,

@@ -17,6 +17,7 @@ from kvpool.core.retry import UNREACHABLE
 from kvpool.core.ring import Member, Ring, owners
 from kvpool.pool.node_client import StoreClient
 from kvpool.pool.routing import fallback_routes, merge_replica_codes, write_routes
+from kvpool.wire.counters import StoreCounter, pool_write_failed
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -78,7 +79,7 @@ def test_reads_of_a_replicated_block_fall_back_to_the_next_replicas_in_rank_orde
 
 def _stored(lc: LocalCluster, i: int) -> int:
     with lc.admin(lc.stores[i]) as c:
-        return int(c.stats().counters["stored"])
+        return int(c.stats().counters[StoreCounter.STORED])
 
 
 def test_replication_2_survives_the_sigkill_of_a_store_node(h: Any, rng: random.Random) -> None:
@@ -116,7 +117,7 @@ def test_replication_2_survives_the_sigkill_of_a_store_node(h: Any, rng: random.
             with lc.connect(0) as w:
                 assert w.put(more, vals) == [pb.OK] * len(more)
                 h.wait_for(lambda: w.stats().pending_pool_bytes == 0, 60, what="write-through backlog")
-                assert h.counters(w).get("pool_write_unreachable", 0) == 0
+                assert h.counters(w).get(pool_write_failed(UNREACHABLE), 0) == 0
             assert r.match(more) == len(more)
             with r.get(more) as got:
                 assert [bytes(v) for v in got] == vals

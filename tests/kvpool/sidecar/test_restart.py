@@ -18,6 +18,7 @@ import pytest
 from kvpool.apps.cluster import LocalCluster
 from kvpool.client.client import Client
 from kvpool.core import errors
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -74,8 +75,8 @@ def test_old_client_never_reads_another_objects_bytes_after_a_restart(kill: bool
             assert (wrong, failed) == (0, 0) and right == 2 * len(keys)
             assert c.restarts_seen == 1
             st = h.counters(c)
-            assert st["restart_adopted_objects"] == len(keys)  # served from the kept arena
-            assert st.get("restart_resumed_pool_writes", 0) == 0  # the journal knew they were in the pool
+            assert st[SidecarCounter.RESTART_ADOPTED_OBJECTS] == len(keys)  # served from the kept arena
+            assert st.get(SidecarCounter.RESTART_RESUMED_POOL_WRITES, 0) == 0  # the journal knew they were in the pool
             # A put through the old client lands where the new sidecar reads it.
             more = [rng.randbytes(32) for _ in range(8)]
             more_values = [rng.randbytes(48 * KiB) for _ in more]
@@ -115,7 +116,7 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
         try:
             assert c.put(keys, values) == [pb.OK] * len(keys)
             assert c.put_state(state_key, 128, state) == pb.OK
-            assert h.counters(c).get("local_only_objects", 0) == len(keys) + 1  # write-back: only here
+            assert h.counters(c).get(SidecarCounter.LOCAL_ONLY_OBJECTS, 0) == len(keys) + 1  # write-back: only here
             # A write the crash interrupts: reserved, bytes copied, never committed.
             torn_key = rng.randbytes(32)
             codes, offsets, rid, _ = c._fast.write_start(torn_key, [64 * KiB], pb.BLOCK, "chatbot")
@@ -127,9 +128,11 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
             c._arena[off] ^= 0xFF
             lc.restart_sidecar(0, kill=True)
             before = h.counters(c)
-            assert before.get("restart_adopted_objects", 0) == len(keys)  # 95 good blocks, the state object
+            # 95 good blocks, the state object
+            assert before.get(SidecarCounter.RESTART_ADOPTED_OBJECTS, 0) == len(keys)
             assert f"adopted={len(keys)} dropped=2" in lc.sidecar_procs[0].ready_line
-            assert before["restart_dropped_checksum"] == 1 and before["restart_dropped_uncommitted"] == 1
+            assert before[SidecarCounter.RESTART_DROPPED_CHECKSUM] == 1
+            assert before[SidecarCounter.RESTART_DROPPED_UNCOMMITTED] == 1
             # Never the changed bytes, never the uncommitted write: misses (the pool has neither).
             with pytest.raises(errors.NotFound):
                 c.get([keys[0]])
@@ -141,17 +144,17 @@ def test_write_back_blocks_and_state_survive_a_sigkill_and_reach_the_pool(rng: r
             assert [bytes(v) for v in got] == values[1:]
             got.release()
             after = h.counters(c)
-            local = after["read_hits_local"] - before.get("read_hits_local", 0)
-            pool = after["read_hits_pool"] - before.get("read_hits_pool", 0)
+            local = after[SidecarCounter.READ_HITS_LOCAL] - before.get(SidecarCounter.READ_HITS_LOCAL, 0)
+            pool = after[SidecarCounter.READ_HITS_POOL] - before.get(SidecarCounter.READ_HITS_POOL, 0)
             assert local >= 0.9 * (len(keys) + 1) and pool == 0, (local, pool)
             # What exists only here still goes to the pool (write-back: on flush / drain).
-            assert after["local_only_objects"] == len(keys)
+            assert after[SidecarCounter.LOCAL_ONLY_OBJECTS] == len(keys)
             flushed = c.flush(timeout_ms=30_000)
             assert flushed.dropped_objects == 0 and flushed.flushed_objects == len(keys)
             other = lc.add_sidecar()
             with lc.connect(lc.sidecars.index(other)) as d:
                 assert [bytes(v) for v in d.get(keys[1:])] == values[1:]
-                assert h.counters(d)["read_hits_pool"] == len(keys) - 1
+                assert h.counters(d)[SidecarCounter.READ_HITS_POOL] == len(keys) - 1
                 assert bytes(d.get_state(state_key, 128) or b"") == state
         finally:
             c.close()
@@ -177,9 +180,10 @@ def test_write_through_blocks_not_yet_in_the_pool_are_written_after_a_restart(rn
             with lc.connect(lc.sidecars.index(other)) as d:
                 assert d.match(keys) == len(keys)  # in the pool
                 assert [bytes(v) for v in d.get(keys)] == values
-                assert h.counters(d)["read_hits_pool"] == len(keys)
+                assert h.counters(d)[SidecarCounter.READ_HITS_POOL] == len(keys)
             st = h.counters(c)
-            assert st["restart_resumed_pool_writes"] == len(keys) and st["pool_writes"] >= len(keys)
+            assert st[SidecarCounter.RESTART_RESUMED_POOL_WRITES] == len(keys)
+            assert st[SidecarCounter.POOL_WRITES] >= len(keys)
         finally:
             c.close()
 
@@ -226,7 +230,7 @@ def test_a_kill_during_writes_loses_only_those_writes(rng: random.Random, h: Any
                     except errors.NotFound:
                         lost_acked += k in acked
                 assert (wrong, lost_acked) == (0, 0)
-                assert h.counters(fresh)["restart_adopted_objects"] >= 200
+                assert h.counters(fresh)[SidecarCounter.RESTART_ADOPTED_OBJECTS] >= 200
         finally:
             stop.set()
             c.close()
@@ -255,7 +259,8 @@ def test_a_restart_with_another_configuration_starts_empty_and_says_why(change: 
                     c.get(keys)
                 return
             st = h.counters(c)
-            assert st["restart_arena_reset"] == 1 and st.get("restart_adopted_objects", 0) == 0
+            assert st[SidecarCounter.RESTART_ARENA_RESET] == 1
+            assert st.get(SidecarCounter.RESTART_ADOPTED_OBJECTS, 0) == 0
             assert c.stats().local_objects == 0
             # The old client remapped the new arena: the pool's copies, right bytes.
             assert [bytes(v) for v in c.get(keys)] == values

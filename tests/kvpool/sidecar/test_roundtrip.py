@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool.core import errors
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -48,7 +49,7 @@ def test_batches_across_sidecars(shared: Any, h: Any, rng: random.Random, size: 
         with b.get(keys) as got:
             assert [bytes(v) for v in got] == values
         after = h.counters(b)
-        assert after["read_hits_pool"] - before.get("read_hits_pool", 0) == count
+        assert after[SidecarCounter.READ_HITS_POOL] - before.get(SidecarCounter.READ_HITS_POOL, 0) == count
         # Both store nodes took part (the keys are spread over the ring).
         owners = {shared.store_ids.index(n) for n in _owner_ids(shared, keys)}
         assert owners == {0, 1} or count < 8
@@ -112,11 +113,11 @@ def test_repeated_get_is_zero_copy_local_hit(shared: Any, h: Any, rng: random.Ra
                 assert bytes(v) == want
                 assert np.shares_memory(np.asarray(v), np.asarray(w))
         after = h.counters(b)
-        assert after["read_hits_local"] - before.get("read_hits_local", 0) == 16
-        assert after.get("read_hits_pool", 0) == before.get("read_hits_pool", 0)
+        assert after[SidecarCounter.READ_HITS_LOCAL] - before.get(SidecarCounter.READ_HITS_LOCAL, 0) == 16
+        assert after.get(SidecarCounter.READ_HITS_POOL, 0) == before.get(SidecarCounter.READ_HITS_POOL, 0)
         assert b.match(keys) == 8
         st = b.stats()
-        assert st.counters["hit_blocks_local"] >= 8
+        assert st.counters[SidecarCounter.HIT_BLOCKS_LOCAL] >= 8
 
 
 def test_missing_key_raises_typed_error(shared: Any, h: Any, rng: random.Random) -> None:

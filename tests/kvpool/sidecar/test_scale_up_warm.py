@@ -13,6 +13,7 @@ from typing import Any
 from kvpool.apps.cluster import LocalCluster
 from kvpool.core.ring import owners
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter, total
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -65,12 +66,13 @@ def test_adding_a_node_keeps_the_warm_working_set_hitting(h: Any, rng: random.Ra
             during += [_hit_rate(a, hot, hot_v) for _ in range(2)]  # every moved key falls back at least once
             assert min(during) >= before, f"hit rate dropped on the node add: before {before:.3f}, during {during}"
             # Each fallback hit is copied to the new owner off the read path, once.
-            h.wait_for(lambda: (c := h.counters(a)).get("pool_copyover_queued_bytes", 0) == 0
-                       and c.get("pool_copyover_written", 0) + c.get("pool_copyover_present", 0)
-                       + c.get("pool_copyover_failed", 0) == c.get("pool_copyover_queued", 0), what="copy-over")
+            done = (SidecarCounter.POOL_COPYOVER_WRITTEN, SidecarCounter.POOL_COPYOVER_PRESENT,
+                    SidecarCounter.POOL_COPYOVER_FAILED)
+            h.wait_for(lambda: (c := h.counters(a)).get(SidecarCounter.POOL_COPYOVER_QUEUED_BYTES, 0) == 0
+                       and total(c, done) == c.get(SidecarCounter.POOL_COPYOVER_QUEUED, 0), what="copy-over")
             copied = h.counters(a)
-            assert copied.get("pool_copyover_written", 0) == len(moved_hot), str(sorted(copied.items()))
-            assert copied.get("pool_copyover_failed", 0) == 0, copied
+            assert copied.get(SidecarCounter.POOL_COPYOVER_WRITTEN, 0) == len(moved_hot), str(sorted(copied.items()))
+            assert copied.get(SidecarCounter.POOL_COPYOVER_FAILED, 0) == 0, copied
             with StoreClient(new_addr) as fresh:
                 assert fresh.exists(moved_hot, prefix_only=False).present == [True] * len(moved_hot)
                 assert fresh.exists(moved_cold, prefix_only=False).present == [False] * len(moved_cold)
@@ -99,4 +101,4 @@ def test_adding_a_node_keeps_the_warm_working_set_hitting(h: Any, rng: random.Ra
             after = _hit_rate(b, hot + cold, hot_v + cold_v)
             assert after >= before, (f"hit rate after the push {after:.3f} < before {before:.3f} "
                                      f"(cold set before the push: {cold_before_push:.3f})")
-            assert h.counters(b).get("pool_copyover_queued", 0) == 0  # no fallback was needed
+            assert h.counters(b).get(SidecarCounter.POOL_COPYOVER_QUEUED, 0) == 0  # no fallback was needed

@@ -16,6 +16,7 @@ from kvpool.apps.cluster import LocalCluster, Proc
 from kvpool.core.keys import KeySpace
 from kvpool.core.ring import owners
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -75,7 +76,7 @@ def test_sigterm_flushes_state_objects_for_another_sidecar(shared: LocalCluster,
             assert got is not None and bytes(got) == state
             with b.get(keys[:7]) as blk:
                 assert [bytes(v) for v in blk] == blocks[:7]
-        assert b.stats().counters["read_hits_pool"] >= 5
+        assert b.stats().counters[SidecarCounter.READ_HITS_POOL] >= 5
 
 
 def test_write_back_reaches_the_pool_on_eviction_and_on_sigterm(shared: LocalCluster, h: Any,
@@ -97,7 +98,7 @@ def test_write_back_reaches_the_pool_on_eviction_and_on_sigterm(shared: LocalClu
             assert a.put(ks, vs) == [pb.OK] * 16
             written += zip(ks, vs, strict=True)
         st = a.stats()
-        assert st.counters["evicted"] > 0 and st.local_used_bytes <= st.local_capacity_bytes
+        assert st.counters[SidecarCounter.EVICTED] > 0 and st.local_used_bytes <= st.local_capacity_bytes
         h.wait_for(lambda: a.stats().pending_pool_bytes == 0, what="evicted blocks to be written")
         assert b.match(first) == 16
         with b.get(first) as got:

@@ -8,8 +8,10 @@ import random
 from typing import Any
 
 from kvpool.apps.cluster import LocalCluster
+from kvpool.core.errors import Code
 from kvpool.core.ring import owners
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter, StoreCounter, pool_write_failed
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -17,7 +19,7 @@ KiB, MiB = 1 << 10, 1 << 20
 
 def _refused(lc: LocalCluster, i: int) -> int:
     with lc.admin(lc.stores[i]) as c:
-        return int(c.stats().counters["refused_wrong_owner"])
+        return int(c.stats().counters[StoreCounter.REFUSED_WRONG_OWNER])
 
 
 def test_a_write_by_a_stale_ring_lands_at_the_owner_of_the_new_one(h: Any, rng: random.Random) -> None:
@@ -42,8 +44,9 @@ def test_a_write_by_a_stale_ring_lands_at_the_owner_of_the_new_one(h: Any, rng: 
             assert w.stats().ring_epoch == lc.epoch
             # Re-routed within the push that was refused: no write waits for a retry, none failed.
             counters = h.counters(w)
-            assert not counters.get("pool_writes_backoff") and not counters.get("pool_write_wrong_owner")
-            assert counters["pool_writes"] == len(keys)
+            assert not counters.get(SidecarCounter.POOL_WRITES_BACKOFF)
+            assert not counters.get(pool_write_failed(Code.WRONG_OWNER))
+            assert counters[SidecarCounter.POOL_WRITES] == len(keys)
 
         # Every object is at its owner under the newest ring (where no fallback is needed).
         by_owner = owners(b"".join(keys), lc.store_ids)[:, 0].tolist()

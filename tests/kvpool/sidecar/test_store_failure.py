@@ -13,6 +13,7 @@ from kvpool.apps.cluster import LocalCluster
 from kvpool.core import errors
 from kvpool.core.ring import owners
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -101,7 +102,7 @@ def test_kill_store_under_load(h: Any, rng: random.Random) -> None:
         own = _owner(lc, keys, ids)
         with lc.connect(1) as c:
             st = h.counters(c)
-            assert st["read_misses"] > 0 and st["pool_errors"] > 0
+            assert st[SidecarCounter.READ_MISSES] > 0 and st[SidecarCounter.POOL_ERRORS] > 0
             # Keys of the live node are all still readable; those of the dead one are misses.
             alive = [k for k, o in zip(keys, own, strict=True) if o == ids[survivor]]
             assert len(alive) > 50
@@ -119,8 +120,9 @@ def test_kill_store_under_load(h: Any, rng: random.Random) -> None:
                        what="the sidecar to learn the new ring epoch")
             # Blocks whose write-through failed while their owner was dead were kept local-only,
             # and are written again under the new ring.
-            assert h.counters(w)["pool_writes_retried"] > 0
-            h.wait_for(lambda: h.counters(w)["local_only_objects"] == 0 and w.stats().pending_pool_bytes == 0,
+            assert h.counters(w)[SidecarCounter.POOL_WRITES_RETRIED] > 0
+            h.wait_for(lambda: h.counters(w)[SidecarCounter.LOCAL_ONLY_OBJECTS] == 0
+                       and w.stats().pending_pool_bytes == 0,
                        timeout=60, what="failed writes to be retried under the new ring")
             fresh = h.keys(rng, 64)
             fvalues = h.values(rng, [4 * KiB] * 64)

@@ -12,6 +12,7 @@ from kvpool.apps.cluster import LocalCluster
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -64,7 +65,7 @@ def test_same_tokens_other_tenant_matches_nothing(lc: LocalCluster, h: Any, rng:
         assert beta.has_states([keys[5]]) == [False]
         plan = beta.plan(len(tokens), keys)
         assert plan.hit_tokens == 0
-        assert h.counters(beta).get("read_hits_pool", 0) == 0
+        assert h.counters(beta).get(SidecarCounter.READ_HITS_POOL, 0) == 0
 
 
 def test_each_tenant_reads_only_its_own_objects(lc: LocalCluster, h: Any, rng: random.Random) -> None:

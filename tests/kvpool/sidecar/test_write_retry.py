@@ -16,12 +16,17 @@ from typing import Any
 import pytest
 
 from kvpool.apps.cluster import LocalCluster
+from kvpool.core.errors import Code
 from kvpool.core.retry import DONE, REFUSED, RETRY, UNREACHABLE, RetryQueue, delay, drain_pause, outcome, retried
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import SidecarCounter, pool_write_failed
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 CLUSTER = dict(stores=1, sidecars=1, store_bytes=64 * MiB, local_bytes=16 * MiB)
+
+
+IN_FLIGHT = pool_write_failed(Code.IN_FLIGHT)
 
 
 def _count(h: Any, client: Any, name: str) -> int:
@@ -44,16 +49,16 @@ def test_a_block_another_writer_holds_reaches_the_pool_once_it_lets_go(
         module_cluster: LocalCluster, h: Any, held: tuple[bytes, bytes, Any]) -> None:
     key, value, let_go = held
     with module_cluster.connect(0) as c:
-        in_flight, writes = _count(h, c, "pool_write_in_flight"), _count(h, c, "pool_writes")
+        in_flight, writes = _count(h, c, IN_FLIGHT), _count(h, c, SidecarCounter.POOL_WRITES)
         assert c.put([key], [value]) == [pb.OK]
-        h.wait_for(lambda: _count(h, c, "pool_write_in_flight") > in_flight, what="the IN_FLIGHT refusal")
+        h.wait_for(lambda: _count(h, c, IN_FLIGHT) > in_flight, what="the IN_FLIGHT refusal")
         assert c.stats().pending_pool_bytes > 0  # the retry is part of the backlog
         let_go()
         # No ring change happens: only the writer's own retry can bring the block to the pool.
-        h.wait_for(lambda: c.stats().pending_pool_bytes == 0 and _count(h, c, "local_only_objects") == 0,
+        h.wait_for(lambda: c.stats().pending_pool_bytes == 0 and _count(h, c, SidecarCounter.LOCAL_ONLY_OBJECTS) == 0,
                    timeout=20, what="the retried pool write")
-        assert _count(h, c, "pool_writes") == writes + 1
-        assert _count(h, c, "pool_writes_dropped") == 0
+        assert _count(h, c, SidecarCounter.POOL_WRITES) == writes + 1
+        assert _count(h, c, SidecarCounter.POOL_WRITES_DROPPED) == 0
     with StoreClient(module_cluster.stores[0]) as node:
         assert [bytes(v) if v is not None else None for v in node.get([key])] == [value]
 
@@ -64,10 +69,10 @@ def test_a_block_tried_too_often_is_counted_dropped_and_stays_local(
     module_cluster.add_sidecar(extra_args=["--pool-write-retries", "2"])
     with module_cluster.connect(len(module_cluster.sidecars) - 1) as c:
         assert c.put([key], [value]) == [pb.OK]
-        h.wait_for(lambda: _count(h, c, "pool_writes_dropped") == 1, what="the block to be dropped")
+        h.wait_for(lambda: _count(h, c, SidecarCounter.POOL_WRITES_DROPPED) == 1, what="the block to be dropped")
         counters = h.counters(c)
-        assert counters["pool_write_in_flight"] == 3  # the first write and its two retries
-        assert counters["local_only_objects"] == 1 and counters.get("pool_writes", 0) == 0
+        assert counters[IN_FLIGHT] == 3  # the first write and its two retries
+        assert counters[SidecarCounter.LOCAL_ONLY_OBJECTS] == 1 and counters.get(SidecarCounter.POOL_WRITES, 0) == 0
         assert c.stats().pending_pool_bytes == 0  # given up: no longer part of the backlog
 
 
@@ -80,12 +85,13 @@ def test_a_block_written_while_its_node_is_stopped_reaches_the_pool_after(h: Any
         try:
             assert c.put(keys, values) == [pb.OK] * 4
             # The pool write times out (the node answers nothing): a failure with no ring change.
-            h.wait_for(lambda: c.stats().counters.get("pool_errors", 0) > 0, what="the timed-out pool write")
+            h.wait_for(lambda: c.stats().counters.get(SidecarCounter.POOL_ERRORS, 0) > 0,
+                       what="the timed-out pool write")
         finally:
             os.kill(pid, signal.SIGCONT)
-        h.wait_for(lambda: c.stats().pending_pool_bytes == 0 and _count(h, c, "local_only_objects") == 0,
+        h.wait_for(lambda: c.stats().pending_pool_bytes == 0 and _count(h, c, SidecarCounter.LOCAL_ONLY_OBJECTS) == 0,
                    timeout=40, what="the retried pool write")
-        assert _count(h, c, "pool_writes") == 4
+        assert _count(h, c, SidecarCounter.POOL_WRITES) == 4
         with StoreClient(lc.stores[0]) as node:
             assert [bytes(v) if v is not None else None for v in node.get(keys)] == values
 
@@ -100,7 +106,7 @@ def test_an_evicted_copy_another_writer_holds_reaches_the_pool_once_it_lets_go(
         # copy, the only bytes left, is written to the pool, where the other writer holds the key.
         for _ in range(6):
             assert c.put(h.keys(rng, 16), h.values(rng, [16 * KiB] * 16)) == [pb.OK] * 16
-        h.wait_for(lambda: _count(h, c, "pool_write_in_flight") > 0, what="the IN_FLIGHT refusal of the copy")
+        h.wait_for(lambda: _count(h, c, IN_FLIGHT) > 0, what="the IN_FLIGHT refusal of the copy")
         # Everything else evicted is in the pool; the copy waits for its retry, part of the backlog.
         h.wait_for(lambda: c.stats().pending_pool_bytes == len(value), what="the copy waiting in the backlog")
         let_go()
@@ -108,7 +114,7 @@ def test_an_evicted_copy_another_writer_holds_reaches_the_pool_once_it_lets_go(
             h.wait_for(lambda: node.get([key])[0] is not None, timeout=40, what="the retried copy")
             assert [bytes(v) if v is not None else None for v in node.get([key])] == [value]
         h.wait_for(lambda: c.stats().pending_pool_bytes == 0, what="the backlog to drain")
-        assert _count(h, c, "pool_writes_dropped") == 0
+        assert _count(h, c, SidecarCounter.POOL_WRITES_DROPPED) == 0
 
 
 def test_evicted_copies_beyond_the_backlog_bound_are_counted_dropped_the_others_reach_the_pool(
@@ -124,7 +130,7 @@ def test_evicted_copies_beyond_the_backlog_bound_are_counted_dropped_the_others_
                 assert c.put(keys[i:i + 16], values[i:i + 16]) == [pb.OK] * 16
             # The copies' writes time out or find the node down: a passing failure each.  A quarter
             # of the local tier of them wait for a retry; those beyond are dropped, and counted.
-            h.wait_for(lambda: _count(h, c, "pool_writes_dropped") > 0, timeout=60,
+            h.wait_for(lambda: _count(h, c, SidecarCounter.POOL_WRITES_DROPPED) > 0, timeout=60,
                        what="copies beyond the backlog bound to be dropped")
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -134,7 +140,7 @@ def test_evicted_copies_beyond_the_backlog_bound_are_counted_dropped_the_others_
             stored = [v is not None for v in node.get(keys)]
         # No evicted block is lost silently: it is in the pool or counted as dropped.  (A write
         # that timed out may still land when the node resumes: dropped and yet stored, so >=.)
-        assert sum(stored) + counters["pool_writes_dropped"] >= counters["evicted"] > 0
+        assert sum(stored) + counters[SidecarCounter.POOL_WRITES_DROPPED] >= counters[SidecarCounter.EVICTED] > 0
         assert sum(stored) >= 16  # the copies that fit the bound (256 KiB) made it
 
 

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -67,24 +68,24 @@ def test_ssd_tier_encrypted_byte_exact_and_no_plaintext_on_disk(stores: Any, h: 
         c = nodes[name].client()
         _put_all(c, keys, vals, batch=5)
         st = c.stats()
-        assert st.counters["demoted"] > 10
+        assert st.counters[StoreCounter.DEMOTED] > 10
         # What the SSD holds now (before reads promote anything back).
         slots = (tmp_path / f"ssd-{name}" / f"kvpool-{name}.slots").read_bytes()
         if name == "plain":
             # The scan finds plaintext where there is some (so its silence below means something).
             assert _leaks([slots], vals) > 10
-            assert st.counters.get("sealed", 0) == 0
+            assert st.counters.get(StoreCounter.SEALED, 0) == 0
         else:
             assert _leaks([slots], vals) == 0
-            assert st.counters["sealed"] == st.counters["demoted"]
+            assert st.counters[StoreCounter.SEALED] == st.counters[StoreCounter.DEMOTED]
         assert _read_all(c, keys) == vals
         order = list(range(len(keys)))
         rng.shuffle(order)
         assert _read_all(c, [keys[i] for i in order], batch=3) == [vals[i] for i in order]
         st = c.stats()
-        assert st.counters["promoted"] > 10
-        assert st.counters.get("at_rest_auth_failures", 0) == 0
-        assert st.counters.get("checksum_failures", 0) == 0
+        assert st.counters[StoreCounter.PROMOTED] > 10
+        assert st.counters.get(StoreCounter.AT_REST_AUTH_FAILURES, 0) == 0
+        assert st.counters.get(StoreCounter.CHECKSUM_FAILURES, 0) == 0
 
 
 def test_tampered_ssd_slots_are_counted_misses(stores: Any, h: Any, rng: random.Random, tmp_path: Path) -> None:
@@ -111,12 +112,12 @@ def test_tampered_ssd_slots_are_counted_misses(stores: Any, h: Any, rng: random.
     assert all(g is None or g == v for g, v in zip(got, vals, strict=True)), "never wrong bytes"
     assert got.count(None) == on_ssd
     st = c.stats()
-    assert st.counters["at_rest_auth_failures"] == on_ssd
-    assert h.stats_tenant(st, "default").counters["at_rest_auth_failures"] == on_ssd
-    assert st.counters.get("checksum_failures", 0) == 0  # the tag caught them before the checksum
+    assert st.counters[StoreCounter.AT_REST_AUTH_FAILURES] == on_ssd
+    assert h.stats_tenant(st, "default").counters[StoreCounter.AT_REST_AUTH_FAILURES] == on_ssd
+    assert st.counters.get(StoreCounter.CHECKSUM_FAILURES, 0) == 0  # the tag caught them before the checksum
     # Forgotten: asking again is a plain miss (no second failure), and the engine saw no error.
     assert c.exists(keys, prefix_only=False).present.count(True) == 30 - on_ssd
-    assert c.stats().counters["at_rest_auth_failures"] == on_ssd
+    assert c.stats().counters[StoreCounter.AT_REST_AUTH_FAILURES] == on_ssd
 
 
 def test_sharedfs_foreign_tenant_and_tampered_files_are_counted_misses(stores: Any, h: Any, rng: random.Random,
@@ -131,7 +132,7 @@ def test_sharedfs_foreign_tenant_and_tampered_files_are_counted_misses(stores: A
     c1, c2 = writer.client("tok-1"), writer.client("tok-2")
     _put_all(c1, keys, v1)
     _put_all(c2, keys, v2)
-    assert c1.stats().counters["sealed"] > 20
+    assert c1.stats().counters[StoreCounter.SEALED] > 20
     blobs = [p.read_bytes() for p in _files(fs)]
     assert len(blobs) > 20 and _leaks(blobs, v1 + v2) == 0
     assert _read_all(c1, keys) == v1 and _read_all(c2, keys) == v2
@@ -155,12 +156,12 @@ def test_sharedfs_foreign_tenant_and_tampered_files_are_counted_misses(stores: A
     got = _read_all(r1, [keys[i] for i in both], batch=3)
     assert got == [None if i in damaged else v1[i] for i in both]
     st = r1.stats()
-    assert h.stats_tenant(st, "t1").counters["at_rest_auth_failures"] == len(damaged)
+    assert h.stats_tenant(st, "t1").counters[StoreCounter.AT_REST_AUTH_FAILURES] == len(damaged)
     # Tenant 2's own files, including the ones copied away, still open for tenant 2.
     assert _read_all(r2, [keys[i] for i in both], batch=3) == [v2[i] for i in both]
     st = reader.client().stats()
-    assert st.counters["at_rest_auth_failures"] == len(damaged)
-    assert st.counters.get("checksum_failures", 0) == 0
+    assert st.counters[StoreCounter.AT_REST_AUTH_FAILURES] == len(damaged)
+    assert st.counters.get(StoreCounter.CHECKSUM_FAILURES, 0) == 0
 
 
 def test_restart_with_another_master_key_serves_nothing(stores: Any, h: Any, rng: random.Random,
@@ -172,7 +173,7 @@ def test_restart_with_another_master_key_serves_nothing(stores: Any, h: Any, rng
     keys = h.rand_keys(rng, 24)
     vals = h.rand_values(rng, [128 * KiB] * 24)
     _put_all(c, keys, vals)
-    assert c.stats().counters["demoted"] > 10
+    assert c.stats().counters[StoreCounter.DEMOTED] > 10
     node.kill()
     on_fs = len(_files(fs))
     assert on_fs > 10
@@ -193,7 +194,7 @@ def test_restart_with_another_master_key_serves_nothing(stores: Any, h: Any, rng
     node = stores.start("4MiB", sharedfs=fs, node_id="store-k", extra=["--master-key-file", str(wrong)])
     c = node.client()
     assert _read_all(c, keys) == [None] * 24
-    assert c.stats().counters["at_rest_auth_failures"] == on_fs
+    assert c.stats().counters[StoreCounter.AT_REST_AUTH_FAILURES] == on_fs
     assert c.exists(keys, prefix_only=False).present == [False] * 24
 
 
@@ -245,25 +246,26 @@ def test_key_rotation_on_a_running_node(stores: Any, h: Any, rng: random.Random,
     k_old = h.rand_keys(rng, 24)
     v_old = h.rand_values(rng, [128 * KiB] * 24)
     _put_all(c, k_old, v_old)
-    assert c.stats().counters["demoted"] > 10
+    assert c.stats().counters[StoreCounter.DEMOTED] > 10
 
     _swap(previous, old + "\n")
     _swap(key, new + "\n")
-    h.wait_for(lambda: c.stats().counters.get("master_key_reloads", 0) >= 1, 10, what="the key reload")
+    h.wait_for(lambda: c.stats().counters.get(StoreCounter.MASTER_KEY_RELOADS, 0) >= 1, 10, what="the key reload")
     got = _read_all(c, k_old)
     assert got == v_old
     st = c.stats()
-    assert st.counters["at_rest_previous_key_opens"] > 10
-    assert st.counters.get("at_rest_auth_failures", 0) == 0
+    assert st.counters[StoreCounter.AT_REST_PREVIOUS_KEY_OPENS] > 10
+    assert st.counters.get(StoreCounter.AT_REST_AUTH_FAILURES, 0) == 0
 
     k_new = h.rand_keys(rng, 24)
     v_new = h.rand_values(rng, [128 * KiB] * 24)
     _put_all(c, k_new, v_new)
     # A key file that cannot be used (too short) is refused once; the node keeps its keys.
-    reloads = c.stats().counters["master_key_reloads"]
+    reloads = c.stats().counters[StoreCounter.MASTER_KEY_RELOADS]
     _swap(key, "too short\n")
-    h.wait_for(lambda: c.stats().counters.get("master_key_reload_errors", 0) == 1, 10, what="the refused reload")
-    assert c.stats().counters["master_key_reloads"] == reloads
+    h.wait_for(lambda: c.stats().counters.get(StoreCounter.MASTER_KEY_RELOAD_ERRORS, 0) == 1, 10,
+               what="the refused reload")
+    assert c.stats().counters[StoreCounter.MASTER_KEY_RELOADS] == reloads
     assert _read_all(c, k_new) == v_new
     node.kill()
 
@@ -276,11 +278,11 @@ def test_key_rotation_on_a_running_node(stores: Any, h: Any, rng: random.Random,
     got_new = _read_all(c, k_new)
     assert sum(g is not None for g in got_new) > 10
     assert all(g is None or g == v for g, v in zip(got_new, v_new, strict=True))
-    assert c.stats().counters.get("at_rest_previous_key_opens", 0) == 0
+    assert c.stats().counters.get(StoreCounter.AT_REST_PREVIOUS_KEY_OPENS, 0) == 0
     # Old objects re-demoted after the rotation were sealed again under the new key (served);
     # the rest are still under the retired one.
     got_old = _read_all(c, k_old)
     lost = sum(g is None for g in got_old)
     assert all(g is None or g == v for g, v in zip(got_old, v_old, strict=True))
     assert lost > 5, got_old.count(None)
-    assert c.stats().counters["at_rest_auth_failures"] == lost
+    assert c.stats().counters[StoreCounter.AT_REST_AUTH_FAILURES] == lost

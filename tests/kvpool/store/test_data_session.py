@@ -18,6 +18,7 @@ from kvpool.core.checksum import checksum
 from kvpool.pool.node_client import StoreClient
 from kvpool.transfer.testing import RawConnection, tcp_socket
 from kvpool.wire import store_frames as dp
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -150,7 +151,7 @@ def test_a_part_whose_predecessor_never_comes_is_served_after_the_bounded_wait(
         assert resp.status == 0 and list(codes) == [pb.OK]
         raw.send([b"hello", dp.encode_checksums([checksum(b"hello")])])
         assert list(raw.response()[2]) == [pb.OK]
-        assert node.client().stats().counters["put_order_waited_out"] >= 1
+        assert node.client().stats().counters[StoreCounter.PUT_ORDER_WAITED_OUT] >= 1
         # A ticket that makes no sense (part past the count) is served unordered, not refused.
         [other] = h.rand_keys(rng, 1)
         raw.request(dp.OP_PUT, b"", other, sizes=np.array([2], np.uint64), lease_id=(7 << 16) | (1 << 8) | 5)
@@ -246,7 +247,7 @@ def test_writer_killed_mid_put_leaves_nothing(nodes: Any, h: Any, rng: random.Ra
     node = nodes["open"]
     c = node.client()
     used0 = h.stats_tier(c.stats(), "dram").used_bytes
-    revoked0 = c.stats().counters["revoked"]
+    revoked0 = c.stats().counters[StoreCounter.REVOKED]
     [key] = h.rand_keys(rng, 1)
     proc = subprocess.Popen([sys.executable, str(h.here / "_killed_writer.py"), node.address, "session", key.hex(),
                              str(MiB), "60000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -260,7 +261,8 @@ def test_writer_killed_mid_put_leaves_nothing(nodes: Any, h: Any, rng: random.Ra
         proc.kill()
         proc.communicate(timeout=10)
     # The node sees the stream break and revokes at once (not after the 60 s reservation).
-    h.wait_for(lambda: c.stats().counters["revoked"] == revoked0 + 1, 10, what="the broken put to be revoked")
+    h.wait_for(lambda: c.stats().counters[StoreCounter.REVOKED] == revoked0 + 1, 10,
+               what="the broken put to be revoked")
     assert h.stats_tier(c.stats(), "dram").used_bytes == used0
     assert c.get([key]) == [None]
     assert c.put([key], [b"after"]) == [pb.OK]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvpool.core import errors
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -56,7 +57,7 @@ def test_drain_moves_every_object_to_the_new_owner(nodes: Any, h: Any, rng: rand
     assert [bytes(g) if g is not None else None for g in cbl.get(keys[20:36])] == vals[20:36]
     assert [bytes(g) if g is not None else None for g in cbl.get(keys[36:], kind=pb.STATE)] == vals[36:]
     assert cb.exists(keys[20:36], prefix_only=False).present == [False] * 16  # not leaked to default
-    assert b.client(ADMIN).stats().counters["stored"] == 40
+    assert b.client(ADMIN).stats().counters[StoreCounter.STORED] == 40
     # Calling Drain again for the same epoch is idempotent (an operator restart resumes).
     again = a.admin(ADMIN).drain(_ring(2, a, b, "draining"), int(time.time() * 1000) + 30000)
     assert again.state == "done" and again.moved_objects == 40

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from kvpool.core.ring import owners
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -48,7 +49,7 @@ def test_a_put_routed_by_a_stale_epoch_is_refused_for_the_keys_the_node_does_not
     assert [bytes(v) if v is not None else None for v in ca.get([keys[i] for i in new])] == [vals[i] for i in new]
     refused = [keys[i] for i in range(8, 64) if not mine[i]]
     assert ca.exists(refused, prefix_only=False).present == [False] * len(refused)
-    assert a.client(ADMIN).stats().counters["refused_wrong_owner"] == 64 - sum(mine)
+    assert a.client(ADMIN).stats().counters[StoreCounter.REFUSED_WRONG_OWNER] == 64 - sum(mine)
 
     # Routed by the node's own epoch, by a newer one (the node is behind), or by none (a caller
     # that knows no ring): taken as before.
@@ -78,7 +79,7 @@ def test_a_drain_push_is_taken_by_a_target_that_moved_past_the_drain_ring(
     done = h.wait_for(lambda: (s := a.admin(ADMIN).drain_status()).state == "done" and s, 60, what="drain")
     assert done.moved_objects == 96 and done.dropped_objects == 0
     for n in (b, c):
-        assert n.client(ADMIN).stats().counters["refused_wrong_owner"] == 0
+        assert n.client(ADMIN).stats().counters[StoreCounter.REFUSED_WRONG_OWNER] == 0
     got = {}
     for n in (b, c):
         for k, v in zip(keys, n.client().get(keys), strict=True):

@@ -24,6 +24,7 @@ import pytest
 from kvpool.core import errors
 from kvpool.transfer.protocol import OP_READ, OP_WRITE, encode_request
 from kvpool.wire import store_frames as dp
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -245,4 +246,4 @@ def test_random_request_sequences(nodes: Any, h: Any, request: pytest.FixtureReq
     st = node.client().stats()
     for t in st.tenants:
         assert t.used_bytes == 0 and t.objects == 0, t
-    assert st.counters["stored"] > 0
+    assert st.counters[StoreCounter.STORED] > 0

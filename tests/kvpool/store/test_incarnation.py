@@ -16,6 +16,7 @@ from kvpool.core import errors
 from kvpool.core.keys import KEY_BYTES
 from kvpool.pool.fanout import Pool
 from kvpool.pool.node_client import StoreClient
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -57,7 +58,7 @@ def test_a_match_lease_of_the_previous_life_never_drops_another(stores: Any, h: 
         # Fill the arena: every unpinned object is evicted; B's pinned prefix must stay.
         for i in range(16):
             c.put(h.rand_keys(random.Random(i), 2), [bytes([i]) * (128 * KiB)] * 2)
-        assert c.stats().counters["evicted"] > 0
+        assert c.stats().counters[StoreCounter.EVICTED] > 0
         got = b.get(keys_b)
         assert [bytes(g) if g is not None else None for g in got] == vals_b
     finally:

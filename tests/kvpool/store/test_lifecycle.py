@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -57,6 +58,6 @@ def test_everything_pinned_refuses_with_no_space(nodes: Any, h: Any, rng: random
     codes = c.put(more, h.rand_values(rng, [size] * 4))
     assert pb.NO_SPACE in codes
     st = c.stats()
-    assert st.counters["refused_space"] == codes.count(pb.NO_SPACE)
+    assert st.counters[StoreCounter.REFUSED_SPACE] == codes.count(pb.NO_SPACE)
     assert h.stats_tier(st, "dram").used_bytes <= h.stats_tier(st, "dram").capacity_bytes
     assert c.exists(keys).prefix == 7

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvpool.core import errors
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -55,10 +56,10 @@ def test_write_pressure_stays_within_capacity_and_evicts(nodes: Any, h: Any, rng
         total += sum(sizes)
         _check_within_capacity(h, c)
     st = c.stats()
-    assert st.counters["evicted"] > 0
-    assert st.counters["stored"] == len(written)
+    assert st.counters[StoreCounter.EVICTED] > 0
+    assert st.counters[StoreCounter.STORED] == len(written)
     dram = h.stats_tier(st, "dram")
-    assert dram.objects == st.counters["stored"] - st.counters["evicted"]
+    assert dram.objects == st.counters[StoreCounter.STORED] - st.counters[StoreCounter.EVICTED]
     # Whatever is still there is byte-exact; whatever is gone is a clean miss; the newest survive.
     keys = [k for k, _ in written]
     got = []
@@ -76,10 +77,10 @@ def test_write_pressure_stays_within_capacity_and_evicts(nodes: Any, h: Any, rng
 
 def test_object_larger_than_the_arena_is_refused_clearly(nodes: Any, h: Any, rng: random.Random) -> None:
     c = nodes["quota"].client("tok-big")  # a tenant without a quota: only the arena limits it
-    before = h.stats_tenant(c.stats(), "big").counters.get("stored", 0)
+    before = h.stats_tenant(c.stats(), "big").counters.get(StoreCounter.STORED, 0)
     keys = h.rand_keys(rng, 2)
     assert c.put(keys, [b"a" * (20 * MiB), b"b" * 1000]) == [pb.TOO_LARGE, pb.OK]
-    assert h.stats_tenant(c.stats(), "big").counters["stored"] == before + 1
+    assert h.stats_tenant(c.stats(), "big").counters[StoreCounter.STORED] == before + 1
 
 
 def test_ttl_expired_objects_are_evicted_first(nodes: Any, h: Any, rng: random.Random) -> None:
@@ -92,19 +93,19 @@ def test_ttl_expired_objects_are_evicted_first(nodes: Any, h: Any, rng: random.R
     assert c.put(old_agent, agent_vals, traffic_class="agent") == [pb.OK] * 6
     time.sleep(0.05)
     assert c.put(new_chat, h.rand_values(rng, [size] * 6), traffic_class="chatbot") == [pb.OK] * 6
-    assert c.stats().counters.get("evicted", 0) == 0
+    assert c.stats().counters.get(StoreCounter.EVICTED, 0) == 0
     time.sleep(1.3)
     # 12 x 256 KiB = 3 MiB stored; 6 more (4.5 MiB) exceed the 4 MiB payload capacity, so some
     # objects must go.  Plain LRU would take the agent objects (oldest); expiry first takes the
     # chatbot ones.
     assert c.put(h.rand_keys(rng, 6), h.rand_values(rng, [size] * 6), traffic_class="agent") == [pb.OK] * 6
     st = c.stats()
-    assert st.counters["expired"] >= 2
-    assert st.counters.get("evicted", 0) == 0
+    assert st.counters[StoreCounter.EXPIRED] >= 2
+    assert st.counters.get(StoreCounter.EVICTED, 0) == 0
     assert c.exists(old_agent).prefix == 6
     assert [bytes(g) if g is not None else None for g in c.get(old_agent)] == agent_vals
-    assert c.exists(new_chat, prefix_only=False).present.count(True) == 6 - st.counters["expired"]
-    assert h.stats_tenant(st, "default").counters["expired"] == st.counters["expired"]
+    assert c.exists(new_chat, prefix_only=False).present.count(True) == 6 - st.counters[StoreCounter.EXPIRED]
+    assert h.stats_tenant(st, "default").counters[StoreCounter.EXPIRED] == st.counters[StoreCounter.EXPIRED]
 
 
 def test_tenant_ttl_override_expires_first(nodes: Any, h: Any, rng: random.Random) -> None:
@@ -120,8 +121,8 @@ def test_tenant_ttl_override_expires_first(nodes: Any, h: Any, rng: random.Rando
     time.sleep(1.3)
     assert pool.put(h.rand_keys(rng, 6), h.rand_values(rng, [size] * 6), traffic_class="agent") == [pb.OK] * 6
     st = node.client().stats()
-    assert h.stats_tenant(st, "brief").counters["expired"] >= 2
-    assert st.counters.get("evicted", 0) == 0
+    assert h.stats_tenant(st, "brief").counters[StoreCounter.EXPIRED] >= 2
+    assert st.counters.get(StoreCounter.EVICTED, 0) == 0
     assert [bytes(g) if g is not None else None for g in pool.get(old_pool)] == pool_vals
 
 
@@ -150,9 +151,9 @@ def test_quota_refusals_are_counted_and_reported(nodes: Any, h: Any, rng: random
     assert c.put(h.rand_keys(rng, 1), [b"z" * (2 * MiB)]) == [pb.QUOTA_EXCEEDED]
     st = c.stats()
     t = h.stats_tenant(st, "refuse")
-    assert t.counters["refused_quota"] == 9
+    assert t.counters[StoreCounter.REFUSED_QUOTA] == 9
     assert t.quota_bytes == 1 * MiB and t.used_bytes == 1 * MiB and t.objects == 4
-    assert st.counters["refused_quota"] == 9
+    assert st.counters[StoreCounter.REFUSED_QUOTA] == 9
     # What was accepted is intact; what was refused is not there.
     assert [bytes(g) if g is not None else None for g in c.get(keys)] == vals[:4] + [None] * 4
     # Removing frees quota.
@@ -179,8 +180,8 @@ def test_quota_evict_own_mode(nodes: Any, h: Any, rng: random.Random) -> None:
     st = c.stats()
     t = h.stats_tenant(st, "evict")
     assert t.used_bytes <= 1 * MiB
-    assert t.counters["evicted_quota"] == 8
-    assert t.counters.get("refused_quota", 0) == 0
+    assert t.counters[StoreCounter.EVICTED_QUOTA] == 8
+    assert t.counters.get(StoreCounter.REFUSED_QUOTA, 0) == 0
     # Its own least recently used objects went; the newest quota's worth is intact.
     got = c.get(keys)
     assert [g is not None for g in got] == [False] * 8 + [True] * 4

@@ -10,6 +10,7 @@ from kvpool.core.checksum import checksum
 from kvpool.core.ring import Member, Ring, owners
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.store.quota import Held, pool_usage, quota_share, ring_share, trim_to_share
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 MiB = 1 << 20
@@ -144,7 +145,7 @@ def test_a_node_admits_its_share_and_follows_the_ring(tmp_path: Path) -> None:
         assert dropped and not any(owned[k] for k in dropped)
         assert t.used_bytes <= t.share_bytes or all(owned[k] for k in kept)
         assert t.used_bytes > t.share_bytes - kib  # dropped down to the share, not below it
-        assert t.counters["evicted_quota"] == len(dropped)
+        assert t.counters[StoreCounter.EVICTED_QUOTA] == len(dropped)
         # Draining: the node owns nothing, and drops nothing (its objects are on their way out).
         before = t.used_bytes
         node.set_ring(Ring(4, _members("a", "b", draining=("a",))))

@@ -17,6 +17,7 @@ from kvpool.core import errors, ranges
 from kvpool.core.checksum import checksum
 from kvpool.transfer.testing import RawConnection, tcp_socket
 from kvpool.wire import store_frames as dp
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -72,7 +73,7 @@ def expected(value: bytes, pairs: Any) -> bytes:
 
 
 def sent(c: Any) -> int:
-    return int(c.stats().counters["range_bytes_sent"])
+    return int(c.stats().counters[StoreCounter.RANGE_BYTES_SENT])
 
 
 def test_ranges_are_byte_exact_and_only_they_move(nodes: Any, h: Any, rng: random.Random) -> None:
@@ -169,11 +170,11 @@ def test_every_broken_rule_is_invalid_per_key_and_the_stream_stays_in_sync(nodes
     for given in refused:
         with pytest.raises(errors.InvalidArgument):
             c.get_ranges(keys[0], given)
-    asked = int(c.stats().counters["range_reads"])
+    asked = int(c.stats().counters[StoreCounter.RANGE_READS])
     r = c.read_ranges([keys[0], keys[0], keys[0]], [[(0, 10)], [(-5, 1)], [(0, 10)]],
                       [memoryview(bytearray(9)), memoryview(bytearray(1)), None])
     assert r.codes == [pb.INVALID] * 3
-    assert int(c.stats().counters["range_reads"]) == asked  # none of them was asked for
+    assert int(c.stats().counters[StoreCounter.RANGE_READS]) == asked  # none of them was asked for
     with pytest.raises(errors.InvalidArgument, match="1000 bytes"):
         c.get_ranges(keys[0], [(999, 2)])
     assert c.get_ranges(h.rand_keys(rng, 1)[0], [(0, 1)]) is None  # a miss

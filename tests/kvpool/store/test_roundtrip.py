@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -64,10 +65,10 @@ def test_duplicate_put_is_a_cheap_no_op_and_keeps_the_first_bytes(shared_store: 
     keys = h.rand_keys(rng, 3)
     first = h.rand_values(rng, [1000, 2000, 3000])
     assert c.put(keys, first) == [pb.OK] * 3
-    before = c.stats().counters["duplicates"]
+    before = c.stats().counters[StoreCounter.DUPLICATES]
     # Committed objects are immutable: a second put of the same key does not replace them.
     assert c.put(keys, h.rand_values(rng, [1000, 2000, 3000])) == [pb.ALREADY_EXISTS] * 3
-    assert c.stats().counters["duplicates"] == before + 3
+    assert c.stats().counters[StoreCounter.DUPLICATES] == before + 3
     assert [bytes(g) if g is not None else None for g in c.get(keys)] == first
 
 

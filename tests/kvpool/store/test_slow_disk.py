@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -41,7 +42,7 @@ def test_stalled_disk_never_stalls_dram_hits(stores: Any, h: Any, rng: random.Ra
     cold_vals = h.rand_values(rng, [256 * KiB] * 32)
     for i in range(0, 32, 4):
         assert c.put(cold[i:i + 4], cold_vals[i:i + 4]) == [pb.OK] * 4
-    h.wait_for(lambda: c.stats().counters["demoted"] >= 12, what="demotions to the tier below")
+    h.wait_for(lambda: c.stats().counters[StoreCounter.DEMOTED] >= 12, what="demotions to the tier below")
     # Hot objects: written last and read all along, so they stay in DRAM.
     hot = h.rand_keys(rng, 16)
     hot_vals = h.rand_values(rng, [16 * KiB] * 16)

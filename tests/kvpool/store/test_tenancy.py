@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from kvpool.core import errors
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB = 1 << 10
@@ -99,7 +100,7 @@ def test_sharedfs_objects_are_per_tenant(nodes: Any, h: Any, rng: random.Random)
     vals = h.rand_values(rng, [128 * KiB] * 16)
     for i in range(0, 16, 4):
         assert a.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
-    assert a.stats().counters["demoted"] > 0
+    assert a.stats().counters[StoreCounter.DEMOTED] > 0
     other = nodes["fs_b"]  # a second node on the same shared directory
     assert other.client("tok-beta").exists(keys, prefix_only=False).present == [False] * 16
     assert other.client("tok-beta").get(keys[:4]) == [None] * 4
@@ -114,7 +115,7 @@ def test_tenants_without_salt_do_not_share_shared_fs_files(nodes: Any, h: Any, r
     vals = h.rand_values(rng, [128 * KiB] * 16)
     for i in range(0, 16, 4):
         assert g.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
-    assert g.stats().counters["demoted"] > 0
+    assert g.stats().counters[StoreCounter.DEMOTED] > 0
     for token in ("tok-delta", ""):  # another tenant, and the open default tenant
         c = node.client(token)
         assert c.exists(keys, prefix_only=False).present == [False] * 16

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -39,8 +40,8 @@ def test_ssd_demotion_and_promotion_are_byte_exact(nodes: Any, h: Any, rng: rand
     for i in range(0, len(keys), 5):
         assert c.put(keys[i:i + 5], vals[i:i + 5]) == [pb.OK] * len(keys[i:i + 5])
     st = c.stats()
-    assert st.counters["demoted"] > 0
-    assert st.counters.get("evicted", 0) == 0  # demote before drop: the SSD has room for all
+    assert st.counters[StoreCounter.DEMOTED] > 0
+    assert st.counters.get(StoreCounter.EVICTED, 0) == 0  # demote before drop: the SSD has room for all
     assert h.stats_tier(st, "ssd").used_bytes > 0
     assert h.stats_tier(st, "dram").used_bytes <= h.stats_tier(st, "dram").capacity_bytes
     # Everything is still matched (tiers below DRAM count)...
@@ -48,8 +49,8 @@ def test_ssd_demotion_and_promotion_are_byte_exact(nodes: Any, h: Any, rng: rand
     # ...and reads back byte-exact, oldest first (so every read promotes from the SSD).
     assert _read_all(c, keys) == vals
     st = c.stats()
-    assert st.counters["promoted"] > 0
-    assert st.counters.get("checksum_failures", 0) == 0
+    assert st.counters[StoreCounter.PROMOTED] > 0
+    assert st.counters.get(StoreCounter.CHECKSUM_FAILURES, 0) == 0
     # A second pass in another order still agrees (promotion demoted others in turn).
     order = list(range(len(keys)))
     rng.shuffle(order)
@@ -65,7 +66,7 @@ def test_ssd_full_drops_the_coldest_and_never_returns_wrong_bytes(nodes: Any, h:
     for i in range(0, 40, 4):
         assert c.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
     st = c.stats()
-    assert st.counters["demoted"] > 0 and st.counters["evicted"] > 0
+    assert st.counters[StoreCounter.DEMOTED] > 0 and st.counters[StoreCounter.EVICTED] > 0
     ssd = h.stats_tier(st, "ssd")
     assert ssd.used_bytes <= ssd.capacity_bytes
     got = _read_all(c, keys, batch=2)
@@ -84,7 +85,7 @@ def test_restart_never_serves_stale_bytes(stores: Any, h: Any, rng: random.Rando
     old = h.rand_values(rng, [size] * 24)
     for i in range(0, 24, 4):
         assert c.put(keys[i:i + 4], old[i:i + 4]) == [pb.OK] * 4
-    assert c.stats().counters["demoted"] > 0
+    assert c.stats().counters[StoreCounter.DEMOTED] > 0
     node.kill()  # crash: no shutdown code runs
     for attempt in range(2):
         node = stores.start("1MiB", ssd="16MiB", ssd_path=ssd_dir, node_id="store-r")
@@ -112,7 +113,7 @@ def test_second_node_on_a_live_ssd_path_refuses_to_start(stores: Any, h: Any, rn
     vals = h.rand_values(rng, [200 * KiB] * 12)
     for i in range(0, 12, 4):
         assert c.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
-    assert c.stats().counters["demoted"] > 0
+    assert c.stats().counters[StoreCounter.DEMOTED] > 0
     with pytest.raises(RuntimeError, match="in use by another store node"):
         stores.start("1MiB", ssd="8MiB", ssd_path=ssd_dir, node_id="store-x")
     # The first node's SSD objects were not truncated away.
@@ -134,9 +135,9 @@ def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(nodes: Any, m
     for i in range(0, 24, 4):
         assert ca.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
     st = ca.stats()
-    assert st.counters["demoted"] > 0
+    assert st.counters[StoreCounter.DEMOTED] > 0
     files = _payload_files(shared)
-    assert len(files) == st.counters["demoted"]
+    assert len(files) == st.counters[StoreCounter.DEMOTED]
     # Names are keyed hashes: the directory does not reveal the keys.
     names = " ".join(str(p) for p in files)
     assert not any(k.hex()[:16] in names for k in keys)
@@ -170,6 +171,6 @@ def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(nodes: Any, m
     got = _read_all(cf, keys)
     assert got == [None] * 24, "a damaged shared-fs object must be a miss"
     st = cf.stats()
-    assert st.counters["checksum_failures"] == flipped
+    assert st.counters[StoreCounter.CHECKSUM_FAILURES] == flipped
     # A miss, and forgotten: the next lookup does not trust the file again.
     assert cf.exists(keys, prefix_only=False).present == [False] * 24
