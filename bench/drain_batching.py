@@ -32,6 +32,7 @@ ensure_kvpool_importable()
 
 from kvpool.apps.cluster import LocalCluster  # noqa: E402
 from kvpool.core.ring import owners  # noqa: E402
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS  # noqa: E402
 from kvpool.pool.node_client import StoreClient  # noqa: E402
 from kvpool.store.push import batches  # noqa: E402
 from kvpool.wire.proto import store_pb2 as pb  # noqa: E402
@@ -41,7 +42,7 @@ class _Obj:
     """What the push plan looks at (a stand-in for a node's entry)."""
 
     def __init__(self, size: int) -> None:
-        self.size, self.tenant, self.traffic_class, self.kind = size, "default", "chatbot", pb.BLOCK
+        self.size, self.tenant, self.traffic_class, self.kind = size, "default", DEFAULT_TRAFFIC_CLASS, pb.BLOCK
 
 
 def _ring(lc: LocalCluster, epoch: int, draining: str) -> pb.Ring:

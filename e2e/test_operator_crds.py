@@ -14,6 +14,7 @@ import yaml
 
 from e2e.cluster import Cluster
 from e2e.testutil import wait_for
+from kvpool.core.traffic import DEFAULT_TTL
 
 pytestmark = pytest.mark.cluster
 
@@ -72,7 +73,7 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     spec = got["spec"]
     assert spec["blockTokens"] == 128 and spec["hash"] == "sha256"
     assert spec["storage"]["replicas"] == 1 and spec["storage"]["replication"] == 1
-    assert spec["ttl"] == {"agent": "3d", "chatbot": "7d"}
+    assert spec["ttl"] == DEFAULT_TTL
     assert spec["scaleDown"] == {"gracePeriodSeconds": 60, "utilizationLimit": 0.8}
     assert spec["scaleUp"] == {"warmFraction": 1.0, "warmDeadlineSeconds": 300}
     assert spec["sidecar"]["localBytes"] == "256Mi" and spec["autoscaling"]["enabled"] is False

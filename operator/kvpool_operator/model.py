@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvpool.core.traffic import DEFAULT_TTL
+
 from .units import parse_bytes, parse_duration
 
 GROUP = "kvpool.io"
@@ -28,7 +30,6 @@ FORCE_SCALE_DOWN_ANNOTATION = "kvpool.io/force-scale-down"
 STORE_POOL_LABEL = "kvpool.io/store-of"
 """Label of store pods naming their pool (never POOL_LABEL: store pods must not get sidecars)."""
 
-DEFAULT_TTL = {"agent": "3d", "chatbot": "7d"}
 MEDIA = ("dram", "ssd", "sharedfs")
 
 

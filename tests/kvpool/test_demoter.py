@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvpool.core.checksum import checksum
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.store.node import NodeConfig, StoreNode
 from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
@@ -36,7 +37,7 @@ def _slow(node: StoreNode, seconds: float) -> None:
 
 
 def _put(node: StoreNode, key: bytes, value: bytes) -> None:
-    codes, offs, toks, rid = node.put_start(T, [key], [len(value)], "chatbot", pb.BLOCK)
+    codes, offs, toks, rid = node.put_start(T, [key], [len(value)], DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     assert codes == [pb.OK]
     e = node.acquire("write", offs[0], len(value), toks[0])
     assert e is not None
@@ -143,7 +144,8 @@ def test_a_write_sheds_rather_than_waits_for_a_stalled_disk(node: StoreNode) -> 
     node.cfg.demote_wait_seconds = 0.05
     _slow(node, 2.0)
     t0 = time.monotonic()
-    codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], "chatbot", pb.BLOCK)
+    codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], DEFAULT_TRAFFIC_CLASS,
+                                      pb.BLOCK)
     assert time.monotonic() - t0 < 1.0  # demote_wait_seconds (0.05 s), not the disk's 2 s
     assert pb.NO_SPACE in codes
     if rid:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from kvpool.arena.eviction import choose_victims, watermark_need
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 
 
 @dataclass
@@ -10,7 +11,7 @@ class C:
     name: str
     size: int
     last_access: float
-    traffic_class: str = "chatbot"
+    traffic_class: str = DEFAULT_TRAFFIC_CLASS
     pins: int = 0
     inflight: int = 0
 

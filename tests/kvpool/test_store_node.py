@@ -17,6 +17,7 @@ import pytest
 from kvpool.core import errors
 from kvpool.core.checksum import checksum
 from kvpool.core.ring import Member, Ring
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
@@ -64,7 +65,7 @@ def read(node: StoreNode, off: int, size: int, tok: int) -> bytes | None:
 
 
 def put(node: StoreNode, keys: list[bytes], vals: list[bytes], tenant: str = T, kind: int = pb.BLOCK,
-        tc: str = "chatbot") -> list[int]:
+        tc: str = DEFAULT_TRAFFIC_CLASS) -> list[int]:
     codes, offs, toks, rid = node.put_start(tenant, keys, [len(v) for v in vals], tc, kind)
     sums = [0] * len(keys)
     for i, c in enumerate(codes):
@@ -114,7 +115,7 @@ def test_read_tokens_die_with_their_lease(make_node) -> None:  # type: ignore[no
 def test_tokens_are_random(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(dram_bytes=1 << 20)
     keys = [bytes([i]) * 32 for i in range(64)]
-    _, _, toks, _ = node.put_start(T, keys, [10] * 64, "chatbot", pb.BLOCK)
+    _, _, toks, _ = node.put_start(T, keys, [10] * 64, DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     assert len(set(toks)) == 64 and 0 not in toks
     gaps = sorted(abs(a - b) for a, b in zip(toks, toks[1:], strict=False))
     assert gaps[0] > 1 << 20  # nothing like a counter
@@ -137,10 +138,10 @@ def test_commits_are_verified_on_multi_tenant_nodes(make_node) -> None:  # type:
     node = make_node(dram_bytes=1 << 20)
     k1, k2 = b"1" * 32, b"2" * 32
     # Single-tenant node: the commit's checksum is taken on trust (readers verify).
-    codes, offs, toks, rid = node.put_start(T, [k1], [100], "chatbot", pb.BLOCK)
+    codes, offs, toks, rid = node.put_start(T, [k1], [100], DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     assert node.put_commit(T, rid, [12345]) == [pb.OK]
     node.set_tenants([Tenant("a", "tok-a")])
-    codes, offs, toks, rid = node.put_start("a", [k2], [100], "chatbot", pb.BLOCK)
+    codes, offs, toks, rid = node.put_start("a", [k2], [100], DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     assert write(node, offs[0], toks[0], b"x" * 100)
     assert node.put_commit("a", rid, [checksum(b"y" * 100)]) == [pb.CHECKSUM]
     assert node.exists("a", [k2])[0] == 0
@@ -150,7 +151,7 @@ def test_commits_are_verified_on_multi_tenant_nodes(make_node) -> None:  # type:
 def test_commit_waits_for_a_write_that_is_finishing(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(dram_bytes=1 << 20, commit_grace_seconds=5.0)
     k = b"w" * 32
-    _, offs, toks, rid = node.put_start(T, [k], [100], "chatbot", pb.BLOCK)
+    _, offs, toks, rid = node.put_start(T, [k], [100], DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     e = node.acquire("write", offs[0], 100, toks[0])
     assert e is not None
 
@@ -165,7 +166,7 @@ def test_commit_waits_for_a_write_that_is_finishing(make_node) -> None:  # type:
     # A write that never finishes within the grace is refused, and its space comes back.
     node.cfg.commit_grace_seconds = 0.05
     k2 = b"v" * 32
-    _, offs, toks, rid = node.put_start(T, [k2], [100], "chatbot", pb.BLOCK)
+    _, offs, toks, rid = node.put_start(T, [k2], [100], DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     e2 = node.acquire("write", offs[0], 100, toks[0])
     assert e2 is not None
     assert node.put_commit(T, rid, [0]) == [pb.LEASE_EXPIRED]
@@ -179,7 +180,7 @@ def test_reservation_ids_never_issued_are_invalid(make_node) -> None:  # type: i
     for rid in (0, 1, 10**9):
         with pytest.raises(errors.InvalidArgument):
             node.put_commit(T, rid, [0])
-    _, _, _, rid = node.put_start(T, [b"a" * 32, b"b" * 32], [10, 10], "chatbot", pb.BLOCK)
+    _, _, _, rid = node.put_start(T, [b"a" * 32, b"b" * 32], [10, 10], DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     with pytest.raises(errors.InvalidArgument):
         node.put_commit(T, rid, [0, 0], revoke=b"\x01")
     assert node.put_commit(T, rid, [0, 0], revoke=b"\x01\x01") == [pb.OK, pb.OK]
@@ -300,7 +301,7 @@ def test_state_objects_never_leave_dram(make_node, tmp_path: Path) -> None:  # t
 def test_a_writer_cannot_hold_a_reservation_for_days(make_node) -> None:  # type: ignore[no-untyped-def]
     node = make_node(dram_bytes=1 << 20)
     t0 = time.time()
-    _, offs, toks, rid = node.put_start(T, [b"r" * 32], [10], "chatbot", pb.BLOCK, timeout_ms=2**32 - 1)
+    _, offs, toks, rid = node.put_start(T, [b"r" * 32], [10], DEFAULT_TRAFFIC_CLASS, pb.BLOCK, timeout_ms=2**32 - 1)
     e = node.acquire("write", offs[0], 10, toks[0])
     assert e is not None and e.expires <= t0 + node.cfg.reservation_seconds_max + 1
     node.release_guard(e)
@@ -322,7 +323,7 @@ def test_a_huge_batch_against_a_pinned_arena_is_refused_quickly(make_node) -> No
 
     node._space.evict_dram = counting  # type: ignore[method-assign]
     more = [(10**6 + i).to_bytes(32, "little") for i in range(20_000)]
-    codes, _, _, _ = node.put_start(T, more, [4096] * len(more), "chatbot", pb.BLOCK)
+    codes, _, _, _ = node.put_start(T, more, [4096] * len(more), DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     assert pb.NO_SPACE in codes and set(codes) <= {pb.OK, pb.NO_SPACE}
     assert calls <= 3  # not one eviction pass per refused item
 
@@ -374,7 +375,7 @@ def test_a_match_lease_pins_whatever_decides_on_pins_even_though_it_counts_them_
 
 def _codes(node: StoreNode, keys: list[bytes], epoch: int, kind: int = pb.BLOCK) -> list[int]:
     """The PUT_START codes of a write routed by ring ``epoch`` (the reservation revoked after)."""
-    codes, _, _, rid = node.put_start(T, keys, [100] * len(keys), "chatbot", kind, epoch=epoch)
+    codes, _, _, rid = node.put_start(T, keys, [100] * len(keys), DEFAULT_TRAFFIC_CLASS, kind, epoch=epoch)
     if rid:
         node.put_revoke(T, rid)
     return list(codes)

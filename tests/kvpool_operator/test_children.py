@@ -3,6 +3,7 @@
 import json
 from typing import Any
 
+from kvpool.core.traffic import DEFAULT_TTL_SECONDS
 from kvpool_operator import children
 from kvpool_operator.model import NodeLayout, PoolSpec, parse_pool, parse_tier, resolve_layout
 from kvpool_operator.settings import Settings
@@ -39,7 +40,7 @@ def test_node_config_dram_only_and_open_tenancy() -> None:
     pool, layout = _pool_and_layout(tenancy={"defaultTenant": "public"})
     cfg = children.node_config(pool, layout)
     assert cfg == {"dramBytes": 1 << 30, "watermarks": {"high": 0.95, "low": 0.85},
-                   "ttlSeconds": {"agent": 259200, "chatbot": 604800}, "closed": False,
+                   "ttlSeconds": DEFAULT_TTL_SECONDS, "closed": False,
                    "shmDir": children.STORE_SHM_DIR}
     cm = children.config_map(pool, layout)
     assert json.loads(cm["data"]["node.json"]) == cfg

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS, DEFAULT_TTL, DEFAULT_TTL_SECONDS
 from kvpool_operator.model import parse_pool, parse_tenant, parse_tier
+from kvpool_operator.units import parse_duration
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRDS = {p.stem: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "crds").glob("*.yaml"))
@@ -89,10 +91,22 @@ def test_tenantnamespace_fields(path: str) -> None:
     assert _at(_schema("tenantnamespace"), path)
 
 
+@pytest.mark.parametrize("crd", ["crds/kvpool.yaml", "charts/kvpool/crds/kvpool.yaml"])
+def test_the_crd_ttl_default_is_the_data_planes_with_the_default_traffic_class(crd: str) -> None:
+    """A KVPool that names no TTL gets, from the API server, the TTLs a store node applies
+    when its configuration names none (kvpool.core.traffic): one set of defaults, and the
+    class of a write that names none is among them."""
+    doc = yaml.safe_load((ROOT / crd).read_text())
+    ttl = _at(dict(doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]), "spec.ttl")["default"]
+    assert ttl == DEFAULT_TTL
+    assert DEFAULT_TRAFFIC_CLASS in ttl
+    assert {c: parse_duration(v) for c, v in ttl.items()} == DEFAULT_TTL_SECONDS
+
+
 def test_defaults() -> None:
     s = _schema("kvpool")
     assert _at(s, "spec.blockTokens")["default"] == 128
-    assert _at(s, "spec.ttl")["default"] == {"agent": "3d", "chatbot": "7d"}
+    assert _at(s, "spec.ttl")["default"] == DEFAULT_TTL  # the data plane's defaults (kvpool.core.traffic)
     assert _at(s, "spec.scaleDown.gracePeriodSeconds")["default"] == 60
     assert _at(s, "spec.scaleDown.utilizationLimit")["default"] == 0.8
     assert _at(_schema("kvtier"), "spec.watermarks.high")["default"] == 0.95

@@ -4,6 +4,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.core.traffic import DEFAULT_TTL_SECONDS
 from kvpool_operator.model import (
     SpecError,
     parse_pool,
@@ -18,7 +19,7 @@ from kvpool_operator.testing import pool_body, tenant_body, tier_body
 def test_pool_defaults() -> None:
     p = parse_pool(pool_body())
     assert (p.block_tokens, p.hash, p.replicas, p.replication, p.port) == (128, "sha256", 1, 1, 7400)
-    assert p.ttl_seconds == {"agent": 3 * 86400, "chatbot": 7 * 86400}
+    assert p.ttl_seconds == DEFAULT_TTL_SECONDS
     assert p.grace_period_seconds == 60 and p.utilization_limit == 0.8 and p.drain_bytes_per_second == 0
     assert parse_pool(pool_body(scaleDown={"drainBandwidth": "64Mi"})).drain_bytes_per_second == 64 << 20
     assert (p.warm_fraction, p.warm_seconds, p.warm_bytes_per_second) == (1.0, 300, 0)

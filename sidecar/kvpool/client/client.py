@@ -41,6 +41,7 @@ from kvpool.core import errors
 from kvpool.core import handoff_record as _ho
 from kvpool.core.deadlines import ClientDeadlines
 from kvpool.core.planning import HitPlan, plan_hit
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.pool.node_client import as_bytes_view
 from kvpool.transfer.copier import Copier
 from kvpool.wire import grpc_status
@@ -321,7 +322,7 @@ class Client:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = "chatbot",
+    def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = DEFAULT_TRAFFIC_CLASS,
             kind: int = pb.BLOCK, wait: bool = False, wait_seconds: float = 5.0) -> list[int]:
         """Store objects: visible locally at once, written to the pool by the sidecar; per-item codes.
 

@@ -36,6 +36,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations.common import (
     HEADER_BYTES,
     IntegrationConfigError,
@@ -66,7 +67,7 @@ class KVPoolRemoteConnector(RemoteConnector):
         mine = {k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)}
         check_keys(mine, SETTINGS, f"LMCache extra_config {prefix}*")
         self.address = sidecar_address(mine)
-        self.traffic_class = str(mine.get("traffic_class", "chatbot"))
+        self.traffic_class = str(mine.get("traffic_class", DEFAULT_TRAFFIC_CLASS))
         md = local_cpu_backend.metadata
         self.layout = fingerprint([[tuple(s) for s in self.meta_shapes], [str(d) for d in self.meta_dtypes],
                                    str(self.meta_fmt), int(md.chunk_size)])

@@ -27,6 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
 from kvpool.integrations.common import write_header as _write_header
 from kvpool.wire.proto import store_pb2 as pb
@@ -50,7 +51,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                                          f"known: {', '.join(OUR_KEYS)}")
         self.config = storage_config
         self.address = sidecar_address(extra)
-        self.traffic_class = str(extra.get("traffic_class", "chatbot"))
+        self.traffic_class = str(extra.get("traffic_class", DEFAULT_TRAFFIC_CLASS))
         rank = "mla" if storage_config.is_mla_model else f"tp{storage_config.tp_rank}/{storage_config.tp_size}"
         self._space_fields = (str(storage_config.model_name or ""), f"{rank},pp{storage_config.pp_rank}/"
                                                                     f"{storage_config.pp_size}")

@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations.common import (
     HEADER_BYTES,
     IntegrationConfigError,
@@ -67,7 +68,8 @@ log = logging.getLogger(__name__)
 
 SETTINGS = {
     "address": "the sidecar's unix:// address (default $KVPOOL_ADDRESS, then unix:///run/kvpool/kvpool.sock)",
-    "traffic_class": "the traffic class of saved blocks (TTL class of the pool; default chatbot)",
+    "traffic_class": "the traffic class of saved blocks (TTL class of the pool; default "
+                     f"{DEFAULT_TRAFFIC_CLASS})",
     "lease_ms": "how long a match pins the matched blocks for the load that follows (default 10000)",
     "save": "store new prompt blocks (default true)",
     "load": "load matched blocks (default true)",
@@ -78,7 +80,7 @@ SETTINGS = {
 class Settings:
     address: str
     """The sidecar's address."""
-    traffic_class: str = "chatbot"
+    traffic_class: str = DEFAULT_TRAFFIC_CLASS
     """Traffic class of saved blocks."""
     lease_ms: int = 10000
     """Pin of a match, covering the step between the scheduler's match and the worker's load."""
@@ -97,7 +99,7 @@ class Settings:
         for k in ("save", "load"):
             if not isinstance(extra.get(k, True), bool):
                 raise IntegrationConfigError(f"kv_connector_extra_config.{k} must be true or false, got {extra[k]!r}")
-        return cls(sidecar_address(extra), str(extra.get("traffic_class", "chatbot")), lease,
+        return cls(sidecar_address(extra), str(extra.get("traffic_class", DEFAULT_TRAFFIC_CLASS)), lease,
                    extra.get("save", True), extra.get("load", True))
 
 

@@ -35,6 +35,7 @@ from kvpool.core import errors, ranges
 from kvpool.core.checksum import checksum
 from kvpool.core.deadlines import read_seconds
 from kvpool.core.keys import KEY_BYTES
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.pool.streams import StreamPool, split_parts
 from kvpool.transfer.stream import STALL_ERRORS, Stream
 from kvpool.wire import store_frames as dp
@@ -340,7 +341,7 @@ class DataSession(StreamPool):
         return ReadResult(codes, sizes, [0] * n, max(epochs))
 
     def put(self, keys: bytes, views: Sequence[memoryview], checksums: Sequence[int] | None = None,
-            traffic_class: str = "chatbot", kind: int = pb.BLOCK, timeout_ms: int = 0,
+            traffic_class: str = DEFAULT_TRAFFIC_CLASS, kind: int = pb.BLOCK, timeout_ms: int = 0,
             epoch: int = 0) -> tuple[list[int], int]:
         """Store objects; per-item codes and the node's epoch.  Objects the node refuses up front
         (already stored, over quota, no space) are never sent."""

@@ -28,6 +28,7 @@ import grpc
 
 from kvpool.core import errors, ranges
 from kvpool.core.keys import KEY_BYTES, pack_keys
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.pool.data_client import DataSession, Dest, ExistsReply, ReadResult
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
@@ -239,7 +240,7 @@ class StoreClient:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = "chatbot",
+    def put(self, keys: Sequence[bytes], values: Sequence[Buffer], traffic_class: str = DEFAULT_TRAFFIC_CLASS,
             kind: int = pb.BLOCK, epoch: int = 0, checksums: Sequence[int] | None = None,
             timeout_ms: int = 0) -> list[int]:
         """Store objects (two-phase); per-item codes (OK, ALREADY_EXISTS, QUOTA_EXCEEDED, ...).

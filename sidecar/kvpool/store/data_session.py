@@ -22,6 +22,7 @@ from kvpool.core.checksum import checksum
 from kvpool.core.errors import Code
 from kvpool.core.keys import unpack_keys
 from kvpool.core.put_order import PutOrder
+from kvpool.core.traffic import traffic_class_or_default
 from kvpool.store.node import Entry, StoreNode
 from kvpool.transfer.stream import STALL_ERRORS, Stream
 from kvpool.wire import store_frames as dp
@@ -172,7 +173,8 @@ class DataSessionHandler:
             if not self.order.wait_turn(tenant, ticket[0], ticket[1]):
                 node.count(StoreCounter.PUT_ORDER_WAITED_OUT)  # the batch's order is lost (its earlier part is late or gone)
         try:
-            codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, body.traffic_class or "chatbot",
+            codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes,
+                                                         traffic_class_or_default(body.traffic_class),
                                                          req.kind, req.lease_ms, req.epoch)
         finally:
             if ticket is not None:

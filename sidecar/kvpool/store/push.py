@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.core.push_status import DrainStatus, WarmStatus
+from kvpool.core.traffic import traffic_class_or_default
 from kvpool.pool.node_client import StoreClient
 from kvpool.store.node import DEFAULT_TENANT, Entry, StoreNode
 
@@ -141,7 +142,7 @@ def push_batch(node: StoreNode, client: StoreClient, batch: Sequence[Entry], epo
     codes: dict[int, int] = {}
 
     def sink(held: list[Entry], views: list[memoryview]) -> None:
-        got = client.put([e.key for e in held], views, traffic_class=held[0].traffic_class or "chatbot",
+        got = client.put([e.key for e in held], views, traffic_class=traffic_class_or_default(held[0].traffic_class),
                          kind=held[0].kind, epoch=epoch, checksums=[e.checksum for e in held])
         codes.update((id(e), c) for e, c in zip(held, got, strict=True))
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool.arena.allocator import ExtentAllocator
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.sidecar import journal as j
 from kvpool.sidecar.local_tier import LocalTier
 from kvpool.wire.counters import SidecarCounter
@@ -87,7 +88,7 @@ def test_a_tier_adopts_what_the_previous_one_left(tmp_path: Path) -> None:
     t = LocalTier(1 << 20, str(tmp_path), socket_path=sock, tenant="t")
     keys = [rng.randbytes(32) for _ in range(6)]
     vals = [rng.randbytes(rng.randrange(1, 20_000)) for _ in keys]
-    codes, entries, rid = t.reserve(keys, [len(v) for v in vals], pb.BLOCK, "chatbot")
+    codes, entries, rid = t.reserve(keys, [len(v) for v in vals], pb.BLOCK, DEFAULT_TRAFFIC_CLASS)
     assert codes == [pb.OK] * 6
     for e, v in zip(entries, vals, strict=True):
         assert e is not None

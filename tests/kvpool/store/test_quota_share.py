@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvpool.core.checksum import checksum
 from kvpool.core.ring import Member, Ring, owners
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.store.quota import Held, pool_usage, quota_share, ring_share, trim_to_share
 from kvpool.wire.counters import StoreCounter
@@ -92,7 +93,7 @@ def _node(tmp_path: Path, node_id: str = "a") -> StoreNode:
 
 
 def _put(node: StoreNode, keys: list[bytes], size: int) -> list[int]:
-    codes, offs, toks, rid = node.put_start("q", keys, [size] * len(keys), "chatbot", pb.BLOCK)
+    codes, offs, toks, rid = node.put_start("q", keys, [size] * len(keys), DEFAULT_TRAFFIC_CLASS, pb.BLOCK)
     sums = [0] * len(keys)
     for i, c in enumerate(codes):
         if c == pb.OK:

@@ -7,6 +7,7 @@ import random
 import numpy as np
 
 from kvpool.core.ring import Member, Ring, owners
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.store.push import pace_delay
 from kvpool.store.warm import added_members, plan_warm
 
@@ -70,7 +71,7 @@ def test_the_push_is_paced_by_the_drain_bound() -> None:
 
 
 class _E:
-    def __init__(self, size: int, tenant: str = "t", tclass: str = "chatbot", kind: int = 0) -> None:
+    def __init__(self, size: int, tenant: str = "t", tclass: str = DEFAULT_TRAFFIC_CLASS, kind: int = 0) -> None:
         self.size, self.tenant, self.traffic_class, self.kind = size, tenant, tclass, kind
 
 
