@@ -13,6 +13,7 @@ from kvpool.arena.extents import Location, ObjectRef, zero
 from kvpool.core.errors import Code
 from kvpool.tiers.atrest import OVERHEAD, AtRest, sealed_size
 from kvpool.tiers.base import Tier
+from kvpool.wire.counters import StoreCounter
 
 SCRATCH_BYTES = 16 << 20
 """Blobs of one call pass through a scratch buffer of about this much per thread (more for an
@@ -100,8 +101,8 @@ class SealedTier:
                 codes[i] = code
             if failed or previous:
                 with self._count_lock:
-                    self.counters["at_rest_auth_failures"] += failed
-                    self.counters["at_rest_previous_key_opens"] += previous
+                    self.counters[StoreCounter.AT_REST_AUTH_FAILURES] += failed
+                    self.counters[StoreCounter.AT_REST_PREVIOUS_KEY_OPENS] += previous
         return codes
 
     def free(self, locs: Sequence[Location]) -> None:
