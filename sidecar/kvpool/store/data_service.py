@@ -20,6 +20,7 @@ from kvpool.store.admin_service import admin_allows
 from kvpool.store.node import StoreNode
 from kvpool.wire import grpc_status
 from kvpool.wire.convert import ring_to_pb
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
 
@@ -81,5 +82,5 @@ class StoreDataService(pbg.StoreDataServicer):
             tenants=[pb.TenantStats(tenant_id=t, used_bytes=u, quota_bytes=q, objects=max(o, 0), counters=c,
                                     share_bytes=share)
                      for t, u, q, o, c, share in s["tenants"]],
-            counters=counters, hit_blocks=counters.get("hit_blocks", 0),
-            lookup_blocks=counters.get("lookup_blocks", 0), incarnation=s["incarnation"])
+            counters=counters, hit_blocks=counters.get(StoreCounter.HIT_BLOCKS, 0),
+            lookup_blocks=counters.get(StoreCounter.LOOKUP_BLOCKS, 0), incarnation=s["incarnation"])
