@@ -33,10 +33,7 @@ def test_kvpool_help_lists_every_subcommand_with_its_line() -> None:
         assert f"{name} {cmd.help}" in flat, f"{name} has no help line in `kvpool --help`"
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="the sidecar's flags get their groups when its configuration moves to "
-                        "sidecar/config.py (issue 20, helper HB)")) if n == "sidecar" else n
-    for n in cli.SUBCOMMANDS])
+@pytest.mark.parametrize("name", list(cli.SUBCOMMANDS))
 def test_subcommand_flags_are_in_named_groups(name: str) -> None:
     ap = cli.subcommand_parser(name)
     loose = _default_group(ap)

@@ -21,6 +21,7 @@ from kvpool.pool import routing
 from kvpool.pool.fanout import Pool
 from kvpool.sidecar.landing import Landing
 from kvpool.sidecar.local_tier import LocalEntry, LocalLease, LocalTier
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 T = TypeVar("T")
@@ -105,8 +106,8 @@ class Fetcher:
                     got += land.landed(i, res.checksums[j])
                 elif i in land.pending:
                     if code == pb.CHECKSUM:
-                        self.counters["pool_checksum_failures"] += 1
-                    self.counters["pool_fetch_failures"] += 1
+                        self.counters[SidecarCounter.POOL_CHECKSUM_FAILURES] += 1
+                    self.counters[SidecarCounter.POOL_FETCH_FAILURES] += 1
                     land.failed(i)
             return got
 
@@ -159,7 +160,7 @@ class Fetcher:
             for i, c, size in zip(sel, r.codes, r.sizes, strict=True):
                 codes[i], sizes[i] = c, size  # only keys still NOT_FOUND are asked
                 if c == pb.CHECKSUM:
-                    self.counters["pool_checksum_failures"] += 1
+                    self.counters[SidecarCounter.POOL_CHECKSUM_FAILURES] += 1
 
         def round_(routes: dict[str, np.ndarray]) -> None:
             still = np.array([codes[i] == pb.NOT_FOUND for i in ask], dtype=bool)

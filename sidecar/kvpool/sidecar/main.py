@@ -21,6 +21,7 @@ from kvpool.core.units import parse_bytes
 from kvpool.sidecar.config import DEFAULTS as D
 from kvpool.sidecar.config import SidecarConfig
 from kvpool.sidecar.server import Sidecar
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.kv_events import add_event_args, events_config
 
 log = logging.getLogger("kvpool.sidecar")
@@ -59,49 +60,70 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvpool sidecar", description="Serve an engine's kvpool client")
-    ap.add_argument("--socket", required=True, help="unix socket path (the arena is created beside it)")
-    ap.add_argument("--pool", default="", help="comma-separated store node addresses (empty: local tier only)")
-    ap.add_argument("--local", type=parse_bytes, default=D.local_bytes, help="local tier payload capacity")
-    ap.add_argument("--tenant", default=None)
-    ap.add_argument("--credentials", default=os.environ.get("KVPOOL_CREDENTIALS"))
-    ap.add_argument("--token", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--write-back", action="store_true")
-    ap.add_argument("--drain-seconds", type=float, default=D.drain_seconds)
-    ap.add_argument("--metrics-port", type=int, default=D.metrics_port)
-    ap.add_argument("--transition-seconds", type=float, default=D.transition_seconds,
-                    help="after a ring change, look for missing keys at their previous owners this long")
-    ap.add_argument("--copy-over-bytes", type=parse_bytes, default=D.copy_over_bytes,
-                    help="bound of the queue copying blocks found at a previous owner to the new one "
-                         "(default: an eighth of the local tier; 0: off)")
-    ap.add_argument("--pool-write-retries", type=int, default=D.pool_write_retries,
-                    help="retries of a write-through block or an evicted object's copy whose pool write failed "
-                         "for a passing reason (with doubling delays), after which it is counted as dropped "
-                         "(a block stays local-only, a copy is lost)")
-    ap.add_argument("--max-registered-bytes", type=parse_bytes, default=D.max_registered_bytes,
-                    help="client memory (Client.alloc_buffer) mapped at most, over all clients; a "
-                         "registration beyond it is refused and that client reads through the arena")
-    ap.add_argument("--match-deadline-ms", type=_positive_int, default=D.match_deadline_ms,
+    ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"),
+                    help="logging level (default: $KVPOOL_LOG_LEVEL or INFO)")
+
+    engine = ap.add_argument_group("engine socket and arena")
+    engine.add_argument("--socket", required=True, help="unix socket path (the arena is created beside it)")
+    engine.add_argument("--arena-dir", default=D.arena_dir,
+                        help="directory of the shared-memory arena (default: beside the socket); it must be "
+                             "memory-backed (tmpfs), else every write to the arena dirties disk pages")
+    engine.add_argument("--max-registered-bytes", type=parse_bytes, default=D.max_registered_bytes,
+                        help="client memory (Client.alloc_buffer) mapped at most, over all clients; a "
+                             "registration beyond it is refused and that client reads through the arena")
+
+    member = ap.add_argument_group("pool membership")
+    member.add_argument("--pool", default="", help="comma-separated store node addresses (empty: local tier only)")
+    member.add_argument("--transition-seconds", type=float, default=D.transition_seconds,
+                        help="after a ring change, look for missing keys at their previous owners this long")
+
+    cap = ap.add_argument_group("capacity")
+    cap.add_argument("--local", type=parse_bytes, default=D.local_bytes, help="local tier payload capacity")
+    cap.add_argument("--copy-over-bytes", type=parse_bytes, default=D.copy_over_bytes,
+                     help="bound of the queue copying blocks found at a previous owner to the new one "
+                          "(default: an eighth of the local tier; 0: off)")
+
+    writes = ap.add_argument_group("writes to the pool")
+    writes.add_argument("--write-back", action="store_true",
+                        help="blocks reach the pool on local eviction instead of right after the put")
+    writes.add_argument("--pool-write-retries", type=int, default=D.pool_write_retries,
+                        help="retries of a write-through block or an evicted object's copy whose pool write "
+                             "failed for a passing reason (with doubling delays), after which it is counted as "
+                             "dropped (a block stays local-only, a copy is lost)")
+    writes.add_argument("--drain-seconds", type=float, default=D.drain_seconds,
+                        help="how long SIGTERM's flush of local-only objects may take")
+
+    dl = ap.add_argument_group("deadlines")
+    dl.add_argument("--match-deadline-ms", type=_positive_int, default=D.match_deadline_ms,
                     help="deadline of a match/exists at one store node; a node that misses it is skipped "
                          "(its keys are misses) until a probe lets it back in")
-    ap.add_argument("--read-deadline-ms", type=_positive_int, default=D.read_deadline_ms,
+    dl.add_argument("--read-deadline-ms", type=_positive_int, default=D.read_deadline_ms,
                     help="base deadline of a read from one store node (plus its payload at --read-bytes-per-second)")
-    ap.add_argument("--read-bytes-per-second", type=parse_bytes, default=D.read_bytes_per_second,
+    dl.add_argument("--read-bytes-per-second", type=parse_bytes, default=D.read_bytes_per_second,
                     help="bandwidth floor a read's payload gets time for (e.g. 100000000, 200MiB; 0: none)")
-    ap.add_argument("--probe-deadline-ms", type=_positive_int, default=D.probe_deadline_ms,
+    dl.add_argument("--probe-deadline-ms", type=_positive_int, default=D.probe_deadline_ms,
                     help="how long a background probe of a suspect store node waits for its answer")
-    ap.add_argument("--suspect-backoff-ms", type=_positive_int, default=D.suspect_backoff_ms,
+    dl.add_argument("--suspect-backoff-ms", type=_positive_int, default=D.suspect_backoff_ms,
                     help="back-off between probes of a suspect store node (doubling up to 8x)")
-    ap.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
-    ap.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", D.handoff_listen),
-                    help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
-    ap.add_argument("--handoff-advertise", default=os.environ.get("KVPOOL_HANDOFF_ADVERTISE", D.handoff_advertise),
-                    help="address decode sidecars reach the handoff port at (default: the bound one)")
-    ap.add_argument("--handoff-key-file", default=os.environ.get("KVPOOL_HANDOFF_KEY_FILE"),
-                    help="secret that signs handoff records (default: the tenant token)")
-    add_event_args(ap)
-    ap.add_argument("--arena-dir", default=D.arena_dir,
-                    help="directory of the shared-memory arena (default: beside the socket); it must be "
-                         "memory-backed (tmpfs), else every write to the arena dirties disk pages")
+
+    sec = ap.add_argument_group("security")
+    sec.add_argument("--tenant", default=None, help="the tenant this sidecar serves (default: from the credentials)")
+    sec.add_argument("--credentials", default=os.environ.get("KVPOOL_CREDENTIALS"),
+                     help="mounted credentials file, JSON {tenantId, token} (default: $KVPOOL_CREDENTIALS)")
+    sec.add_argument("--token", default=None, help=argparse.SUPPRESS)
+
+    hand = ap.add_argument_group("prefill -> decode handoff")
+    hand.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", D.handoff_listen),
+                      help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
+    hand.add_argument("--handoff-advertise", default=os.environ.get("KVPOOL_HANDOFF_ADVERTISE", D.handoff_advertise),
+                      help="address decode sidecars reach the handoff port at (default: the bound one)")
+    hand.add_argument("--handoff-key-file", default=os.environ.get("KVPOOL_HANDOFF_KEY_FILE"),
+                      help="secret that signs handoff records (default: the tenant token)")
+
+    obs = ap.add_argument_group("observability")
+    obs.add_argument("--metrics-port", type=int, default=D.metrics_port,
+                     help="port of the Prometheus endpoint (0: none)")
+    add_event_args(obs)
     return ap
 
 
@@ -133,7 +155,7 @@ def _ready_line(sidecar: Sidecar) -> str:
             f"pool={len(sidecar.pool.nodes)} incarnation={sidecar.incarnation} "
             f"adopted={adopted.get('restart_adopted_objects', 0)} "
             f"dropped={adopted.get('restart_dropped_objects', 0)}"
-            + (" reset=1" if sidecar.counters["restart_arena_reset"] else "")
+            + (" reset=1" if sidecar.counters[SidecarCounter.RESTART_ARENA_RESET] else "")
             + (f" events={sidecar.events.endpoint} replay={sidecar.events.replay_endpoint}" if sidecar.events else "")
             + (f" handoff={sidecar.handoff.address}" if sidecar.handoff.address else ""))
 

@@ -19,10 +19,12 @@ from kvpool.core import errors
 from kvpool.core.checksum import checksum
 from kvpool.core.keys import KEY_BYTES
 from kvpool.core.retry import UNREACHABLE
+from kvpool.core.traffic import traffic_class_or_default
 from kvpool.pool.fanout import Pool
 from kvpool.sidecar import metrics
 from kvpool.sidecar.local_tier import LocalEntry, LocalTier
 from kvpool.sidecar.writer import PIN_MS, Writer, verdict
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 
@@ -55,7 +57,7 @@ class Puts:
         commit writes the reserved part to the pool before it answers (:meth:`write_commit`),
         so the client's next round (:meth:`Client.put`) can evict those clean copies and take
         their room — the batch streams through the tier instead of being refused."""
-        codes, entries, rid = self.local.reserve(keys, sizes, kind, traffic_class or "chatbot")
+        codes, entries, rid = self.local.reserve(keys, sizes, kind, traffic_class_or_default(traffic_class))
         if rid and self.pool.enabled and pb.NO_SPACE in codes:
             now = time.monotonic()
             with self._lock:
@@ -112,12 +114,12 @@ class Puts:
         self.writer.retry_later(done, None, pool_codes)
         if wait:
             take_verdict(codes, entries, verdict(pool_codes))
-        self.counters["put_spilled_rounds"] += 1
+        self.counters[SidecarCounter.PUT_SPILLED_ROUNDS] += 1
         self._count(done, t0)
         return codes
 
     def _count(self, done: list[LocalEntry], t0: float) -> None:
-        self.counters["put_blocks"] += len(done)
+        self.counters[SidecarCounter.PUT_BLOCKS] += len(done)
         metrics.record_put(self.tenant_id, sum(e.size for e in done), time.perf_counter() - t0)
 
     def write_from(self, keys: list[bytes], srcs: Sequence[memoryview], sums: list[int], kind: int,
@@ -134,12 +136,12 @@ class Puts:
             if not sums[i]:
                 sums[i] = checksum(srcs[i])
         got = self.pool.put([keys[i] for i in todo], [srcs[i] for i in todo], [sums[i] for i in todo],
-                            traffic_class or "chatbot", kind) if todo else []
+                            traffic_class_or_default(traffic_class), kind) if todo else []
         for i, c in zip(todo, got, strict=True):
             codes[i] = pb.OK if c in (pb.OK, pb.ALREADY_EXISTS) else pb.NO_SPACE if c == UNREACHABLE else c
         ok = sum(1 for c in codes if c == pb.OK)
-        self.counters["put_streamed"] += ok
-        self.counters["pool_writes"] += ok
+        self.counters[SidecarCounter.PUT_STREAMED] += ok
+        self.counters[SidecarCounter.POOL_WRITES] += ok
         return codes
 
     def remove(self, keys: list[bytes], kind: int) -> list[pb.Code]:

@@ -28,6 +28,7 @@ from kvpool.sidecar.fetch import Fetcher
 from kvpool.sidecar.landing import ArenaLanding, BufferLanding, SpillStash
 from kvpool.sidecar.local_tier import LocalEntry, LocalTier
 from kvpool.transfer.copier import Copier
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 _UNBOUNDED = (1 << 64) - 1
@@ -160,10 +161,10 @@ class Reads:
         elif pool_leases:
             self.pool.release(pool_leases)
         metrics.record_match(self.tenant_id, len(arr), n_local, prefix - n_local, time.perf_counter() - t0)
-        self.counters["match_calls"] += 1
-        self.counters["lookup_blocks"] += len(arr)
-        self.counters["hit_blocks_local"] += n_local
-        self.counters["hit_blocks_pool"] += prefix - n_local
+        self.counters[SidecarCounter.MATCH_CALLS] += 1
+        self.counters[SidecarCounter.LOOKUP_BLOCKS] += len(arr)
+        self.counters[SidecarCounter.HIT_BLOCKS_LOCAL] += n_local
+        self.counters[SidecarCounter.HIT_BLOCKS_POOL] += prefix - n_local
         return prefix, n_local, lease_id
 
     def probe(self, keys: list[bytes], arr: np.ndarray, kind: int) -> np.ndarray:
@@ -227,7 +228,7 @@ class Reads:
                 if found[i] is None:
                     codes[i], sizes[i] = pb.NO_SPACE, size
                     spilled += 1
-            self.counters["read_no_room"] += spilled
+            self.counters[SidecarCounter.READ_NO_ROOM] += spilled
         fetched = sum(e.size for e, was in zip(found, local_found, strict=True) if e is not None and not was)
         self._count_read(n - spilled, local_hits, pool_hits, moved, fetched, t0)
         return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0,
@@ -297,16 +298,16 @@ class Reads:
                 codes[i], sizes[i] = pb.OK, buf.nbytes
                 pairs.append((buf.data, dests[i][:buf.nbytes]))
         self._copier.copy(pairs)
-        self.counters["read_stash_hits"] += len(pairs)
+        self.counters[SidecarCounter.READ_STASH_HITS] += len(pairs)
         return left, len(pairs)
 
     def _count_read(self, n: int, local_hits: int, pool_hits: int, moved: int, from_pool: int, t0: float) -> None:
         """A read's metrics and counters (``moved`` bytes handed over, ``from_pool`` of them fetched)."""
         metrics.record_read(self.tenant_id, n, local_hits, pool_hits, moved, time.perf_counter() - t0, from_pool)
-        self.counters["read_blocks"] += n
-        self.counters["read_hits_local"] += local_hits
-        self.counters["read_hits_pool"] += pool_hits
-        self.counters["read_misses"] += n - local_hits - pool_hits
+        self.counters[SidecarCounter.READ_BLOCKS] += n
+        self.counters[SidecarCounter.READ_HITS_LOCAL] += local_hits
+        self.counters[SidecarCounter.READ_HITS_POOL] += pool_hits
+        self.counters[SidecarCounter.READ_MISSES] += n - local_hits - pool_hits
 
     # -- ranged read --------------------------------------------------------------------------
 
@@ -357,10 +358,10 @@ class Reads:
         if not lease.entries:
             self.local.release([lease.lease_id])
         pool_hits = len(where)
-        self.counters["range_reads"] += n
-        self.counters["range_hits_local"] += local_hits
-        self.counters["range_hits_pool"] += pool_hits
-        self.counters["range_bytes_local"] += local_bytes
-        self.counters["range_bytes_pool"] += pool_bytes
+        self.counters[SidecarCounter.RANGE_READS] += n
+        self.counters[SidecarCounter.RANGE_HITS_LOCAL] += local_hits
+        self.counters[SidecarCounter.RANGE_HITS_POOL] += pool_hits
+        self.counters[SidecarCounter.RANGE_BYTES_LOCAL] += local_bytes
+        self.counters[SidecarCounter.RANGE_BYTES_POOL] += pool_bytes
         return RangeResult(codes, sizes, offsets.tolist(), lease.lease_id if lease.entries else 0,
                            int(lease.expires * 1000) if lease.entries else 0, local_hits, pool_hits, pool_bytes)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import grpc
 
 from kvpool.core.retry import UNREACHABLE
+from kvpool.core.traffic import traffic_class_or_default
 from kvpool.pool.fanout import Pool
 from kvpool.sidecar import flush, grpc_server, journal, metrics
 from kvpool.sidecar.config import SidecarConfig
@@ -44,6 +45,7 @@ from kvpool.sidecar.reads import Reads
 from kvpool.sidecar.session_server import FastSessionServer
 from kvpool.sidecar.status import Greeting, Stats
 from kvpool.sidecar.writer import PIN_MS, Writer
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.kv_events import MEDIUM_LOCAL, EventPublisher
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.sidecar_frames import socket_path as fast_socket_path
@@ -105,7 +107,7 @@ class Sidecar:
         opened = arena.opened if isinstance(arena, PersistentArena) else None
         if opened is not None and opened.reset_reason:
             log.warning("local tier not adopted, starting empty: %s", opened.reset_reason)
-            self.counters["restart_arena_reset"] += 1
+            self.counters[SidecarCounter.RESTART_ARENA_RESET] += 1
         kept, counts = self.local.adopt(self.cfg.lease_ms)
         if opened is not None and opened.adopted_from:
             log.warning("local tier adopted from a previous life: %d objects (%d bytes) kept, %d dropped "
@@ -120,7 +122,7 @@ class Sidecar:
             self.local.mark_dirty(unsent)
             if not self.cfg.write_back:
                 self.writer.defer([e for e in unsent if e.kind == pb.BLOCK])
-            self.counters["restart_resumed_pool_writes"] += sum(1 for e in kept if not e.pooled)
+            self.counters[SidecarCounter.RESTART_RESUMED_POOL_WRITES] += sum(1 for e in kept if not e.pooled)
         return counts
 
     def _refresh_loop(self) -> None:
@@ -158,7 +160,7 @@ class Sidecar:
         codes = [UNREACHABLE] * len(entries)
         groups: dict[str, list[int]] = {}
         for i, e in enumerate(entries):
-            groups.setdefault(e.traffic_class or "chatbot", []).append(i)
+            groups.setdefault(traffic_class_or_default(e.traffic_class), []).append(i)
         for tclass, sel in groups.items():
             got = self.pool.put([entries[i].key for i in sel], [self.local.view(entries[i]) for i in sel],
                                 [entries[i].checksum for i in sel], tclass, pb.BLOCK)
@@ -174,17 +176,17 @@ class Sidecar:
 
     def stats(self) -> Stats:
         counters = dict(self.counters)
-        counters["pool_errors"] = self.pool.errors
-        counters["pool_match_releases_sent"] = self.pool.releases_sent
-        counters["pool_match_releases_carried"] = self.pool.releases_carried
-        counters["pool_deadline_misses"] = self.pool.deadline_misses
-        counters["pool_calls_skipped"] = self.pool.calls_skipped
-        counters["pool_probes_ok"] = self.pool.probes_ok
-        counters["pool_probes_failed"] = self.pool.probes_failed
-        counters["local_only_objects"] = len(self.local.local_only())
-        counters["ring_transition"] = int(self.pool.in_transition)
+        counters[SidecarCounter.POOL_ERRORS] = self.pool.errors
+        counters[SidecarCounter.POOL_MATCH_RELEASES_SENT] = self.pool.releases_sent
+        counters[SidecarCounter.POOL_MATCH_RELEASES_CARRIED] = self.pool.releases_carried
+        counters[SidecarCounter.POOL_DEADLINE_MISSES] = self.pool.deadline_misses
+        counters[SidecarCounter.POOL_CALLS_SKIPPED] = self.pool.calls_skipped
+        counters[SidecarCounter.POOL_PROBES_OK] = self.pool.probes_ok
+        counters[SidecarCounter.POOL_PROBES_FAILED] = self.pool.probes_failed
+        counters[SidecarCounter.LOCAL_ONLY_OBJECTS] = len(self.local.local_only())
+        counters[SidecarCounter.RING_TRANSITION] = int(self.pool.in_transition)
         if self.copy_over is not None:
-            counters["pool_copyover_queued_bytes"] = self.copy_over.queued_bytes
+            counters[SidecarCounter.POOL_COPYOVER_QUEUED_BYTES] = self.copy_over.queued_bytes
         return Stats(counters=counters, local_capacity_bytes=self.local.capacity, local_used_bytes=self.local.used,
                      local_objects=self.local.objects(), ring_epoch=self.pool.ring.epoch,
                      pool_nodes_up=self.pool.nodes_up(), pending_pool_bytes=self.backlog_bytes())

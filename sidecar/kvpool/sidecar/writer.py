@@ -20,10 +20,12 @@ from typing import Any
 
 from kvpool.core import retry
 from kvpool.core.retry import UNREACHABLE, RetryQueue
+from kvpool.core.traffic import traffic_class_or_default
 from kvpool.pool.fanout import Pool
 from kvpool.sidecar import metrics
 from kvpool.sidecar.local_tier import LocalEntry, LocalLease, LocalTier
 from kvpool.wire import grpc_status
+from kvpool.wire.counters import SidecarCounter, pool_write_failed
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.sidecar")
@@ -79,7 +81,7 @@ class Writer:
             # Shed rather than stall the engine: the blocks become local-only (handed over on
             # eviction and drain like write-back blocks) and the writer takes them up again
             # when the backlog has room.
-            self.counters["pool_writes_shed"] += len(entries)
+            self.counters[SidecarCounter.POOL_WRITES_SHED] += len(entries)
             self.local.mark_dirty(entries)
             with self._lock:
                 self._deferred.extend(entries)
@@ -118,7 +120,7 @@ class Writer:
             todo = [e for e in blocks if id(e) not in queued]
             self._deferred.extend(todo)
             self.deferred_bytes += sum(e.size for e in todo)
-        self.counters["pool_writes_retried"] += len(todo)
+        self.counters[SidecarCounter.POOL_WRITES_RETRIED] += len(todo)
 
     # -- writes on the caller's thread -----------------------------------------------------------
 
@@ -178,7 +180,7 @@ class Writer:
         ok = failed = 0
         groups: dict[tuple[int, str], list[int]] = {}
         for i in todo:
-            groups.setdefault((entries[i].kind, entries[i].traffic_class or "chatbot"), []).append(i)
+            groups.setdefault((entries[i].kind, traffic_class_or_default(entries[i].traffic_class)), []).append(i)
         still_local: list[LocalEntry] = []
         journaled: list[LocalEntry] = []  # now in the pool: a restart need not send them again
         for (kind, traffic_class), sel in groups.items():
@@ -205,8 +207,7 @@ class Writer:
                         journaled.append(entries[i])
                 else:
                     failed += 1
-                    name = "unreachable" if c == UNREACHABLE else pb.Code.Name(c).lower()
-                    self.counters[f"pool_write_{name}"] += 1
+                    self.counters[pool_write_failed(c)] += 1
                     if copies is None:
                         still_local.append(entries[i])
         self.local.note_flags(journaled)
@@ -216,7 +217,7 @@ class Writer:
                 # The ring changed while this batch was on its way (to an owner that is gone):
                 # the retry of :meth:`ring_changed` may have missed it, so queue it again.
                 self.defer([e for e in still_local if e.kind == pb.BLOCK])
-        self.counters["pool_writes"] += ok
+        self.counters[SidecarCounter.POOL_WRITES] += ok
         metrics.POOL_BYTES_OUT.labels(self.tenant_id).inc(sum(entries[i].size for i in todo if entries[i].pooled))
         return ok, failed
 
@@ -312,9 +313,9 @@ class Writer:
                     lost += 1
                     lost_bytes += e.size
         if scheduled:
-            self.counters["pool_writes_backoff"] += scheduled
+            self.counters[SidecarCounter.POOL_WRITES_BACKOFF] += scheduled
         if kept_local or lost:
-            self.counters["pool_writes_dropped"] += kept_local + lost
+            self.counters[SidecarCounter.POOL_WRITES_DROPPED] += kept_local + lost
         if kept_local:
             log.warning("%d write-through blocks dropped after %d pool write retries (or for a full backlog): "
                         "they stay local-only", kept_local, self.retries.max_attempts)
