@@ -97,8 +97,9 @@ NAMES = {c.value for c in (*StoreCounter, *SidecarCounter, *EventsCounter)}
 
 
 def _literal_counter_uses(tree: ast.AST) -> list[str]:
-    """``x.counters["name"]`` / ``counters[f"..."]`` and ``x.count("name")`` with a name of the
-    schema: a counter spelled as a string instead of through kvpool.wire.counters."""
+    """``x.counters["name"]`` / ``counters[f"..."]`` and ``x.count("name")`` / ``x._count("name")``
+    with a name of the schema: a counter spelled as a string instead of through
+    kvpool.wire.counters."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Subscript) and isinstance(node.slice, (ast.Constant, ast.JoinedStr)):
@@ -107,7 +108,8 @@ def _literal_counter_uses(tree: ast.AST) -> list[str]:
             if name.endswith("counters") and not (isinstance(node.slice, ast.Constant)
                                                    and not isinstance(node.slice.value, str)):
                 found.append(ast.unparse(node))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "count"
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("count", "_count")
               and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in NAMES):
             found.append(ast.unparse(node))
     return found
@@ -123,6 +125,6 @@ def test_no_counter_name_is_a_string_literal_in_the_data_plane() -> None:
 
 def test_the_literal_check_finds_what_it_looks_for() -> None:
     tree = ast.parse('n.counters["stored"] += 1\nself.counters[f"pool_write_{c}"] += 1\nnode.count("demoted")\n'
-                     'xs.count("a")\nn.counters[StoreCounter.STORED] += 1\nn.counters[name] += 1\n')
+                     'self._count("expired", t)\nxs.count("a")\nn.counters[StoreCounter.STORED] += 1\nn.counters[name] += 1\n')
     assert _literal_counter_uses(tree) == ["n.counters['stored']", "self.counters[f'pool_write_{c}']",
-                                           "node.count('demoted')"]
+                                           "node.count('demoted')", "self._count('expired', t)"]
