@@ -125,6 +125,7 @@ def test_no_counter_name_is_a_string_literal_in_the_data_plane() -> None:
 
 def test_the_literal_check_finds_what_it_looks_for() -> None:
     tree = ast.parse('n.counters["stored"] += 1\nself.counters[f"pool_write_{c}"] += 1\nnode.count("demoted")\n'
-                     'self._count("expired", t)\nxs.count("a")\nn.counters[StoreCounter.STORED] += 1\nn.counters[name] += 1\n')
+                     'self._count("expired", t)\nxs.count("a")\n'
+                     'n.counters[StoreCounter.STORED] += 1\nn.counters[name] += 1\n')
     assert _literal_counter_uses(tree) == ["n.counters['stored']", "self.counters[f'pool_write_{c}']",
                                            "node.count('demoted')", "self._count('expired', t)"]
