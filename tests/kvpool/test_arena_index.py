@@ -17,6 +17,7 @@ from kvpool.arena.index import (
     State,
     index_key,
 )
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 
 A = 4096
 T = "t"
@@ -28,7 +29,7 @@ def _index(pins_hold: bool = False, levels: int = 1) -> tuple[ArenaIndex, list[E
 
 
 def _reserve(idx: ArenaIndex, alloc: ExtentAllocator, key: bytes, kind: int = BLOCK, tenant: str = T) -> Entry:
-    e = Entry(key, tenant, kind, "chatbot", 100, alloc.alloc(100))
+    e = Entry(key, tenant, kind, DEFAULT_TRAFFIC_CLASS, 100, alloc.alloc(100))
     idx.reserve(e)
     return e
 

@@ -217,7 +217,8 @@ def test_demotions_a_put_needs_hold_the_lock_only_to_mark_and_flip(node: StoreNo
     node.cfg.demote_wait_seconds = 0.2
     try:
         t0 = time.monotonic()
-        codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], "chatbot", pb.BLOCK)
+        codes, _, _, rid = node.put_start(T, [b"n" * 32, b"m" * 32], [256 * KiB, 256 * KiB], DEFAULT_TRAFFIC_CLASS,
+                                      pb.BLOCK)
         assert time.monotonic() - t0 < 3.0  # its wait bound (0.2 s), not the blocked disk
         assert entered.wait(10), "no demotion reached the disk"
         assert node.counters[StoreCounter.DEMOTED] == 0  # the copy is stuck in the disk: nothing flipped yet

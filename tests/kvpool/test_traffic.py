@@ -7,18 +7,13 @@ from pathlib import Path
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS, DEFAULT_TTL, DEFAULT_TTL_SECONDS, traffic_class_or_default
 
 ROOT = Path(__file__).resolve().parents[2]
-PENDING: frozenset[str] = frozenset({
-    # Rewritten by helpers of issue 20 right now; converted after they merge.
-    "sidecar/kvpool/store/node.py",
-})
 
 
 def test_the_default_class_is_a_literal_only_in_core_traffic() -> None:
     literal = f'"{DEFAULT_TRAFFIC_CLASS}"'
     found = {str(p.relative_to(ROOT)) for top in ("sidecar", "operator") for p in (ROOT / top).rglob("*.py")
              if literal in p.read_text()}
-    assert found - PENDING == {"sidecar/kvpool/core/traffic.py"}
-    assert PENDING <= found, f"converted: take {sorted(PENDING - found)} off PENDING"
+    assert found == {"sidecar/kvpool/core/traffic.py"}
 
 
 def test_defaults() -> None:

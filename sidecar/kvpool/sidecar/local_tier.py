@@ -27,6 +27,7 @@ from kvpool.arena.index import ARENA, COMMITTED, DEAD, RESERVED, ArenaIndex, Ent
 from kvpool.core.checksum import checksum
 from kvpool.core.sizing import payload_arena_bytes
 from kvpool.sidecar.journal import FLAG_DIRTY, FLAG_POOLED, FREE, AdoptionPlan, Journal, PersistentArena
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 _PART = ""
@@ -88,7 +89,7 @@ class LocalTier:
     def _sweep(self, now: float) -> None:
         for e in self._index.sweep(now)[1]:
             self._forget(e)  # type: ignore[arg-type]
-            self.counters["reservations_expired"] += 1
+            self.counters[SidecarCounter.RESERVATIONS_EXPIRED] += 1
 
     def _new_lease(self, entries: list[LocalEntry], lease_ms: int, now: float) -> LocalLease:
         # Under the lock: pinning must be atomic with the lookup that found the entries, or a
@@ -181,7 +182,7 @@ class LocalTier:
                     off = self._alloc_evicting(s, evicted)
                 except OutOfSpace:
                     codes[i] = pb.NO_SPACE
-                    self.counters["refused_space"] += 1
+                    self.counters[SidecarCounter.REFUSED_SPACE] += 1
                     continue
                 e = LocalEntry(k, kind, traffic_class, s, off)
                 e.expires = expires
@@ -238,7 +239,7 @@ class LocalTier:
         self._index.publish(e, now)
         if e.kind == pb.BLOCK and self.events is not None:
             self.events.stored(e.key)
-        self.counters["stored"] += 1
+        self.counters[SidecarCounter.STORED] += 1
 
     def insert_fetched(self, e: LocalEntry, csum: int, lease: LocalLease | None = None) -> None:
         """An object fetched from the pool into an extent from :meth:`reserve_one`; pinned by
@@ -295,7 +296,7 @@ class LocalTier:
                 try:
                     off = self._alloc_evicting(s, evicted)
                 except OutOfSpace:
-                    self.counters["refused_space"] += 1
+                    self.counters[SidecarCounter.REFUSED_SPACE] += 1
                     out.append(None)
                     continue
                 e = LocalEntry(b"", -1, "", s, off)
@@ -373,7 +374,7 @@ class LocalTier:
                 out.append((e, bytes(self.view(e))))
             self._forget(e)
             freed += e.size
-            self.counters["evicted"] += 1
+            self.counters[SidecarCounter.EVICTED] += 1
 
     def mark_dirty(self, entries: Sequence[LocalEntry]) -> None:
         """These objects now exist only here (a deferred pool write): eviction hands them over."""

@@ -171,7 +171,8 @@ class DataSessionHandler:
         if ticket is not None:
             # One part of a batch sent over several connections: reserve in batch order.
             if not self.order.wait_turn(tenant, ticket[0], ticket[1]):
-                node.count(StoreCounter.PUT_ORDER_WAITED_OUT)  # the batch's order is lost (its earlier part is late or gone)
+                # The batch's order is lost (its earlier part is late or gone).
+                node.count(StoreCounter.PUT_ORDER_WAITED_OUT)
         try:
             codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes,
                                                          traffic_class_or_default(body.traffic_class),

@@ -41,6 +41,7 @@ from kvpool.tiers.base import FaultDelay
 from kvpool.tiers.chain import TierChain, TieredEntry
 from kvpool.tiers.sharedfs import SharedFsTier
 from kvpool.tiers.ssd import SsdTier
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 Entry = TieredEntry
@@ -105,11 +106,11 @@ class StoreNode:
             raise ValueError("this node does not encrypt at rest: it has no master key to rotate")
         with self._lock:  # no seal or open is half-way through a key swap
             self.at_rest.set_keys(current, previous)
-            self.counters["master_key_reloads"] += 1
+            self.counters[StoreCounter.MASTER_KEY_RELOADS] += 1
 
     # ------------------------------------------------------------------ what the parts ask (ChainOwner)
 
-    def count(self, what: str, tenant: str = "") -> None:
+    def count(self, what: StoreCounter, tenant: str = "") -> None:
         """Add one to a counter (and to ``tenant``'s, when given)."""
         with self._lock:
             self.counters[what] += 1
@@ -156,10 +157,10 @@ class StoreNode:
         """Drop expired leases and reservations.  Lock held."""
         dropped, expired = self._index.sweep(now)
         if dropped:
-            self.counters["leases_expired"] += dropped
+            self.counters[StoreCounter.LEASES_EXPIRED] += dropped
         for e in expired:
             self.discard(e)  # type: ignore[arg-type]
-            self.counters["reservations_expired"] += 1
+            self.counters[StoreCounter.RESERVATIONS_EXPIRED] += 1
 
     # ------------------------------------------------------------------ lookups
 
@@ -204,7 +205,7 @@ class StoreNode:
         """Commit (or revoke, per item) a reservation.  ``incarnation``: the life that issued it
         (0: unchecked); a reservation of another life is gone: LEASE_EXPIRED, nothing applied."""
         if incarnation and incarnation != self.incarnation:
-            self.count("refused_other_incarnation")
+            self.count(StoreCounter.REFUSED_OTHER_INCARNATION)
             return [pb.LEASE_EXPIRED] * max(len(checksums), 1)
         return self._writes.commit(tenant, reservation_id, checksums, revoke)
 
@@ -241,9 +242,9 @@ class StoreNode:
         """Count a ranged read: keys asked, keys served, bytes of ranges sent (``range_bytes_sent``:
         what a sparse read moved, to compare with the objects' sizes)."""
         with self._lock:
-            self.counters["range_reads"] += keys
-            self.counters["range_hits"] += served
-            self.counters["range_bytes_sent"] += nbytes
+            self.counters[StoreCounter.RANGE_READS] += keys
+            self.counters[StoreCounter.RANGE_HITS] += served
+            self.counters[StoreCounter.RANGE_BYTES_SENT] += nbytes
 
     def release(self, lease_ids: Sequence[int], tenant: str | None = None, incarnation: int = 0) -> None:
         """Drop leases of ``tenant``; ``incarnation``: the life that issued them (0: unchecked),
@@ -266,7 +267,7 @@ class StoreNode:
                     codes.append(pb.IN_FLIGHT)
                 else:
                     self.discard(e)  # type: ignore[arg-type]
-                    self.counters["removed"] += 1
+                    self.counters[StoreCounter.REMOVED] += 1
                     codes.append(pb.OK)
             return codes
 

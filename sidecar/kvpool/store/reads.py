@@ -22,6 +22,7 @@ from kvpool.tiers.atrest import AtRest
 from kvpool.tiers.chain import FsView, TierChain
 from kvpool.tiers.chain import TieredEntry as Entry
 from kvpool.tiers.sharedfs import SharedFsHeader
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 Promoted = tuple[dict[int, int], list[Entry]]
@@ -210,8 +211,8 @@ class Reads:
         self._index.touch_all(hit, now, ARENA)
         hits = len(hit)
         self._index.unpin_all(held)  # the promotion's hold: the read's own pins are taken
-        self.counters["get_blocks"] += len(keys)
-        self.counters["get_hits"] += hits
+        self.counters[StoreCounter.GET_BLOCKS] += len(keys)
+        self.counters[StoreCounter.GET_HITS] += hits
         old = self._index.lease(drop_lease_id) if drop_lease_id else None
         if old is not None and old.tenant == tenant:
             self._index.drop_lease(old)
@@ -227,8 +228,8 @@ class Reads:
         asked counts once per request, hits are the keys found.  An Exists counts (its matched
         prefix are the hits), and so does a read, except the read of a match's lease: the match
         counted those blocks already, so a match-then-read counts each block once.  Lock held."""
-        self.counters["lookup_blocks"] += asked
-        self.counters["hit_blocks"] += hits
+        self.counters[StoreCounter.LOOKUP_BLOCKS] += asked
+        self.counters[StoreCounter.HIT_BLOCKS] += hits
 
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
                  drop_lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None]]:

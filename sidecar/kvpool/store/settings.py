@@ -6,10 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.core import ranges
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS, DEFAULT_TTL_SECONDS
 from kvpool.store.tenants import DEFAULT_TENANT
-
-DAY = 86400.0
-DEFAULT_TTL = {"agent": 3 * DAY, "chatbot": 7 * DAY}
 
 
 @dataclass
@@ -27,8 +25,8 @@ class NodeConfig:
     """Eviction starts when an admission would take a tier above this fraction..."""
     low_watermark: float = 0.85
     """...and frees down to this fraction (batching evictions)."""
-    ttl_seconds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL))
-    default_ttl: float = 7 * DAY
+    ttl_seconds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL_SECONDS))
+    default_ttl: float = DEFAULT_TTL_SECONDS[DEFAULT_TRAFFIC_CLASS]
     reservation_seconds: float = 30.0
     reservation_seconds_max: float = 300.0
     """Upper bound of a writer's own ``timeout_ms``: a reservation cannot hold space for days."""

@@ -19,6 +19,7 @@ from kvpool.store.quota import Held, trim_to_share
 from kvpool.store.settings import NodeConfig
 from kvpool.store.tenants import Tenant, Tenants
 from kvpool.tiers.chain import TierChain, TieredEntry
+from kvpool.wire.counters import StoreCounter
 
 
 class Space:
@@ -75,16 +76,16 @@ class Space:
         for e in self.dram_victims(need, now, expire_all):
             if is_expired(e, now, {e.traffic_class: self.ttl(e)}, self.ttl(e)):
                 self._discard(e)
-                self._count("expired", e.tenant)
+                self._count(StoreCounter.EXPIRED, e.tenant)
             elif e.kind == BLOCK and self.chain is not None and self.chain.plan_demotion(e):
                 continue
             else:
                 self._discard(e)
-                self._count("evicted", e.tenant)
+                self._count(StoreCounter.EVICTED, e.tenant)
             freed += e.size
         return freed
 
-    def _count(self, what: str, tenant: str) -> None:
+    def _count(self, what: StoreCounter, tenant: str) -> None:
         self.counters[what] += 1
         self.tenants[tenant].counters[what] += 1
 
@@ -126,7 +127,7 @@ class Space:
         plan = choose_victims(own, need, now, {}, 0.0, expire_all=False)
         for c in plan.victims:
             self._discard(c)  # type: ignore[arg-type]
-            self._count("evicted_quota", t.tenant_id)
+            self._count(StoreCounter.EVICTED_QUOTA, t.tenant_id)
         return plan.freed_bytes
 
     def fit_shares(self, ring: Ring, node_id: str) -> None:
@@ -152,7 +153,7 @@ class Space:
             held = [Held(e.size, e.last_access, o) for e, o in zip(mine, owned, strict=True)]
             for i in trim_to_share(t.used_bytes, t.share_bytes, held, t.evict_own_on_quota):
                 self._discard(mine[i])
-                self._count("evicted_quota", t.tenant_id)
+                self._count(StoreCounter.EVICTED_QUOTA, t.tenant_id)
 
     def expire(self, now: float) -> int:
         """Drop every expired object with an extent; how many."""
@@ -160,6 +161,6 @@ class Space:
         for e in self._held():
             if not e.pins and not e.inflight and self.expired(e, now):
                 self._discard(e)
-                self._count("expired", e.tenant)
+                self._count(StoreCounter.EXPIRED, e.tenant)
                 n += 1
         return n

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvpool.core.ring import Ring
 from kvpool.store.quota import ring_share
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 DEFAULT_TENANT = "default"
@@ -136,8 +137,8 @@ class Tenants:
                 want = t.used_bytes + sum(s for j, s in enumerate(sizes[:i]) if codes[j] == pb.OK)
             if want + size > limit:
                 codes[i] = pb.QUOTA_EXCEEDED
-                counters["refused_quota"] += 1
-                t.counters["refused_quota"] += 1
+                counters[StoreCounter.REFUSED_QUOTA] += 1
+                t.counters[StoreCounter.REFUSED_QUOTA] += 1
                 continue
             want += size
 

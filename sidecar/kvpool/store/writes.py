@@ -26,6 +26,7 @@ from kvpool.store.settings import NodeConfig
 from kvpool.store.space import Space
 from kvpool.store.tenants import Tenants
 from kvpool.tiers.chain import TieredEntry
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 
@@ -66,7 +67,7 @@ class Writes:
             if draining():
                 return [pb.DRAINING] * len(keys), offsets, tokens, 0
             if foreign is not None:
-                self.counters["refused_wrong_owner"] += int(foreign.sum())
+                self.counters[StoreCounter.REFUSED_WRONG_OWNER] += int(foreign.sum())
             t = self.tenants[tenant]
             seen: set[bytes] = set()
             olds = self.index.get_many(tenant, keys, kind)
@@ -82,7 +83,7 @@ class Writes:
                 elif old is not None and old.state == COMMITTED:
                     codes[i] = pb.ALREADY_EXISTS
                     old.last_access = now
-                    self.counters["duplicates"] += 1
+                    self.counters[StoreCounter.DUPLICATES] += 1
                 elif old is not None:
                     codes[i] = pb.IN_FLIGHT
                 else:
@@ -108,8 +109,8 @@ class Writes:
                 except OutOfSpace:
                     evictable = False
                     codes[i] = pb.NO_SPACE
-                    self.counters["refused_space"] += 1
-                    t.counters["refused_space"] += 1
+                    self.counters[StoreCounter.REFUSED_SPACE] += 1
+                    t.counters[StoreCounter.REFUSED_SPACE] += 1
                     continue
                 e = TieredEntry(k, tenant, kind, traffic_class, size)
                 e.offset = off
@@ -183,7 +184,7 @@ class Writes:
                     self._discard(e)  # type: ignore[arg-type]
                     codes[i] = pb.LEASE_EXPIRED if not (revoke and revoke[i]) else pb.OK
                     if revoke and revoke[i]:
-                        self.counters["revoked"] += 1
+                        self.counters[StoreCounter.REVOKED] += 1
                     continue
                 e.state = COMMITTING  # the guard refuses further writes from now on
                 todo.append(i)
@@ -217,17 +218,17 @@ class Writes:
             if sums is not None and sums[i] != checksums[i]:
                 self._discard(e)
                 codes[i] = pb.CHECKSUM
-                self.counters["checksum_failures"] += 1
-                self.tenants[e.tenant].counters["checksum_failures"] += 1
+                self.counters[StoreCounter.CHECKSUM_FAILURES] += 1
+                self.tenants[e.tenant].counters[StoreCounter.CHECKSUM_FAILURES] += 1
                 continue
             e.checksum = int(checksums[i])
             self.index.publish(e, now)
             self._published(e)
             t = self.tenants[e.tenant]
             t.objects += 1
-            t.counters["stored"] += 1
-            self.counters["stored"] += 1
-            self.counters["stored_bytes"] += e.size
+            t.counters[StoreCounter.STORED] += 1
+            self.counters[StoreCounter.STORED] += 1
+            self.counters[StoreCounter.STORED_BYTES] += e.size
 
     def revoke(self, tenant: str, reservation_id: int) -> None:
         with self._lock:
@@ -238,4 +239,4 @@ class Writes:
             for e in res.entries:
                 if e is not None and e.state == RESERVED:
                     self._discard(e)  # type: ignore[arg-type]
-                    self.counters["revoked"] += 1
+                    self.counters[StoreCounter.REVOKED] += 1

@@ -50,6 +50,7 @@ from kvpool.arena.index import ARENA, COMMITTED, ArenaIndex, Entry
 from kvpool.core.checksum import checksum
 from kvpool.tiers.atrest import AtRest, sealed_size
 from kvpool.tiers.sharedfs import SharedFsHeader
+from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store")
@@ -91,7 +92,7 @@ class ChainOwner(Protocol):
     def account(self, tenant: str, delta_bytes: int) -> None:
         """An object entered (+) or left (-) the levels the tenant's quota counts (extents)."""
 
-    def count(self, what: str, tenant: str = "") -> None:
+    def count(self, what: StoreCounter, tenant: str = "") -> None:
         """Add one to a counter of the node (and of ``tenant``, when given)."""
 
 
@@ -352,7 +353,7 @@ class TierChain:
                 self._enqueue(move)
             else:
                 self.owner.discard(v)
-                self.owner.count("evicted", v.tenant)
+                self.owner.count(StoreCounter.EVICTED, v.tenant)
             freed += v.size  # moved or dropped: either way its extent is on its way out
         try:
             return alloc.alloc(size)
@@ -383,7 +384,7 @@ class TierChain:
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.owner.count("demote_waits_timed_out")
+                    self.owner.count(StoreCounter.DEMOTE_WAITS_TIMED_OUT)
                     return
                 self.room.wait(left)
 
@@ -430,7 +431,7 @@ class TierChain:
             self._pool.submit(run).result(timeout)
         except FutureTimeout:
             with self.room:
-                self.owner.count("tier_stat_timeouts")
+                self.owner.count(StoreCounter.TIER_STAT_TIMEOUTS)
         except (OSError, RuntimeError) as exc:  # an unreadable directory, or shut down: misses
             log.warning("shared-fs lookup failed: %s", exc)
         return FsView(dict(list(got)), since)  # a copy: the stats may still be running
@@ -491,7 +492,7 @@ class TierChain:
                 if not gone:
                     log.warning("tier write failed: dropping the object instead of moving it")
                     self.owner.discard(e)
-                    self.owner.count("evicted", e.tenant)
+                    self.owner.count(StoreCounter.EVICTED, e.tenant)
                 # A file written for an object removed meanwhile goes too (FIFO: before any later
                 # copy of the same key), or a lookup would bring the removed object back.
                 if gone and dst_alloc is None:
@@ -505,7 +506,7 @@ class TierChain:
                     dst_alloc.free(m.offset)
                 else:
                     e.on_fs = True  # the file is there: a removal must take it too
-                self.owner.count("demotions_abandoned")
+                self.owner.count(StoreCounter.DEMOTIONS_ABANDONED)
                 return None
             if m.src == ARENA:
                 self.index.drop_token(e)
@@ -516,8 +517,8 @@ class TierChain:
             if self.allocs[m.src] is not None and dst_alloc is None:
                 self.owner.account(e.tenant, -e.size)  # the per-key level is outside the quota
             if m.src == ARENA and self.at_rest is not None:
-                self.owner.count("sealed")
-            self.owner.count("demoted")
+                self.owner.count(StoreCounter.SEALED)
+            self.owner.count(StoreCounter.DEMOTED)
             return None
 
     # ------------------------------------------------------------------ promotion
@@ -601,14 +602,14 @@ class TierChain:
             self._promoting.pop(id(e), None)
             self._promoting_bytes -= e.size
             if previous_key:
-                self.owner.count("at_rest_previous_key_opens")
+                self.owner.count(StoreCounter.AT_REST_PREVIOUS_KEY_OPENS)
             if code == pb.OK and e.state == COMMITTED and e.tier == m.src:
                 if self.allocs[m.src] is None:
                     self.owner.account(e.tenant, e.size)
                 self.index.move(e, ARENA, m.offset)
                 self.index.bind_token(e)
                 e.last_access = time.time()
-                self.owner.count("promoted")
+                self.owner.count(StoreCounter.PROMOTED)
             else:
                 self.allocs[ARENA].free(m.offset)  # type: ignore[union-attr]
                 if code == pb.OK:
@@ -617,7 +618,8 @@ class TierChain:
                     if code == pb.CHECKSUM:
                         # A copy that does not authenticate (tampered, truncated, sealed for another
                         # tenant or key) is counted as such; the tag caught it before the checksum.
-                        self.owner.count("at_rest_auth_failures" if auth_failed else "checksum_failures", e.tenant)
+                        self.owner.count(StoreCounter.AT_REST_AUTH_FAILURES if auth_failed
+                                         else StoreCounter.CHECKSUM_FAILURES, e.tenant)
                     self.owner.discard(e)  # the copy was bad or gone: forgotten, a miss
             m.code = code
             self.room.notify_all()

@@ -89,10 +89,6 @@ def test_every_counter_has_a_docstring() -> None:
     assert len(StoreCounter) + len(SidecarCounter) + len(EventsCounter) >= 90
 
 
-PENDING: frozenset[str] = frozenset({
-    # Rewritten by helpers of issue 20 right now; their sites are converted after they merge.
-    "store/node.py", "tiers/chain.py", "sidecar/local_tier.py",
-})
 NAMES = {c.value for c in (*StoreCounter, *SidecarCounter, *EventsCounter)}
 
 
@@ -118,9 +114,7 @@ def _literal_counter_uses(tree: ast.AST) -> list[str]:
 def test_no_counter_name_is_a_string_literal_in_the_data_plane() -> None:
     found = {str(p.relative_to(DATA_PLANE)): uses for p in DATA_PLANE.rglob("*.py")
              if (uses := _literal_counter_uses(ast.parse(p.read_text())))}
-    strays = {k: v for k, v in found.items() if k not in PENDING}
-    assert not strays, f"counters spelled as strings (use kvpool.wire.counters): {strays}"
-    assert PENDING <= set(found), f"converted: take {sorted(PENDING - set(found))} off PENDING"
+    assert not found, f"counters spelled as strings (use kvpool.wire.counters): {found}"
 
 
 def test_the_literal_check_finds_what_it_looks_for() -> None:
