@@ -6,8 +6,8 @@
 Two levels, both plain and encrypted, interleaved round by round (medians reported):
 
 - **tier**: in this process, the store node's own code path below DRAM for one object at a time:
-  ``SsdTier.write`` of the bytes (plain) or of ``AtRest.seal`` of them (encrypted), then
-  ``SsdTier.read_into`` (plain) or read of the sealed blob + ``AtRest.open_into`` (encrypted).
+  ``write_batch`` then ``read_batch`` of an ``SsdTier`` (plain) or of a ``SealedTier`` around
+  it (encrypted: sealed on the way in, opened on the way out), as the tier chain calls them.
   Plus the AES-GCM seal/open alone (memory to memory), the ceiling of the encrypted path.
 - **node**: a real ``kvpool store`` process (small DRAM arena, large SSD tier, with or without
   ``--master-key-file``) and this process as its client: puts that demote (every object but the
@@ -39,6 +39,8 @@ from bench.common import KiB, MiB, Procs, ensure_kvpool_importable, free_port, p
 ensure_kvpool_importable()
 
 from kvpool.tiers.atrest import AtRest, sealed_size  # noqa: E402
+from kvpool.tiers.base import Code, ObjectRef, Tier  # noqa: E402
+from kvpool.tiers.sealed import SealedTier  # noqa: E402
 from kvpool.tiers.ssd import SsdTier  # noqa: E402
 from kvpool.wire.counters import StoreCounter  # noqa: E402
 
@@ -50,29 +52,29 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def tier_round(work: Path, size: int, total: int, encrypted: bool) -> dict[str, float]:
-    """One pass of write-all then read-all through an SsdTier; GB/s of each phase."""
+    """One pass of write-all then read-all through an SsdTier (sealed: a ``SealedTier`` around
+    it), one object per batch as the store node's tier chain moves them; GB/s of each phase."""
     n = max(4, total // size)
-    at = AtRest(MASTER) if encrypted else None
-    stored = sealed_size(size) if at else size
-    tier = SsdTier(str(work / ("tier-enc" if encrypted else "tier-plain")), n * (stored + 8192), f"b{size}")
+    stored = sealed_size(size) if encrypted else size
+    ssd = SsdTier(str(work / ("tier-enc" if encrypted else "tier-plain")), n * (stored + 8192), f"b{size}")
+    tier: Tier = SealedTier(ssd, AtRest(MASTER)) if encrypted else ssd
     try:
         src = memoryview(os.urandom(size))
-        offs = [tier.alloc.alloc(stored) for _ in range(n)]
         key = os.urandom(32)
+        locs = [loc for loc in tier.reserve([ObjectRef("tenant", key + i.to_bytes(4, "little")) for i in range(n)],
+                                            [size] * n) if loc is not None]
+        if len(locs) != n:
+            raise AssertionError("the slot file has no room")
         t0 = time.perf_counter()
-        for i, off in enumerate(offs):
-            tier.write(off, at.seal("tenant", key, 0, i, src, at.scratch(stored)) if at else src)
+        for loc in locs:
+            if tier.write_batch([loc], [src]) != [Code.OK]:
+                raise AssertionError("a write failed")
         t_write = time.perf_counter() - t0
         dst = memoryview(bytearray(size))
-        blob = memoryview(bytearray(stored))
         t0 = time.perf_counter()
-        for i, off in enumerate(offs):
-            if at:
-                tier.read_into(off, blob)
-                if not at.open_into("tenant", key, 0, i, blob, dst):
-                    raise AssertionError("a sealed object did not open")
-            else:
-                tier.read_into(off, dst)
+        for loc in locs:
+            if tier.read_batch([loc], [dst]) != [Code.OK]:
+                raise AssertionError("a read failed (a sealed object that did not open?)")
         t_read = time.perf_counter() - t0
         if bytes(dst) != bytes(src):
             raise AssertionError("read back other bytes")

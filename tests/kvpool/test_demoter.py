@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpool.core.checksum import checksum
+from kvpool.core.errors import Code
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.store.node import NodeConfig, StoreNode
+from kvpool.tiers.base import Location
 from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -206,14 +208,14 @@ def test_demotions_a_put_needs_hold_the_lock_only_to_mark_and_flip(node: StoreNo
         _put(node, k, v)
     ssd = node.tier("ssd")
     entered, release = threading.Event(), threading.Event()
-    write = ssd.write
+    write = ssd.write_batch
 
-    def blocked_write(offset: int, src: memoryview) -> None:
+    def blocked_write(locs: Sequence[Location], srcs: Sequence[memoryview]) -> list[Code]:
         entered.set()
         assert release.wait(60), "the test never released the disk"
-        write(offset, src)
+        return write(locs, srcs)
 
-    ssd.write = blocked_write
+    ssd.write_batch = blocked_write
     node.cfg.demote_wait_seconds = 0.2
     try:
         t0 = time.monotonic()

@@ -19,9 +19,12 @@ class DramTier(ExtentTier):
     dead creators in the same directory are swept at start.
 
     It is a ``kvpool.tiers.base.Tier`` (``reserve``, ``write_batch``, ``read_batch``, ``free``,
-    copies between the arena and caller buffers).  Its owners so far carve it themselves —
-    ``alloc``, ``slice`` and ``view``, under their own index lock — and hand its extents to
-    transfers; the two ways do not mix on one instance (the batch calls keep their own table).
+    copies between the arena and caller buffers: the conformance suite's, and a sidecar's or a
+    test's arena of its own).  A store node and a sidecar carve theirs through their index
+    instead — ``alloc`` under the index lock, ``slice``/``view`` zero-copy views of its extents
+    handed to transfers and to the tiers below (the hot path copies nothing it need not, and a
+    client maps the same pages) — so the two ways do not mix on one instance (the batch calls
+    keep their own table).
     No encryption at rest: the arena lives as long as its process, unlinked or mode 0600 in
     /dev/shm, and is served by one-sided transfers straight from its pages.
     """

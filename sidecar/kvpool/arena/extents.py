@@ -167,6 +167,7 @@ class ExtentTier:
 
     alloc: ExtentAllocator
     _table: ExtentTable
+    named = False
 
     def _init_table(self) -> None:
         self._table = ExtentTable(lambda: self.alloc)

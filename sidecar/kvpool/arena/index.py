@@ -129,10 +129,14 @@ class ArenaIndex:
     """Entries, leases, reservations, LRU and tokens of one arena (and its levels below).
 
     Not thread-safe: the owner calls every method under its lock.  ``allocs``: the allocator of
-    each level (None for a level without extents, e.g. a shared filesystem)."""
+    each level whose extents the index frees (None for a level the owner frees itself, through
+    its tier, or without extents, e.g. a shared filesystem).  ``ordered``: the levels with an LRU
+    (default: those with an allocator)."""
 
-    def __init__(self, allocs: Sequence[ExtentAllocator | None], pins_hold_extent: bool) -> None:
+    def __init__(self, allocs: Sequence[ExtentAllocator | None], pins_hold_extent: bool,
+                 ordered: Sequence[bool] | None = None) -> None:
         self._allocs = list(allocs)
+        self._ordered = list(ordered) if ordered is not None else [a is not None for a in self._allocs]
         self._pins_hold = pins_hold_extent
         self._parts: dict[str, dict[bytes, Entry]] = {}
         # Committed blocks only, per partition: the match fast path is one C-level map over this
@@ -287,7 +291,7 @@ class ArenaIndex:
         self._parts.setdefault(e.tenant, {})[index_key(e.key, e.kind)] = e
         if e.kind == BLOCK:
             self._blocks.setdefault(e.tenant, {})[e.key] = e
-        if self._allocs[e.tier] is not None:
+        if self._ordered[e.tier]:
             self._lru[e.tier][id(e)] = e
 
     def forget(self, e: Entry) -> None:
@@ -324,7 +328,7 @@ class ArenaIndex:
         if old is not None and e.offset >= 0:
             old.free(e.offset)
         e.tier, e.offset = level, offset
-        if self._allocs[level] is not None:
+        if self._ordered[level]:
             self._lru[level][id(e)] = e
 
     # ------------------------------------------------------------------ holders

@@ -37,8 +37,9 @@ from kvpool.store.tenants import Tenant as Tenant
 from kvpool.store.tenants import Tenants
 from kvpool.store.writes import Writes
 from kvpool.tiers.atrest import AtRest
-from kvpool.tiers.base import FaultDelay
+from kvpool.tiers.base import FaultDelay, Tier
 from kvpool.tiers.chain import TierChain, TieredEntry
+from kvpool.tiers.sealed import SealedTier
 from kvpool.tiers.sharedfs import SharedFsTier
 from kvpool.tiers.ssd import SsdTier
 from kvpool.wire.counters import StoreCounter
@@ -57,17 +58,22 @@ class StoreNode:
         # dram_bytes is a payload capacity: that much fits before eviction starts at the high watermark.
         self.dram = DramTier(payload_arena_bytes(cfg.dram_bytes, cfg.high_watermark), cfg.shm_dir, label=cfg.node_id)
         fault = FaultDelay(cfg.fault_tier_delay_file)
-        below: list[Any] = []  # the chain's order: SSD, then the shared filesystem
+        below: list[SsdTier | SharedFsTier] = []  # the chain's order: SSD, then the shared filesystem
         if cfg.ssd_path and cfg.ssd_bytes:
             below.append(SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.node_id, fault=fault))
         if cfg.sharedfs_path:
             below.append(SharedFsTier(cfg.sharedfs_path, fault=fault))
         self._below = below
         self.at_rest = AtRest(cfg.master_key, cfg.previous_master_keys) if cfg.master_key else None
+        # Encryption at rest is the tiers' business: each level below DRAM sealed as a whole.
+        at_rest = self.at_rest
+        self._sealed = [SealedTier(t, at_rest) for t in below] if at_rest is not None else []
+        levels: list[Tier] = list(self._sealed) if self._sealed else list(below)
         self.events: Any = None  # a kvpool.wire.kv_events.EventPublisher, set by the service when configured
         self._lock = threading.RLock()
-        levels = [self.dram, *below]
-        self._index = ArenaIndex([getattr(t, "alloc", None) for t in levels], pins_hold_extent=False)
+        # The index frees the arena's extents; the chain frees those below through their tiers.
+        self._index = ArenaIndex([self.dram.alloc] + [None] * len(levels), pins_hold_extent=False,
+                                 ordered=[True] + [not t.named for t in levels])
         self.tenants = Tenants(cfg.open_tenancy)
         self.counters: Counter[str] = Counter()
         self.ring = Ring(epoch=0)
@@ -75,10 +81,9 @@ class StoreNode:
         # This life of the node: an incarnation and leases/reservations ids from a random base.
         self.incarnation = 1 + secrets.randbits(62)
         # Moves between tiers, outside the lock; None without a tier below DRAM (evictions drop).
-        self.chain = TierChain(self, self._index, self._lock, levels, self.at_rest) if below else None
-        self._fs = self.chain.per_key if self.chain is not None else -1
+        self.chain = TierChain(self, self._index, self._lock, self.dram, levels) if below else None
         self._space = Space(cfg, self._index, self.tenants, self.chain, self.counters, self.discard)
-        self._reads = Reads(cfg, self._lock, self._index, self.tenants, self.chain, self.at_rest, self.dram,
+        self._reads = Reads(cfg, self._lock, self._index, self.tenants, self.chain, self.dram,
                             self.counters, self._sweep)
         self._writes = Writes(cfg, self._lock, self._index, self.tenants, self._space, self.dram, self.counters,
                               self.discard, self._published, self._sweep)
@@ -139,17 +144,13 @@ class StoreNode:
         if was_committed and self.events is not None and e.kind == pb.BLOCK and e.tenant == self.cfg.events_tenant:
             self.events.removed(e.key)
         t = self.tenants[e.tenant]
-        if e.offset >= 0 and (self.chain is None or self.chain.allocs[e.tier] is not None):
+        if e.offset >= 0 if self.chain is None else self.chain.in_quota(e):
             t.used_bytes -= e.size
         self._index.forget(e)  # in flight (a transfer holds the guard): its release frees the extent
         if self.chain is not None:
-            if e.moving:
-                self.chain.discarding(e)
-            if (e.on_fs or e.tier == self._fs) and self._fs >= 0:
-                # The copy below goes too (unlinked off the lock; meanwhile no lookup adopts it), or
-                # the next lookup would bring a removed object back.
-                self.chain.remove_file(e.tenant, self.tenants.fs_salt(e.tenant), e.key)
-                e.on_fs = False
+            # Its copies below go too (a file unlinked off the lock; meanwhile no lookup adopts
+            # it), or the next lookup would bring a removed object back.
+            self.chain.forget(e)
         if was_committed:
             t.objects -= 1
 
@@ -387,11 +388,21 @@ class StoreNode:
             return {
                 "node_id": self.node_id, "epoch": self.ring.epoch, "draining": self.draining,
                 "incarnation": self.incarnation,
-                "tiers": [(t.name, t.capacity, t.alloc.used, self._index.count(i))
-                          for i, t in enumerate(levels) if getattr(t, "alloc", None) is not None],
+                "tiers": [(t.name, t.capacity, t.used, self._index.count(i))
+                          for i, t in enumerate(levels) if not t.named],
                 "tenants": self.tenants.rows(),
-                "counters": dict(self.counters),
+                "counters": self._counters(),
             }
+
+    def _counters(self) -> dict[str, int]:
+        """The node's counters, with the sealed tiers' opens under a previous master key (the
+        tiers count them: a read's blobs are opened inside ``read_batch``).  Lock held."""
+        out = dict(self.counters)
+        key = StoreCounter.AT_REST_PREVIOUS_KEY_OPENS
+        previous = sum(t.counters[key] for t in self._sealed)
+        if previous:
+            out[key] = out.get(key, 0) + previous
+        return out
 
     def events_snapshot(self) -> tuple[list[bytes], list[tuple[int, bytes]]]:
         """The events tenant's committed blocks and the events not yet published, taken together."""

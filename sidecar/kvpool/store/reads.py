@@ -18,10 +18,10 @@ from kvpool.arena.index import ARENA, COMMITTED, ArenaIndex, Lease
 from kvpool.core.errors import InvalidArgument
 from kvpool.store.settings import NodeConfig
 from kvpool.store.tenants import Tenants
-from kvpool.tiers.atrest import AtRest
-from kvpool.tiers.chain import FsView, TierChain
+from kvpool.tiers.base import Location
+from kvpool.tiers.chain import TierChain
 from kvpool.tiers.chain import TieredEntry as Entry
-from kvpool.tiers.sharedfs import SharedFsHeader
+from kvpool.tiers.ledger import FsView
 from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -39,7 +39,7 @@ class Reads:
     """Lookups and reads of one node (see the module docstring)."""
 
     def __init__(self, cfg: NodeConfig, lock: threading.RLock, index: ArenaIndex, tenants: Tenants,
-                 chain: TierChain | None, at_rest: AtRest | None, dram: DramTier, counters: Counter[str],
+                 chain: TierChain | None, dram: DramTier, counters: Counter[str],
                  sweep: Callable[[float], None]) -> None:
         self.cfg = cfg
         self._lock = lock
@@ -47,27 +47,26 @@ class Reads:
         self.tenants = tenants
         self.chain = chain
         self._fs = chain.per_key if chain is not None else -1
-        self.at_rest = at_rest
         self.dram = dram
         self.counters = counters
         self._sweep = sweep
 
     def _lookup(self, tenant: str, key: bytes, kind: int, fs: FsView | None = None) -> Entry | None:
         """The committed object of ``key``, or one adopted from ``fs``: the headers of the
-        shared-fs files of unknown keys, read without the lock (:meth:`_stat_sharedfs`)."""
+        shared-fs files of unknown keys, located without the lock (:meth:`_locate_sharedfs`)."""
         e = self._index.get(tenant, key, kind)
         if e is not None and e.state == COMMITTED:
             return e  # type: ignore[return-value]
         if e is None and fs is not None and kind == pb.BLOCK:
-            hdr = fs.headers.get(key)
-            if hdr is not None:
-                return self._adopt_sharedfs(tenant, key, hdr, fs.since)
+            loc = fs.found.get(key)
+            if loc is not None:
+                return self._adopt_sharedfs(tenant, key, loc, fs.since)
         return None
 
-    def _stat_sharedfs(self, tenant: str, keys: list[bytes], kind: int, prefix_only: bool) -> FsView | None:
-        """Headers of the shared-fs files of those ``keys`` this node does not hold, read without
-        the lock for at most ``tier_read_seconds`` (``TierChain.stat_files``; what is not read by
-        then is a miss); with ``prefix_only`` up to the first key with no file."""
+    def _locate_sharedfs(self, tenant: str, keys: list[bytes], kind: int, prefix_only: bool) -> FsView | None:
+        """The shared-fs files of those ``keys`` this node does not hold, located without the
+        lock for at most ``tier_read_seconds`` (``TierChain.locate_files``; what is not located
+        by then is a miss); with ``prefix_only`` up to the first key with no file."""
         if self._fs < 0 or self.chain is None or kind != pb.BLOCK:
             return None
         with self._lock:
@@ -75,22 +74,21 @@ class Reads:
             salt = self.tenants.fs_salt(tenant) if missing else b""
         if not missing:
             return None
-        return self.chain.stat_files(salt, missing, prefix_only, self.cfg.tier_read_seconds)
+        return self.chain.locate_files(tenant, salt, missing, prefix_only, self.cfg.tier_read_seconds)
 
-    def _adopt_sharedfs(self, tenant: str, key: bytes, hdr: SharedFsHeader, since: float) -> Entry | None:
+    def _adopt_sharedfs(self, tenant: str, key: bytes, loc: Location, since: float) -> Entry | None:
         """A shared-filesystem object written by any node (or a previous life) becomes known;
-        ``hdr``: its header, read off the lock from ``since``."""
+        ``loc``: its file, located off the lock from ``since`` (a block; sealed when this node
+        encrypts at rest, in the clear when not: a file in the clear is not trusted by an
+        encrypting node, anyone with write access to the mount could have planted it)."""
         assert self.chain is not None
-        if hdr.kind != pb.BLOCK or not self.chain.files.may_adopt(tenant, key, since):
+        if not self.chain.files.may_adopt(tenant, key, since):
             return None  # the file of an object removed here (its unlink on its way, or done since)
-        if hdr.sealed != (self.at_rest is not None):
-            # A file in the clear is not trusted by an encrypting node (anyone with write access
-            # to the mount could have planted it); a sealed one cannot be opened without a key.
-            return None
-        if not 0 < hdr.size <= min(self.cfg.max_object_bytes, self.dram.capacity):
+        if not 0 < loc.size <= min(self.cfg.max_object_bytes, self.dram.capacity):
             return None  # a damaged header must not make the node evict DRAM for a phantom
-        e = Entry(key, tenant, hdr.kind, "", hdr.size)
-        e.state, e.tier, e.checksum, e.on_fs = COMMITTED, self._fs, hdr.checksum, True  # sealed: 0, set on open
+        e = Entry(key, tenant, pb.BLOCK, "", loc.size)
+        # Its checksum is the first promotion's (the tier verifies the file: header, tag).
+        e.state, e.tier, e.below, e.fs = COMMITTED, self._fs, loc, loc
         self.tenants[tenant].objects += 1
         self._index.adopt(e)
         return e
@@ -99,7 +97,7 @@ class Reads:
                pin: bool = False, lease_ms: int = 0) -> tuple[int, bytes, Lease[Entry] | None]:
         """Longest present prefix and per-key presence; optionally pin the prefix."""
         check_kind(kind)
-        fs = self._stat_sharedfs(tenant, keys, kind, prefix_only)
+        fs = self._locate_sharedfs(tenant, keys, kind, prefix_only)
         now = time.time()
         with self._lock:
             self._sweep(now)
@@ -172,7 +170,7 @@ class Reads:
         another); :meth:`_pin_found` unpins them."""
         if self.chain is None:
             return {}, []
-        fs = self._stat_sharedfs(tenant, keys, kind, prefix_only=False)
+        fs = self._locate_sharedfs(tenant, keys, kind, prefix_only=False)
         with self._lock:
             found = [e for e in (self._lookup(tenant, k, kind, fs) for k in keys) if e is not None]
             # Pinned even when all are in DRAM: a demotion in flight would otherwise move one down

@@ -113,8 +113,8 @@ class Space:
     def _held(self) -> list[TieredEntry]:
         """Committed objects with an extent here (below first, then DRAM), pins settled."""
         self.index.settle_pins()
-        allocs = self.chain.allocs if self.chain is not None else [self.dram]
-        levels = [lv for lv in reversed(range(len(allocs))) if allocs[lv] is not None]
+        ordered = self.chain.ordered() if self.chain is not None else [True]
+        levels = [lv for lv in reversed(range(len(ordered))) if ordered[lv]]
         return [e for lv in levels for e in self.index.lru(lv)]  # type: ignore[misc]
 
     def _own(self, tid: str) -> list[TieredEntry]:

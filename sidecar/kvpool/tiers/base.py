@@ -10,7 +10,7 @@ memoryviews, never allocating a buffer per object.  An object's life in a tier:
 2. ``write_batch(locations, sources)``: the copies, off any lock.
 3. ``read_batch(locations, buffers)``: each buffer exactly the object's size; what comes back is
    verified (a checksum, or a sealed object's tag), so a damaged medium is CHECKSUM, never bytes.
-4. ``free(locations)``: idempotent.
+4. ``free(locations)``: idempotent; no I/O in an addressed tier (see ``named``).
 
 Per-item results are :class:`~kvpool.core.errors.Code` values: OK, NOT_FOUND (never written,
 freed, not there), INVALID (a buffer of another size), CHECKSUM (damaged, or sealed under another
@@ -50,6 +50,13 @@ class Tier(Protocol):
     @property
     def name(self) -> str:
         """``dram``, ``ssd``, ``sharedfs`` (the same for a sealed one)."""
+        ...
+
+    @property
+    def named(self) -> bool:
+        """Its objects are found by name (``locate``) and outlive this instance: the shared
+        filesystem.  Its ``free`` removes files (I/O: never under an index lock).  An addressed
+        tier's ``free`` does no I/O."""
         ...
 
     @property

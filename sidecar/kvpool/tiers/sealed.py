@@ -50,6 +50,10 @@ class SealedTier:
         return self.inner.name
 
     @property
+    def named(self) -> bool:
+        return self.inner.named
+
+    @property
     def capacity(self) -> int:
         return self.inner.capacity
 

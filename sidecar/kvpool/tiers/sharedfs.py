@@ -30,6 +30,8 @@ SFS_PLAIN, SFS_SEALED = 1, 2
 
 @dataclass(frozen=True)
 class SharedFsHeader:
+    """A file's header: names and checks its payload (the on-disk format; see ``_SFS_HEADER``)."""
+
     kind: int
     size: int
     """Bytes of the object (of its plaintext, for a sealed file)."""
@@ -65,11 +67,11 @@ class SharedFsTier:
     version, kind, size, generation) and the payload's checksum (a sealed blob has none: the
     ``SealedTier`` above checks its tag).
     ``capacity`` bounds what this instance reserves (0: unbounded); ``used`` counts its own
-    files, not those of the other nodes on the mount.  The store node calls ``write``,
-    ``read_into``, ``stat`` and ``remove`` so far.  Thread-safe.
+    files, not those of the other nodes on the mount.  Thread-safe.
     """
 
     name = "sharedfs"
+    named = True
 
     def __init__(self, directory: str, capacity: int = 0, fault: FaultDelay | None = None) -> None:
         self.fault = fault or FaultDelay()
@@ -84,17 +86,6 @@ class SharedFsTier:
     def path_for(self, salt: bytes, key: bytes) -> str:
         name = hmac.new(salt, key, hashlib.sha256).hexdigest()
         return os.path.join(self.directory, name[:2], name)
-
-    def write(self, salt: bytes, key: bytes, kind: int, src: memoryview, csum: int, *,
-              sealed_size: int | None = None, generation: int = 0) -> str:
-        """Write an object's file; with ``sealed_size`` (its plaintext size), ``src`` is sealed."""
-        path = self.path_for(salt, key)
-        if sealed_size is None:
-            header = _SFS_HEADER.pack(_SFS_MAGIC, SFS_PLAIN, kind, len(src), csum)
-        else:
-            header = _SFS_HEADER.pack(_SFS_MAGIC, SFS_SEALED, kind, sealed_size, generation)
-        self._write_file(path, header, src)
-        return path
 
     def _write_file(self, path: str, header: bytes, src: memoryview) -> None:
         """Write ``header`` ‖ ``src`` to a temporary file and rename it to ``path``."""
@@ -116,34 +107,6 @@ class SharedFsTier:
             except FileNotFoundError:
                 pass
             raise
-
-    def stat(self, salt: bytes, key: bytes) -> SharedFsHeader | None:
-        self.fault()
-        try:
-            with open(self.path_for(salt, key), "rb") as f:
-                raw = f.read(_SFS_HEADER.size)
-        except FileNotFoundError:
-            return None
-        return _parse_header(raw)
-
-    def read_into(self, salt: bytes, key: bytes, dst: memoryview) -> SharedFsHeader | None:
-        """Read the object's payload into ``dst`` (its size from :meth:`stat`, plus the sealing
-        overhead for a sealed file); None if gone, damaged or not exactly that long."""
-        self.fault()
-        try:
-            fd = os.open(self.path_for(salt, key), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            hdr = _parse_header(os.pread(fd, _SFS_HEADER.size, 0))
-            if hdr is None or (hdr.size if not hdr.sealed else os.fstat(fd).st_size - _SFS_HEADER.size) != len(dst):
-                return None
-            return hdr if _read_payload(fd, dst) else None
-        finally:
-            os.close(fd)
-
-    def remove(self, salt: bytes, key: bytes) -> None:
-        self._unlink(self.path_for(salt, key))
 
     def close(self) -> None:
         pass

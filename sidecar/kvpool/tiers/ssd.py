@@ -15,9 +15,7 @@ class SsdTier(ExtentTier):
     never serves bytes of a previous life (its index is gone, its slots are unreachable).
 
     A :class:`~kvpool.tiers.base.Tier`: the batch calls keep their own table of what is where
-    (and its checksum, so a damaged slot is CHECKSUM, never served).  The store node carves it
-    itself so far — ``alloc``, ``write``, ``read_into`` under its index lock — and the two ways
-    do not mix on one instance.
+    (and its checksum, so a damaged slot is CHECKSUM, never served).
     """
 
     name = "ssd"
@@ -46,18 +44,12 @@ class SsdTier(ExtentTier):
         self._init_table()
 
     def _put(self, offset: int, src: memoryview) -> None:
-        self.write(offset, src)
-
-    def _get(self, offset: int, dst: memoryview) -> None:
-        self.read_into(offset, dst)
-
-    def write(self, offset: int, src: memoryview) -> None:
         self.fault()
         done = 0
         while done < len(src):
             done += os.pwritev(self._fd, [src[done:]], offset + done)
 
-    def read_into(self, offset: int, dst: memoryview) -> None:
+    def _get(self, offset: int, dst: memoryview) -> None:
         self.fault()
         done = 0
         while done < len(dst):

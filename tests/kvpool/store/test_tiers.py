@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,18 @@ def _payload_files(d: Path) -> list[Path]:
     return [p for p in d.rglob("*") if p.is_file() and not p.name.startswith(".tmp")]
 
 
+def _files_when_flipped(c: Any, shared: Path) -> tuple[list[Path], int]:
+    """The shared-fs files and the ``demoted`` counter, once they agree (bounded): a demotion's
+    file appears at its rename, off the node's lock, and is counted at the flip that follows."""
+    deadline = time.monotonic() + 30
+    while True:
+        files = _payload_files(shared)
+        demoted = int(c.stats().counters[StoreCounter.DEMOTED])
+        if len(files) == demoted or time.monotonic() > deadline:
+            return files, demoted
+        time.sleep(0.02)
+
+
 def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(nodes: Any, module_stores: Any, h: Any,
                                                                    rng: random.Random) -> None:
     shared = module_stores.tmp / "sharedfs"
@@ -134,10 +147,9 @@ def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(nodes: Any, m
     vals = h.rand_values(rng, [size] * 24)
     for i in range(0, 24, 4):
         assert ca.put(keys[i:i + 4], vals[i:i + 4]) == [pb.OK] * 4
-    st = ca.stats()
-    assert st.counters[StoreCounter.DEMOTED] > 0
-    files = _payload_files(shared)
-    assert len(files) == st.counters[StoreCounter.DEMOTED]
+    files, demoted = _files_when_flipped(ca, shared)
+    assert demoted > 0
+    assert len(files) == demoted
     # Names are keyed hashes: the directory does not reveal the keys.
     names = " ".join(str(p) for p in files)
     assert not any(k.hex()[:16] in names for k in keys)
@@ -167,7 +179,9 @@ def test_sharedfs_round_trip_across_nodes_and_corruption_is_a_miss(nodes: Any, m
     assert flipped > 0 and truncated > 0
     fresh = nodes["fs_fresh"]  # started before, but has never looked at these keys
     cf = fresh.client()
-    assert cf.exists(keys, prefix_only=False).present.count(True) == flipped + truncated  # headers look fine
+    # A flipped payload byte hides behind an intact header (found, then refused by its read); a
+    # truncated file or a garbage header is not even found (``Tier.locate`` checks the length).
+    assert cf.exists(keys, prefix_only=False).present.count(True) == flipped
     got = _read_all(cf, keys)
     assert got == [None] * 24, "a damaged shared-fs object must be a miss"
     st = cf.stats()

@@ -156,6 +156,7 @@ class TestTierConformance:
         t = case.tier
         assert isinstance(t, Tier)
         assert t.name == case.kind.removesuffix("-sealed")
+        assert t.named == case.named
         assert t.capacity == CAPACITY
         assert t.used == 0
 
@@ -438,33 +439,27 @@ class TestSharedFsFilesOfOtherLives:
         [again] = other.tier.locate([ref(1)])
         assert again is not None and get(other.tier, [again]) == ([Code.OK], [v])
 
-    def test_files_of_the_store_nodes_calls_and_of_the_batch_calls_are_one_format(self, tmp_path: Path) -> None:
-        """The store node writes with ``write``/``read_into`` today: what it wrote is located and
-        read by the batch calls, and the other way round."""
+    def test_the_file_format_is_the_store_nodes(self, tmp_path: Path) -> None:
+        """A file is its header (magic ``KVPF``, version, kind, size, then the payload's checksum
+        in the clear or the generation when sealed) and its payload: files of earlier nodes on
+        the mount stay readable, and a sealed payload opens with ``AtRest`` alone."""
+        import struct
+
         from kvpool.core.checksum import checksum
 
         fs = SharedFsTier(str(tmp_path / "fs"))
-        old, new = data(7000, 11), data(7000, 12)
-        fs.write(SALT, ref(1).key, 0, memoryview(old), checksum(old))
-        [loc] = fs.locate([ref(1)])
-        assert loc is not None and get(fs, [loc]) == ([Code.OK], [old])
-        put(fs, [ref(2)], [new])
-        buf = bytearray(len(new))
-        hdr = fs.read_into(SALT, ref(2).key, memoryview(buf))
-        assert hdr is not None and not hdr.sealed and hdr.checksum == checksum(new) and bytes(buf) == new
-        # Sealed: the node seals with AtRest and writes the blob with its generation.
+        v = data(7000, 11)
+        [loc] = put(fs, [ref(1)], [v])
+        raw = Path(fs.path_for(SALT, ref(1).key)).read_bytes()
+        assert struct.unpack("<4sHHQQ", raw[:HEADER_BYTES]) == (b"KVPF", 1, 0, len(v), checksum(v))
+        assert raw[HEADER_BYTES:] == v
         at_rest = AtRest(MASTER)
-        sealed = SealedTier(fs, at_rest)
-        blob = at_rest.seal("a", ref(3).key, 0, 42, old)
-        fs.write(SALT, ref(3).key, 0, blob, 0, sealed_size=len(old), generation=42)
-        [sloc] = sealed.locate([ref(3)])
-        assert sloc is not None and sloc.generation == 42 and get(sealed, [sloc]) == ([Code.OK], [old])
-        [s4] = put(sealed, [ref(4)], [new])
-        blob4 = memoryview(bytearray(len(new) + OVERHEAD))
-        hdr = fs.read_into(SALT, ref(4).key, blob4)
-        out = memoryview(bytearray(len(new)))
-        assert hdr is not None and hdr.sealed and hdr.generation == s4.generation
-        assert at_rest.open_into("a", ref(4).key, 0, hdr.generation, blob4, out) and bytes(out) == new
+        [s2] = put(SealedTier(fs, at_rest), [ref(2)], [v])
+        raw = Path(fs.path_for(SALT, ref(2).key)).read_bytes()
+        assert struct.unpack("<4sHHQQ", raw[:HEADER_BYTES]) == (b"KVPF", 2, 0, len(v), s2.generation)
+        out = memoryview(bytearray(len(v)))
+        assert at_rest.open_into("a", ref(2).key, 0, s2.generation, memoryview(raw[HEADER_BYTES:]), out)
+        assert bytes(out) == v and loc.size == len(v)
 
 
 def test_a_closed_ssd_tier_reads_nothing_even_where_its_descriptor_number_is_reused(tmp_path: Path) -> None:
