@@ -45,41 +45,22 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvpool.arena.allocator import ExtentAllocator, OutOfSpace
+from kvpool.arena.allocator import OutOfSpace
 from kvpool.arena.dram import DramTier
 from kvpool.arena.eviction import watermark_need
 from kvpool.arena.extents import Location, ObjectRef
 from kvpool.arena.index import ARENA, BLOCK, COMMITTED, ArenaIndex, Entry
-from kvpool.core.checksum import checksum
 from kvpool.core.errors import Code
 from kvpool.tiers.base import Tier
-from kvpool.tiers.ledger import FsLedger, FsView, Unlink
+from kvpool.tiers.ledger import FsLedger, FsView, Unlink, locate_into
+from kvpool.tiers.moves import DEMOTING, IDLE, PROMOTING, Move, copy_down, fits, read_up
+from kvpool.tiers.moves import TieredEntry as TieredEntry  # the chain's entries: imported from here
 from kvpool.tiers.sealed import SealedTier
 from kvpool.wire.counters import StoreCounter
 
 log = logging.getLogger("kvpool.store")
-
-IDLE, DEMOTING, PROMOTING = 0, 1, 2
-"""``TieredEntry.moving``: what a planned move is doing to the entry."""
-
-
-class TieredEntry(Entry):
-    """An entry of an arena with levels below it."""
-
-    __slots__ = ("moving", "below", "fs")
-
-    def __init__(self, key: bytes, tenant: str, kind: int, traffic_class: str, size: int) -> None:
-        super().__init__(key, tenant, kind, traffic_class, size)
-        self.moving = IDLE
-        """A move in progress (DEMOTING / PROMOTING)."""
-        self.below: Location | None = None
-        """Its place in the level it lives at, below the arena (``tier`` > 0)."""
-        self.fs: Location | None = None
-        """Its file in the named level, when one exists (removed with the object; it stays
-        there, immutable, when the object is promoted)."""
 
 
 class ChainOwner(Protocol):
@@ -104,43 +85,6 @@ class ChainOwner(Protocol):
         """Add one to a counter of the node (and of ``tenant``, when given)."""
 
 
-@dataclass
-class _Move:
-    entry: TieredEntry
-    src: int
-    dst: int
-    src_loc: Location | None = None
-    """Where the object is read from below the arena (taken at the mark: a removal may clear
-    the entry's meanwhile)."""
-    offset: int = -1
-    """Destination extent in the arena (a promotion)."""
-    loc: Location | None = None
-    """Destination below the arena: reserved at the mark (addressed) or by the copy (named)."""
-    reused: bool = False
-    """The named level's file was there already (an object promoted from it): nothing written."""
-    code: int = Code.OK
-    started: float = field(default_factory=time.monotonic)
-    guarded: bool = False
-    """A named destination whose object was removed meanwhile: already marked removing."""
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-def _fits(alloc: ExtentAllocator, sizes: Sequence[int]) -> bool:
-    """Whether extents of ``sizes`` could be allocated now (a trial, undone).  Lock held."""
-    if alloc.largest_free >= sum(sizes):
-        return True
-    got: list[int] = []
-    try:
-        for size in sizes:
-            got.append(alloc.alloc(size))
-        return True
-    except OutOfSpace:
-        return False
-    finally:
-        for off in got:
-            alloc.free(off)
-
-
 class TierChain:
     """The move engine of one arena and the levels below it (see the module docstring).
 
@@ -163,12 +107,12 @@ class TierChain:
         """Notified when a move is flipped (DRAM freed, or a copy landed)."""
         self.pending_bytes = 0
         """DRAM bytes of demotions planned and not yet flipped (freed soon, if the disk allows)."""
-        self._queue: deque[_Move | Unlink] = deque()
+        self._queue: deque[Move | Unlink] = deque()
         self.files = FsLedger()
         """Which named-level files a lookup may adopt (under the lock)."""
         self._wake = threading.Condition(threading.Lock())
-        self._promoting: dict[int, _Move] = {}
-        self._demoting: dict[int, _Move] = {}
+        self._promoting: dict[int, Move] = {}
+        self._demoting: dict[int, Move] = {}
         """Moves down in flight by id(entry) (to guard a removed object's file, see ``forget``)."""
         self._promoting_bytes = 0
         self._max_promotions = max_promotions
@@ -205,14 +149,14 @@ class TierChain:
     def plan_demotion(self, e: TieredEntry) -> bool:
         """Mark a DRAM object for its move to the first level below that takes it; False when
         none can (the caller drops it).  Lock held."""
-        move: _Move | None = None
+        move: Move | None = None
         for level in range(ARENA + 1, len(self.levels)):
             if self.named[level]:
-                move = _Move(e, ARENA, level)
+                move = Move(e, ARENA, level)
                 break
             loc = self._reserve_below(level, e)
             if loc is not None:
-                move = _Move(e, ARENA, level, loc=loc)
+                move = Move(e, ARENA, level, loc=loc)
                 break
         if move is None:
             return False
@@ -252,7 +196,7 @@ class TierChain:
                 # Moved, not lost: but its extent is free only once the copy is out.
                 v.moving = DEMOTING
                 v.pins += 1
-                self._demoting[id(v)] = move = _Move(v, level, nxt, src_loc=v.below, loc=vloc)
+                self._demoting[id(v)] = move = Move(v, level, nxt, src_loc=v.below, loc=vloc)
                 self._enqueue(move)
             else:
                 self.owner.discard(v)
@@ -272,7 +216,7 @@ class TierChain:
             if need:
                 self.owner.evict_dram(need, time.time())
             step = max(need, max(sizes))
-            while not _fits(alloc, sizes):
+            while not fits(alloc, sizes):
                 if not self.pending_bytes:
                     # Nothing on its way down (a fragmented arena): move more, geometrically.
                     used = alloc.used
@@ -317,22 +261,13 @@ class TierChain:
         """The named level's files of ``keys`` (with ``prefix_only`` up to the first key with
         none), located on the pool's threads for at most ``timeout`` seconds: a hung file system
         makes the keys not located by then misses.  Call without the lock."""
-        fs = self.levels[self.per_key]
-        sealed = self.sealed[self.per_key]
         got: list[tuple[bytes, Location]] = []
         since = time.monotonic()
         self.files.horizon = max(60.0, 10 * timeout)
-
-        def run() -> None:
-            for k in keys:  # one at a time: a prefix stops at its first miss
-                loc = fs.locate([ObjectRef(tenant, k, BLOCK, salt)], sealed)[0]
-                if loc is None:
-                    if prefix_only:
-                        return
-                    continue
-                got.append((k, loc))
+        refs = [ObjectRef(tenant, k, BLOCK, salt) for k in keys]
         try:
-            self._pool.submit(run).result(timeout)
+            self._pool.submit(locate_into, self.levels[self.per_key], self.sealed[self.per_key], refs, prefix_only,
+                              got).result(timeout)
         except FutureTimeout:
             with self.room:
                 self.owner.count(StoreCounter.TIER_STAT_TIMEOUTS)
@@ -340,7 +275,7 @@ class TierChain:
             log.warning("shared-fs lookup failed: %s", exc)
         return FsView(dict(list(got)), since)  # a copy: the lookups may still be running
 
-    def _enqueue(self, move: _Move | Unlink) -> None:
+    def _enqueue(self, move: Move | Unlink) -> None:
         with self._wake:
             self._queue.append(move)
             self._wake.notify()
@@ -369,33 +304,11 @@ class TierChain:
                 if not self._closed:
                     log.error("tier chain: %s", exc)
 
-    def _copy_down(self, m: _Move) -> None:
-        """Read the object (a view of the arena, or ``read_batch`` of its level) and write it
-        below.  No lock held: the source is held by the mark (``inflight`` or ``pins``)."""
-        e = m.entry
-        src: memoryview
-        if m.src == ARENA:
-            src = self.arena.slice(e.offset, e.size)
-        else:
-            src = memoryview(bytearray(e.size))
-            assert m.src_loc is not None
-            m.code = self.levels[m.src].read_batch([m.src_loc], [src])[0]
-            if m.code != Code.OK:
-                return
-        dst = self.levels[m.dst]
-        if m.loc is None:  # a named level: its file is reserved here, after any earlier unlink of the key
-            if e.fs is not None:  # promoted from there: its (immutable) file may still be there
-                there = dst.locate([e.fs.ref], self.sealed[m.dst])[0]
-                if there is not None:
-                    m.loc, m.reused = there, True
-                    return
-            m.loc = dst.reserve([self._ref(e, m.dst)], [e.size])[0]
-            if m.loc is None:
-                m.code = Code.NO_SPACE
-                return
-        m.code = dst.write_batch([m.loc], [src])[0]
+    def _copy_down(self, m: Move) -> None:
+        """The copy of a move down, without the lock (:func:`~kvpool.tiers.moves.copy_down`)."""
+        copy_down(m, self.arena, self.levels, self.sealed[m.dst], self._ref(m.entry, m.dst))
 
-    def _flip_down(self, m: _Move) -> Unlink | None:
+    def _flip_down(self, m: Move) -> Unlink | None:
         """Make a finished copy the object's place (or undo it); returns a named-level file to
         remove outside the lock when the copy is not wanted any more."""
         e = m.entry
@@ -459,7 +372,7 @@ class TierChain:
         CHECKSUM, NOT_FOUND); those still on their way are neither there nor in DRAM (misses).
         Call without the lock."""
         failed: dict[int, int] = {}
-        waits: list[_Move] = []
+        waits: list[Move] = []
         deadline = time.monotonic() + timeout
         todo = list(entries)
         rounded = self.index.alloc(ARENA).rounded
@@ -483,7 +396,7 @@ class TierChain:
                 failed[id(m.entry)] = m.code
         return failed
 
-    def _plan_promotions(self, entries: Sequence[TieredEntry], waits: list[_Move], timeout: float
+    def _plan_promotions(self, entries: Sequence[TieredEntry], waits: list[Move], timeout: float
                          ) -> list[TieredEntry]:
         """Start the promotion of each of ``entries`` below DRAM that has room now (or join the
         one under way), appending to ``waits``; returns those that found no room."""
@@ -508,7 +421,7 @@ class TierChain:
                     except OutOfSpace:
                         short.append(e)
                         continue
-                    m = _Move(e, e.tier, ARENA, src_loc=e.below, offset=off)
+                    m = Move(e, e.tier, ARENA, src_loc=e.below, offset=off)
                     e.moving = PROMOTING
                     e.pins += 1
                     self._promoting[id(e)] = m
@@ -517,18 +430,9 @@ class TierChain:
                 waits.append(m)
         return short
 
-    def _promote_one(self, m: _Move) -> None:
+    def _promote_one(self, m: Move) -> None:
         e = m.entry
-        dst = self.arena.slice(m.offset, e.size)
-        actual = -1
-        try:
-            code = (self.levels[m.src].read_batch([m.src_loc], [dst])[0] if m.src_loc is not None
-                    else Code.NOT_FOUND)
-            if code == Code.OK:
-                actual = checksum(dst)
-        except Exception as exc:  # noqa: BLE001 - an unreadable copy is a miss, never a crash
-            log.warning("promotion read failed: %s", exc)
-            code = Code.NOT_FOUND
+        code, actual = read_up(m, self.arena, self.levels[m.src])
         with self.room:
             e.pins -= 1
             e.moving = IDLE

@@ -13,7 +13,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from kvpool.arena.extents import Location
+from kvpool.arena.extents import Location, ObjectRef
+from kvpool.tiers.base import Tier
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,17 @@ class FsLedger:
 
     def busy(self) -> bool:
         return bool(self._removing)
+
+
+def locate_into(fs: Tier, sealed: bool, refs: list[ObjectRef], prefix_only: bool,
+                got: list[tuple[bytes, Location]]) -> None:
+    """Append (key, location) of each of ``refs`` with a file in ``fs``, one at a time (with
+    ``prefix_only`` up to the first without): the caller may stop waiting at any point and keep
+    what was found by then."""
+    for ref in refs:
+        loc = fs.locate([ref], sealed)[0]
+        if loc is None:
+            if prefix_only:
+                return
+            continue
+        got.append((ref.key, loc))
