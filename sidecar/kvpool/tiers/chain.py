@@ -432,20 +432,24 @@ class TierChain:
 
     def _promote_one(self, m: Move) -> None:
         e = m.entry
-        code, actual = read_up(m, self.arena, self.levels[m.src])
+        # An addressed level's read is verified against what it was given (the checksum of the
+        # bytes it wrote, or the seal's tag): hashing again is needed only for a shared file,
+        # which another node may have written, and to learn an adopted object's checksum.
+        code, actual = read_up(m, self.arena, self.levels[m.src], self.named[m.src] or not e.checksum)
         with self.room:
             e.pins -= 1
             e.moving = IDLE
             self._promoting.pop(id(e), None)
             self._promoting_bytes -= e.size
-            if code == Code.OK and e.checksum and actual != e.checksum:
+            if code == Code.OK and actual >= 0 and e.checksum and actual != e.checksum:
                 code = Code.CHECKSUM  # (an adopted file's object has no checksum yet: the tier vouched)
             if code == Code.OK and e.state == COMMITTED and e.tier == m.src:
                 if self.named[m.src]:
                     self.owner.account(e.tenant, e.size)
                 elif m.src_loc is not None:
                     self.levels[m.src].free([m.src_loc])
-                e.checksum = actual
+                if actual >= 0:
+                    e.checksum = actual
                 self.index.move(e, ARENA, m.offset)
                 e.below = None
                 self.index.bind_token(e)

@@ -112,13 +112,14 @@ def copy_down(m: Move, arena: DramTier, levels: Sequence[Tier], sealed: bool, re
     m.code = dst.write_batch([m.loc], [src])[0]
 
 
-def read_up(m: Move, arena: DramTier, src: Tier) -> tuple[int, int]:
-    """Read a promotion's object from ``src`` into its arena extent: a code and the checksum of
-    what arrived (-1 unless OK).  No lock held: the extent is the move's alone until its flip."""
+def read_up(m: Move, arena: DramTier, src: Tier, verify: bool) -> tuple[int, int]:
+    """Read a promotion's object from ``src`` into its arena extent: a code and, with ``verify``,
+    the checksum of what arrived (else, or unless OK, -1).  No lock held: the extent is the
+    move's alone until its flip."""
     dst = arena.slice(m.offset, m.entry.size)
     try:
         code = src.read_batch([m.src_loc], [dst])[0] if m.src_loc is not None else Code.NOT_FOUND
     except Exception as exc:  # noqa: BLE001 - an unreadable copy is a miss, never a crash
         log.warning("promotion read failed: %s", exc)
         return Code.NOT_FOUND, -1
-    return code, checksum(dst) if code == Code.OK else -1
+    return code, checksum(dst) if code == Code.OK and verify else -1
