@@ -18,13 +18,13 @@ class DramTier(ExtentTier):
     SIGKILL leaves nothing behind in /dev/shm.  Kept files carry the creator's pid, and files of
     dead creators in the same directory are swept at start.
 
-    It is a ``kvpool.tiers.base.Tier`` (``reserve``, ``write_batch``, ``read_batch``, ``free``,
-    copies between the arena and caller buffers: the conformance suite's, and a sidecar's or a
-    test's arena of its own).  A store node and a sidecar carve theirs through their index
-    instead — ``alloc`` under the index lock, ``slice``/``view`` zero-copy views of its extents
-    handed to transfers and to the tiers below (the hot path copies nothing it need not, and a
-    client maps the same pages) — so the two ways do not mix on one instance (the batch calls
-    keep their own table).
+    It passes the ``kvpool.tiers.base.Tier`` conformance suite (``reserve``, ``write_batch``,
+    ``read_batch``, ``free``: copies between the arena and caller buffers), but its owners — the
+    store node and the sidecar — never copy through it: they carve it through their index
+    (``alloc`` under the index lock) and hand out ``slice``/``view``, zero-copy views of its
+    extents, to transfers, to clients that map the same pages, and to the tiers below (a tier
+    move writes from and reads into the arena in place).  The two ways do not mix on one
+    instance (the batch calls keep their own table).
     No encryption at rest: the arena lives as long as its process, unlinked or mode 0600 in
     /dev/shm, and is served by one-sided transfers straight from its pages.
     """
