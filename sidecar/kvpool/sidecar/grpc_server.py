@@ -120,7 +120,8 @@ class SidecarServicer(spbg.SidecarServicer):
 class IncarnationCheck(grpc.ServerInterceptor):  # type: ignore[misc]
     """Refuses a call that names another sidecar life (``kvpool-incarnation`` metadata) with
     ABORTED before it runs: its lease ids, reservation id or the offsets it will apply belong to
-    a dead process.  A call without the metadata (Hello, an older client) is let through."""
+    a dead process.  A call without the metadata (Hello itself) names no life, so it carries no
+    id of one and is let through."""
 
     def __init__(self, incarnation: int) -> None:
         self.incarnation = str(incarnation)
