@@ -131,30 +131,12 @@ def test_leases_expire_release_per_tenant_and_count_lazy_pins_only_when_asked() 
     assert e.pins == 0
 
 
-def test_a_lease_can_take_over_pins_the_caller_took() -> None:
-    idx, [alloc] = _index()
-    e = _reserve(idx, alloc, b"a" * 32)
-    idx.publish(e, 1.0)
-    idx.pin([e])
-    lease = idx.new_lease([e], expires=5.0, pinned=True)
-    assert e.pins == 1
-    idx.drop_lease(lease)
-    assert e.pins == 0
-
-
-def test_read_tokens_die_with_their_lease_and_write_tokens_with_their_entry() -> None:
+def test_write_tokens_die_with_their_entry() -> None:
     idx, [alloc] = _index()
     e = _reserve(idx, alloc, b"a" * 32)
     tok = idx.bind_token(e)
-    assert tok and idx.by_token(tok) is e
+    assert tok and idx.by_token(tok) is e and idx.token_count() == 1
     idx.publish(e, 1.0)
-    lease = idx.new_lease([e], expires=5.0, read_tokens=True)
-    [rt] = lease.read_tokens
-    assert rt != tok and idx.by_read_token(rt, now=4.0) is e
-    assert idx.by_read_token(rt, now=6.0) is None  # past its lease, even before a sweep
-    assert idx.by_read_token(tok, now=4.0) is None  # a write token never opens a read
-    idx.drop_lease(lease)
-    assert idx.by_read_token(rt, now=4.0) is None and lease.read_tokens == [rt]
     idx.forget(e)
     assert idx.by_token(tok) is None and idx.token_count() == 0
 

@@ -2,7 +2,7 @@
 
 One implementation of what both caches keep about their objects: the entry state machine, the
 two-phase write (reserve → commit or abort), leases that pin objects (with expiry), reservations
-(with expiry), the per-level LRU, write/read tokens and the bookkeeping of extents that a holder
+(with expiry), the per-level LRU, write tokens and the bookkeeping of extents that a holder
 keeps alive after their object is gone.  No I/O and no lock: the owner (``StoreNode``,
 ``LocalTier``) serializes every call under its own lock, and nothing else touches these dicts.
 
@@ -97,16 +97,13 @@ E = TypeVar("E", bound=Entry)
 class Lease(Generic[E]):
     """Pins over ``entries`` until ``expires`` (or a release)."""
 
-    __slots__ = ("lease_id", "expires", "entries", "tenant", "read_tokens")
+    __slots__ = ("lease_id", "expires", "entries", "tenant")
 
     def __init__(self, lease_id: int, expires: float, entries: list[E], tenant: str = "") -> None:
         self.lease_id = lease_id
         self.expires = expires
         self.entries = entries
         self.tenant = tenant
-        self.read_tokens: list[int] = []
-        """Transfer tokens issued under this lease (store reads): they die with it, so a read
-        after the lease expired is refused by the guard even when the object is still there."""
 
 
 class Reservation:
@@ -150,7 +147,6 @@ class ArenaIndex:
         self._reservations: dict[int, Reservation] = {}
         self._res_heap: list[tuple[float, int]] = []
         self._by_token: dict[int, Entry] = {}
-        self._read_tokens: dict[int, tuple[Entry, Lease[Any]]] = {}
         # Ids start at a random base: an id held across a restart (a writer between reserve and
         # commit, a matcher holding a lease) names nothing in this life.
         self._first_id = 1 + secrets.randbits(62)
@@ -368,7 +364,7 @@ class ArenaIndex:
         (and a token from before a restart matches nothing)."""
         while True:
             t = secrets.randbits(63)
-            if t and t not in self._by_token and t not in self._read_tokens:
+            if t and t not in self._by_token:
                 return t
 
     def bind_token(self, e: Entry) -> int:
@@ -385,40 +381,22 @@ class ArenaIndex:
         """The entry whose write token this is."""
         return self._by_token.get(token)
 
-    def by_read_token(self, token: int, now: float) -> Entry | None:
-        """The committed entry a read token of a live lease names (None: expired, released)."""
-        hit = self._read_tokens.get(token)
-        if hit is None:
-            return None
-        e, lease = hit
-        if lease.expires < now or self._leases.get(lease.lease_id) is not lease or e.state != COMMITTED:
-            return None
-        return e
-
     def token_count(self) -> int:
-        """Live write and read tokens (a test of the books: none once everything is gone)."""
-        return len(self._by_token) + len(self._read_tokens)
+        """Live write tokens (a test of the books: none once everything is gone)."""
+        return len(self._by_token)
 
     # ------------------------------------------------------------------ leases
 
-    def new_lease(self, entries: list[E], expires: float, tenant: str = "", lazy: bool = False,
-                  read_tokens: bool = False, pinned: bool = False) -> Lease[E]:
+    def new_lease(self, entries: list[E], expires: float, tenant: str = "", lazy: bool = False) -> Lease[E]:
         """Pin ``entries`` until ``expires``.  ``lazy``: the pins are counted only when something
         asks (:meth:`settle_pins`) — a match pins thousands of objects and is usually released
-        within milliseconds, before anything reads ``pins``.  ``pinned``: the caller already took
-        one pin of each, which the lease takes over.  ``read_tokens``: one transfer token per
-        entry, dying with the lease."""
+        within milliseconds, before anything reads ``pins``."""
         lease = Lease(self.next_id(), expires, entries, tenant)
         if lazy:
             self._uncounted[lease.lease_id] = lease
-        elif not pinned:
+        else:
             for e in entries:
                 e.pins += 1
-        if read_tokens:
-            for e in entries:
-                t = self.new_token()
-                self._read_tokens[t] = (e, lease)
-                lease.read_tokens.append(t)
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._lease_heap, (expires, lease.lease_id))
         return lease
@@ -447,10 +425,6 @@ class ArenaIndex:
             return
         if self._uncounted.pop(lease.lease_id, None) is None:
             self.unpin_all(lease.entries)
-        for t in lease.read_tokens:
-            self._read_tokens.pop(t, None)
-        # lease.read_tokens stays as it is: a reply may still be assembled from it (outside the
-        # owner's lock); those tokens are dead, so the reply is well-formed and its reads fail closed.
 
     def release(self, lease_ids: Iterable[int], tenant: str | None = None) -> None:
         """Drop the leases of ``lease_ids`` (of ``tenant`` only, when given)."""

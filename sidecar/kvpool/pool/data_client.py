@@ -84,9 +84,9 @@ class DataSession(StreamPool):
         return resp, body
 
     def hello(self, timeout: float | None = None) -> int:
-        """Check that the node serves the data session (its ring epoch); raises
-        :class:`~kvpool.core.errors.Unavailable` when it does not (a node without it closes the connection).
-        Also the sidecar's probe of a suspect node (``timeout``: the probe's deadline)."""
+        """Greet the node's data session: its ring epoch (and its life, :attr:`incarnation`);
+        :class:`~kvpool.core.errors.Unavailable` when it cannot be reached.  Also the sidecar's
+        probe of a suspect node (``timeout``: the probe's deadline)."""
         def run(stream: Stream, rid: int) -> int:
             stream.send(dp.encode_request(dp.OP_HELLO, rid, dp.HELLO_PADDING, b""))
             resp = self._response(stream, rid, dp.OP_HELLO)[0]

@@ -7,8 +7,9 @@ recycled under a stale lease can never hand back another object's bytes.
 Reads, writes, ranged reads, existence checks and short releases go over the node's data session
 (:mod:`kvpool.pool.data_client`, one round trip each on the transfer port), found once with a
 ``HELLO`` on the transfer address the node's Health names; gRPC carries the rest (Health,
-Stats, Remove, asynchronous releases, and the admin calls).  A node that serves no data session
-cannot be used for data: its calls raise :class:`~kvpool.core.errors.Unavailable`.
+Stats, Remove, asynchronous releases, and the admin calls).  Every node serves its session; one
+that cannot be reached raises :class:`~kvpool.core.errors.Unavailable`, and the next call asks
+the node again where it is (a restarted node may listen on another transfer port).
 
 The calls an engine waits for (exists, read, ranged read, the sidecar's probe) take a per-call
 ``timeout`` (the sidecar's :class:`~kvpool.core.deadlines.Deadlines`): armed on the data connection,
@@ -99,8 +100,8 @@ class StoreClient:
 
     def session(self, timeout: float | None = None) -> DataSession:
         """The node's data session, opened by the first call that needs it (within ``timeout``);
-        a node that cannot be reached, or serves none, raises :class:`~kvpool.core.errors.Unavailable`
-        and is asked again by the next call."""
+        a node that cannot be reached raises :class:`~kvpool.core.errors.Unavailable` and is asked
+        again by the next call."""
         ds = self._session
         if ds is not None:
             return ds
@@ -117,19 +118,19 @@ class StoreClient:
         try:
             ds = DataSession(address, self._token, self.timeout, self._data_connections)
         except ValueError as exc:
-            raise errors.Unavailable(f"store node {self.address}: no data session at {address!r}: {exc}") from None
+            raise errors.Unavailable(f"store node {self.address}: bad transfer address {address!r}: {exc}") from None
         try:
             self._seen(ds.hello(seconds))
         except BaseException:
-            ds.close()  # a node without the session closes the connection at the unknown magic
+            ds.close()
             raise
         self.incarnation = ds.incarnation or self.incarnation
         return ds
 
     @contextlib.contextmanager
     def _session_call(self, ds: DataSession) -> Iterator[None]:
-        """An unreachable session is forgotten, so the next call asks the node again where (and
-        whether) it serves one: a node restarted on another transfer port, or without it."""
+        """An unreachable session is forgotten, so the next call asks the node again where it
+        serves one (a node restarted on another transfer port)."""
         try:
             yield
         except errors.DeadlineExceeded:

@@ -317,13 +317,6 @@ class LocalTier:
             self._index.unpin(e, pins)
             return keep and live
 
-    def revoke(self, rid: int) -> None:
-        with self._lock:
-            res = self._index.close_reservation(rid)
-            for e in (res.entries if res else []):
-                if e is not None and e.state == RESERVED:
-                    self._forget(e)  # type: ignore[arg-type]
-
     def abandon(self, e: LocalEntry) -> None:
         with self._lock:
             if e.state == RESERVED:

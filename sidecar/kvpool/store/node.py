@@ -1,9 +1,9 @@
 """The store node: a composition of its arena index, tier chain, tenants, space and writes.
 
 This module is transport-free: the gRPC services (``data_service.py``, ``admin_service.py``) adapt protobuf to these
-methods, the transfer server moves bytes into the offsets they hand out and calls the
-:class:`StoreNode` as its :class:`~kvpool.transfer.Guard` (so a recycled slot is never read and
-an expired reservation is never written).  One lock guards the index and is shared by the parts;
+methods, and the data session (``data_session.py``) moves bytes into the offsets they hand out
+and out of the objects it holds in flight, each write under :meth:`StoreNode.acquire` (so an
+expired reservation is never written).  One lock guards the index and is shared by the parts;
 no bytes are copied and no tier below DRAM is read or written while holding it (moves between
 tiers: :mod:`kvpool.tiers.chain`, which holds it only to mark and to flip).
 
@@ -201,43 +201,25 @@ class StoreNode:
         return self._writes.start(tenant, keys, sizes, traffic_class, kind, timeout_ms, foreign,
                                   lambda: self.draining)
 
-    def put_commit(self, tenant: str, reservation_id: int, checksums: Sequence[int],
-                   revoke: bytes = b"", incarnation: int = 0) -> list[pb.Code]:
-        """Commit (or revoke, per item) a reservation.  ``incarnation``: the life that issued it
-        (0: unchecked); a reservation of another life is gone: LEASE_EXPIRED, nothing applied."""
-        if incarnation and incarnation != self.incarnation:
-            self.count(StoreCounter.REFUSED_OTHER_INCARNATION)
-            return [pb.LEASE_EXPIRED] * max(len(checksums), 1)
-        return self._writes.commit(tenant, reservation_id, checksums, revoke)
+    def put_commit(self, tenant: str, reservation_id: int, checksums: Sequence[int]) -> list[pb.Code]:
+        """Commit a reservation: per-item codes (LEASE_EXPIRED for the whole of one that expired
+        or was revoked)."""
+        return self._writes.commit(tenant, reservation_id, checksums)
 
     def put_revoke(self, tenant: str, reservation_id: int) -> None:
         self._writes.revoke(tenant, reservation_id)
 
     # ------------------------------------------------------------------ reads
 
-    def get(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-            lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None], Lease[Entry] | None]:
-        """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer
-        (:meth:`Reads.get <kvpool.store.reads.Reads.get>`)."""
-        return self._reads.get(tenant, keys, kind, lease_ms, lease_id)
-
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
                  drop_lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None]]:
-        """:meth:`get` for a transfer on the caller's own connection, until :meth:`read_unpin`."""
+        """Committed objects of ``keys``, promoted to DRAM and held in flight for a transfer on the
+        caller's own connection, until :meth:`read_unpin`
+        (:meth:`Reads.read_pin <kvpool.store.reads.Reads.read_pin>`)."""
         return self._reads.read_pin(tenant, keys, kind, drop_lease_id)
 
     def read_unpin(self, found: Sequence[Entry | None]) -> None:
         self._reads.read_unpin(found)
-
-    def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-                 lease_id: int = 0) -> tuple[list[pb.Code], list[int], list[int], list[int], list[int],
-                                             Lease[Entry] | None]:
-        """:meth:`get` as plain numbers (codes, offsets, sizes, checksums, tokens, lease)."""
-        return self._reads.get_plan(tenant, keys, kind, lease_ms, lease_id)
-
-    def get_tokens(self, lease: Lease[Entry] | None, found: Sequence[Entry | None]) -> list[int]:
-        """Transfer tokens of a :meth:`get` answer, index-parallel to ``found`` (0 for misses)."""
-        return self._reads.get_tokens(lease, found)
 
     def note_range_read(self, keys: int, served: int, nbytes: int) -> None:
         """Count a ranged read: keys asked, keys served, bytes of ranges sent (``range_bytes_sent``:
@@ -272,27 +254,21 @@ class StoreNode:
                     codes.append(pb.OK)
             return codes
 
-    # ------------------------------------------------------------------ transfer guard
+    # ------------------------------------------------------------------ guard of writes in place
 
     def acquire(self, op: str, offset: int, length: int, token: int) -> Entry | None:
-        """Guard for the transfer server: admit a byte transfer only for a live slot.
-
-        Reads need a read token of a live lease (Get), on a committed DRAM object, in bounds:
-        an expired lease, a released one or a recycled slot is refused.  Writes need the
-        generation token of a live reservation.  The entry is marked in flight so eviction
-        and frees leave it alone until :meth:`release_guard`.
-        """
+        """Admit a write into a reserved slot (the data session's PUT; the transfer Guard's
+        shape): only ``op`` "write", with the token of a live reservation, in its bounds.  The
+        entry is marked in flight so eviction and frees leave it alone until
+        :meth:`release_guard`.  Reads never come through here: the data session holds what it
+        sends in flight itself (:meth:`read_pin`)."""
+        if op != "write":
+            return None
         now = time.time()
         with self._lock:
-            if op == "read":
-                e = self._index.by_read_token(token, now)
-            elif op == "write":
-                e = self._index.by_token(token)
-                if e is not None and (e.state != RESERVED or e.expires < now):
-                    e = None
-            else:
-                return None
-            if e is None or e.tier != ARENA or not (e.offset <= offset and offset + length <= e.offset + e.size):
+            e = self._index.by_token(token)
+            if e is None or e.state != RESERVED or e.expires < now or e.tier != ARENA \
+                    or not (e.offset <= offset and offset + length <= e.offset + e.size):
                 return None
             e.inflight += 1
             return e  # type: ignore[return-value]
@@ -324,7 +300,7 @@ class StoreNode:
         return next((t for t in (self.dram, *self._below) if t.name == name), None)
 
     def live_tokens(self) -> int:
-        """Transfer tokens alive (of reservations, objects and read leases)."""
+        """Write tokens alive (of reservations; a test of the books: none once all are gone)."""
         with self._lock:
             return self._index.token_count()
 

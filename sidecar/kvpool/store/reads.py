@@ -1,4 +1,4 @@
-"""Lookups and reads of a store node: Exists (match), Get and the data session's pinned reads.
+"""Lookups and reads of a store node: Exists (match) and the data session's pinned reads.
 
 A part of :class:`~kvpool.store.node.StoreNode`, sharing its index lock.  A read first brings
 the objects it asks for that are below DRAM up (the tier chain's promotions, waited for without
@@ -137,44 +137,18 @@ class Reads:
     def _lease_expiry(self, lease_ms: int, now: float) -> float:
         return now + min(lease_ms or self.cfg.lease_ms_default, self.cfg.lease_ms_max) / 1000.0
 
-    def get(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-            lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None], Lease[Entry] | None]:
-        """Locations of committed objects, promoted to DRAM, pinned by a lease for the transfer.
-
-        Objects below DRAM are promoted first, without the lock and for at most
-        ``tier_read_seconds`` (the rest are misses); then each is pinned.  The lease's
-        ``read_tokens`` are the transfer tokens, index-parallel to the found objects.
-        """
-        check_kind(kind)
-        promoted = self._promote_for_read(tenant, keys, kind)
-        with self._lock:
-            return self._get_locked(tenant, keys, kind, lease_ms, lease_id, promoted)
-
-    def _get_locked(self, tenant: str, keys: list[bytes], kind: int, lease_ms: int, lease_id: int,
-                    promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None], Lease[Entry] | None]:
-        """:meth:`get` once its promotions are done (``promoted``); caller holds the lock."""
-        now = time.time()
-        codes, found = self._pin_found(tenant, keys, kind, lease_id, now, promoted)
-        hits: list[Entry] = [e for e in found if e is not None]
-        if not hits:
-            return codes, found, None
-        # The read's own pins (taken by _pin_found) become the lease's.
-        lease = self._index.new_lease(hits, self._lease_expiry(lease_ms, now), tenant, pinned=True,
-                                      read_tokens=True)
-        return codes, found, lease
-
     def _promote_for_read(self, tenant: str, keys: list[bytes], kind: int) -> Promoted:
         """Bring a read's objects that are below DRAM up, without the lock, waiting at most
         ``tier_read_seconds``: id(entry) → code of those that failed (``TierChain.promote``),
         and the read's objects, pinned meanwhile (making room for one must not demote
-        another); :meth:`_pin_found` unpins them."""
+        another); :meth:`_hold_found` unpins them."""
         if self.chain is None:
             return {}, []
         fs = self._locate_sharedfs(tenant, keys, kind, prefix_only=False)
         with self._lock:
             found = [e for e in (self._lookup(tenant, k, kind, fs) for k in keys) if e is not None]
             # Pinned even when all are in DRAM: a demotion in flight would otherwise move one down
-            # before the read's own pass takes its pin (then a miss).
+            # before the read's own pass marks it (then a miss).
             self._index.pin(found)
             if all(e.tier == ARENA for e in found):
                 return {}, found
@@ -186,12 +160,12 @@ class Reads:
                 self._index.unpin_all(found)
             raise
 
-    def _pin_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
-                   now: float, promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None]]:
-        """Look up and pin (``pins`` + 1) each object of a read; drop the caller's
-        ``drop_lease_id`` (a match lease the read supersedes).  An object below DRAM (its
-        promotion, :meth:`_promote_for_read`, failed or is still on its way) is a miss: no tier
-        I/O here.  Caller holds the lock."""
+    def _hold_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
+                    now: float, promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None]]:
+        """Look up each object of a read and mark it in flight (``inflight`` + 1, until
+        :meth:`read_unpin`); drop the caller's ``drop_lease_id`` (a match lease the read
+        supersedes).  An object below DRAM (its promotion, :meth:`_promote_for_read`, failed or
+        is still on its way) is a miss: no tier I/O here.  Caller holds the lock."""
         failed, held = promoted
         self._sweep(now)
         codes = [pb.OK] * len(keys)
@@ -204,11 +178,11 @@ class Reads:
                 codes[i] = pb.Code.ValueType(failed.get(id(e), pb.NOT_FOUND))
                 found[i] = None
             else:
-                e.pins += 1
+                e.inflight += 1
                 hit.append(e)
         self._index.touch_all(hit, now, ARENA)
         hits = len(hit)
-        self._index.unpin_all(held)  # the promotion's hold: the read's own pins are taken
+        self._index.unpin_all(held)  # the promotion's hold: the read's own marks are taken
         self.counters[StoreCounter.GET_BLOCKS] += len(keys)
         self.counters[StoreCounter.GET_HITS] += hits
         old = self._index.lease(drop_lease_id) if drop_lease_id else None
@@ -216,7 +190,7 @@ class Reads:
             self._index.drop_lease(old)
         else:
             # Not the read of a match made here (whose Exists counted these blocks): the read
-            # is the lookup, over gRPC and the data session alike.
+            # is the lookup.
             self._count_lookup(len(keys), hits)
         return codes, found
 
@@ -231,48 +205,22 @@ class Reads:
 
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
                  drop_lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None]]:
-        """:meth:`get` for a transfer that happens right now on the caller's own connection (the
-        data session): no lease and no tokens; each found object stays in flight, so neither
-        eviction nor a removal can recycle its extent, until :meth:`read_unpin`.
+        """The committed objects of ``keys``, promoted to DRAM, for a transfer that happens right
+        now on the caller's own connection (the data session): objects below DRAM are promoted
+        first, without the lock and for at most ``tier_read_seconds`` (the rest are misses);
+        each found object then stays in flight, so neither eviction nor a removal can recycle
+        its extent, until :meth:`read_unpin`.
 
-        The lookup pin becomes an in-flight mark at once: a removal that lands while the reply
-        is still being sent succeeds (the extent is freed after the send, as an unlinked open
-        file), rather than the caller who just got its bytes seeing IN_FLIGHT for its own read."""
+        An in-flight mark, not a pin: a removal that lands while the reply is still being sent
+        succeeds (the extent is freed after the send, as an unlinked open file), rather than the
+        caller who just got its bytes seeing IN_FLIGHT for its own read."""
         check_kind(kind)
         promoted = self._promote_for_read(tenant, keys, kind)
         with self._lock:
-            codes, found = self._pin_found(tenant, keys, kind, drop_lease_id, time.time(), promoted)
-            for e in found:
-                if e is not None:
-                    e.pins -= 1
-                    e.inflight += 1
-        return codes, found
+            return self._hold_found(tenant, keys, kind, drop_lease_id, time.time(), promoted)
 
     def read_unpin(self, found: Sequence[Entry | None]) -> None:
         with self._lock:
             for e in found:
                 if e is not None:
                     self._index.release_inflight(e)  # removed while it was being sent: freed now
-
-    def get_plan(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK, lease_ms: int = 0,
-                 lease_id: int = 0) -> tuple[list[pb.Code], list[int], list[int], list[int], list[int],
-                                             Lease[Entry] | None]:
-        """:meth:`get` as plain numbers (codes, offsets, sizes, checksums, tokens, lease), taken
-        under the lock: a lease that expires right away must not leave a half-read answer."""
-        check_kind(kind)
-        promoted = self._promote_for_read(tenant, keys, kind)
-        with self._lock:
-            codes, found, lease = self._get_locked(tenant, keys, kind, lease_ms, lease_id, promoted)
-            tokens = self.get_tokens(lease, found)
-            offsets = [e.offset if e is not None else 0 for e in found]
-            sizes = [e.size if e is not None else 0 for e in found]
-            sums = [e.checksum if e is not None else 0 for e in found]
-        return codes, offsets, sizes, sums, tokens, lease
-
-    def get_tokens(self, lease: Lease[Entry] | None, found: Sequence[Entry | None]) -> list[int]:
-        """Transfer tokens of a :meth:`get` answer, index-parallel to ``found`` (0 for misses)."""
-        if lease is None:
-            return [0] * len(found)
-        it = iter(lease.read_tokens)
-        return [next(it) if e is not None else 0 for e in found]
-

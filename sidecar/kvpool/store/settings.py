@@ -45,9 +45,6 @@ class NodeConfig:
     previous occupant's bytes — possibly another tenant's — under a checksum it guessed."""
     open_tenancy: bool = True
     """Calls without a token act as the default tenant (dev/local pools)."""
-    data_session: bool = True
-    """Serve the one-round-trip binary data session (get, put, exists) on the transfer port
-    beside the gRPC API; off, clients use the gRPC calls (the compatibility path)."""
     max_range_bytes: int = ranges.DEFAULT_MAX_BYTES
     """Bytes one ranged read (data-session GET_RANGES) may move; keys past it are INVALID."""
     max_ranges_per_key: int = ranges.MAX_RANGES_PER_KEY

@@ -1,4 +1,4 @@
-"""Two-phase writes of a store node: reserve (PutStart) → commit or revoke (PutEnd / PutRevoke).
+"""Two-phase writes of a store node: reserve → commit or revoke (the data session's PUT).
 
 A part of :class:`~kvpool.store.node.StoreNode`, sharing its index lock: admission (ownership,
 size, duplicates, quota), room in DRAM (the tier chain's demotions, waited for with the lock
@@ -143,8 +143,8 @@ class Writes:
         v = self.cfg.verify_on_commit
         return self.tenants.with_tokens() if v is None else v
 
-    def commit(self, tenant: str, reservation_id: int, checksums: Sequence[int], revoke: bytes) -> list[pb.Code]:
-        """Commit (or revoke, per item) a reservation (``StoreNode.put_commit``)."""
+    def commit(self, tenant: str, reservation_id: int, checksums: Sequence[int]) -> list[pb.Code]:
+        """Commit a reservation (``StoreNode.put_commit``)."""
         now = time.time()
         with self._lock:
             self._sweep(now)
@@ -156,8 +156,6 @@ class Writes:
             n = len(res.entries)
             if len(checksums) != n:
                 raise InvalidArgument(f"{len(checksums)} checksums for {n} items")
-            if revoke and len(revoke) != n:
-                raise InvalidArgument(f"revoke map of {len(revoke)} bytes for {n} items")
             # A transport may report a write complete a moment before it releases the guard (the
             # response and the release race); give in-flight writes a short grace to finish.
             deadline = time.monotonic() + self.cfg.commit_grace_seconds
@@ -179,12 +177,10 @@ class Writes:
                 if e.state != RESERVED or self.index.by_token(e.token) is not e:
                     codes[i] = pb.LEASE_EXPIRED
                     continue
-                if (revoke and revoke[i]) or e.inflight:
+                if e.inflight:
                     # A write still in flight at commit means the writer did not wait: refuse.
                     self._discard(e)  # type: ignore[arg-type]
-                    codes[i] = pb.LEASE_EXPIRED if not (revoke and revoke[i]) else pb.OK
-                    if revoke and revoke[i]:
-                        self.counters[StoreCounter.REVOKED] += 1
+                    codes[i] = pb.LEASE_EXPIRED
                     continue
                 e.state = COMMITTING  # the guard refuses further writes from now on
                 todo.append(i)

@@ -53,8 +53,6 @@ class StoreCounter(enum.StrEnum):
     """Reservations refused QUOTA_EXCEEDED (per tenant too)."""
     REFUSED_WRONG_OWNER = "refused_wrong_owner"
     """Keys refused WRONG_OWNER: this node does not own them in its ring epoch."""
-    REFUSED_OTHER_INCARNATION = "refused_other_incarnation"
-    """Calls naming another incarnation of this node (a lease or token from before a restart)."""
 
     # -- reads
     LOOKUP_BLOCKS = "lookup_blocks"

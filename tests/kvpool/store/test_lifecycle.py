@@ -1,7 +1,7 @@
 """Leases against a real node: pinned objects are never evicted, and a node full of them refuses.
 
-(Writers killed mid-put: ``test_data_session.py``; reservation expiry, revoke and stale read tokens:
-the node's own tests, ``tests/kvpool/test_store_node.py``.)"""
+(Writers killed mid-put: ``test_data_session.py``; reservation expiry and revoke: the node's own
+tests, ``tests/kvpool/test_store_node.py``.)"""
 
 from __future__ import annotations
 
