@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +46,7 @@ from kvpool.pool.data_client import Dest, ExistsReply, ReadResult
 from kvpool.pool.leases import MatchLeases
 from kvpool.pool.lookup import PoolMatch
 from kvpool.pool.node_client import StoreClient
-from kvpool.pool.routing import RingView, Routes, merge_replica_codes, write_routes
+from kvpool.pool.routing import RingView, Routes, merge_replica_codes, rounds, write_routes
 from kvpool.wire.convert import ring_from_pb
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -85,8 +85,7 @@ def newest_ring(known: dict[str, StoreClient], seeds: Sequence[str], token: str)
     temp = {a: StoreClient(a, token, timeout=2.0) for a in seeds}
     best: Ring | None = None
     try:
-        calls = [c.stub.GetRing.future(pb.Empty(), timeout=2.0, metadata=c._metadata)
-                 for c in {**known, **temp}.values()]
+        calls = [c.get_ring_future(2.0) for c in {**known, **temp}.values()]
         for fut in calls:
             try:
                 ring = ring_from_pb(fut.result())
@@ -162,10 +161,6 @@ class Pool:
     @property
     def ring(self) -> Ring:
         return self.view.ring
-
-    @property
-    def history(self) -> list[Ring]:
-        return self.view.history
 
     def set_ring(self, ring: Ring) -> None:
         with self.lock:
@@ -288,6 +283,12 @@ class Pool:
     @property
     def in_transition(self) -> bool:
         return self.view.in_transition
+
+    def rounds(self, key_array: npt.NDArray[Any], kind: int,
+               missing: Callable[[], npt.NDArray[np.bool_]]) -> Iterator[tuple[bool, Routes]]:
+        """The rounds of a lookup or read of ``key_array`` (:func:`kvpool.pool.routing.rounds`),
+        a newer ring waited for at most :attr:`catch_up_seconds`."""
+        return rounds(self.view, key_array, kind, missing, self.catch_up_seconds)
 
     def exists_many(self, key_array: npt.NDArray[Any], calls: Sequence[tuple[str, npt.NDArray[np.intp], bool]],
                     prefix_only: bool, lease_ms: int, kind: int = pb.BLOCK

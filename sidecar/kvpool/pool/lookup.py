@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.pool import routing
-
 if TYPE_CHECKING:
     from kvpool.pool.fanout import Pool
 
@@ -81,7 +79,7 @@ def present(pool: Pool, key_array: npt.NDArray[Any], kind: int) -> npt.NDArray[n
     """Per-key presence at the owners, then (under a newer ring, at the fallbacks) for what is
     still missing."""
     found = np.zeros(len(key_array), dtype=bool)
-    for _, routes in routing.rounds(pool.view, key_array, kind, lambda: ~found, pool.catch_up_seconds):
+    for _, routes in pool.rounds(key_array, kind, lambda: ~found):
         calls = [(nid, idx, False) for nid, idx in routes.items() if len(idx)]
         for _, idx, reply in pool.exists_many(key_array, calls, False, 0, kind):
             if reply is not None:

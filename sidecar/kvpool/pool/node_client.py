@@ -340,3 +340,8 @@ class StoreClient:
 
     def get_ring(self) -> pb.Ring:
         return cast(pb.Ring, self._rpc(self.stub.GetRing, pb.Empty()))
+
+    def get_ring_future(self, timeout: float) -> Any:
+        """GetRing sent now, its answer a gRPC future (``.result()``: the ``pb.Ring``, or the
+        :class:`grpc.RpcError`): many nodes asked at once (:func:`kvpool.pool.fanout.newest_ring`)."""
+        return self.stub.GetRing.future(pb.Empty(), timeout=timeout, metadata=self._metadata)

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvpool.core import ranges
-from kvpool.pool import routing
 from kvpool.pool.fanout import Pool
 from kvpool.sidecar.landing import Landing
 from kvpool.sidecar.local_tier import LocalEntry, LocalLease, LocalTier
@@ -60,7 +59,7 @@ class Fetcher:
             # An object with no room here was found all the same: not asked for again.
             return np.array([found[i] is None and i not in land.no_room for i in todo], dtype=bool)
         before = None  # what was missing when the fallback rounds began
-        for fallback, routes in routing.rounds(self.pool.view, sub, kind, still, self.pool.catch_up_seconds):
+        for fallback, routes in self.pool.rounds(sub, kind, still):
             if fallback and before is None:
                 before = still()
             total += self._round(todo, sub, land, kind, lease_ms, routes, drop)
@@ -172,7 +171,7 @@ class Fetcher:
 
         try:
             if ask:
-                for _, routes in routing.rounds(self.pool.view, sub, kind, missing, self.pool.catch_up_seconds):
+                for _, routes in self.pool.rounds(sub, kind, missing):
                     round_(routes)
         finally:
             for i, e in have.items():
