@@ -514,8 +514,10 @@ def _admit(keys: Sequence[bytes], sizes: Sequence[int], olds: Sequence[Entry | N
 
 def _restart_counts(kept: list[LocalEntry], quarantine: list[LocalEntry], torn: int, plan: AdoptionPlan
                     ) -> dict[str, int]:
-    return {"restart_adopted_objects": len(kept), "restart_adopted_bytes": sum(e.size for e in kept),
-            "restart_dropped_checksum": torn, "restart_dropped_uncommitted": len(plan.reserved),
-            "restart_dropped_incoherent": len(plan.incoherent),
-            "restart_dropped_objects": torn + len(plan.reserved) + len(plan.incoherent),
-            "restart_quarantined_bytes": sum(q.size for q in quarantine)}
+    return {SidecarCounter.RESTART_ADOPTED_OBJECTS: len(kept),
+            SidecarCounter.RESTART_ADOPTED_BYTES: sum(e.size for e in kept),
+            SidecarCounter.RESTART_DROPPED_CHECKSUM: torn,
+            SidecarCounter.RESTART_DROPPED_UNCOMMITTED: len(plan.reserved),
+            SidecarCounter.RESTART_DROPPED_INCOHERENT: len(plan.incoherent),
+            SidecarCounter.RESTART_DROPPED_OBJECTS: torn + len(plan.reserved) + len(plan.incoherent),
+            SidecarCounter.RESTART_QUARANTINED_BYTES: sum(q.size for q in quarantine)}

@@ -153,8 +153,8 @@ def _ready_line(sidecar: Sidecar) -> str:
     cfg, adopted = sidecar.cfg, sidecar.adopted
     return (f"READY unix://{cfg.socket} arena={sidecar.local.arena.path} tenant={cfg.tenant_id} "
             f"pool={len(sidecar.pool.nodes)} incarnation={sidecar.incarnation} "
-            f"adopted={adopted.get('restart_adopted_objects', 0)} "
-            f"dropped={adopted.get('restart_dropped_objects', 0)}"
+            f"adopted={adopted.get(SidecarCounter.RESTART_ADOPTED_OBJECTS, 0)} "
+            f"dropped={adopted.get(SidecarCounter.RESTART_DROPPED_OBJECTS, 0)}"
             + (" reset=1" if sidecar.counters[SidecarCounter.RESTART_ARENA_RESET] else "")
             + (f" events={sidecar.events.endpoint} replay={sidecar.events.replay_endpoint}" if sidecar.events else "")
             + (f" handoff={sidecar.handoff.address}" if sidecar.handoff.address else ""))

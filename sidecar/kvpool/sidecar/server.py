@@ -112,9 +112,10 @@ class Sidecar:
         if opened is not None and opened.adopted_from:
             log.warning("local tier adopted from a previous life: %d objects (%d bytes) kept, %d dropped "
                         "(%d failed their checksum, %d uncommitted, %d incoherent)",
-                        counts["restart_adopted_objects"], counts["restart_adopted_bytes"],
-                        counts["restart_dropped_objects"], counts["restart_dropped_checksum"],
-                        counts["restart_dropped_uncommitted"], counts["restart_dropped_incoherent"])
+                        counts[SidecarCounter.RESTART_ADOPTED_OBJECTS], counts[SidecarCounter.RESTART_ADOPTED_BYTES],
+                        counts[SidecarCounter.RESTART_DROPPED_OBJECTS], counts[SidecarCounter.RESTART_DROPPED_CHECKSUM],
+                        counts[SidecarCounter.RESTART_DROPPED_UNCOMMITTED],
+                        counts[SidecarCounter.RESTART_DROPPED_INCOHERENT])
         if self.pool.enabled:
             # Write-through blocks the previous life had not written yet: queued again (write-back
             # blocks and state objects stay dirty: eviction and the drain hand them over).

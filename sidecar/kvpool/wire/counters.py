@@ -107,8 +107,8 @@ class StoreCounter(enum.StrEnum):
 
 
 class SidecarCounter(enum.StrEnum):
-    """Counters of a sidecar (``SidecarStats.counters``).  Some are gauges read at Stats time:
-    :data:`SIDECAR_GAUGES`."""
+    """Counters of a sidecar (``SidecarStats.counters``).  Some are gauges read from their owner
+    at Stats time (``Sidecar.stats``), not bumped."""
 
     # -- the engine's calls
     MATCH_CALLS = "match_calls"
@@ -272,13 +272,6 @@ REFUSALS: tuple[StoreCounter, ...] = (StoreCounter.REFUSED_QUOTA,)
 
 EVICTIONS: tuple[StoreCounter, ...] = (StoreCounter.EVICTED, StoreCounter.EVICTED_QUOTA, StoreCounter.EXPIRED)
 """What the operator sums into a tenant's ``evictions`` (TenantNamespace status)."""
-
-SIDECAR_GAUGES: frozenset[SidecarCounter] = frozenset({
-    SidecarCounter.POOL_ERRORS, SidecarCounter.POOL_MATCH_RELEASES_SENT, SidecarCounter.POOL_MATCH_RELEASES_CARRIED,
-    SidecarCounter.POOL_DEADLINE_MISSES, SidecarCounter.POOL_CALLS_SKIPPED, SidecarCounter.POOL_PROBES_OK,
-    SidecarCounter.POOL_PROBES_FAILED, SidecarCounter.LOCAL_ONLY_OBJECTS, SidecarCounter.RING_TRANSITION,
-    SidecarCounter.POOL_COPYOVER_QUEUED_BYTES})
-"""Sidecar values read from their owner at Stats time, not bumped."""
 
 RESTART: tuple[SidecarCounter, ...] = tuple(c for c in SidecarCounter if c.startswith("restart_"))
 """What a sidecar's restart (arena adoption) reports."""
