@@ -1,4 +1,4 @@
-"""Client of one store node: one wire for data (the data session), gRPC for cold and admin calls.
+"""Client of one store node: one wire for data (the data session), StoreData gRPC for cold calls.
 
 Used by the sidecar (one per store node), by the drain (node → node) and by benchmarks.  Every
 call carries the tenant's token; every read is verified against the blob's checksum, so a slot
@@ -7,7 +7,8 @@ recycled under a stale lease can never hand back another object's bytes.
 Reads, writes, ranged reads, existence checks and short releases go over the node's data session
 (:mod:`kvpool.pool.data_client`, one round trip each on the transfer port), found once with a
 ``HELLO`` on the transfer address the node's Health names; gRPC carries the rest (Health,
-Stats, Remove, asynchronous releases, and the admin calls).  Every node serves its session; one
+Stats, Remove, GetRing, releases of more than a few leases; the admin calls are
+:class:`~kvpool.pool.admin_client.AdminClient`'s).  Every node serves its session; one
 that cannot be reached raises :class:`~kvpool.core.errors.Unavailable`, and the next call asks
 the node again where it is (a restarted node may listen on another transfer port).
 
@@ -77,8 +78,6 @@ class StoreClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = pbg.StoreDataStub(self._channel)
-        self._lock = threading.Lock()
-        self._inflight: set[Any] = set()
         self.epoch_seen = 0
         self.incarnation = 0
         """The node's life as its last reply that carries one said (HELLO, gRPC replies): a
@@ -213,21 +212,6 @@ class StoreClient:
             epoch = ds.hello(timeout)
         self._seen(epoch)
         return epoch
-
-    def release_async(self, lease_ids: Sequence[int]) -> None:
-        """Drop leases without waiting for the answer (they expire by themselves if it is lost)."""
-        ids = [i for i in lease_ids if i]
-        if ids:
-            fut = self.stub.Release.future(pb.ReleaseRequest(lease_ids=ids), timeout=self.timeout,
-                                           metadata=self._metadata)
-            # A future that is garbage-collected cancels its call: hold it until it is done.
-            with self._lock:
-                self._inflight.add(fut)
-            fut.add_done_callback(self._forget_future)
-
-    def _forget_future(self, fut: Any) -> None:
-        with self._lock:
-            self._inflight.discard(fut)
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
         request = pb.RemoveRequest(keys=pack_keys(keys), kind=grpc_status.as_kind(kind))
