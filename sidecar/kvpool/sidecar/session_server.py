@@ -5,7 +5,8 @@ that calls at the same time, so a handful), at most ``max_connections``.  Each c
 receives into one buffer of its own, grown to the largest frame it has seen and never beyond
 the protocol's limits (no unbounded queue: the next frame is read only after the reply to the
 previous one is sent).  The calls are the sidecar's own (:meth:`Reads.match_keys`,
-:meth:`Reads.read_keys`, :meth:`Puts.write_start`, …), exactly what the gRPC methods run.
+:meth:`Reads.read_keys`, :meth:`Puts.write_start`, …); the hot calls have no other wire (the gRPC
+front end, :mod:`kvpool.sidecar.grpc_server`, serves the cold ones).
 
 A connection also holds the memory regions its client registered (REGISTER: a sealed memfd
 passed with the header, :mod:`kvpool.transfer.memfd`), for READ_INTO to land objects in; they
@@ -41,14 +42,6 @@ from kvpool.wire import sidecar_frames as fp
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.sidecar.fast")
-
-
-class _Refused(Exception):
-    """A call refused with a session status (the connection stays open)."""
-
-    def __init__(self, exc: errors.KvpoolError) -> None:
-        super().__init__(str(exc))
-        self.exc = exc
 
 
 class FastSessionServer:
@@ -119,7 +112,7 @@ class FastSessionServer:
                 return
             with self._lock:
                 if len(self._conns) >= self.max_connections:
-                    conn.close()  # the client falls back to gRPC
+                    conn.close()  # the client's call fails Unavailable (there is no other wire)
                     continue
                 self._conns.add(conn)
             threading.Thread(target=self._serve_conn, args=(conn,), name="fast-conn", daemon=True).start()
@@ -190,13 +183,13 @@ class _Connection:
     def _register(self, region_id: int, fd: int | None) -> None:
         """Map a client's region (REGISTER); ``fd`` is consumed in every case."""
         if fd is None:
-            raise _Refused(errors.InvalidArgument("REGISTER carries the region's descriptor"))
+            raise errors.InvalidArgument("REGISTER carries the region's descriptor")
         try:
             region = memfd.adopt(fd, self.server.registration_room())
         except memfd.TooLarge as exc:
-            raise _Refused(errors.NoSpace(f"client memory over --max-registered-bytes: {exc}")) from None
+            raise errors.NoSpace(f"client memory over --max-registered-bytes: {exc}") from None
         except (ValueError, OSError) as exc:
-            raise _Refused(errors.InvalidArgument(f"cannot register that memory: {exc}")) from None
+            raise errors.InvalidArgument(f"cannot register that memory: {exc}") from None
         self.server.count_registered(region.size)
         old = self.regions.pop(region_id, None)
         self.regions[region_id] = region
@@ -227,10 +220,9 @@ class _Connection:
         for rid, off, length in zip(ids, offsets, lengths, strict=True):
             region = self.regions.get(rid)
             if region is None:
-                raise _Refused(errors.InvalidArgument(f"region {rid} is not registered on this connection"))
+                raise errors.InvalidArgument(f"region {rid} is not registered on this connection")
             if off > region.size or length > region.size - off:
-                raise _Refused(errors.InvalidArgument(
-                    f"span {off}+{length} outside region {rid} of {region.size} bytes"))
+                raise errors.InvalidArgument(f"span {off}+{length} outside region {rid} of {region.size} bytes")
             out.append(region.view[off:off + length])
         return out
 
@@ -239,13 +231,13 @@ class _Connection:
         try:
             if req.op == fp.OP_HELLO:
                 if body.text and body.text != self.cfg.tenant_id:
-                    raise _Refused(errors.PermissionDenied(
-                        f"this sidecar serves tenant {self.cfg.tenant_id!r}, not {body.text!r}"))
+                    raise errors.PermissionDenied(
+                        f"this sidecar serves tenant {self.cfg.tenant_id!r}, not {body.text!r}")
                 self.greeted = True
                 g = self.server.greeting
                 return [fp.encode_hello(req.request_id, g.incarnation, g.arena_generation, g.arena_bytes)]
             if not self.greeted:
-                raise _Refused(errors.Unauthenticated("fast session: HELLO first"))
+                raise errors.Unauthenticated("fast session: HELLO first")
             if body.releases:
                 self.reads.release_leases(body.releases)
             if req.op == fp.OP_RELEASE:
@@ -305,17 +297,14 @@ class _Connection:
             codes = self.puts.write_commit(req.ref, body.values.tolist(),
                                            req.lease_ms if req.flags & fp.FLAG_POOL_WAIT else 0)
             return [fp.encode_response(fp.OP_WRITE_COMMIT, req.request_id, req.items), fp.encode_table(codes)]
-        except _Refused as r:
-            exc: errors.KvpoolError = r.exc
-        except errors.KvpoolError as e:
-            exc = e
-        if req.flags & fp.FLAG_NO_REPLY:
-            return None
-        return [fp.encode_response(req.op, req.request_id, req.items, status=errors.session_status_for(exc),
-                                   message=str(exc))]
+        except errors.KvpoolError as exc:  # refused: a session status (the connection stays open)
+            if req.flags & fp.FLAG_NO_REPLY:
+                return None
+            return [fp.encode_response(req.op, req.request_id, req.items, status=errors.session_status_for(exc),
+                                       message=str(exc))]
 
     @staticmethod
     def _kind(kind: int) -> int:
         if kind not in (pb.BLOCK, pb.STATE):
-            raise _Refused(errors.InvalidArgument(f"unknown object kind {kind}"))
+            raise errors.InvalidArgument(f"unknown object kind {kind}")
         return kind
