@@ -1,6 +1,7 @@
 """The sidecar's read side: match, read, read into the caller's memory, ranged reads.
 
-Shared by both front ends (the gRPC servicer and the fast session call the same methods).
+Shared by both front ends: the fast session's match, read and read-into, the gRPC servicer's
+probe and ranged reads (the handoff reads through :meth:`Reads.read_keys` too).
 Local hits are pinned under a lease in the lookup itself; misses are fetched from their owners
 by the :class:`~kvpool.sidecar.fetch.Fetcher` into fresh arena extents (a fetch is also a
 promotion) or into the caller's registered buffers.  A match pins what it found, locally and at
@@ -41,7 +42,6 @@ class ReadResult(NamedTuple):
     sizes: list[int]
     checksums: list[int]
     lease_id: int
-    lease_expires_unix_ms: int
     local_hits: int
     pool_hits: int
 
@@ -231,8 +231,7 @@ class Reads:
             self.counters[SidecarCounter.READ_NO_ROOM] += spilled
         fetched = sum(e.size for e, was in zip(found, local_found, strict=True) if e is not None and not was)
         self._count_read(n - spilled, local_hits, pool_hits, moved, fetched, t0)
-        return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0,
-                          int(lease.expires * 1000) if lease.entries else 0, local_hits, pool_hits)
+        return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0, local_hits, pool_hits)
 
     def read_into(self, keys: list[bytes], arr: np.ndarray, kind: int, dests: Sequence[memoryview],
                   match_lease: int = 0) -> tuple[list[pb.Code], list[int], int, int]:
