@@ -34,6 +34,7 @@ from kvpool.transfer.protocol import (
 from kvpool.transfer.segment import Guard, Op, SegmentRegistry
 from kvpool.transfer.status import TransferCode
 from kvpool.transfer.stream import Stream
+from kvpool.wire.frames import MAGIC_BYTES
 
 SessionHandler = Callable[[Stream, threading.Event], None]
 """Serves one session connection until it ends (returns, or raises ``ProtocolError`` /
@@ -236,10 +237,10 @@ class TransferServer:
         transfer protocol (``None``; it validates its own magic)."""
         while not self._stopping.is_set():
             try:
-                head = sock.recv(4, socket.MSG_PEEK | socket.MSG_WAITALL)
+                head = sock.recv(MAGIC_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
             except _sockio.STALL_ERRORS:
                 continue  # idle before the first request is fine
-            if len(head) < 4:
+            if len(head) < MAGIC_BYTES:
                 return None  # EOF (or a short stream): the transfer loop ends it
             return self._sessions.get(head)
         return None
