@@ -2,7 +2,7 @@
 
 The client makes the hot calls — match, read, write, release — over the sidecar's binary fast
 session (:mod:`kvpool.client.session`, one unix socket beside the gRPC one), the cold ones
-(Hello, Stats, Flush, Remove, ranged reads, handoff) over gRPC, and maps the sidecar's
+(Hello, Probe, Stats, Flush, Remove, ranged reads, handoff) over gRPC, and maps the sidecar's
 shared-memory arena for bytes: ``get`` returns views into the arena (zero copy, valid while
 their lease holds), ``put`` costs one copy into it; ``get_ranges`` reads only byte ranges of an
 object (sparse attention's top-k entries) without the rest of it moving anywhere.  Thread-safe; a context manager.

@@ -5,8 +5,8 @@ into views only with the mapping of the life that gave them: a reply of another 
 the client say Hello again, remap the arena if its generation changed (a new life that adopted
 the same arena keeps the mapping), and forget what the old life held (``on_moved``).  A gRPC call
 names the life it was made for; the sidecar refuses it if that is not its own, and it is made
-again, once, for the new life.  gRPC carries the cold calls (Hello, Stats, Flush, Remove, ranged
-reads, handoff); the hot ones go over the fast session (:mod:`kvpool.client.session`).
+again, once, for the new life.  gRPC carries the cold calls (Hello, Probe, Stats, Flush, Remove,
+ranged reads, handoff); the hot ones go over the fast session (:mod:`kvpool.client.session`).
 """
 
 from __future__ import annotations

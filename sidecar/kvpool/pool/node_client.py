@@ -91,9 +91,7 @@ class StoreClient:
             reply = method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise grpc_status.from_rpc_error(err) from None
-        epoch = getattr(reply, "epoch", 0)
-        if epoch > self.epoch_seen:
-            self.epoch_seen = epoch
+        self._seen(getattr(reply, "epoch", 0))
         self.incarnation = getattr(reply, "incarnation", 0) or self.incarnation
         return reply
 
