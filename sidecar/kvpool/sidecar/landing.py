@@ -78,7 +78,8 @@ class SpillStash:
     """Objects a read fetched that the arena had no room for, kept a moment for the client's
     READ_INTO that follows the NO_SPACE rows: it takes them from here (a copy in this process)
     instead of fetching them from the pool a second time.  Bounded in bytes; an object not taken
-    within ``ttl`` seconds (a client that does not follow up: gRPC only) is dropped.  Keyed by
+    within ``ttl`` seconds (a read no READ_INTO follows: the handoff's, or a client's whose
+    READ_INTO failed) is dropped.  Keyed by
     (kind, key): objects are immutable, and a stashed one was verified against its checksum
     before it was put here.  Thread-safe."""
 
