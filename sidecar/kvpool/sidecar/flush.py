@@ -33,7 +33,7 @@ def flush(writer: Writer, local: LocalTier, seconds: float) -> tuple[int, int, i
         copies.update(writer.take_retries())
         items = [e for e in local.local_only() if id(e) not in refused]
         if not items and not copies:
-            if writer.pending_bytes <= 0 or time.monotonic() >= deadline:
+            if not writer.sending() or time.monotonic() >= deadline:
                 break
             time.sleep(0.01)  # the pool writer is still at the write-through backlog
             continue
@@ -51,7 +51,7 @@ def flush(writer: Writer, local: LocalTier, seconds: float) -> tuple[int, int, i
                             "deadline (%.1fs)", passing, left)
             rounds += 1
             time.sleep(drain_pause(rounds, left))
-        elif left <= 0 or not passing and writer.pending_bytes <= 0:
+        elif left <= 0 or not passing and not writer.sending():
             break
     dropped = len(local.local_only()) + len(copies) + lost
     if dropped:

@@ -67,6 +67,11 @@ class Writer:
         """Bytes on their way to the pool: queued, deferred (shed) and waiting for a retry."""
         return max(self.pending_bytes + self.deferred_bytes + self.retries.bytes, 0)
 
+    def sending(self) -> bool:
+        """Whether write-through batches are queued or being written (what the drain at
+        SIGTERM waits for before it is done)."""
+        return self.pending_bytes > 0
+
     def close(self) -> None:
         self.pending.put(None)
         self._thread.join(timeout=5)
