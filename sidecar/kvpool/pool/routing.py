@@ -248,11 +248,9 @@ class RingView:
         return self.ring.epoch != before
 
     def route(self, key_array: npt.NDArray[Any]) -> Routes:
-        """Owner node id → indices (ascending) of the keys it owns, for the active ring."""
-        ids = self.active_ids
-        if not ids or len(key_array) == 0:
-            return {}
-        return group_by_owner(owners(key_array.tobytes(), ids)[:, 0], ids)
+        """Owner node id → indices (ascending) of the keys it owns, for the active ring (its one
+        write owner: :func:`write_routes`)."""
+        return write_routes(key_array.tobytes(), self.active_ids, 1)
 
     def fallbacks(self, key_array: npt.NDArray[Any], kind: int = pb.BLOCK) -> list[Routes]:
         """Fallback routes for keys missing at their owner (see :func:`fallback_routes`): the
