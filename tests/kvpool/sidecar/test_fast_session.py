@@ -82,7 +82,7 @@ def test_hello_names_the_tenant_and_comes_first(module_cluster: Any, raw: Raw, r
     assert raw.call(fp.OP_HELLO, text=b"default")[0].status == 0
     resp, _, body = raw.call(fp.OP_READ, keys=keys)
     assert resp.status == 0 and fp.decode_table(resp, body, 1 << 40).codes == [pb.NOT_FOUND] * 2
-    # A client that expects another tenant is refused at connect, and falls back to nothing silently.
+    # A client that expects another tenant is refused at connect (there is no other wire to fall back to).
     with pytest.raises(errors.PermissionDenied):
         FastSession(_path(module_cluster), "someone-else", 1 << 20)
 
