@@ -78,7 +78,8 @@ class StoreNode:
         self.counters: Counter[str] = Counter()
         self.ring = Ring(epoch=0)
         self.draining = False
-        # This life of the node: an incarnation and leases/reservations ids from a random base.
+        # This life of the node (its leases' and reservations' ids start at a random base too:
+        # ArenaIndex).
         self.incarnation = 1 + secrets.randbits(62)
         # Moves between tiers, outside the lock; None without a tier below DRAM (evictions drop).
         self.chain = TierChain(self, self._index, self._lock, self.dram, levels) if below else None
@@ -109,8 +110,10 @@ class StoreNode:
         """A rotation: seal under ``current`` from now on, open what any of the keys sealed."""
         if self.at_rest is None:
             raise ValueError("this node does not encrypt at rest: it has no master key to rotate")
-        with self._lock:  # no seal or open is half-way through a key swap
-            self.at_rest.set_keys(current, previous)
+        # Seals and opens run off the lock (the sealed tiers): set_keys swaps whole maps, so each
+        # sees the old keys or the new ones.
+        self.at_rest.set_keys(current, previous)
+        with self._lock:
             self.counters[StoreCounter.MASTER_KEY_RELOADS] += 1
 
     # ------------------------------------------------------------------ what the parts ask (ChainOwner)
