@@ -279,8 +279,7 @@ class StoreNode:
     def release_guard(self, e: Entry) -> None:
         with self._lock:
             self._index.release_inflight(e)
-            if e.inflight == 0 and e.state == RESERVED:  # a commit may be waiting for this write
-                self._writes.released.notify_all()
+            self._writes.write_ended(e)  # a commit may be waiting for this write
 
     # ------------------------------------------------------------------ expiry, ring, drain feed, stats
 
