@@ -113,9 +113,7 @@ class Space:
     def _held(self) -> list[TieredEntry]:
         """Committed objects with an extent here (below first, then DRAM), pins settled."""
         self.index.settle_pins()
-        ordered = self.chain.ordered() if self.chain is not None else [True]
-        levels = [lv for lv in reversed(range(len(ordered))) if ordered[lv]]
-        return [e for lv in levels for e in self.index.lru(lv)]  # type: ignore[misc]
+        return [e for lv in reversed(self.index.ordered_levels()) for e in self.index.lru(lv)]  # type: ignore[misc]
 
     def _own(self, tid: str) -> list[TieredEntry]:
         return [e for e in self._held() if e.tenant == tid]

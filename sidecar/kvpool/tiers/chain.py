@@ -132,10 +132,6 @@ class TierChain:
         addressed level).  Lock held."""
         return e.offset >= 0 if e.tier == ARENA else not self.named[e.tier]
 
-    def ordered(self) -> list[bool]:
-        """Per level: whether the index keeps its LRU (the arena and the addressed levels)."""
-        return [not n for n in self.named]
-
     def idle(self) -> bool:
         """No demotion, move or unlink queued or in flight."""
         with self.room:
