@@ -1,4 +1,4 @@
-"""The store node: a composition of its arena index, tier chain, tenants, space and writes.
+"""The store node: a composition of its arena index, tier chain, tenants, space, reads and writes.
 
 This module is transport-free: the gRPC services (``data_service.py``, ``admin_service.py``) adapt protobuf to these
 methods, and the data session (``data_session.py``) moves bytes into the offsets they hand out
@@ -9,7 +9,8 @@ tiers: :mod:`kvpool.tiers.chain`, which holds it only to mark and to flip).
 
 Parts: :class:`~kvpool.arena.index.ArenaIndex` (entries, leases, reservations, LRU, tokens),
 :class:`~kvpool.tiers.chain.TierChain` (DRAM → SSD → shared fs), :class:`~kvpool.store.tenants.Tenants`,
-:class:`~kvpool.store.space.Space` (eviction, expiry, quota trims) and
+:class:`~kvpool.store.space.Space` (eviction, expiry, quota trims),
+:class:`~kvpool.store.reads.Reads` (lookups and pinned reads) and
 :class:`~kvpool.store.writes.Writes` (two-phase writes).  Each tenant has its own partition of
 the index, so the same key of two tenants names two different objects.
 """
