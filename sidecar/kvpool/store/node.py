@@ -330,35 +330,7 @@ class StoreNode:
     def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> int:
         """Hand several objects' bytes to ``sink`` at once (a batched push), each held in flight
         while it runs; objects gone or not promotable meanwhile are left out.  How many were."""
-        held: list[Entry] = []
-        views: list[memoryview] = []
-        pinned: list[Entry] = []
-        if self.chain is not None:
-            with self._lock:  # pinned, so making room for one never demotes another of the batch
-                pinned = [e for e in entries if e.state == COMMITTED]
-                self._index.pin(pinned)
-            try:
-                # A background push (drain, warm-up): it may wait for a slow disk longer than a read.
-                self.chain.promote(pinned, max(self.cfg.tier_read_seconds, 30.0), self.cfg.high_watermark,
-                                   self.cfg.low_watermark)
-            except BaseException:
-                with self._lock:
-                    self._index.unpin_all(pinned)
-                raise
-        with self._lock:
-            for e in entries:
-                if e.state != COMMITTED or e.tier != ARENA:
-                    continue
-                e.inflight += 1
-                held.append(e)
-                views.append(self.dram.slice(e.offset, e.size))
-            self._index.unpin_all(pinned)
-        try:
-            if held:
-                sink(held, views)
-        finally:
-            self.read_unpin(held)
-        return len(held)
+        return self._reads.read_objects(entries, sink)
 
     def stats(self) -> dict[str, object]:
         with self._lock:
