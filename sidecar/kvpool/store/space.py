@@ -74,7 +74,7 @@ class Space:
         below); the DRAM bytes freed now (a demotion frees its bytes when its copy lands)."""
         freed = 0
         for e in self.dram_victims(need, now, expire_all):
-            if is_expired(e, now, {e.traffic_class: self.ttl(e)}, self.ttl(e)):
+            if self.expired(e, now):
                 self._discard(e)
                 self._count(StoreCounter.EXPIRED, e.tenant)
             elif e.kind == BLOCK and self.chain is not None and self.chain.plan_demotion(e):
