@@ -17,7 +17,6 @@ the index, so the same key of two tenants names two different objects.
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
@@ -369,6 +368,3 @@ class StoreNode:
         self.dram.close()
         for t in self._below:
             t.close()
-
-    def pid(self) -> int:
-        return os.getpid()
