@@ -223,6 +223,10 @@ class ArenaIndex:
         """Committed entries at ``level``, least recently used first (a copy)."""
         return list(self._lru[level].values())
 
+    def ordered_levels(self) -> list[int]:
+        """The levels that keep an LRU (``ordered``), top (the arena) first."""
+        return [lv for lv, o in enumerate(self._ordered) if o]
+
     def count(self, level: int = 0) -> int:
         return len(self._lru[level])
 
@@ -247,13 +251,12 @@ class ArenaIndex:
 
     # ------------------------------------------------------------------ writes
 
-    def reserve(self, e: Entry, tenant_part: str | None = None) -> None:
+    def reserve(self, e: Entry) -> None:
         """Index a new RESERVED entry (the caller checked there is none for its key)."""
-        tid = e.tenant if tenant_part is None else tenant_part
-        part = self._parts.get(tid)
+        part = self._parts.get(e.tenant)
         if part is None:
-            part = self._parts[tid] = {}
-        part[e.key if e.kind == BLOCK else e.key + b"\x01"] = e
+            part = self._parts[e.tenant] = {}
+        part[index_key(e.key, e.kind)] = e
         if e.token:
             self._by_token[e.token] = e
 
@@ -294,7 +297,7 @@ class ArenaIndex:
         """Forget an object everywhere and free its extent unless a holder keeps it (then the
         last holder frees it: :meth:`release_inflight`, :meth:`unpin`)."""
         part = self._parts.get(e.tenant)
-        ik = e.key if e.kind == BLOCK else e.key + b"\x01"
+        ik = index_key(e.key, e.kind)
         if part is not None and part.get(ik) is e:
             del part[ik]
         blocks = self._blocks.get(e.tenant)

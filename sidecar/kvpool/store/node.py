@@ -1,4 +1,4 @@
-"""The store node: a composition of its arena index, tier chain, tenants, space and writes.
+"""The store node: a composition of its arena index, tier chain, tenants, space, reads and writes.
 
 This module is transport-free: the gRPC services (``data_service.py``, ``admin_service.py``) adapt protobuf to these
 methods, and the data session (``data_session.py``) moves bytes into the offsets they hand out
@@ -9,14 +9,14 @@ tiers: :mod:`kvpool.tiers.chain`, which holds it only to mark and to flip).
 
 Parts: :class:`~kvpool.arena.index.ArenaIndex` (entries, leases, reservations, LRU, tokens),
 :class:`~kvpool.tiers.chain.TierChain` (DRAM → SSD → shared fs), :class:`~kvpool.store.tenants.Tenants`,
-:class:`~kvpool.store.space.Space` (eviction, expiry, quota trims) and
+:class:`~kvpool.store.space.Space` (eviction, expiry, quota trims),
+:class:`~kvpool.store.reads.Reads` (lookups and pinned reads) and
 :class:`~kvpool.store.writes.Writes` (two-phase writes).  Each tenant has its own partition of
 the index, so the same key of two tenants names two different objects.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
@@ -78,7 +78,8 @@ class StoreNode:
         self.counters: Counter[str] = Counter()
         self.ring = Ring(epoch=0)
         self.draining = False
-        # This life of the node: an incarnation and leases/reservations ids from a random base.
+        # This life of the node (its leases' and reservations' ids start at a random base too:
+        # ArenaIndex).
         self.incarnation = 1 + secrets.randbits(62)
         # Moves between tiers, outside the lock; None without a tier below DRAM (evictions drop).
         self.chain = TierChain(self, self._index, self._lock, self.dram, levels) if below else None
@@ -109,8 +110,10 @@ class StoreNode:
         """A rotation: seal under ``current`` from now on, open what any of the keys sealed."""
         if self.at_rest is None:
             raise ValueError("this node does not encrypt at rest: it has no master key to rotate")
-        with self._lock:  # no seal or open is half-way through a key swap
-            self.at_rest.set_keys(current, previous)
+        # Seals and opens run off the lock (the sealed tiers): set_keys swaps whole maps, so each
+        # sees the old keys or the new ones.
+        self.at_rest.set_keys(current, previous)
+        with self._lock:
             self.counters[StoreCounter.MASTER_KEY_RELOADS] += 1
 
     # ------------------------------------------------------------------ what the parts ask (ChainOwner)
@@ -276,8 +279,7 @@ class StoreNode:
     def release_guard(self, e: Entry) -> None:
         with self._lock:
             self._index.release_inflight(e)
-            if e.inflight == 0 and e.state == RESERVED:  # a commit may be waiting for this write
-                self._writes.released.notify_all()
+            self._writes.write_ended(e)  # a commit may be waiting for this write
 
     # ------------------------------------------------------------------ expiry, ring, drain feed, stats
 
@@ -327,35 +329,7 @@ class StoreNode:
     def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> int:
         """Hand several objects' bytes to ``sink`` at once (a batched push), each held in flight
         while it runs; objects gone or not promotable meanwhile are left out.  How many were."""
-        held: list[Entry] = []
-        views: list[memoryview] = []
-        pinned: list[Entry] = []
-        if self.chain is not None:
-            with self._lock:  # pinned, so making room for one never demotes another of the batch
-                pinned = [e for e in entries if e.state == COMMITTED]
-                self._index.pin(pinned)
-            try:
-                # A background push (drain, warm-up): it may wait for a slow disk longer than a read.
-                self.chain.promote(pinned, max(self.cfg.tier_read_seconds, 30.0), self.cfg.high_watermark,
-                                   self.cfg.low_watermark)
-            except BaseException:
-                with self._lock:
-                    self._index.unpin_all(pinned)
-                raise
-        with self._lock:
-            for e in entries:
-                if e.state != COMMITTED or e.tier != ARENA:
-                    continue
-                e.inflight += 1
-                held.append(e)
-                views.append(self.dram.slice(e.offset, e.size))
-            self._index.unpin_all(pinned)
-        try:
-            if held:
-                sink(held, views)
-        finally:
-            self.read_unpin(held)
-        return len(held)
+        return self._reads.read_objects(entries, sink)
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -394,6 +368,3 @@ class StoreNode:
         self.dram.close()
         for t in self._below:
             t.close()
-
-    def pid(self) -> int:
-        return os.getpid()

@@ -152,12 +152,16 @@ class Reads:
             self._index.pin(found)
             if all(e.tier == ARENA for e in found):
                 return {}, found
+        return self._promote_pinned(found, self.cfg.tier_read_seconds), found
+
+    def _promote_pinned(self, pinned: list[Entry], timeout: float) -> dict[int, int]:
+        """``TierChain.promote`` of objects the caller pinned (unpinned here if it raises)."""
+        assert self.chain is not None
         try:
-            return self.chain.promote(found, self.cfg.tier_read_seconds, self.cfg.high_watermark,
-                                      self.cfg.low_watermark), found
+            return self.chain.promote(pinned, timeout, self.cfg.high_watermark, self.cfg.low_watermark)
         except BaseException:
             with self._lock:
-                self._index.unpin_all(found)
+                self._index.unpin_all(pinned)
             raise
 
     def _hold_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
@@ -218,6 +222,32 @@ class Reads:
         promoted = self._promote_for_read(tenant, keys, kind)
         with self._lock:
             return self._hold_found(tenant, keys, kind, drop_lease_id, time.time(), promoted)
+
+    def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> int:
+        """Hand several objects' bytes to ``sink`` at once (``StoreNode.read_objects``); how many."""
+        held: list[Entry] = []
+        views: list[memoryview] = []
+        pinned: list[Entry] = []
+        if self.chain is not None:
+            with self._lock:  # pinned, so making room for one never demotes another of the batch
+                pinned = [e for e in entries if e.state == COMMITTED]
+                self._index.pin(pinned)
+            # A background push (drain, warm-up): it may wait for a slow disk longer than a read.
+            self._promote_pinned(pinned, max(self.cfg.tier_read_seconds, 30.0))
+        with self._lock:
+            for e in entries:
+                if e.state != COMMITTED or e.tier != ARENA:
+                    continue
+                e.inflight += 1
+                held.append(e)
+                views.append(self.dram.slice(e.offset, e.size))
+            self._index.unpin_all(pinned)
+        try:
+            if held:
+                sink(held, views)
+        finally:
+            self.read_unpin(held)
+        return len(held)
 
     def read_unpin(self, found: Sequence[Entry | None]) -> None:
         with self._lock:

@@ -28,13 +28,13 @@ class NodeConfig:
     ttl_seconds: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL_SECONDS))
     default_ttl: float = DEFAULT_TTL_SECONDS[DEFAULT_TRAFFIC_CLASS]
     reservation_seconds: float = 30.0
+    """An uncommitted reservation expires after this long (a dead writer leaves nothing)."""
     reservation_seconds_max: float = 300.0
     """Upper bound of a writer's own ``timeout_ms``: a reservation cannot hold space for days."""
     commit_grace_seconds: float = 1.0
     """How long a commit waits for writes to its slots that are still in flight before it
     refuses them (a writer must wait for its transfers; this only absorbs the race between a
     transport's completion and its guard release)."""
-    """An uncommitted reservation expires after this long (a dead writer leaves nothing)."""
     lease_ms_default: int = 5000
     lease_ms_max: int = 60000
     max_object_bytes: int = 64 << 20

@@ -74,7 +74,7 @@ class Space:
         below); the DRAM bytes freed now (a demotion frees its bytes when its copy lands)."""
         freed = 0
         for e in self.dram_victims(need, now, expire_all):
-            if is_expired(e, now, {e.traffic_class: self.ttl(e)}, self.ttl(e)):
+            if self.expired(e, now):
                 self._discard(e)
                 self._count(StoreCounter.EXPIRED, e.tenant)
             elif e.kind == BLOCK and self.chain is not None and self.chain.plan_demotion(e):
@@ -113,9 +113,7 @@ class Space:
     def _held(self) -> list[TieredEntry]:
         """Committed objects with an extent here (below first, then DRAM), pins settled."""
         self.index.settle_pins()
-        ordered = self.chain.ordered() if self.chain is not None else [True]
-        levels = [lv for lv in reversed(range(len(ordered))) if ordered[lv]]
-        return [e for lv in levels for e in self.index.lru(lv)]  # type: ignore[misc]
+        return [e for lv in reversed(self.index.ordered_levels()) for e in self.index.lru(lv)]  # type: ignore[misc]
 
     def _own(self, tid: str) -> list[TieredEntry]:
         return [e for e in self._held() if e.tenant == tid]

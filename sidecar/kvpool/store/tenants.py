@@ -9,7 +9,7 @@ space (:mod:`kvpool.store.space`); the shares and trims are the pure rules of
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.ring import Ring
@@ -60,9 +60,6 @@ class Tenants:
         if t is None:
             t = self._by_id[tid] = Tenant(tid)
         return t
-
-    def __iter__(self) -> Iterator[Tenant]:
-        return iter(list(self._by_id.values()))
 
     def values(self) -> list[Tenant]:
         return list(self._by_id.values())

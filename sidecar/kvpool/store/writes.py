@@ -38,7 +38,7 @@ class Writes:
                  published: Callable[[TieredEntry], None], sweep: Callable[[float], None]) -> None:
         self.cfg = cfg
         self._lock = lock
-        self.released = threading.Condition(lock)
+        self._released = threading.Condition(lock)
         """Signalled when a reserved slot's write ends (a commit may be waiting for it)."""
         self.index = index
         self.tenants = tenants
@@ -139,6 +139,12 @@ class Writes:
             chain.make_room(sizes_new, time.monotonic() + self.cfg.demote_wait_seconds,
                             self.cfg.high_watermark, self.cfg.low_watermark)
 
+    def write_ended(self, e: TieredEntry) -> None:
+        """A write into ``e``'s slot ended (the guard's release): wake a commit waiting for it.
+        Lock held."""
+        if e.inflight == 0 and e.state == RESERVED:
+            self._released.notify_all()
+
     def _verify(self) -> bool:
         v = self.cfg.verify_on_commit
         return self.tenants.with_tokens() if v is None else v
@@ -163,7 +169,7 @@ class Writes:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self.released.wait(left)
+                self._released.wait(left)
             if self.index.reservation(reservation_id) is not res:
                 return [pb.LEASE_EXPIRED] * n  # a concurrent commit, revoke or expiry took it
             # From here the reservation is this call's: a concurrent commit sees it gone.

@@ -143,7 +143,8 @@ class AtRest:
     Thread safety: AESGCM objects are safe to share between threads; the key cache is filled
     under the caller's lock or races benignly (two derivations of the same key); :meth:`set_keys`
     swaps whole maps, so a reader sees the old keys or the new ones.  :meth:`scratch` is one
-    buffer: its users serialise (the store node's lock).
+    buffer, for one thread at a time (the tiers seal off the index lock, through
+    :class:`~kvpool.tiers.sealed.SealedTier`'s per-thread buffers, not this one).
     """
 
     _ciphers: dict[tuple[bytes, str], AESGCM]
@@ -222,7 +223,8 @@ class AtRest:
                   blob: memoryview | bytes | bytearray, dst: memoryview) -> bool:
         """Decrypt ``blob`` into ``dst`` (the plaintext size); False when it does not authenticate.
 
-        On False, ``dst`` is zeroed (the caller frees it and reports a miss).
+        On a tag that does not check, ``dst`` is zeroed; on a blob of another size or under a
+        master key not held, it is left as it was (the caller zeroes it: ``SealedTier``).
         """
         if len(blob) != sealed_size(len(dst)):
             return False

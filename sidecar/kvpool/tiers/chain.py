@@ -89,8 +89,9 @@ class TierChain:
     """The move engine of one arena and the levels below it (see the module docstring).
 
     ``arena``: the arena (level 0, carved by ``index``); ``below``: the tiers below it in chain
-    order.  ``lock``: the owner's index lock (every method but ``make_room``, ``promote`` and
-    ``locate_files`` is called with it held; those three take it themselves)."""
+    order.  ``lock``: the owner's index lock (every method but ``make_room``, ``promote``,
+    ``locate_files``, ``idle`` and ``close`` is called with it held; those take what they need
+    themselves)."""
 
     def __init__(self, owner: ChainOwner, index: ArenaIndex, lock: threading.RLock, arena: DramTier,
                  below: Sequence[Tier], promote_workers: int = 4, max_promotions: int = 256) -> None:
@@ -131,10 +132,6 @@ class TierChain:
         """Whether ``e`` takes room the tenant's quota counts (an extent: in the arena or an
         addressed level).  Lock held."""
         return e.offset >= 0 if e.tier == ARENA else not self.named[e.tier]
-
-    def ordered(self) -> list[bool]:
-        """Per level: whether the index keeps its LRU (the arena and the addressed levels)."""
-        return [not n for n in self.named]
 
     def idle(self) -> bool:
         """No demotion, move or unlink queued or in flight."""
