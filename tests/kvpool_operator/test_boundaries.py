@@ -3,8 +3,10 @@ covers them: only ``kube`` imports the Kubernetes client, only ``nodes`` the sto
 client (or gRPC), only handlers and ``main`` kopf, and of the data plane only the ring, the push
 jobs' statuses, the proto modules and their conversions, the admin client and the errors it raises,
 the master-key format of encryption at rest (the operator checks a Secret by the nodes' own rules),
-the sizes of the tiers' memory files (the operator sizes pod volumes by the processes' own rules)
-and the pool quota's arithmetic (status counts a tenant's usage in the unit the nodes enforce)."""
+the sizes of the tiers' memory files (the operator sizes pod volumes by the processes' own rules),
+the pool quota's arithmetic (status counts a tenant's usage in the unit the nodes enforce), the
+default traffic class and TTLs (``kvpool.core.traffic``) and the counter schema whose groups
+status sums (``kvpool.wire.counters``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pathlib
 PKG = pathlib.Path(__file__).resolve().parents[2] / "operator" / "kvpool_operator"
 DATA_PLANE_ALLOWED = ("kvpool.core.ring", "kvpool.core.push_status", "kvpool.wire.proto", "kvpool.wire.convert",
                       "kvpool.pool.admin_client", "kvpool.core.errors", "kvpool.tiers.atrest",
-                      "kvpool.core.sizing", "kvpool.core.traffic", "kvpool.store.quota")
+                      "kvpool.core.sizing", "kvpool.core.traffic", "kvpool.wire.counters", "kvpool.store.quota")
 
 
 def _imports() -> dict[str, set[str]]:
