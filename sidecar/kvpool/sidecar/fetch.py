@@ -84,6 +84,20 @@ class Fetcher:
 
         def run(job: tuple[str, np.ndarray]) -> int:
             nid, idx = job
+            got, lease = 0, drop.pop(nid, 0)
+            while True:
+                n, ok, short = read_once(nid, idx, lease)
+                got += n
+                # NO_SPACE: the node had no DRAM room to bring these up from its lower tiers
+                # while it held the rest of the batch for the send (a batch larger than its
+                # DRAM).  They are there: asked again now the sent ones are released, as long
+                # as each re-read brings some (else they stay misses).
+                if not len(short) or not ok:
+                    return got
+                idx, lease = short, 0
+
+        def read_once(nid: str, idx: np.ndarray, lease: int) -> tuple[int, int, np.ndarray]:
+            """One read of ``idx`` at ``nid``: (landed, rows OK, the rows it answered NO_SPACE)."""
             mine = [todo[x] for x in idx.tolist()]  # this node's key indices, in its reply's order
             asked: list[int] = []
 
@@ -92,23 +106,27 @@ class Fetcher:
                 asked.append(i)
                 return land.dest(i, size)
             try:
-                res = self.pool.read(nid, sub[idx], dest, kind, lease_ms, drop.pop(nid, 0), streams)
+                res = self.pool.read(nid, sub[idx], dest, kind, lease_ms, lease, streams)
             except BaseException:
                 for i in asked:
                     land.failed(i)
                 raise
-            got = 0
+            got = ok = 0
+            short: list[int] = []
             for j, i in enumerate(mine):
                 code = res.codes[j] if res is not None else pb.NOT_FOUND
                 if code == pb.OK:
                     assert res is not None
                     got += land.landed(i, res.checksums[j])
+                    ok += 1
+                elif code == pb.NO_SPACE:
+                    short.append(j)
                 elif i in land.pending:
                     if code == pb.CHECKSUM:
                         self.counters[SidecarCounter.POOL_CHECKSUM_FAILURES] += 1
                     self.counters[SidecarCounter.POOL_FETCH_FAILURES] += 1
                     land.failed(i)
-            return got
+            return got, ok, idx[short]
 
         return self._run_jobs(run, jobs)
 
