@@ -303,8 +303,8 @@ def decode_response(data: bytes | bytearray | memoryview) -> Response:
 
 def encode_get_table(codes: npt.NDArray[np.uint8], sizes: npt.NDArray[np.uint64],
                      checksums: npt.NDArray[np.uint64]) -> bytes:
-    return (np.ascontiguousarray(codes, np.uint8).tobytes() + np.ascontiguousarray(sizes, _U64).tobytes()
-            + np.ascontiguousarray(checksums, _U64).tobytes())
+    """The GET table: codes u8 × n, sizes u64 × n, checksums u64 × n (the GET_RANGES layout)."""
+    return encode_range_table(codes, sizes, checksums)
 
 
 class GetTable(NamedTuple):
