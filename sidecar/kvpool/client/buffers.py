@@ -23,14 +23,13 @@ import numpy as np
 from kvpool.client.keys import pack_keys
 from kvpool.client.session import FastSession, RegistrationRefused
 from kvpool.core import errors, spill
+from kvpool.core.buffers import Buffer, as_bytes_view
 from kvpool.core.checksum import checksum
 from kvpool.core.deadlines import ClientDeadlines
-from kvpool.pool.node_client import as_bytes_view
 from kvpool.transfer import memfd
 from kvpool.transfer.copier import Copier
 from kvpool.wire.proto import store_pb2 as pb
 
-Buffer = Any
 log = logging.getLogger("kvpool.client.buffers")
 
 

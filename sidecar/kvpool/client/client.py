@@ -39,10 +39,10 @@ from kvpool.client.session import FastSession, RegistrationRefused
 from kvpool.client.writes import put_rounds
 from kvpool.core import errors
 from kvpool.core import handoff_record as _ho
+from kvpool.core.buffers import Buffer, as_bytes_view
 from kvpool.core.deadlines import ClientDeadlines
 from kvpool.core.planning import HitPlan, plan_hit
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
-from kvpool.pool.node_client import as_bytes_view
 from kvpool.transfer.copier import Copier
 from kvpool.wire import grpc_status
 from kvpool.wire.frames import ProtocolError
@@ -50,7 +50,6 @@ from kvpool.wire.proto import sidecar_pb2 as spb
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.sidecar_frames import socket_path as fast_socket_path
 
-Buffer = Any
 log = logging.getLogger("kvpool.client.client")
 
 

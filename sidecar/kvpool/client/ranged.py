@@ -19,7 +19,7 @@ from kvpool.client.arena import ArenaMap
 from kvpool.client.keys import pack_keys
 from kvpool.client.results import Blocks, RangeReads
 from kvpool.core import errors, ranges
-from kvpool.pool.node_client import as_bytes_view
+from kvpool.core.buffers import Buffer, as_bytes_view
 from kvpool.transfer.copier import Copier
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import sidecar_pb2 as spb
@@ -28,7 +28,6 @@ from kvpool.wire.proto import store_pb2 as pb
 if TYPE_CHECKING:
     from kvpool.client.client import Client
 
-Buffer = Any
 
 
 class RangedReads:

@@ -29,6 +29,7 @@ from typing import Any, cast
 import grpc
 
 from kvpool.core import errors, ranges
+from kvpool.core.buffers import Buffer, as_bytes_view
 from kvpool.core.keys import KEY_BYTES, pack_keys
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.pool.data_client import DataSession, Dest, ExistsReply, ReadResult
@@ -36,22 +37,12 @@ from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
 
-Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
-
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.enable_http_proxy", 0),
     ("grpc.keepalive_time_ms", 20000),
 ]
-
-
-def as_bytes_view(value: Buffer) -> memoryview:
-    """A flat unsigned-byte view of any buffer (no copy)."""
-    mv = memoryview(value)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B") if mv.c_contiguous else memoryview(bytes(mv))
-    return mv
 
 
 @dataclass(frozen=True)
