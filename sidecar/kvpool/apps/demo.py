@@ -391,8 +391,7 @@ class _ForkGate:
             yield
             return
         with self._cond:
-            while self._forking:
-                self._cond.wait()
+            self._cond.wait_for(lambda: not self._forking)
             self._calls += 1
         try:
             yield
@@ -407,11 +406,9 @@ class _ForkGate:
             yield
             return
         with self._cond:
-            while self._forking:
-                self._cond.wait()
+            self._cond.wait_for(lambda: not self._forking)
             self._forking = True  # new calls wait from now on
-            while self._calls:
-                self._cond.wait()
+            self._cond.wait_for(lambda: not self._calls)
         try:
             yield
         finally:

@@ -8,7 +8,6 @@ import signal
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvpool.apps.cluster import LocalCluster
 from kvpool.core.keys import KEY_BYTES
@@ -19,11 +18,6 @@ from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
-
-
-@pytest.fixture
-def cluster(shared: LocalCluster) -> LocalCluster:
-    return shared
 
 
 def _settled(h: Any, client: Any) -> None:
@@ -37,8 +31,8 @@ def _by_node(lc: Any, keys: list[bytes]) -> dict[str, list[bytes]]:
     return out
 
 
-def test_remote_reads_and_matches(cluster: Any, h: Any, rng: random.Random) -> None:
-    with cluster.connect(0) as a, cluster.connect(1) as b:
+def test_remote_reads_and_matches(shared: LocalCluster, h: Any, rng: random.Random) -> None:
+    with shared.connect(0) as a, shared.connect(1) as b:
         sizes = [1, 4095, 64 * KiB, MiB, 3 * MiB + 5, 17] * 3
         keys = h.keys(rng, len(sizes))
         values = h.values(rng, sizes)
@@ -55,12 +49,12 @@ def test_remote_reads_and_matches(cluster: Any, h: Any, rng: random.Random) -> N
         assert b.match(gap) == 4
 
 
-def test_a_read_after_a_match_drops_its_pins_at_the_nodes(cluster: Any, h: Any, rng: random.Random) -> None:
-    with cluster.connect(0) as a, cluster.connect(1) as b:
+def test_a_read_after_a_match_drops_its_pins_at_the_nodes(shared: LocalCluster, h: Any, rng: random.Random) -> None:
+    with shared.connect(0) as a, shared.connect(1) as b:
         keys = h.keys(rng, 12)
         assert a.put(keys, h.values(rng, [8 * KiB] * 12)) == [pb.OK] * 12
         _settled(h, a)
-        groups = _by_node(cluster, keys)
+        groups = _by_node(shared, keys)
         assert b.match(keys) == 12  # pinned at each store node by the match's pool leases
         with StoreClient(next(iter(groups))) as node:
             assert pb.IN_FLIGHT in node.remove(groups[next(iter(groups))])
@@ -73,14 +67,14 @@ def test_a_read_after_a_match_drops_its_pins_at_the_nodes(cluster: Any, h: Any, 
 
 
 def test_a_released_match_drops_its_pins_with_the_next_frame_to_each_node(
-        cluster: Any, h: Any, rng: random.Random) -> None:
+        shared: LocalCluster, h: Any, rng: random.Random) -> None:
     """A match released without a read: its pool leases ride on the next frame to their nodes (no
     release round trip), and no pin is left behind."""
-    with cluster.connect(0) as a, cluster.connect(1) as b:
+    with shared.connect(0) as a, shared.connect(1) as b:
         keys = h.keys(rng, 12)
         assert a.put(keys, h.values(rng, [8 * KiB] * 12)) == [pb.OK] * 12
         _settled(h, a)
-        groups = _by_node(cluster, keys)
+        groups = _by_node(shared, keys)
         assert len(groups) == 2  # both nodes hold some: the next match asks both
         n, lease = b.match_lease(keys)
         assert n == 12 and lease
@@ -99,18 +93,18 @@ def test_a_released_match_drops_its_pins_with_the_next_frame_to_each_node(
                            timeout=10, what="the released match's pins to go")
 
 
-def test_a_released_match_that_no_frame_follows_still_drops_its_pins(cluster: Any, h: Any,
+def test_a_released_match_that_no_frame_follows_still_drops_its_pins(shared: LocalCluster, h: Any,
                                                                      rng: random.Random) -> None:
     """A drop waiting for a frame that never comes is sent by the sidecar's background loop
     within about a second, long before the lease (a minute here) would run out."""
-    with cluster.connect(0) as a, cluster.connect(1) as b:
+    with shared.connect(0) as a, shared.connect(1) as b:
         keys = h.keys(rng, 6)
         assert a.put(keys, h.values(rng, [4 * KiB] * 6)) == [pb.OK] * 6
         _settled(h, a)
         n, lease = b.match_lease(keys, lease_ms=60_000)
         assert n == 6
         b.release(lease)
-        for address, ks in _by_node(cluster, keys).items():
+        for address, ks in _by_node(shared, keys).items():
             with StoreClient(address) as node:
                 h.wait_for(lambda node=node, ks=ks: pb.IN_FLIGHT not in node.remove(ks),  # type: ignore[misc]
                            timeout=30, what="the deferred drop to be flushed")  # < the 60 s lease
