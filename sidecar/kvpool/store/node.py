@@ -121,9 +121,10 @@ class StoreNode:
     def count(self, what: StoreCounter, tenant: str = "") -> None:
         """Add one to a counter (and to ``tenant``'s, when given)."""
         with self._lock:
-            self.counters[what] += 1
             if tenant:
-                self.tenants[tenant].counters[what] += 1
+                self.tenants[tenant].count(self.counters, what)
+            else:
+                self.counters[what] += 1
 
     def fs_salt(self, tenant: str) -> bytes:
         return self.tenants.fs_salt(tenant)

@@ -109,8 +109,7 @@ class Writes:
                 except OutOfSpace:
                     evictable = False
                     codes[i] = pb.NO_SPACE
-                    self.counters[StoreCounter.REFUSED_SPACE] += 1
-                    t.counters[StoreCounter.REFUSED_SPACE] += 1
+                    t.count(self.counters, StoreCounter.REFUSED_SPACE)
                     continue
                 e = TieredEntry(k, tenant, kind, traffic_class, size)
                 e.offset = off
@@ -220,16 +219,14 @@ class Writes:
             if sums is not None and sums[i] != checksums[i]:
                 self._discard(e)
                 codes[i] = pb.CHECKSUM
-                self.counters[StoreCounter.CHECKSUM_FAILURES] += 1
-                self.tenants[e.tenant].counters[StoreCounter.CHECKSUM_FAILURES] += 1
+                self.tenants[e.tenant].count(self.counters, StoreCounter.CHECKSUM_FAILURES)
                 continue
             e.checksum = int(checksums[i])
             self.index.publish(e, now)
             self._published(e)
             t = self.tenants[e.tenant]
             t.objects += 1
-            t.counters[StoreCounter.STORED] += 1
-            self.counters[StoreCounter.STORED] += 1
+            t.count(self.counters, StoreCounter.STORED)
             self.counters[StoreCounter.STORED_BYTES] += e.size
 
     def revoke(self, tenant: str, reservation_id: int) -> None:
