@@ -86,8 +86,8 @@ class StoreNode:
         self._space = Space(cfg, self._index, self.tenants, self.chain, self.counters, self.discard)
         self._reads = Reads(cfg, self._lock, self._index, self.tenants, self.chain, self.dram,
                             self.counters, self._sweep)
-        self._writes = Writes(cfg, self._lock, self._index, self.tenants, self._space, self.dram, self.counters,
-                              self.discard, self._published, self._sweep)
+        self._writes = Writes(cfg, self._lock, self._index, self.tenants, self._space, self.chain, self.dram,
+                              self.counters, self.discard, self._published, self._sweep)
 
     # ------------------------------------------------------------------ tenancy, policy, keys
 
