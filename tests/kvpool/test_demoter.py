@@ -130,7 +130,7 @@ def test_a_read_from_a_stalled_disk_is_a_miss_within_its_bound_and_lands_later(n
     _put(node, k2, v2)
     t0 = time.monotonic()
     assert _read(node, k2) == v2
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.5  # the stalled SSD read still has ~0.8 s to go
     Path(node.cfg.fault_tier_delay_file).unlink()
     deadline = time.monotonic() + 5
     while node.where(T, k) != "dram":  # the copy started while stalled still lands

@@ -86,8 +86,8 @@ class StoreNode:
         self._space = Space(cfg, self._index, self.tenants, self.chain, self.counters, self.discard)
         self._reads = Reads(cfg, self._lock, self._index, self.tenants, self.chain, self.dram,
                             self.counters, self._sweep)
-        self._writes = Writes(cfg, self._lock, self._index, self.tenants, self._space, self.dram, self.counters,
-                              self.discard, self._published, self._sweep)
+        self._writes = Writes(cfg, self._lock, self._index, self.tenants, self._space, self.chain, self.dram,
+                              self.counters, self.discard, self._published, self._sweep)
 
     # ------------------------------------------------------------------ tenancy, policy, keys
 
@@ -121,9 +121,10 @@ class StoreNode:
     def count(self, what: StoreCounter, tenant: str = "") -> None:
         """Add one to a counter (and to ``tenant``'s, when given)."""
         with self._lock:
-            self.counters[what] += 1
             if tenant:
-                self.tenants[tenant].counters[what] += 1
+                self.tenants[tenant].count(self.counters, what)
+            else:
+                self.counters[what] += 1
 
     def fs_salt(self, tenant: str) -> bytes:
         return self.tenants.fs_salt(tenant)

@@ -82,7 +82,7 @@ class Reads:
         encrypts at rest, in the clear when not: a file in the clear is not trusted by an
         encrypting node, anyone with write access to the mount could have planted it)."""
         assert self.chain is not None
-        if not self.chain.files.may_adopt(tenant, key, since):
+        if not self.chain.may_adopt(tenant, key, since):
             return None  # the file of an object removed here (its unlink on its way, or done since)
         if not 0 < loc.size <= min(self.cfg.max_object_bytes, self.dram.capacity):
             return None  # a damaged header must not make the node evict DRAM for a phantom

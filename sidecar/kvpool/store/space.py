@@ -76,18 +76,14 @@ class Space:
         for e in self.dram_victims(need, now, expire_all):
             if self.expired(e, now):
                 self._discard(e)
-                self._count(StoreCounter.EXPIRED, e.tenant)
+                self.tenants[e.tenant].count(self.counters, StoreCounter.EXPIRED)
             elif e.kind == BLOCK and self.chain is not None and self.chain.plan_demotion(e):
                 continue
             else:
                 self._discard(e)
-                self._count(StoreCounter.EVICTED, e.tenant)
+                self.tenants[e.tenant].count(self.counters, StoreCounter.EVICTED)
             freed += e.size
         return freed
-
-    def _count(self, what: StoreCounter, tenant: str) -> None:
-        self.counters[what] += 1
-        self.tenants[tenant].counters[what] += 1
 
     def alloc_dram(self, size: int, now: float) -> int:
         try:
@@ -125,7 +121,7 @@ class Space:
         plan = choose_victims(own, need, now, {}, 0.0, expire_all=False)
         for c in plan.victims:
             self._discard(c)  # type: ignore[arg-type]
-            self._count(StoreCounter.EVICTED_QUOTA, t.tenant_id)
+            self.tenants[t.tenant_id].count(self.counters, StoreCounter.EVICTED_QUOTA)
         return plan.freed_bytes
 
     def fit_shares(self, ring: Ring, node_id: str) -> None:
@@ -151,7 +147,7 @@ class Space:
             held = [Held(e.size, e.last_access, o) for e, o in zip(mine, owned, strict=True)]
             for i in trim_to_share(t.used_bytes, t.share_bytes, held, t.evict_own_on_quota):
                 self._discard(mine[i])
-                self._count(StoreCounter.EVICTED_QUOTA, t.tenant_id)
+                self.tenants[t.tenant_id].count(self.counters, StoreCounter.EVICTED_QUOTA)
 
     def expire(self, now: float) -> int:
         """Drop every expired object with an extent; how many."""
@@ -159,6 +155,6 @@ class Space:
         for e in self._held():
             if not e.pins and not e.inflight and self.expired(e, now):
                 self._discard(e)
-                self._count(StoreCounter.EXPIRED, e.tenant)
+                self.tenants[e.tenant].count(self.counters, StoreCounter.EXPIRED)
                 n += 1
         return n

@@ -35,6 +35,11 @@ class Tenant:
     objects: int = 0
     counters: Counter[str] = field(default_factory=Counter)
 
+    def count(self, node: Counter[str], what: StoreCounter) -> None:
+        """Add one to ``what`` in the node's counters and in this tenant's."""
+        node[what] += 1
+        self.counters[what] += 1
+
 
 class Tenants:
     """Tenancy of one node: who a token is, and what each tenant may hold here."""
@@ -134,8 +139,7 @@ class Tenants:
                 want = t.used_bytes + sum(s for j, s in enumerate(sizes[:i]) if codes[j] == pb.OK)
             if want + size > limit:
                 codes[i] = pb.QUOTA_EXCEEDED
-                counters[StoreCounter.REFUSED_QUOTA] += 1
-                t.counters[StoreCounter.REFUSED_QUOTA] += 1
+                t.count(counters, StoreCounter.REFUSED_QUOTA)
                 continue
             want += size
 

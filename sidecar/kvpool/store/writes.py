@@ -25,7 +25,7 @@ from kvpool.core.errors import InvalidArgument
 from kvpool.store.settings import NodeConfig
 from kvpool.store.space import Space
 from kvpool.store.tenants import Tenants
-from kvpool.tiers.chain import TieredEntry
+from kvpool.tiers.chain import TierChain, TieredEntry
 from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -34,8 +34,9 @@ class Writes:
     """Reservations and commits of one node (see the module docstring)."""
 
     def __init__(self, cfg: NodeConfig, lock: threading.RLock, index: ArenaIndex, tenants: Tenants, space: Space,
-                 dram: DramTier, counters: Counter[str], discard: Callable[[TieredEntry], None],
-                 published: Callable[[TieredEntry], None], sweep: Callable[[float], None]) -> None:
+                 chain: TierChain | None, dram: DramTier, counters: Counter[str],
+                 discard: Callable[[TieredEntry], None], published: Callable[[TieredEntry], None],
+                 sweep: Callable[[float], None]) -> None:
         self.cfg = cfg
         self._lock = lock
         self._released = threading.Condition(lock)
@@ -43,6 +44,7 @@ class Writes:
         self.index = index
         self.tenants = tenants
         self.space = space
+        self.chain = chain
         self.dram = dram
         self.counters = counters
         self._discard = discard
@@ -59,7 +61,7 @@ class Writes:
         offsets = [0] * len(keys)
         tokens = [0] * len(keys)
         entries: list[TieredEntry | None] = [None] * len(keys)
-        if self.space.chain is not None:
+        if self.chain is not None:
             self._make_room(tenant, keys, sizes, kind)
         alloc = self.dram.alloc
         with self._lock:
@@ -109,8 +111,7 @@ class Writes:
                 except OutOfSpace:
                     evictable = False
                     codes[i] = pb.NO_SPACE
-                    self.counters[StoreCounter.REFUSED_SPACE] += 1
-                    t.counters[StoreCounter.REFUSED_SPACE] += 1
+                    t.count(self.counters, StoreCounter.REFUSED_SPACE)
                     continue
                 e = TieredEntry(k, tenant, kind, traffic_class, size)
                 e.offset = off
@@ -128,7 +129,7 @@ class Writes:
         """Before a write reserves: start the demotions its new objects need, then wait for them
         at most ``demote_wait_seconds`` with the lock released (``TierChain.make_room``).  The
         reservation that follows takes what fits; the rest is NO_SPACE."""
-        chain = self.space.chain
+        chain = self.chain
         assert chain is not None
         with self._lock:
             cap = min(self.cfg.max_object_bytes, self.dram.capacity)
@@ -220,16 +221,14 @@ class Writes:
             if sums is not None and sums[i] != checksums[i]:
                 self._discard(e)
                 codes[i] = pb.CHECKSUM
-                self.counters[StoreCounter.CHECKSUM_FAILURES] += 1
-                self.tenants[e.tenant].counters[StoreCounter.CHECKSUM_FAILURES] += 1
+                self.tenants[e.tenant].count(self.counters, StoreCounter.CHECKSUM_FAILURES)
                 continue
             e.checksum = int(checksums[i])
             self.index.publish(e, now)
             self._published(e)
             t = self.tenants[e.tenant]
             t.objects += 1
-            t.counters[StoreCounter.STORED] += 1
-            self.counters[StoreCounter.STORED] += 1
+            t.count(self.counters, StoreCounter.STORED)
             self.counters[StoreCounter.STORED_BYTES] += e.size
 
     def revoke(self, tenant: str, reservation_id: int) -> None:

@@ -272,6 +272,11 @@ class TierChain:
             log.warning("shared-fs lookup failed: %s", exc)
         return FsView(dict(list(got)), since)  # a copy: the lookups may still be running
 
+    def may_adopt(self, tenant: str, key: bytes, since: float) -> bool:
+        """Whether a file located from ``since`` may be adopted (not removed here meanwhile;
+        call under the lock)."""
+        return self.files.may_adopt(tenant, key, since)
+
     def _enqueue(self, move: Move | Unlink) -> None:
         with self._wake:
             self._queue.append(move)
