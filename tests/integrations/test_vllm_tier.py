@@ -1,0 +1,303 @@
+"""kvpool as a secondary tier of vLLM's native offloading, under vLLM's real classes, data through a LocalCluster.
+
+Runs in the vllm venv (tools/engines.sh; tests/integrations/test_engine_venvs.py runs it from the
+main suite).  vLLM's real ``Scheduler`` is built with ``OffloadingConnector`` +
+``TieringOffloadingSpec`` from a ``kv_transfer_config`` as a user writes it (the kvpool tier by
+``module_path``, or by its registered short type): that builds vLLM's real
+``TieringOffloadingManager``, its CPU primary tier (the shared-memory region of chunk rows) and
+:class:`~kvpool.integrations.vllm_tier.KVPoolSecondaryTier` through ``SecondaryTierFactory``.
+
+What needs CUDA is stood in for: the OffloadingConnector's worker (GPU <-> CPU copies) refuses to
+start without a CUDA-alike device ("CPU Offloading is currently only supported on CUDA-alike and
+XPU GPUs"), so the test writes chunk bytes into the primary rows the manager handed out, as the
+worker's GPU -> CPU copy does, and makes the calls the OffloadingConnector scheduler makes on the
+manager (on_new_request, prepare_store / complete_store, lookup, on_schedule_end) under its lock.
+Everything between the manager and the pool (cascade, promotion, lookups, job completion) is
+vLLM's and kvpool's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvpool import LocalCluster
+from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, write_header
+from kvpool.integrations.vllm_tier import TIER_TYPE, KVPoolSecondaryTier, match_runs, pool_keys
+
+BS = 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+HEADS, HEAD = 2, 16
+NUM_BLOCKS = 64
+CPU_BYTES = 4 << 20
+MODULE = "kvpool.integrations.vllm_tier"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": HEADS, "num_hidden_layers": len(LAYERS),
+        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
+        "head_dim": HEAD}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(stores=2, sidecars=3, block_tokens=BS) as lc:
+        yield lc
+
+
+def tier_entry(address: str, by_module_path: bool = True, **extra: Any) -> dict[str, Any]:
+    if by_module_path:
+        return {"type": KVPoolSecondaryTier.__name__, "module_path": MODULE, "address": address, **extra}
+    return {"type": TIER_TYPE, "address": address, **extra}
+
+
+class Engine:
+    """vLLM's scheduler with OffloadingConnector + TieringOffloadingSpec and the kvpool tier."""
+
+    def __init__(self, model_dir: Path, tier: dict[str, Any]) -> None:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=1024)
+        self.config = VllmConfig(
+            model_config=mc, cache_config=CacheConfig(block_size=BS),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=1024,
+                                             is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector", kv_role="kv_both",
+                kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_BYTES,
+                                           "secondary_tiers": [tier]}),
+            device_config=DeviceConfig("cpu"))
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+        page = spec.page_size_bytes
+        kcc = KVCacheConfig(num_blocks=NUM_BLOCKS,
+                            kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS, layers=[n],
+                                                            layer_stride=page * NUM_BLOCKS, block_stride=page)
+                                              for n in LAYERS],
+                            kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.scheduler = Scheduler(self.config, kcc, StructuredOutputManager(self.config), block_size=BS)
+        manager = self.scheduler.connector.scheduler.manager
+        assert isinstance(manager, TieringOffloadingManager)
+        self.manager = manager
+        tier = manager.secondary_tiers[0]
+        assert isinstance(tier, KVPoolSecondaryTier)
+        self.tier = tier
+        self.rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)  # the CPU tier's chunk rows
+
+    def request(self, rid: str) -> ReqContext:
+        ctx = ReqContext(rid)
+        with self.manager.lock:
+            self.manager.on_new_request(ctx)
+        return ctx
+
+    def store(self, ctx: ReqContext, keys: list[bytes], payload: Callable[[int], np.ndarray]) -> list[int]:
+        """What the connector does for a GPU -> CPU store, the worker's copy being ``payload``:
+        chunk rows for ``keys``; complete_store cascades them to the secondary tier."""
+        with self.manager.lock:
+            out = self.manager.prepare_store(keys, ctx)
+            assert out is not None and list(out.keys_to_store) == keys
+            cids = [int(c) for c in out.store_spec.chunk_ids]
+            for i, c in enumerate(cids):
+                self.rows[c] = payload(i)
+            self.manager.complete_store(keys, ctx)
+        return cids
+
+    def step_end(self) -> None:
+        with self.manager.lock:
+            self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+
+    def settle(self, done: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"not settled within {timeout}s: {self.tier.stats}"
+            self.step_end()
+            time.sleep(0.01)
+
+    def lookup_until_final(self, ctx: ReqContext, keys: list[bytes], timeout: float = 30.0) -> list[LookupResult]:
+        """The connector's prefix lookup, step after step, until no key is pending (RETRY or
+        HIT_PENDING): the final verdicts, in order."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.manager.lock:
+                got = [self.manager.lookup(k, ctx) for k in keys]
+            if all(r in (LookupResult.HIT, LookupResult.MISS) for r in got):
+                return got
+            assert time.monotonic() < deadline, f"lookups still pending after {timeout}s: {got}"
+            self.step_end()
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.rows = np.empty((0, 0), np.uint8)  # vLLM unmaps the region: no view of it may outlive that
+        self.scheduler.connector.shutdown()
+
+
+def chunk_keys(seed: int, n: int) -> list[bytes]:
+    g = np.random.default_rng(seed)
+    return [make_offload_key(g.bytes(32), 0) for _ in range(n)]
+
+
+def payload_fn(seed: int, row: int) -> Callable[[int], np.ndarray]:
+    return lambda i: np.random.default_rng(seed * 1000 + i).integers(0, 256, row, dtype=np.uint8)
+
+
+def test_stores_cascade_into_kvpool_and_load_back_byte_exact_on_another_engine(model_dir: Path,
+                                                                                cluster: LocalCluster) -> None:
+    a = Engine(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=10.0))
+    keys = chunk_keys(1, 6)
+    row = a.rows.shape[1]
+    try:
+        ctx = a.request("a-1")
+        cids = a.store(ctx, keys, payload_fn(1, row))
+        a.settle(lambda: a.tier.stats["stored"] == len(keys) and not a.manager.has_pending_work())
+        assert a.tier.stats["store_refused"] == 0
+        written = {k: a.rows[c].copy() for k, c in zip(keys, cids, strict=True)}
+        with cluster.connect(2) as c, c.get(pool_keys(a.tier._space, keys)) as views:
+            for k, v in zip(keys, views, strict=True):  # framed, and the bytes the CPU tier held
+                assert check_object(v, a.tier._layout) is None
+                assert bytes(v[HEADER_BYTES:]) == written[k].tobytes()
+    finally:
+        a.close()
+
+    b = Engine(model_dir, tier_entry(cluster.sidecars[1], lookup_timeout_s=10.0))  # another sidecar: the store nodes
+    try:
+        assert b.rows.shape[1] == row and b.tier._layout == a.tier._layout
+        ctx = b.request("b-1")
+        assert b.lookup_until_final(ctx, keys) == [LookupResult.HIT] * len(keys)
+        with b.manager.lock:
+            spec = b.manager.prepare_load(keys, ctx)  # what the connector hands the worker for CPU -> GPU
+        for k, c in zip(keys, spec.chunk_ids, strict=True):
+            assert np.array_equal(b.rows[int(c)], written[k])
+        s = b.tier.stats
+        assert (s["loaded"], s["hits"], s["load_errors"], s["fallbacks"]) == (len(keys), len(keys), 0, 0)
+    finally:
+        b.close()
+
+
+def test_a_foreign_or_damaged_object_is_a_miss_and_never_reaches_the_cpu_tier(model_dir: Path,
+                                                                             cluster: LocalCluster) -> None:
+    b = Engine(model_dir, tier_entry(cluster.sidecars[1], lookup_timeout_s=10.0))
+    try:
+        row = b.rows.shape[1]
+        good, foreign, damaged = chunk_keys(7, 3)
+        objs = []
+        for i, layout in enumerate((b.tier._layout, b.tier._layout ^ 1, b.tier._layout)):
+            obj = np.zeros(HEADER_BYTES + row, np.uint8)
+            obj[HEADER_BYTES:] = payload_fn(7, row)(i)
+            write_header(memoryview(obj), layout)
+            objs.append(obj)
+        objs[2][-1] ^= 0xFF  # damaged after framing: the checksum no longer holds
+        with cluster.connect(0) as c:
+            assert c.put(pool_keys(b.tier._space, [good, foreign, damaged]), objs, wait=True) == [0, 0, 0]
+        ctx = b.request("f-1")
+        # Each as its own prefix: the pool has all three, so each lookup first promises a hit.
+        got = [b.lookup_until_final(ctx, [k]) for k in (good, foreign, damaged)]
+        assert got == [[LookupResult.HIT], [LookupResult.MISS], [LookupResult.MISS]]
+        s = b.tier.stats
+        assert (s["loaded"], s["load_errors"]) == (1, 2)
+        with b.manager.lock:  # vLLM dropped the failed promotions; the bad bytes are nowhere in its rows
+            assert b.manager.primary_tier.lookup(foreign, ctx) == LookupResult.MISS
+            assert b.manager.primary_tier.lookup(damaged, ctx) == LookupResult.MISS
+        for obj in objs[1:]:
+            assert not (b.rows == obj[HEADER_BYTES:]).all(axis=1).any()
+        # The verdict stays a miss: vLLM does not promote the bad object again and again.
+        assert b.lookup_until_final(ctx, [foreign]) == [LookupResult.MISS]
+        assert b.tier.stats["load_errors"] == 2
+    finally:
+        b.close()
+
+
+def test_a_stopped_sidecar_gives_misses_within_the_bound_and_the_tier_recovers(model_dir: Path,
+                                                                               cluster: LocalCluster) -> None:
+    bound = 0.4
+    pid = cluster.sidecar_pids[2]
+    e = Engine(model_dir, tier_entry(cluster.sidecars[2], by_module_path=False, lookup_timeout_s=bound,
+                                     load_timeout_s=0.5, store_timeout_s=0.5, retry_after_s=1.0))
+    keys = chunk_keys(9, 4)
+    pooled = chunk_keys(10, 1)  # a chunk only the pool holds (another engine's), not this CPU tier
+    try:
+        row = e.rows.shape[1]
+        obj = np.zeros(HEADER_BYTES + row, np.uint8)
+        obj[HEADER_BYTES:] = payload_fn(10, row)(0)
+        write_header(memoryview(obj), e.tier._layout)
+        with cluster.connect(0) as c:
+            assert c.put(pool_keys(e.tier._space, pooled), [obj], wait=True) == [0]
+        ctx = e.request("s-1")
+        e.store(ctx, keys[:2], payload_fn(9, row))
+        e.settle(lambda: e.tier.stats["stored"] == 2 and not e.manager.has_pending_work())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # Stores cascaded now fail within their bound, and vLLM's chunks are unpinned.
+            e.store(ctx, keys[2:], payload_fn(11, row))
+            t0 = time.monotonic()
+            e.settle(lambda: not e.manager.has_pending_work(), timeout=10)
+            assert time.monotonic() - t0 < 5
+            assert e.tier.stats["store_refused"] == 2
+            # A lookup of a chunk the pool holds: a miss within the bound, no call waiting.
+            ctx2 = e.request("s-2")
+            t0, slowest = time.monotonic(), 0.0
+            while True:
+                c0 = time.monotonic()
+                with e.manager.lock:
+                    got = e.manager.lookup(pooled[0], ctx2)
+                slowest = max(slowest, time.monotonic() - c0)
+                if got is not LookupResult.RETRY:
+                    break
+                assert time.monotonic() - t0 < bound + 5, "a lookup stayed pending past its bound"
+                e.step_end()
+                time.sleep(0.02)
+            assert got is LookupResult.MISS
+            assert slowest < 0.1, f"a lookup call blocked for {slowest:.3f}s"
+            assert e.tier.stats["fallbacks"] >= 3
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with e.manager.lock:  # vLLM keeps a verdict while a request that asked holds it
+            e.manager.on_request_finished(ctx2)
+        # Back after its rest: the pool's chunk is a hit again, and promoted.
+        deadline = time.monotonic() + 20
+        for n in range(1000):
+            ctx3 = e.request(f"s-3-{n}")
+            if e.lookup_until_final(ctx3, pooled) == [LookupResult.HIT]:
+                break
+            assert time.monotonic() < deadline, "the tier did not come back after the sidecar did"
+            with e.manager.lock:
+                e.manager.on_request_finished(ctx3)
+            time.sleep(0.2)
+        assert e.tier.stats["loaded"] == 1
+    finally:
+        e.close()
+
+
+def test_the_tier_registers_with_vllm_and_refuses_bad_settings(model_dir: Path, cluster: LocalCluster) -> None:
+    assert SecondaryTierFactory.get_tier_class({"type": TIER_TYPE}) is KVPoolSecondaryTier
+    assert SecondaryTierFactory.get_tier_class(tier_entry(cluster.sidecars[0])) is KVPoolSecondaryTier
+    with pytest.raises(IntegrationConfigError, match="unknown kvpool setting.*adress"):
+        Engine(model_dir, {"type": TIER_TYPE, "adress": cluster.sidecars[0]})
+    with pytest.raises(IntegrationConfigError, match="staging_bytes"):
+        Engine(model_dir, tier_entry(cluster.sidecars[0], staging_bytes=1024))
+    with pytest.raises(IntegrationConfigError, match="lookup_timeout_s"):
+        Engine(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=0))
+
+
+def test_match_runs_put_each_group_in_prefix_order() -> None:
+    k = [make_offload_key(bytes([i]) * 32, g) for i, g in ((0, 0), (1, 1), (2, 0), (3, 1), (4, 0))]
+    assert match_runs(k, [48, 32, 16, None, 32]) == [[2, 4, 0], [1, 3]]
