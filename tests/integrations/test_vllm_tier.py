@@ -7,17 +7,20 @@ main suite).  vLLM's real ``Scheduler`` is built with ``OffloadingConnector`` +
 ``TieringOffloadingManager``, its CPU primary tier (the shared-memory region of chunk rows) and
 :class:`~kvpool.integrations.vllm_tier.KVPoolSecondaryTier` through ``SecondaryTierFactory``.
 
-What needs CUDA is stood in for: the OffloadingConnector's worker (GPU <-> CPU copies) refuses to
+What needs CUDA is stood in for.  vLLM's CPUOffloadingWorker (the GPU <-> CPU copies) refuses to
 start without a CUDA-alike device ("CPU Offloading is currently only supported on CUDA-alike and
-XPU GPUs"), so the test writes chunk bytes into the primary rows the manager handed out, as the
-worker's GPU -> CPU copy does, and makes the calls the OffloadingConnector scheduler makes on the
-manager (on_new_request, prepare_store / complete_store, lookup, on_schedule_end) under its lock.
-Everything between the manager and the pool (cascade, promotion, lookups, job completion) is
-vLLM's and kvpool's own code.
+XPU GPUs"): in the step-by-step test, vLLM's OffloadingConnector worker runs over a paged cache of
+host tensors with :class:`HostCopies` doing those copies by the device pointers vLLM resolved, and
+a stand-in forward writes the K/V (as in test_vllm.py).  The other tests make the calls the
+OffloadingConnector scheduler makes on the manager (on_new_request, prepare_store /
+complete_store, lookup, on_schedule_end) under its lock, writing chunk rows as the worker's
+GPU -> CPU copy does.  Everything between the manager and the pool (cascade, promotion, lookups,
+job completion) is vLLM's and kvpool's own code.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -29,12 +32,28 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.base import (
+    DevicePointers,
+    LookupResult,
+    OffloadingWorker,
+    ReqContext,
+    ScheduleEndContext,
+    TransferResult,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool import LocalCluster
@@ -95,6 +114,7 @@ class Engine:
                                               for n in LAYERS],
                             kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.kv_cache_config = kcc
         self.scheduler = Scheduler(self.config, kcc, StructuredOutputManager(self.config), block_size=BS)
         manager = self.scheduler.connector.scheduler.manager
         assert isinstance(manager, TieringOffloadingManager)
@@ -149,6 +169,157 @@ class Engine:
     def close(self) -> None:
         self.rows = np.empty((0, 0), np.uint8)  # vLLM unmaps the region: no view of it may outlive that
         self.scheduler.connector.shutdown()
+
+
+class HostCopies(OffloadingWorker):
+    """Stands in for vLLM's CPUOffloadingWorker, which needs CUDA: the same copies between the
+    paged KV cache (here host tensors) and the CPU tier's chunk rows, by the device pointers vLLM's
+    OffloadingConnectorWorker resolved, with memmove instead of CUDA streams.  A row is the
+    block's data refs back to back (one group, one block per chunk)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.done: list[TransferResult] = []
+
+    def _copy(self, ptrs: DevicePointers, chunk_ids: Any, to_rows: bool) -> None:
+        (blocks,), (refs,) = ptrs.group_block_counts, ptrs.group_data_ref_counts
+        assert len(chunk_ids) == blocks
+        base, stride = self.rows.ctypes.data, self.rows.strides[0]
+        for i, cid in enumerate(chunk_ids):
+            at = base + int(cid) * stride
+            for r in range(refs):
+                dev, n = int(ptrs.ptrs[r * blocks + i]), int(ptrs.sizes[r * blocks + i])
+                ctypes.memmove(at, dev, n) if to_rows else ctypes.memmove(dev, at, n)
+                at += n
+
+    def submit_store(self, job_id: int, device_ptrs: DevicePointers, dst_spec: Any) -> bool:
+        self._copy(device_ptrs, dst_spec.chunk_ids, to_rows=True)
+        self.done.append(TransferResult(job_id=job_id, success=True))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: Any, device_ptrs: DevicePointers, expedited: bool = False) -> bool:
+        self._copy(device_ptrs, src_spec.chunk_ids, to_rows=False)
+        self.done.append(TransferResult(job_id=job_id, success=True))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out, self.done = self.done, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        return
+
+
+class Serving(Engine):
+    """Engine plus the worker side: vLLM's OffloadingConnector worker over a paged KV cache of host
+    tensors, its GPU <-> CPU copies done by :class:`HostCopies`; the model's forward a stand-in
+    writing a deterministic K/V per (layer, token, position), as in test_vllm.py."""
+
+    def __init__(self, model_dir: Path, tier: dict[str, Any]) -> None:
+        super().__init__(model_dir, tier)
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BS, hash_fn)
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        wspec = self.worker.connector_worker.spec
+        wspec.get_worker = lambda kv_caches: HostCopies(self.rows)
+        self.caches = {n: torch.zeros((NUM_BLOCKS, 2, BS, HEADS, HEAD), dtype=torch.float16) for n in LAYERS}
+        self.worker.register_kv_caches(self.caches)
+        self.block_ids: dict[str, list[int]] = {}
+
+    def add(self, rid: str, prompt: list[int]) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=1), None, block_hasher=self.hasher)
+        self.scheduler.add_request(req)
+        return req
+
+    def forward(self, req: Request, start: int, n: int) -> None:
+        ids = self.block_ids[req.request_id]
+        for li, name in enumerate(LAYERS):
+            for p in range(start, start + n):
+                tok = float(req.all_token_ids[p])
+                v = tok * 0.37 + p * 0.011 + li + torch.arange(2 * HEADS * HEAD, dtype=torch.float32) * 0.001
+                self.caches[name][ids[p // BS], :, p % BS] = v.view(2, HEADS, HEAD).half()
+
+    def step(self) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        for new in so.scheduled_new_reqs:
+            self.block_ids[new.req_id] = list(new.block_ids[0])
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            if c.new_block_ids[i] is not None:
+                self.block_ids[rid].extend(c.new_block_ids[i][0])
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.handle_preemptions(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        reqs = {r.request_id: r for r in self.scheduler.requests.values()}
+        for rid, n in so.num_scheduled_tokens.items():
+            r = reqs[rid]
+            self.forward(r, r.num_computed_tokens - n, n)  # schedule() already advanced it
+        w.wait_for_save()
+        results = w.get_transfer_results(so.finished_req_ids)
+        out = KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                finished_recving=results.finished_recving or None,
+                                failed_recving=results.failed_recving,
+                                kv_connector_worker_meta=w.build_connector_worker_meta())
+        w.clear_connector_metadata()
+        self.scheduler.update_from_output(so, ModelRunnerOutput(
+            req_ids=list(so.num_scheduled_tokens),
+            sampled_token_ids=[[7] if reqs[r].num_computed_tokens >= reqs[r].num_tokens else []
+                               for r in so.num_scheduled_tokens],
+            kv_connector_output=out))
+        return so
+
+    def block(self, rid: str, i: int) -> list[torch.Tensor]:
+        return [self.caches[n][self.block_ids[rid][i]].clone() for n in LAYERS]
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        super().close()
+
+
+def test_under_vllms_scheduler_blocks_cascade_to_kvpool_and_another_engine_loads_them(
+        model_dir: Path, cluster: LocalCluster) -> None:
+    """vLLM's Scheduler and OffloadingConnector (both roles) step by step: engine A prefills, its
+    blocks go GPU -> CPU tier -> kvpool; engine B (another CPU tier, another sidecar) finds the
+    prompt's blocks in kvpool, vLLM promotes them into its CPU tier and loads them into its paged
+    cache, and schedules only the tail."""
+    g = torch.Generator().manual_seed(31)
+    shared = torch.randint(1, 999, (6 * BS + 5,), generator=g).tolist()
+    a = Serving(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=10.0))
+    try:
+        a.add("a-1", shared)
+        for _ in range(50):
+            if a.tier.stats["stored"] >= 6 and not a.scheduler.has_requests() and not a.manager.has_pending_work():
+                break
+            a.step()
+            time.sleep(0.01)
+        assert a.tier.stats["stored"] == 6, a.tier.stats
+        a_blocks = {i: a.block("a-1", i) for i in range(6)}
+        assert all(t.any() for blk in a_blocks.values() for t in blk)
+    finally:
+        a.close()
+
+    b = Serving(model_dir, tier_entry(cluster.sidecars[1], lookup_timeout_s=10.0))
+    try:
+        rb = b.add("b-1", shared)
+        scheduled: dict[str, int] = {}
+        for _ in range(200):
+            if rb.is_finished():
+                break
+            so = b.step()
+            for rid, n in so.num_scheduled_tokens.items():
+                scheduled[rid] = scheduled.get(rid, 0) + n
+            time.sleep(0.01)
+        assert rb.is_finished()
+        assert scheduled["b-1"] == len(shared) - 6 * BS  # vLLM computed only the tail
+        for i in range(6):
+            for got, want in zip(b.block("b-1", i), a_blocks[i], strict=True):
+                assert torch.equal(got, want), i
+        s = b.tier.stats
+        assert (s["loaded"], s["load_errors"], s["fallbacks"]) == (6, 0, 0)
+    finally:
+        b.close()
 
 
 def chunk_keys(seed: int, n: int) -> list[bytes]:
