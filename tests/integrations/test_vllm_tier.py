@@ -58,7 +58,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool import LocalCluster
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, write_header
-from kvpool.integrations.vllm_tier import TIER_TYPE, KVPoolSecondaryTier, match_runs, pool_keys
+from kvpool.integrations.vllm_tier import TIER_TYPE, KVPoolSecondaryTier, match_runs, pool_keys, register
 
 BS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -459,6 +459,7 @@ def test_a_stopped_sidecar_gives_misses_within_the_bound_and_the_tier_recovers(m
 
 
 def test_the_tier_registers_with_vllm_and_refuses_bad_settings(model_dir: Path, cluster: LocalCluster) -> None:
+    register()  # again, as the vllm.general_plugins entry point does after the import: no error
     assert SecondaryTierFactory.get_tier_class({"type": TIER_TYPE}) is KVPoolSecondaryTier
     assert SecondaryTierFactory.get_tier_class(tier_entry(cluster.sidecars[0])) is KVPoolSecondaryTier
     with pytest.raises(IntegrationConfigError, match="unknown kvpool setting.*adress"):

@@ -269,6 +269,10 @@ class _Counts:
             for k, v in deltas.items():
                 self.values[k] += v
 
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
 
 class _Lookups(AsyncLookupManager):
     """vLLM's async lookup manager with one ``match`` per request and KV cache group as its batch lookup."""
@@ -385,7 +389,7 @@ class KVPoolSecondaryTier(SecondaryTierManager):
     @property
     def stats(self) -> dict[str, int]:
         """What the tier did (:data:`STAT_NAMES`), as the other integrations' ``stats``."""
-        return dict(self._counts.values)
+        return self._counts.snapshot()
 
     # -- scheduler thread (vLLM's manager lock held) -------------------------------------------------
 
