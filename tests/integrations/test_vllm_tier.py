@@ -458,6 +458,24 @@ def test_a_stopped_sidecar_gives_misses_within_the_bound_and_the_tier_recovers(m
         e.close()
 
 
+def test_no_sidecar_at_all_starts_vllm_and_every_chunk_is_a_miss(model_dir: Path, tmp_path: Path) -> None:
+    e = Engine(model_dir, tier_entry(f"unix://{tmp_path}/nobody.sock", lookup_timeout_s=0.3, retry_after_s=0.5))
+    try:
+        keys = chunk_keys(12, 3)
+        ctx = e.request("n-1")
+        t0 = time.monotonic()
+        assert e.lookup_until_final(ctx, keys, timeout=10) == [LookupResult.MISS] * 3
+        e.store(ctx, keys, payload_fn(12, e.rows.shape[1]))  # the CPU tier keeps them; the cascade fails
+        e.settle(lambda: not e.manager.has_pending_work(), timeout=10)
+        assert time.monotonic() - t0 < 5
+        s = e.tier.stats
+        assert (s["misses"], s["store_refused"], s["stored"]) == (3, 3, 0) and s["fallbacks"] >= 6
+        with e.manager.lock:
+            assert [e.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+    finally:
+        e.close()
+
+
 def test_the_tier_registers_with_vllm_and_refuses_bad_settings(model_dir: Path, cluster: LocalCluster) -> None:
     register()  # again, as the vllm.general_plugins entry point does after the import: no error
     assert SecondaryTierFactory.get_tier_class({"type": TIER_TYPE}) is KVPoolSecondaryTier

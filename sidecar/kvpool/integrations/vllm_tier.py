@@ -331,10 +331,20 @@ class _Transfers:
             self._cv.wait_for(lambda: not (self._busy or self._todo[True] or self._todo[False]))
 
     def stop(self, timeout: float) -> None:
+        """Drop the jobs not started (nobody polls their results after shutdown) and wait for the
+        running one: vLLM unmaps the primary rows right after the tiers' shutdown."""
         with self._cv:
             self._stop = True
+            self._todo[True].clear()
+            self._todo[False].clear()
             self._cv.notify_all()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("kvpool tier: the I/O thread did not stop within %.1f s", timeout)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop
 
     def _loop(self) -> None:
         while True:
@@ -440,7 +450,7 @@ class KVPoolSecondaryTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._lookups.shutdown()
-        self._transfers.stop(timeout=2 * max(self.settings.load_timeout_s, self.settings.store_timeout_s) + 5)
+        self._transfers.stop(timeout=max(self.settings.load_timeout_s, self.settings.store_timeout_s) + 5)
         self._pool.close()
         self._primary = np.empty((0, self._row), np.uint8)  # vLLM unmaps the region after this
 
@@ -457,6 +467,8 @@ class KVPoolSecondaryTier(SecondaryTierManager):
             return JobResult(job_id=job.job_id, success=False)
         stage, good = self._pool.load_stage, []
         for part in batches(len(keys), len(stage)):
+            if self._transfers.stopping:
+                break
             try:
                 sizes = client.get_into(pool_keys(self._space, [keys[i] for i in part]),
                                         [stage[j] for j in range(len(part))])
@@ -489,6 +501,8 @@ class KVPoolSecondaryTier(SecondaryTierManager):
             return JobResult(job_id=job.job_id, success=False)
         stage, stored = self._pool.store_stage, 0
         for part in batches(len(keys), len(stage)):
+            if self._transfers.stopping:
+                break
             rows = []
             for j, i in enumerate(part):
                 np.copyto(stage[j, HEADER_BYTES:self._obj], self._primary[cids[i]])
