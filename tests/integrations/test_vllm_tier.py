@@ -342,16 +342,16 @@ def test_stores_cascade_into_kvpool_and_load_back_byte_exact_on_another_engine(m
         a.settle(lambda: a.tier.stats["stored"] == len(keys) and not a.manager.has_pending_work())
         assert a.tier.stats["store_refused"] == 0
         written = {k: a.rows[c].copy() for k, c in zip(keys, cids, strict=True)}
-        with cluster.connect(2) as c, c.get(pool_keys(a.tier._space, keys)) as views:
+        with cluster.connect(2) as c, c.get(pool_keys(a.tier.space, keys)) as views:
             for k, v in zip(keys, views, strict=True):  # framed, and the bytes the CPU tier held
-                assert check_object(v, a.tier._layout) is None
+                assert check_object(v, a.tier.layout) is None
                 assert bytes(v[HEADER_BYTES:]) == written[k].tobytes()
     finally:
         a.close()
 
     b = Engine(model_dir, tier_entry(cluster.sidecars[1], lookup_timeout_s=10.0))  # another sidecar: the store nodes
     try:
-        assert b.rows.shape[1] == row and b.tier._layout == a.tier._layout
+        assert b.rows.shape[1] == row and b.tier.layout == a.tier.layout
         ctx = b.request("b-1")
         assert b.lookup_until_final(ctx, keys) == [LookupResult.HIT] * len(keys)
         with b.manager.lock:
@@ -371,14 +371,14 @@ def test_a_foreign_or_damaged_object_is_a_miss_and_never_reaches_the_cpu_tier(mo
         row = b.rows.shape[1]
         good, foreign, damaged = chunk_keys(7, 3)
         objs = []
-        for i, layout in enumerate((b.tier._layout, b.tier._layout ^ 1, b.tier._layout)):
+        for i, layout in enumerate((b.tier.layout, b.tier.layout ^ 1, b.tier.layout)):
             obj = np.zeros(HEADER_BYTES + row, np.uint8)
             obj[HEADER_BYTES:] = payload_fn(7, row)(i)
             write_header(memoryview(obj), layout)
             objs.append(obj)
         objs[2][-1] ^= 0xFF  # damaged after framing: the checksum no longer holds
         with cluster.connect(0) as c:
-            assert c.put(pool_keys(b.tier._space, [good, foreign, damaged]), objs, wait=True) == [0, 0, 0]
+            assert c.put(pool_keys(b.tier.space, [good, foreign, damaged]), objs, wait=True) == [0, 0, 0]
         ctx = b.request("f-1")
         # Each as its own prefix: the pool has all three, so each lookup first promises a hit.
         got = [b.lookup_until_final(ctx, [k]) for k in (good, foreign, damaged)]
@@ -409,9 +409,9 @@ def test_a_stopped_sidecar_gives_misses_within_the_bound_and_the_tier_recovers(m
         row = e.rows.shape[1]
         obj = np.zeros(HEADER_BYTES + row, np.uint8)
         obj[HEADER_BYTES:] = payload_fn(10, row)(0)
-        write_header(memoryview(obj), e.tier._layout)
+        write_header(memoryview(obj), e.tier.layout)
         with cluster.connect(0) as c:
-            assert c.put(pool_keys(e.tier._space, pooled), [obj], wait=True) == [0]
+            assert c.put(pool_keys(e.tier.space, pooled), [obj], wait=True) == [0]
         ctx = e.request("s-1")
         e.store(ctx, keys[:2], payload_fn(9, row))
         e.settle(lambda: e.tier.stats["stored"] == 2 and not e.manager.has_pending_work())

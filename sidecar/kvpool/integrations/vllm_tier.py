@@ -388,11 +388,13 @@ class KVPoolSecondaryTier(SecondaryTierManager):
         if self.settings.staging_bytes < slot:
             raise IntegrationConfigError(f"kvpool tier setting staging_bytes={self.settings.staging_bytes} is "
                                          f"below one chunk ({slot} bytes)")
-        self._space = key_space(config)
-        self._layout = layout_of(config, self._row)
+        self.space = key_space(config)
+        """kvpool's key space of this engine's chunks (:func:`key_space`; keys: :func:`pool_keys`)."""
+        self.layout = layout_of(config, self._row)
+        """The layout fingerprint every object of this tier carries (:func:`layout_of`)."""
         self._counts = _Counts()
-        self._pool = _Pool(self.settings, self._space.block_tokens, slot)
-        self._lookups = _Lookups(tier_type, self._pool, self._space, self._counts)
+        self._pool = _Pool(self.settings, self.space.block_tokens, slot)
+        self._lookups = _Lookups(tier_type, self._pool, self.space, self._counts)
         self._transfers = _Transfers(self._load, self._store)
         self._asked: dict[bytes, float] = {}  # key -> when a lookup of it was first answered RETRY
 
@@ -470,7 +472,7 @@ class KVPoolSecondaryTier(SecondaryTierManager):
             if self._transfers.stopping:
                 break
             try:
-                sizes = client.get_into(pool_keys(self._space, [keys[i] for i in part]),
+                sizes = client.get_into(pool_keys(self.space, [keys[i] for i in part]),
                                         [stage[j] for j in range(len(part))])
             except errors.InvalidArgument as exc:  # an object larger than its slot: not ours
                 log.warning("kvpool tier: load of %d chunks refused: %s", len(part), exc)
@@ -480,7 +482,7 @@ class KVPoolSecondaryTier(SecondaryTierManager):
                 self._counts.add(fallbacks=len(keys) - part.start)
                 break
             for j, (i, size) in enumerate(zip(part, sizes, strict=True)):
-                why = "gone from the pool" if size < 0 else check_object(as_bytes_view(stage[j, :size]), self._layout)
+                why = "gone from the pool" if size < 0 else check_object(as_bytes_view(stage[j, :size]), self.layout)
                 if why is not None:
                     log.warning("kvpool tier: chunk %s not loaded: %s", keys[i].hex()[:16], why)
                     continue
@@ -506,10 +508,10 @@ class KVPoolSecondaryTier(SecondaryTierManager):
             rows = []
             for j, i in enumerate(part):
                 np.copyto(stage[j, HEADER_BYTES:self._obj], self._primary[cids[i]])
-                write_header(as_bytes_view(stage[j, :self._obj]), self._layout)
+                write_header(as_bytes_view(stage[j, :self._obj]), self.layout)
                 rows.append(stage[j, :self._obj])
             try:
-                codes = client.put(pool_keys(self._space, [keys[i] for i in part]), rows,
+                codes = client.put(pool_keys(self.space, [keys[i] for i in part]), rows,
                                    traffic_class=self.settings.traffic_class)
             except errors.KvpoolError as exc:
                 self._pool.failed(exc)
