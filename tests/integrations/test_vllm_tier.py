@@ -26,6 +26,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -58,7 +60,15 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool import LocalCluster
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, write_header
-from kvpool.integrations.vllm_tier import TIER_TYPE, KVPoolSecondaryTier, match_runs, pool_keys, register
+from kvpool.integrations.vllm_tier import (
+    TIER_TYPE,
+    KVPoolSecondaryTier,
+    key_space,
+    layout_of,
+    match_runs,
+    pool_keys,
+    register,
+)
 
 BS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -486,6 +496,26 @@ def test_the_tier_registers_with_vllm_and_refuses_bad_settings(model_dir: Path, 
         Engine(model_dir, tier_entry(cluster.sidecars[0], staging_bytes=1024))
     with pytest.raises(IntegrationConfigError, match="lookup_timeout_s"):
         Engine(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=0))
+
+
+def test_keys_and_layout_come_from_the_offloading_configuration(model_dir: Path, cluster: LocalCluster) -> None:
+    e = Engine(model_dir, tier_entry(cluster.sidecars[0]))
+    try:
+        config = build_offloading_config(e.config, e.kv_cache_config)  # what OffloadingConnector builds
+    finally:
+        e.close()
+    row = 4096
+    assert key_space(config) == key_space(replace(config, engine_id="another process"))  # not per process
+    assert layout_of(config, row) == layout_of(replace(config, engine_id="x"), row)
+    other_dtype = replace(config, model=replace(config.model, dtype="bfloat16"))
+    tp2 = replace(config, parallel=replace(config.parallel, tp_size=2))
+    for changed in (other_dtype, tp2):
+        assert key_space(changed).seed != key_space(config).seed
+        assert layout_of(changed, row) != layout_of(config, row)
+    assert layout_of(config, row + 64) != layout_of(config, row)
+    k = chunk_keys(3, 2)
+    assert pool_keys(key_space(config), k) != pool_keys(key_space(tp2), k)
+    assert [len(p) for p in pool_keys(key_space(config), k)] == [32, 32]
 
 
 def test_match_runs_put_each_group_in_prefix_order() -> None:
