@@ -46,6 +46,7 @@ from kvpool.pool.data_client import Dest, ExistsReply, ReadResult
 from kvpool.pool.leases import MatchLeases
 from kvpool.pool.lookup import PoolMatch
 from kvpool.pool.node_client import StoreClient
+from kvpool.pool.rdma_reader import LocalRdma
 from kvpool.pool.routing import RingView, Routes, merge_replica_codes, rounds, write_routes
 from kvpool.wire.convert import ring_from_pb
 from kvpool.wire.proto import store_pb2 as pb
@@ -131,6 +132,8 @@ class Pool:
         """Match leases released and not dropped yet (:mod:`kvpool.pool.leases`)."""
         self.on_ring_change: Callable[[Ring], None] | None = None
         """Called (outside the lock) after the ring moved to a newer epoch."""
+        self.rdma = LocalRdma()
+        """This process's RDMA device ($KVPOOL_RDMA) and the counters of the nodes' RDMA reads."""
         if self.seeds:
             self.refresh_ring()
 
@@ -173,7 +176,8 @@ class Pool:
                 if h is None or h.member.address != m.address:
                     if h is not None:
                         h.client.close()
-                    self.nodes[m.id] = NodeHandle(m, StoreClient(m.address, self.token, timeout=self.rpc_timeout))
+                    self.nodes[m.id] = NodeHandle(m, StoreClient(m.address, self.token, timeout=self.rpc_timeout,
+                                                                 rdma=self.rdma))
                 else:
                     h.member = m
             for mid in [i for i in self.nodes if i not in keep]:
@@ -459,3 +463,4 @@ class Pool:
             for n in self.nodes.values():
                 n.client.close()
             self.nodes.clear()
+        self.rdma.close()

@@ -12,6 +12,10 @@ Stats, Remove, GetRing, releases of more than a few leases; the admin calls are
 that cannot be reached raises :class:`~kvpool.core.errors.Unavailable`, and the next call asks
 the node again where it is (a restarted node may listen on another transfer port).
 
+Given a :class:`~kvpool.pool.rdma_reader.LocalRdma` with a device, reads go one-sided over RDMA
+to a node that has one (:mod:`kvpool.pool.rdma_reader`); what that path cannot bring, whole and
+verified, is read over the data session in the same call.
+
 The calls an engine waits for (exists, read, ranged read, the sidecar's probe) take a per-call
 ``timeout`` (the sidecar's :class:`~kvpool.core.deadlines.Deadlines`): armed on the data connection,
 or passed to gRPC; a node that misses it raises :class:`~kvpool.core.errors.DeadlineExceeded`, and the
@@ -33,6 +37,7 @@ from kvpool.core.buffers import Buffer, as_bytes_view
 from kvpool.core.keys import KEY_BYTES, pack_keys
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.pool.data_client import DataSession, Dest, ExistsReply, ReadResult
+from kvpool.pool.rdma_reader import LocalRdma, RdmaRead, RdmaReader, merge
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
@@ -57,7 +62,7 @@ class StoreClient:
     """Thread-safe client of one store node."""
 
     def __init__(self, address: str, token: str = "", timeout: float = 10.0, verify: bool = True,
-                 data_connections: int = 2) -> None:
+                 data_connections: int = 2, rdma: LocalRdma | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.verify = verify
@@ -69,6 +74,8 @@ class StoreClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = pbg.StoreDataStub(self._channel)
+        self.rdma = RdmaReader(rdma, self.stub, self._metadata, address, min(timeout, 5.0)) if rdma else None
+        """Reads one-sided over RDMA where both sides have a device (:mod:`kvpool.pool.rdma_reader`)."""
         self.epoch_seen = 0
         self.incarnation = 0
         """The node's life as its last reply that carries one said (HELLO, gRPC replies): a
@@ -139,6 +146,8 @@ class StoreClient:
             self._closed = True
             if self._session is not None:
                 self._session.close()
+        if self.rdma is not None:
+            self.rdma.close()
         self._channel.close()
 
     def __enter__(self) -> StoreClient:
@@ -248,12 +257,37 @@ class StoreClient:
         deadline (:meth:`DataSession.read`: a read cut in the middle returns what arrived, with
         ``error`` set)."""
         blob = keys if isinstance(keys, bytes) else pack_keys(keys)
+        if self.rdma is not None:
+            first = self.rdma.read(blob, dest, kind, lease_id, timeout)
+            if first is not None:
+                return self._finish_rdma(first, blob, dest, kind, streams, timeout, bytes_per_second)
+        return self._read_tcp(blob, dest, kind, lease_id, streams, timeout, bytes_per_second)
+
+    def _read_tcp(self, blob: bytes, dest: Dest, kind: int, lease_id: int, streams: int | None,
+                  timeout: float | None, bytes_per_second: float) -> ReadResult:
         ds = self.session(timeout)
         with self._session_call(ds):
             r = ds.read(blob, dest, kind, lease_id, self.verify, self.epoch_seen, streams, timeout,
                         bytes_per_second)
         self._seen(r.epoch)
         return r
+
+    def _finish_rdma(self, first: RdmaRead, blob: bytes, dest: Dest, kind: int, streams: int | None,
+                     timeout: float | None, bytes_per_second: float) -> ReadResult:
+        """A one-sided read's result, with what it could not bring re-read over the data session
+        into the buffers ``dest`` gave it already."""
+        self._seen(first.epoch)
+        if not first.redo:
+            return ReadResult(first.codes, first.sizes, first.checksums, first.epoch)
+        redo = first.redo
+
+        def again(j: int, size: int) -> memoryview | None:
+            buf = first.buffers.get(redo[j])
+            return buf if buf is not None and buf.nbytes >= size else dest(redo[j], size)
+        sub = b"".join(blob[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in redo)
+        r = self._read_tcp(sub, again, kind, 0, streams, timeout, bytes_per_second)
+        merge(first, r.codes, r.sizes, r.checksums)
+        return ReadResult(first.codes, first.sizes, first.checksums, max(first.epoch, r.epoch), r.error)
 
     def read_ranges(self, keys: Sequence[bytes] | bytes, per_key: Sequence[Any], buffers: Sequence[memoryview | None],
                     kind: int = pb.BLOCK, lease_id: int = 0, verify_object: bool = False,

@@ -186,6 +186,7 @@ class Sidecar:
         counters[SidecarCounter.POOL_PROBES_FAILED] = self.pool.probes_failed
         counters[SidecarCounter.LOCAL_ONLY_OBJECTS] = len(self.local.local_only())
         counters[SidecarCounter.RING_TRANSITION] = int(self.pool.in_transition)
+        counters.update(self.pool.rdma.counters())
         if self.copy_over is not None:
             counters[SidecarCounter.POOL_COPYOVER_QUEUED_BYTES] = self.copy_over.queued_bytes
         return Stats(counters=counters, local_capacity_bytes=self.local.capacity, local_used_bytes=self.local.used,

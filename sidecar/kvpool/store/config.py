@@ -99,6 +99,7 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
             raise ConfigError(f"{name} must be a non-negative number of seconds, got {v!r}")
         setattr(cfg, attr, float(v))
     cfg.fault_tier_delay_file = str(getattr(args, "fault_tier_delay_file", None) or doc.get("faultTierDelayFile", ""))
+    cfg.rdma = str(getattr(args, "rdma", None) or doc.get("rdma", ""))
     if "shmDir" in doc:
         cfg.shm_dir = str(doc["shmDir"])
     return cfg

@@ -18,6 +18,7 @@ from kvpool.core import errors
 from kvpool.core.keys import unpack_keys
 from kvpool.store.admin_service import admin_allows
 from kvpool.store.node import StoreNode
+from kvpool.store.rdma import StoreRdma
 from kvpool.wire import grpc_status
 from kvpool.wire.convert import ring_to_pb
 from kvpool.wire.counters import StoreCounter
@@ -33,8 +34,11 @@ def _keys(blob: bytes) -> list[bytes]:
 
 
 class StoreDataService(pbg.StoreDataServicer):
-    def __init__(self, node: StoreNode, transfer_address: str, admin_token: str = "") -> None:
+    def __init__(self, node: StoreNode, transfer_address: str, admin_token: str = "",
+                 rdma: StoreRdma | None = None) -> None:
         self.node = node
+        self.rdma = rdma
+        """The node's RDMA side (None: no device; the RDMA calls are then UNIMPLEMENTED)."""
         self.transfer_address = transfer_address
         """Where the node's data session is served (its Health says so)."""
         self.admin_token = admin_token
@@ -58,10 +62,45 @@ class StoreDataService(pbg.StoreDataServicer):
 
     def Health(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.HealthReply:
         return pb.HealthReply(ok=True, node_id=self.node.node_id, epoch=self.node.ring.epoch,
-                              transfer_address=self.transfer_address, incarnation=self.node.incarnation)
+                              transfer_address=self.transfer_address, incarnation=self.node.incarnation,
+                              rdma_device=self.rdma.device if self.rdma is not None else "")
 
     def GetRing(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Ring:
-        return ring_to_pb(self.node.ring)
+        ring = ring_to_pb(self.node.ring)
+        if self.rdma is not None:  # the node advertises its own RDMA endpoint in its entry
+            for m in ring.members:
+                if m.id == self.node.node_id:
+                    m.rdma_device = self.rdma.device
+        return ring
+
+    # -- RDMA: the out-of-band half of one-sided reads (kvpool.store.rdma) ----------------------
+
+    def _rdma(self, context: grpc.ServicerContext) -> StoreRdma:
+        if self.rdma is None:
+            grpc_status.abort(context, grpc.StatusCode.UNIMPLEMENTED, "this node has no RDMA device")
+        return self.rdma
+
+    def ConnectRdma(self, request: pb.ConnectRdmaRequest, context: grpc.ServicerContext) -> pb.ConnectRdmaReply:
+        self._tenant(context)
+        rdma = self._rdma(context)
+        endpoint, key = grpc_status.answer(context, lambda: rdma.connect(request.endpoint))
+        return pb.ConnectRdmaReply(endpoint=endpoint, arena_key=key, incarnation=self.node.incarnation)
+
+    def HoldExtents(self, request: pb.HoldExtentsRequest, context: grpc.ServicerContext) -> pb.HoldExtentsReply:
+        tenant = self._tenant(context)
+        rdma = self._rdma(context)
+        hold_id, codes, found = grpc_status.answer(context, lambda: rdma.hold(
+            tenant, _keys(request.keys), request.kind, request.hold_ms, request.drop_lease_id))
+        return pb.HoldExtentsReply(
+            codes=codes, offsets=[e.offset if e is not None else 0 for e in found],
+            sizes=[e.size if e is not None else 0 for e in found],
+            checksums=[e.checksum if e is not None else 0 for e in found],
+            hold_id=hold_id, epoch=self.node.ring.epoch, incarnation=self.node.incarnation)
+
+    def ReleaseExtents(self, request: pb.ReleaseExtentsRequest, context: grpc.ServicerContext) -> pb.Empty:
+        tenant = self._tenant(context)
+        self._rdma(context).release(tenant, list(request.hold_ids))
+        return pb.Empty()
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
         # The admin (operator) sees every tenant; a tenant sees only its own usage and counters.

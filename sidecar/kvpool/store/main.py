@@ -28,6 +28,7 @@ from kvpool.store.admin_service import AdminGate, StoreAdminService
 from kvpool.store.data_service import StoreDataService
 from kvpool.store.data_session import DataSessionHandler
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
+from kvpool.store.rdma import StoreRdma
 from kvpool.transfer import SegmentRegistry, TransferServer
 from kvpool.wire.kv_events import add_event_args
 from kvpool.wire.proto import store_pb2_grpc as pbg
@@ -42,10 +43,13 @@ class RunningStore:
     transfer: TransferServer
     address: str
     transfer_address: str
+    rdma: StoreRdma | None = None
 
     def stop(self, grace: float = 1.0) -> None:
         self.server.stop(grace).wait()
         self.transfer.stop()
+        if self.rdma is not None:
+            self.rdma.close()
         self.node.close()
 
 
@@ -61,20 +65,23 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     transfer = TransferServer(SegmentRegistry(), host=host, port=tport,
                               sessions={DataSessionHandler.magic: DataSessionHandler(node)})
     transfer.start()
+    rdma = StoreRdma.open(node, cfg.rdma)  # None: no device, TCP only
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
                          interceptors=[AdminGate(admin_token)],
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.so_reuseport", 0)])
-    pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token), server)
+    pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token, rdma), server)
     pbg.add_StoreAdminServicer_to_server(StoreAdminService(node), server)
     bound = server.add_insecure_port(f"{host}:{port_s}")
     if bound == 0:
         transfer.stop()
+        if rdma is not None:
+            rdma.close()
         node.close()
         raise OSError(f"cannot listen on {listen}")
     server.start()
-    return RunningStore(node, server, transfer, f"{host}:{bound}", transfer.address)
+    return RunningStore(node, server, transfer, f"{host}:{bound}", transfer.address, rdma)
 
 
 def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin_token: str,
@@ -124,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--ssd-path", default=None, help="directory of the SSD tier")
     cap.add_argument("--ssd", type=parse_bytes, default=None, help="SSD tier capacity")
     cap.add_argument("--sharedfs", default=None, help="directory of a shared-filesystem tier")
+    cap.add_argument("--rdma", default=None,
+                     help="RDMA device serving one-sided reads of the DRAM arena: auto (default, also "
+                          "$KVPOOL_RDMA), off, device:NAME, or sim:DIR (a simulated fabric, for tests)")
 
     sec = ap.add_argument_group("security")
     sec.add_argument("--tenants", default=None, help="JSON file of tenants (id, token, salt, quota, ttl)")

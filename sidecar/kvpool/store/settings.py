@@ -73,3 +73,8 @@ class NodeConfig:
     fault_tier_delay_file: str = ""
     """Test hook (``--fault-tier-delay-file``): while this file exists, every SSD/shared-fs read,
     write, stat and unlink sleeps the seconds it holds (``tiers.FaultDelay``).  Not for production."""
+    rdma: str = ""
+    """RDMA device of the node (``--rdma``): ``auto``, ``off``, ``device:<name>`` or
+    ``sim:<dir>`` (:func:`kvpool.transfer.rdma.open_context`; "" = ``$KVPOOL_RDMA``, else
+    ``auto``).  With one, the DRAM arena is registered and sidecars read it one-sided
+    (:mod:`kvpool.store.rdma`)."""

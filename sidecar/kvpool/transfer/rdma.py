@@ -89,6 +89,34 @@ def rdma_devices() -> list[str]:
     return rdma_status()[0]
 
 
+RDMA_ENV = "KVPOOL_RDMA"
+"""Which RDMA device a process uses (the sidecar reads it; a store node's ``--rdma`` defaults to
+it): ``auto`` (the default: the first device pyverbs finds, none without one), ``off``,
+``device:<name>``, or ``sim:<directory>`` — the simulated fabric of
+:mod:`kvpool.transfer.rdma_sim`, shared by the processes that name the same directory."""
+
+
+def open_context(spec: str | None = None) -> tuple[Any, str]:
+    """The RDMA context ``spec`` (default ``$KVPOOL_RDMA``, else ``auto``) selects, and ``""``;
+    or ``None`` and the reason there is none (off, no device, the device failed to open)."""
+    spec = (spec if spec is not None else os.environ.get(RDMA_ENV, "")).strip() or "auto"
+    if spec == "off":
+        return None, "RDMA is off"
+    if spec.startswith("sim:"):
+        from kvpool.transfer.rdma_sim import FabricContext
+
+        return FabricContext(spec[len("sim:"):]), ""
+    if spec != "auto" and not spec.startswith("device:"):
+        raise ValueError(f"{RDMA_ENV}: expected auto, off, device:<name> or sim:<dir>, got {spec!r}")
+    name = spec[len("device:"):] if spec.startswith("device:") else None
+    try:
+        return RdmaContext(name or None), ""
+    except RdmaUnavailable as exc:
+        return None, str(exc)
+    except Exception as exc:  # a device that lists but does not open (permissions, a dead port)
+        return None, f"cannot open the RDMA device: {type(exc).__name__}: {exc}"
+
+
 # -- records carried over the control plane ---------------------------------------------------
 
 _KEY = struct.Struct(f"<BBHQQI{MAX_SEGMENT_NAME_BYTES}s")

@@ -72,6 +72,14 @@ class StoreCounter(enum.StrEnum):
     RANGE_BYTES_SENT = "range_bytes_sent"
     """Bytes of the ranges sent (what a sparse read moved, against the objects' sizes)."""
 
+    # -- RDMA (kvpool.store.rdma): one-sided reads by sidecars
+    RDMA_CONNECTS = "rdma_connects"
+    """Queue pairs connected to a sidecar's (ConnectRdma)."""
+    RDMA_HOLDS = "rdma_holds"
+    """Holds granted for one-sided reads (HoldExtents that found something)."""
+    RDMA_HOLDS_EXPIRED = "rdma_holds_expired"
+    """Holds that ran out before their reader released them."""
+
     # -- removal and eviction
     REMOVED = "removed"
     """Objects removed by a Remove call."""
@@ -147,6 +155,26 @@ class SidecarCounter(enum.StrEnum):
     """Puts that did not fit the local tier and went to the pool in rounds."""
     PUT_STREAMED = "put_streamed"
     """Blocks a put streamed to the pool directly (no room in the local tier)."""
+
+    # -- RDMA reads from store nodes (kvpool.pool.rdma_reader); a fallback goes over TCP
+    RDMA_CONNECTS = "rdma_connects"
+    """Queue pairs connected to store nodes."""
+    RDMA_READS = "rdma_reads"
+    """Objects read one-sided (RDMA READ) and verified."""
+    RDMA_READ_BYTES = "rdma_read_bytes"
+    """Their bytes."""
+    RDMA_FALLBACK_NO_LOCAL_DEVICE = "rdma_fallback_no_local_device"
+    """Store nodes read over TCP because this sidecar has no RDMA device (once per node client)."""
+    RDMA_FALLBACK_NO_REMOTE_DEVICE = "rdma_fallback_no_remote_device"
+    """Store nodes read over TCP because they advertise no RDMA device (once per check)."""
+    RDMA_FALLBACK_CONNECT_FAILED = "rdma_fallback_connect_failed"
+    """Connections to a store node's RDMA side that failed (TCP until the next try)."""
+    RDMA_FALLBACK_HOLD_FAILED = "rdma_fallback_hold_failed"
+    """Reads whose HoldExtents call failed: the batch went over TCP."""
+    RDMA_FALLBACK_TRANSFER_FAILED = "rdma_fallback_transfer_failed"
+    """Objects whose one-sided read failed (a broken queue pair): re-read over TCP."""
+    RDMA_FALLBACK_CHECKSUM = "rdma_fallback_checksum"
+    """Objects whose one-sided bytes did not match their checksum: re-read over TCP."""
 
     # -- the local tier
     STORED = "stored"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvpool/wire/proto/store.proto\x12\tkvpool.v1\"8\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"<\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.kvpool.v1.Kind\",\n\nCodesReply\x12\x1e\n\x05\x63odes\x18\x01 \x03(\x0e\x32\x0f.kvpool.v1.Code\"\x07\n\x05\x45mpty\"V\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07objects\x18\x04 \x01(\x04\"\xd8\x01\n\x0bTenantStats\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07objects\x18\x04 \x01(\x04\x12\x36\n\x08\x63ounters\x18\x05 \x03(\x0b\x32$.kvpool.v1.TenantStats.CountersEntry\x12\x13\n\x0bshare_bytes\x18\x06 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb4\x02\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.TierStats\x12\'\n\x07tenants\x18\x04 \x03(\x0b\x32\x16.kvpool.v1.TenantStats\x12\x35\n\x08\x63ounters\x18\x05 \x03(\x0b\x32#.kvpool.v1.StatsReply.CountersEntry\x12\x12\n\nhit_blocks\x18\x06 \x01(\x04\x12\x15\n\rlookup_blocks\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"R\n\nRingMember\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\"O\n\x04Ring\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12&\n\x07members\x18\x02 \x03(\x0b\x32\x15.kvpool.v1.RingMember\x12\x10\n\x08replicas\x18\x03 \x01(\r\"e\n\x0c\x44rainRequest\x12\x1d\n\x04ring\x18\x01 \x01(\x0b\x32\x0f.kvpool.v1.Ring\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x02 \x01(\x04\x12\x1c\n\x14max_bytes_per_second\x18\x03 \x01(\x04\"\xbc\x01\n\x0b\x44rainStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x15\n\rmoved_objects\x18\x02 \x01(\x04\x12\x13\n\x0bmoved_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x64ropped_objects\x18\x04 \x01(\x04\x12\x15\n\rdropped_bytes\x18\x05 \x01(\x04\x12\x19\n\x11remaining_objects\x18\x06 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\xe0\x01\n\x0cTenantConfig\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0c\n\x04salt\x18\x03 \x01(\x0c\x12\x13\n\x0bquota_bytes\x18\x04 \x01(\x04\x12<\n\x0bttl_seconds\x18\x05 \x03(\x0b\x32\'.kvpool.v1.TenantConfig.TtlSecondsEntry\x12\x1a\n\x12\x65vict_own_on_quota\x18\x06 \x01(\x08\x1a\x31\n\x0fTtlSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"N\n\x11SetTenantsRequest\x12(\n\x07tenants\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.TenantConfig\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"\xb0\x01\n\rPolicyRequest\x12=\n\x0bttl_seconds\x18\x01 \x03(\x0b\x32(.kvpool.v1.PolicyRequest.TtlSecondsEntry\x12\x16\n\x0ehigh_watermark\x18\x02 \x01(\x01\x12\x15\n\rlow_watermark\x18\x03 \x01(\x01\x1a\x31\n\x0fTtlSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"h\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\"\x96\x01\n\x0bWarmRequest\x12\x1d\n\x04ring\x18\x01 \x01(\x0b\x32\x0f.kvpool.v1.Ring\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x03 \x01(\x04\x12\x1c\n\x14max_bytes_per_second\x18\x04 \x01(\x04\x12\x10\n\x08\x66raction\x18\x05 \x01(\x01\x12\x0f\n\x07removed\x18\x06 \x03(\t\"\x83\x02\n\nWarmStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x17\n\x0fplanned_objects\x18\x02 \x01(\x04\x12\x15\n\rplanned_bytes\x18\x03 \x01(\x04\x12\x15\n\rmoved_objects\x18\x04 \x01(\x04\x12\x13\n\x0bmoved_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fskipped_objects\x18\x06 \x01(\x04\x12\x15\n\rskipped_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x66\x61iled_objects\x18\x08 \x01(\x04\x12\x19\n\x11remaining_objects\x18\t \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04*\x9c\x02\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\r\n\tNOT_FOUND\x10\x01\x12\x12\n\x0eQUOTA_EXCEEDED\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x12\x11\n\rLEASE_EXPIRED\x10\x04\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x05\x12\x0c\n\x08\x43HECKSUM\x10\x06\x12\x0b\n\x07INVALID\x10\x07\x12\x0f\n\x0bWRONG_OWNER\x10\x08\x12\r\n\tIN_FLIGHT\x10\t\x12\x0c\n\x08\x44RAINING\x10\n\x12\r\n\tTOO_LARGE\x10\x0b\x12\x10\n\x0cWRONG_TENANT\x10\x0c\x12\x13\n\x0fHANDOFF_INVALID\x10\r\x12\x13\n\x0fHANDOFF_EXPIRED\x10\x0e\x12\x0f\n\x0bUNSUPPORTED\x10\x0f\x12\x0f\n\x0bUNAVAILABLE\x10\x10*\x1c\n\x04Kind\x12\t\n\x05\x42LOCK\x10\x00\x12\t\n\x05STATE\x10\x01\x32\x92\x02\n\tStoreData\x12\x36\n\x07Release\x12\x19.kvpool.v1.ReleaseRequest\x1a\x10.kvpool.v1.Empty\x12\x39\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x15.kvpool.v1.CodesReply\x12\x30\n\x05Stats\x12\x10.kvpool.v1.Empty\x1a\x15.kvpool.v1.StatsReply\x12,\n\x07GetRing\x12\x10.kvpool.v1.Empty\x1a\x0f.kvpool.v1.Ring\x12\x32\n\x06Health\x12\x10.kvpool.v1.Empty\x1a\x16.kvpool.v1.HealthReply2\x97\x03\n\nStoreAdmin\x12+\n\x07SetRing\x12\x0f.kvpool.v1.Ring\x1a\x0f.kvpool.v1.Ring\x12<\n\nSetTenants\x12\x1c.kvpool.v1.SetTenantsRequest\x1a\x10.kvpool.v1.Empty\x12\x37\n\tSetPolicy\x12\x18.kvpool.v1.PolicyRequest\x1a\x10.kvpool.v1.Empty\x12\x38\n\x05\x44rain\x12\x17.kvpool.v1.DrainRequest\x1a\x16.kvpool.v1.DrainStatus\x12:\n\x0eGetDrainStatus\x12\x10.kvpool.v1.Empty\x1a\x16.kvpool.v1.DrainStatus\x12\x35\n\x04Warm\x12\x16.kvpool.v1.WarmRequest\x1a\x15.kvpool.v1.WarmStatus\x12\x38\n\rGetWarmStatus\x12\x10.kvpool.v1.Empty\x1a\x15.kvpool.v1.WarmStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvpool/wire/proto/store.proto\x12\tkvpool.v1\"8\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"<\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.kvpool.v1.Kind\",\n\nCodesReply\x12\x1e\n\x05\x63odes\x18\x01 \x03(\x0e\x32\x0f.kvpool.v1.Code\"\x07\n\x05\x45mpty\"V\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07objects\x18\x04 \x01(\x04\"\xd8\x01\n\x0bTenantStats\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07objects\x18\x04 \x01(\x04\x12\x36\n\x08\x63ounters\x18\x05 \x03(\x0b\x32$.kvpool.v1.TenantStats.CountersEntry\x12\x13\n\x0bshare_bytes\x18\x06 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb4\x02\n\nStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.TierStats\x12\'\n\x07tenants\x18\x04 \x03(\x0b\x32\x16.kvpool.v1.TenantStats\x12\x35\n\x08\x63ounters\x18\x05 \x03(\x0b\x32#.kvpool.v1.StatsReply.CountersEntry\x12\x12\n\nhit_blocks\x18\x06 \x01(\x04\x12\x15\n\rlookup_blocks\x18\x07 \x01(\x04\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"g\n\nRingMember\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x13\n\x0brdma_device\x18\x05 \x01(\t\"O\n\x04Ring\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12&\n\x07members\x18\x02 \x03(\x0b\x32\x15.kvpool.v1.RingMember\x12\x10\n\x08replicas\x18\x03 \x01(\r\"e\n\x0c\x44rainRequest\x12\x1d\n\x04ring\x18\x01 \x01(\x0b\x32\x0f.kvpool.v1.Ring\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x02 \x01(\x04\x12\x1c\n\x14max_bytes_per_second\x18\x03 \x01(\x04\"\xbc\x01\n\x0b\x44rainStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x15\n\rmoved_objects\x18\x02 \x01(\x04\x12\x13\n\x0bmoved_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x64ropped_objects\x18\x04 \x01(\x04\x12\x15\n\rdropped_bytes\x18\x05 \x01(\x04\x12\x19\n\x11remaining_objects\x18\x06 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\"\xe0\x01\n\x0cTenantConfig\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0c\n\x04salt\x18\x03 \x01(\x0c\x12\x13\n\x0bquota_bytes\x18\x04 \x01(\x04\x12<\n\x0bttl_seconds\x18\x05 \x03(\x0b\x32\'.kvpool.v1.TenantConfig.TtlSecondsEntry\x12\x1a\n\x12\x65vict_own_on_quota\x18\x06 \x01(\x08\x1a\x31\n\x0fTtlSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"N\n\x11SetTenantsRequest\x12(\n\x07tenants\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.TenantConfig\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"\xb0\x01\n\rPolicyRequest\x12=\n\x0bttl_seconds\x18\x01 \x03(\x0b\x32(.kvpool.v1.PolicyRequest.TtlSecondsEntry\x12\x16\n\x0ehigh_watermark\x18\x02 \x01(\x01\x12\x15\n\rlow_watermark\x18\x03 \x01(\x01\x1a\x31\n\x0fTtlSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"}\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x13\n\x0brdma_device\x18\x06 \x01(\t\"&\n\x12\x43onnectRdmaRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\x0c\"L\n\x10\x43onnectRdmaReply\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\x0c\x12\x11\n\tarena_key\x18\x02 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"i\n\x12HoldExtentsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.kvpool.v1.Kind\x12\x0f\n\x07hold_ms\x18\x03 \x01(\r\x12\x15\n\rdrop_lease_id\x18\x04 \x01(\x04\"\x9a\x01\n\x10HoldExtentsReply\x12\x1e\n\x05\x63odes\x18\x01 \x03(\x0e\x32\x0f.kvpool.v1.Code\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12\x0f\n\x07hold_id\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\")\n\x15ReleaseExtentsRequest\x12\x10\n\x08hold_ids\x18\x01 \x03(\x04\"\x96\x01\n\x0bWarmRequest\x12\x1d\n\x04ring\x18\x01 \x01(\x0b\x32\x0f.kvpool.v1.Ring\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x03 \x01(\x04\x12\x1c\n\x14max_bytes_per_second\x18\x04 \x01(\x04\x12\x10\n\x08\x66raction\x18\x05 \x01(\x01\x12\x0f\n\x07removed\x18\x06 \x03(\t\"\x83\x02\n\nWarmStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x17\n\x0fplanned_objects\x18\x02 \x01(\x04\x12\x15\n\rplanned_bytes\x18\x03 \x01(\x04\x12\x15\n\rmoved_objects\x18\x04 \x01(\x04\x12\x13\n\x0bmoved_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fskipped_objects\x18\x06 \x01(\x04\x12\x15\n\rskipped_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x66\x61iled_objects\x18\x08 \x01(\x04\x12\x19\n\x11remaining_objects\x18\t \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\n \x01(\x04\x12\r\n\x05\x65poch\x18\x0b \x01(\x04*\x9c\x02\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\r\n\tNOT_FOUND\x10\x01\x12\x12\n\x0eQUOTA_EXCEEDED\x10\x02\x12\x0c\n\x08NO_SPACE\x10\x03\x12\x11\n\rLEASE_EXPIRED\x10\x04\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x05\x12\x0c\n\x08\x43HECKSUM\x10\x06\x12\x0b\n\x07INVALID\x10\x07\x12\x0f\n\x0bWRONG_OWNER\x10\x08\x12\r\n\tIN_FLIGHT\x10\t\x12\x0c\n\x08\x44RAINING\x10\n\x12\r\n\tTOO_LARGE\x10\x0b\x12\x10\n\x0cWRONG_TENANT\x10\x0c\x12\x13\n\x0fHANDOFF_INVALID\x10\r\x12\x13\n\x0fHANDOFF_EXPIRED\x10\x0e\x12\x0f\n\x0bUNSUPPORTED\x10\x0f\x12\x0f\n\x0bUNAVAILABLE\x10\x10*\x1c\n\x04Kind\x12\t\n\x05\x42LOCK\x10\x00\x12\t\n\x05STATE\x10\x01\x32\xee\x03\n\tStoreData\x12\x36\n\x07Release\x12\x19.kvpool.v1.ReleaseRequest\x1a\x10.kvpool.v1.Empty\x12\x39\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x15.kvpool.v1.CodesReply\x12\x30\n\x05Stats\x12\x10.kvpool.v1.Empty\x1a\x15.kvpool.v1.StatsReply\x12,\n\x07GetRing\x12\x10.kvpool.v1.Empty\x1a\x0f.kvpool.v1.Ring\x12\x32\n\x06Health\x12\x10.kvpool.v1.Empty\x1a\x16.kvpool.v1.HealthReply\x12I\n\x0b\x43onnectRdma\x12\x1d.kvpool.v1.ConnectRdmaRequest\x1a\x1b.kvpool.v1.ConnectRdmaReply\x12I\n\x0bHoldExtents\x12\x1d.kvpool.v1.HoldExtentsRequest\x1a\x1b.kvpool.v1.HoldExtentsReply\x12\x44\n\x0eReleaseExtents\x12 .kvpool.v1.ReleaseExtentsRequest\x1a\x10.kvpool.v1.Empty2\x97\x03\n\nStoreAdmin\x12+\n\x07SetRing\x12\x0f.kvpool.v1.Ring\x1a\x0f.kvpool.v1.Ring\x12<\n\nSetTenants\x12\x1c.kvpool.v1.SetTenantsRequest\x1a\x10.kvpool.v1.Empty\x12\x37\n\tSetPolicy\x12\x18.kvpool.v1.PolicyRequest\x1a\x10.kvpool.v1.Empty\x12\x38\n\x05\x44rain\x12\x17.kvpool.v1.DrainRequest\x1a\x16.kvpool.v1.DrainStatus\x12:\n\x0eGetDrainStatus\x12\x10.kvpool.v1.Empty\x1a\x16.kvpool.v1.DrainStatus\x12\x35\n\x04Warm\x12\x16.kvpool.v1.WarmRequest\x1a\x15.kvpool.v1.WarmStatus\x12\x38\n\rGetWarmStatus\x12\x10.kvpool.v1.Empty\x1a\x15.kvpool.v1.WarmStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENANTCONFIG_TTLSECONDSENTRY']._serialized_options = b'8\001'
   _globals['_POLICYREQUEST_TTLSECONDSENTRY']._loaded_options = None
   _globals['_POLICYREQUEST_TTLSECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_CODE']._serialized_start=2304
-  _globals['_CODE']._serialized_end=2588
-  _globals['_KIND']._serialized_start=2590
-  _globals['_KIND']._serialized_end=2618
+  _globals['_CODE']._serialized_start=2771
+  _globals['_CODE']._serialized_end=3055
+  _globals['_KIND']._serialized_start=3057
+  _globals['_KIND']._serialized_end=3085
   _globals['_RELEASEREQUEST']._serialized_start=44
   _globals['_RELEASEREQUEST']._serialized_end=100
   _globals['_REMOVEREQUEST']._serialized_start=102
@@ -62,31 +62,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=477
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=524
   _globals['_RINGMEMBER']._serialized_start=837
-  _globals['_RINGMEMBER']._serialized_end=919
-  _globals['_RING']._serialized_start=921
-  _globals['_RING']._serialized_end=1000
-  _globals['_DRAINREQUEST']._serialized_start=1002
-  _globals['_DRAINREQUEST']._serialized_end=1103
-  _globals['_DRAINSTATUS']._serialized_start=1106
-  _globals['_DRAINSTATUS']._serialized_end=1294
-  _globals['_TENANTCONFIG']._serialized_start=1297
-  _globals['_TENANTCONFIG']._serialized_end=1521
-  _globals['_TENANTCONFIG_TTLSECONDSENTRY']._serialized_start=1472
-  _globals['_TENANTCONFIG_TTLSECONDSENTRY']._serialized_end=1521
-  _globals['_SETTENANTSREQUEST']._serialized_start=1523
-  _globals['_SETTENANTSREQUEST']._serialized_end=1601
-  _globals['_POLICYREQUEST']._serialized_start=1604
-  _globals['_POLICYREQUEST']._serialized_end=1780
-  _globals['_POLICYREQUEST_TTLSECONDSENTRY']._serialized_start=1472
-  _globals['_POLICYREQUEST_TTLSECONDSENTRY']._serialized_end=1521
-  _globals['_HEALTHREPLY']._serialized_start=1782
-  _globals['_HEALTHREPLY']._serialized_end=1886
-  _globals['_WARMREQUEST']._serialized_start=1889
-  _globals['_WARMREQUEST']._serialized_end=2039
-  _globals['_WARMSTATUS']._serialized_start=2042
-  _globals['_WARMSTATUS']._serialized_end=2301
-  _globals['_STOREDATA']._serialized_start=2621
-  _globals['_STOREDATA']._serialized_end=2895
-  _globals['_STOREADMIN']._serialized_start=2898
-  _globals['_STOREADMIN']._serialized_end=3305
+  _globals['_RINGMEMBER']._serialized_end=940
+  _globals['_RING']._serialized_start=942
+  _globals['_RING']._serialized_end=1021
+  _globals['_DRAINREQUEST']._serialized_start=1023
+  _globals['_DRAINREQUEST']._serialized_end=1124
+  _globals['_DRAINSTATUS']._serialized_start=1127
+  _globals['_DRAINSTATUS']._serialized_end=1315
+  _globals['_TENANTCONFIG']._serialized_start=1318
+  _globals['_TENANTCONFIG']._serialized_end=1542
+  _globals['_TENANTCONFIG_TTLSECONDSENTRY']._serialized_start=1493
+  _globals['_TENANTCONFIG_TTLSECONDSENTRY']._serialized_end=1542
+  _globals['_SETTENANTSREQUEST']._serialized_start=1544
+  _globals['_SETTENANTSREQUEST']._serialized_end=1622
+  _globals['_POLICYREQUEST']._serialized_start=1625
+  _globals['_POLICYREQUEST']._serialized_end=1801
+  _globals['_POLICYREQUEST_TTLSECONDSENTRY']._serialized_start=1493
+  _globals['_POLICYREQUEST_TTLSECONDSENTRY']._serialized_end=1542
+  _globals['_HEALTHREPLY']._serialized_start=1803
+  _globals['_HEALTHREPLY']._serialized_end=1928
+  _globals['_CONNECTRDMAREQUEST']._serialized_start=1930
+  _globals['_CONNECTRDMAREQUEST']._serialized_end=1968
+  _globals['_CONNECTRDMAREPLY']._serialized_start=1970
+  _globals['_CONNECTRDMAREPLY']._serialized_end=2046
+  _globals['_HOLDEXTENTSREQUEST']._serialized_start=2048
+  _globals['_HOLDEXTENTSREQUEST']._serialized_end=2153
+  _globals['_HOLDEXTENTSREPLY']._serialized_start=2156
+  _globals['_HOLDEXTENTSREPLY']._serialized_end=2310
+  _globals['_RELEASEEXTENTSREQUEST']._serialized_start=2312
+  _globals['_RELEASEEXTENTSREQUEST']._serialized_end=2353
+  _globals['_WARMREQUEST']._serialized_start=2356
+  _globals['_WARMREQUEST']._serialized_end=2506
+  _globals['_WARMSTATUS']._serialized_start=2509
+  _globals['_WARMSTATUS']._serialized_end=2768
+  _globals['_STOREDATA']._serialized_start=3088
+  _globals['_STOREDATA']._serialized_end=3582
+  _globals['_STOREADMIN']._serialized_start=3585
+  _globals['_STOREADMIN']._serialized_end=3992
 # @@protoc_insertion_point(module_scope)

@@ -142,16 +142,18 @@ class StatsReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., hit_blocks: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., draining: bool = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RingMember(_message.Message):
-    __slots__ = ("id", "address", "state", "transfer_address")
+    __slots__ = ("id", "address", "state", "transfer_address", "rdma_device")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     state: str
     transfer_address: str
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+    rdma_device: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., transfer_address: _Optional[str] = ..., rdma_device: _Optional[str] = ...) -> None: ...
 
 class Ring(_message.Message):
     __slots__ = ("epoch", "members", "replicas")
@@ -242,18 +244,72 @@ class PolicyRequest(_message.Message):
     def __init__(self, ttl_seconds: _Optional[_Mapping[str, int]] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ok", "node_id", "epoch", "transfer_address", "incarnation")
+    __slots__ = ("ok", "node_id", "epoch", "transfer_address", "incarnation", "rdma_device")
     OK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     node_id: str
     epoch: int
     transfer_address: str
     incarnation: int
-    def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    rdma_device: str
+    def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., rdma_device: _Optional[str] = ...) -> None: ...
+
+class ConnectRdmaRequest(_message.Message):
+    __slots__ = ("endpoint",)
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    endpoint: bytes
+    def __init__(self, endpoint: _Optional[bytes] = ...) -> None: ...
+
+class ConnectRdmaReply(_message.Message):
+    __slots__ = ("endpoint", "arena_key", "incarnation")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_KEY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    endpoint: bytes
+    arena_key: bytes
+    incarnation: int
+    def __init__(self, endpoint: _Optional[bytes] = ..., arena_key: _Optional[bytes] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class HoldExtentsRequest(_message.Message):
+    __slots__ = ("keys", "kind", "hold_ms", "drop_lease_id")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    DROP_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    kind: Kind
+    hold_ms: int
+    drop_lease_id: int
+    def __init__(self, keys: _Optional[bytes] = ..., kind: _Optional[_Union[Kind, str]] = ..., hold_ms: _Optional[int] = ..., drop_lease_id: _Optional[int] = ...) -> None: ...
+
+class HoldExtentsReply(_message.Message):
+    __slots__ = ("codes", "offsets", "sizes", "checksums", "hold_id", "epoch", "incarnation")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    codes: _containers.RepeatedScalarFieldContainer[Code]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    hold_id: int
+    epoch: int
+    incarnation: int
+    def __init__(self, codes: _Optional[_Iterable[_Union[Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., hold_id: _Optional[int] = ..., epoch: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class ReleaseExtentsRequest(_message.Message):
+    __slots__ = ("hold_ids",)
+    HOLD_IDS_FIELD_NUMBER: _ClassVar[int]
+    hold_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hold_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("ring", "added", "deadline_unix_ms", "max_bytes_per_second", "fraction", "removed")

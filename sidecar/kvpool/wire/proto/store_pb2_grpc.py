@@ -61,6 +61,21 @@ class StoreDataStub(object):
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.ConnectRdma = channel.unary_unary(
+                '/kvpool.v1.StoreData/ConnectRdma',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ConnectRdmaRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ConnectRdmaReply.FromString,
+                _registered_method=True)
+        self.HoldExtents = channel.unary_unary(
+                '/kvpool.v1.StoreData/HoldExtents',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HoldExtentsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HoldExtentsReply.FromString,
+                _registered_method=True)
+        self.ReleaseExtents = channel.unary_unary(
+                '/kvpool.v1.StoreData/ReleaseExtents',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseExtentsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class StoreDataServicer(object):
@@ -98,6 +113,25 @@ class StoreDataServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConnectRdma(self, request, context):
+        """RDMA set-up and the holds of one-sided reads (FAILED_PRECONDITION on a node without a device).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldExtents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseExtents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreDataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +159,21 @@ def add_StoreDataServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                     response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.SerializeToString,
+            ),
+            'ConnectRdma': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectRdma,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ConnectRdmaRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ConnectRdmaReply.SerializeToString,
+            ),
+            'HoldExtents': grpc.unary_unary_rpc_method_handler(
+                    servicer.HoldExtents,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HoldExtentsRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HoldExtentsReply.SerializeToString,
+            ),
+            'ReleaseExtents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseExtents,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseExtentsRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +313,87 @@ class StoreData(object):
             '/kvpool.v1.StoreData/Health',
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectRdma(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreData/ConnectRdma',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.ConnectRdmaRequest.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.ConnectRdmaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldExtents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreData/HoldExtents',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.HoldExtentsRequest.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.HoldExtentsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseExtents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreData/ReleaseExtents',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseExtentsRequest.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,157 @@
+"""A store node's RDMA side: its DRAM arena registered with the device, the queue pairs of the
+sidecars that connected (``ConnectRdma``), and the holds that keep extents in place under
+one-sided reads (``HoldExtents`` / ``ReleaseExtents``).
+
+A one-sided READ runs without this node's CPU, so nothing here can check an access as the data
+session does per frame: the reader is handed the arena's rkey once, and each read first asks
+for a hold — the objects marked in flight exactly as a data-session GET marks them while it
+sends (:meth:`StoreNode.read_pin <kvpool.store.node.StoreNode.read_pin>`), so neither eviction,
+demotion, expiry nor a removal can give their extents to another object — with an expiry
+(``hold_ms``, at most ``lease_ms_max``), so a reader that died frees them.  A read that outlives
+its hold may see a reused extent: the reader verifies every object's checksum, and re-reads a
+mismatch over TCP.
+
+Tenancy: the rkey covers the whole arena, so any tenant that may connect can read any extent of
+it (as with Mooncake's transfer engine); a pool whose tenants must not see each other's bytes
+runs its nodes with ``--rdma off``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.core import errors
+from kvpool.store.node import Entry, StoreNode
+from kvpool.transfer.rdma import RdmaEndpoint, open_context
+from kvpool.wire.counters import StoreCounter
+from kvpool.wire.proto import store_pb2 as pb
+
+log = logging.getLogger("kvpool.store.rdma")
+
+ARENA_SEGMENT = "dram"
+"""The segment name of the node's DRAM arena in the key handed to readers."""
+
+
+@dataclass
+class _Hold:
+    tenant: str
+    entries: list[Entry | None]
+    expires: float
+
+
+class StoreRdma:
+    """See the module docstring; thread-safe."""
+
+    def __init__(self, node: StoreNode, context: Any, max_queue_pairs: int = 256,
+                 sweep_seconds: float = 1.0) -> None:
+        self.node = node
+        self.context = context
+        self.device: str = str(context.device)
+        self.arena_key = context.register(ARENA_SEGMENT, node.dram.view)
+        self.max_queue_pairs = max_queue_pairs
+        self._lock = threading.Lock()
+        self._queue_pairs: OrderedDict[int, Any] = OrderedDict()
+        self._holds: dict[int, _Hold] = {}
+        self._ids = itertools.count(1 + secrets.randbits(62))  # an id of another life names nothing
+        self._stop = threading.Event()
+        # Holds of readers that died expire on this timer, not only at the next call.
+        self._sweeper = threading.Thread(target=self._sweep_loop, args=(sweep_seconds,), daemon=True,
+                                         name="rdma-holds")
+        self._sweeper.start()
+
+    @classmethod
+    def open(cls, node: StoreNode, spec: str) -> StoreRdma | None:
+        """The node's RDMA side for ``spec`` (:func:`~kvpool.transfer.rdma.open_context`); None,
+        with the reason logged, when there is no device: the node serves TCP only."""
+        context, reason = open_context(spec)
+        if context is None:
+            log.info("RDMA: TCP only (%s)", reason)
+            return None
+        try:
+            return cls(node, context)
+        except Exception as exc:  # registration refused (locked-memory limit, a device error)
+            log.warning("RDMA: TCP only, the arena could not be registered: %s", exc)
+            context.close()
+            return None
+
+    def connect(self, endpoint: bytes) -> tuple[bytes, bytes]:
+        """A queue pair connected to the caller's ``endpoint``: its endpoint and the arena's key."""
+        remote = RdmaEndpoint.decode(endpoint)
+        try:
+            qp = self.context.accept(remote)
+        except Exception as exc:
+            raise errors.Unavailable(f"RDMA connect failed: {exc}") from None
+        with self._lock:
+            self._queue_pairs[qp.endpoint.qp_num] = qp
+            old = (self._queue_pairs.popitem(last=False)[1]
+                   if len(self._queue_pairs) > self.max_queue_pairs else None)
+        if old is not None:
+            old.close()  # the least recently connected: its reader falls back and reconnects
+        self.node.count(StoreCounter.RDMA_CONNECTS)
+        return qp.endpoint.encode(), self.arena_key.encode()
+
+    def hold(self, tenant: str, keys: list[bytes], kind: int, hold_ms: int,
+             drop_lease_id: int = 0) -> tuple[int, list[pb.Code], list[Entry | None]]:
+        """The objects of ``keys`` held in place for a one-sided read: ``(hold id, codes,
+        entries)``; the id is 0 when none was found."""
+        self.sweep()
+        codes, found = self.node.read_pin(tenant, keys, kind, drop_lease_id)
+        if not any(e is not None for e in found):
+            return 0, codes, found
+        cfg = self.node.cfg
+        expires = time.monotonic() + min(hold_ms or cfg.lease_ms_default, cfg.lease_ms_max) / 1000.0
+        hold_id = next(self._ids)
+        with self._lock:
+            self._holds[hold_id] = _Hold(tenant, found, expires)
+        self.node.count(StoreCounter.RDMA_HOLDS)
+        return hold_id, codes, found
+
+    def release(self, tenant: str, hold_ids: list[int]) -> None:
+        """End the caller's holds (another tenant's ids release nothing)."""
+        with self._lock:
+            ended = [self._holds.pop(h) for h in hold_ids
+                     if h in self._holds and self._holds[h].tenant == tenant]
+        for hold in ended:
+            self.node.read_unpin(hold.entries)
+
+    def sweep(self) -> int:
+        """End the holds past their expiry; how many."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [h for h, hold in self._holds.items() if hold.expires <= now]
+            ended = [self._holds.pop(h) for h in expired]
+        for hold in ended:
+            self.node.read_unpin(hold.entries)
+            self.node.count(StoreCounter.RDMA_HOLDS_EXPIRED)
+        return len(ended)
+
+    def held(self) -> int:
+        """Holds alive (a test of the books)."""
+        with self._lock:
+            return len(self._holds)
+
+    def _sweep_loop(self, seconds: float) -> None:
+        while not self._stop.wait(seconds):
+            try:
+                self.sweep()
+            except Exception:  # never let housekeeping kill the node
+                log.exception("RDMA hold sweep failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sweeper.join(5)
+        with self._lock:
+            holds, self._holds = list(self._holds.values()), {}
+            qps, self._queue_pairs = list(self._queue_pairs.values()), OrderedDict()
+        for hold in holds:
+            self.node.read_unpin(hold.entries)
+        for qp in qps:
+            qp.close()
+        self.context.close()
