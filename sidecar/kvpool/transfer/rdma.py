@@ -97,9 +97,9 @@ it): ``auto`` (the default: the first device pyverbs finds, none without one), `
 
 
 def open_context(spec: str | None = None) -> tuple[Any, str]:
-    """The RDMA context ``spec`` (default ``$KVPOOL_RDMA``, else ``auto``) selects, and ``""``;
+    """The RDMA context ``spec`` (empty: ``$KVPOOL_RDMA``, else ``auto``) selects, and ``""``;
     or ``None`` and the reason there is none (off, no device, the device failed to open)."""
-    spec = (spec if spec is not None else os.environ.get(RDMA_ENV, "")).strip() or "auto"
+    spec = (spec or os.environ.get(RDMA_ENV, "")).strip() or "auto"
     if spec == "off":
         return None, "RDMA is off"
     if spec.startswith("sim:"):
