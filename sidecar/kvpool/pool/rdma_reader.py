@@ -31,6 +31,7 @@ from kvpool.core.keys import KEY_BYTES
 from kvpool.transfer.plan import TransferRequest
 from kvpool.transfer.rdma import RdmaEndpoint, RdmaPeer, RdmaSegmentKey, open_context
 from kvpool.transfer.status import TransferCode, TransferStatus
+from kvpool.wire import grpc_status
 from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -46,6 +47,16 @@ class LocalRdma:
         self.context, self.reason = open_context(spec)
         self._counters: Counter[str] = Counter()
         self._lock = threading.Lock()
+
+    def register(self, name: str, view: memoryview) -> None:
+        """Register long-lived local memory (the sidecar's arena) once, so reads into it need no
+        registration per batch (other buffers get one for the duration of their batch)."""
+        if self.context is None:
+            return
+        try:
+            self.context.register(name, view)
+        except Exception as exc:  # a locked-memory limit: reads still work, registering per batch
+            log.warning("RDMA: %s not registered (%s); reads into it register per batch", name, exc)
 
     def count(self, what: SidecarCounter, n: int = 1) -> None:
         with self._lock:
@@ -150,7 +161,7 @@ class RdmaReader:
         n = len(keys) // KEY_BYTES
         try:
             reply = self.stub.HoldExtents(
-                pb.HoldExtentsRequest(keys=keys, kind=kind, hold_ms=self.hold_ms, drop_lease_id=lease_id),
+                pb.HoldExtentsRequest(keys=keys, kind=grpc_status.as_kind(kind), hold_ms=self.hold_ms, drop_lease_id=lease_id),
                 timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError:
             self._drop(peer)  # a node that restarted without a device, or is unreachable

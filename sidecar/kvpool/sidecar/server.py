@@ -68,6 +68,7 @@ class Sidecar:
         self.local.events = self.events
         self.pool = Pool(cfg.pool, cfg.token, transition_seconds=cfg.transition_seconds, deadlines=cfg.deadlines(),
                          backoff=cfg.suspect_backoff_ms / 1000.0, max_backoff=8 * cfg.suspect_backoff_ms / 1000.0)
+        self.pool.rdma.register("sidecar-arena", self.local.arena.view)  # one-sided reads land here
         self.writer = Writer(self.local, self.pool, self.counters, cfg.tenant_id, cfg.write_back,
                              cfg.max_pending_bytes or self.local.capacity // 4, cfg.pool_write_retries)
         self.local.on_evict = self.writer.on_evict

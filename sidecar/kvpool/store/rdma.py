@@ -137,6 +137,11 @@ class StoreRdma:
         with self._lock:
             return len(self._holds)
 
+    def connected(self) -> int:
+        """Queue pairs kept (at most ``max_queue_pairs``)."""
+        with self._lock:
+            return len(self._queue_pairs)
+
     def _sweep_loop(self, seconds: float) -> None:
         while not self._stop.wait(seconds):
             try:

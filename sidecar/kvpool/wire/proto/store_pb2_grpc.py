@@ -114,7 +114,7 @@ class StoreDataServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ConnectRdma(self, request, context):
-        """RDMA set-up and the holds of one-sided reads (FAILED_PRECONDITION on a node without a device).
+        """RDMA set-up and the holds of one-sided reads (UNIMPLEMENTED on a node without a device).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
