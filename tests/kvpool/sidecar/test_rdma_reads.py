@@ -26,7 +26,7 @@ import kvpool
 from kvpool.apps.cluster import LocalCluster
 from kvpool.core.deadlines import ClientDeadlines
 from kvpool.pool.node_client import StoreClient
-from kvpool.transfer.rdma import RDMA_ENV
+from kvpool.transfer.rdma import RDMA_ENV, rdma_status
 from kvpool.wire.counters import SidecarCounter, StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -293,3 +293,30 @@ def test_a_node_with_a_device_advertises_it(fabric: Fabric) -> None:
         assert node.health().rdma_device == "kvpool-sim"
         ring = node.get_ring()
         assert [m.rdma_device for m in ring.members if m.id == fabric.lc.store_ids[0]] == ["kvpool-sim"]
+
+
+def test_reads_over_a_real_device(h: Any, rng: random.Random) -> None:
+    """The same reads through pyverbs and the host's RDMA device (store and sidecar on one
+    device, a loopback connection); only where pyverbs finds one."""
+    devices, reason = rdma_status()
+    if not devices:
+        pytest.skip(f"no RDMA device on this host ({reason}); the one-sided path ran on the simulated fabric only")
+    with _env(f"device:{devices[0]}"):
+        lc = LocalCluster(stores=1, sidecars=0, store_bytes=32 * MiB, local_bytes=16 * MiB)
+        lc.__enter__()
+    try:
+        with _env(f"device:{devices[0]}"):
+            lc.add_sidecar(extra_args=SLOW_OK)
+        with StoreClient(lc.stores[0]) as node:
+            assert node.health().rdma_device == devices[0]
+            keys, values = [rng.randbytes(32) for _ in range(4)], [rng.randbytes(s) for s in (1, 4095, MiB, 3 * MiB)]
+            assert node.put(keys, values) == [pb.OK] * 4
+        with _connect(lc, 0) as a:
+            bufs = [np.zeros(len(v), np.uint8) for v in values]
+            assert a.get_into(keys, bufs) == [len(v) for v in values]
+            assert [x.tobytes() for x in bufs] == values
+            c = h.counters(a)
+            assert c.get(SidecarCounter.RDMA_READS, 0) == 4, c
+            assert c.get(SidecarCounter.RDMA_READ_BYTES, 0) == sum(len(v) for v in values)
+    finally:
+        lc.__exit__(None, None, None)
