@@ -161,7 +161,8 @@ class RdmaReader:
         n = len(keys) // KEY_BYTES
         try:
             reply = self.stub.HoldExtents(
-                pb.HoldExtentsRequest(keys=keys, kind=grpc_status.as_kind(kind), hold_ms=self.hold_ms, drop_lease_id=lease_id),
+                pb.HoldExtentsRequest(keys=keys, kind=grpc_status.as_kind(kind), hold_ms=self.hold_ms,
+                                      drop_lease_id=lease_id),
                 timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError:
             self._drop(peer)  # a node that restarted without a device, or is unreachable
