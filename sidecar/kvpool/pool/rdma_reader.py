@@ -102,6 +102,7 @@ class RdmaReader:
         self._next_try = 0.0
         self._noted_no_device = False
         self._lock = threading.Lock()
+        self._busy = threading.Lock()  # one batch at a time on the queue pair (its send queue and CQ)
 
     def _link(self) -> RdmaPeer | None:
         """The connected queue pair to the node, connecting when due; None: read over TCP."""
@@ -208,12 +209,12 @@ class RdmaReader:
         peer.broken = True
         self._next_try = time.monotonic() + self.retry_seconds
 
-    @staticmethod
-    def _run(peer: RdmaPeer, requests: list[TransferRequest]) -> list[TransferStatus]:
+    def _run(self, peer: RdmaPeer, requests: list[TransferRequest]) -> list[TransferStatus]:
         if not requests:
             return []
         try:
-            return peer.run(requests)
+            with self._busy:
+                return peer.run(requests)
         except Exception as exc:  # a device error fails the batch as a whole, never hangs it
             peer.broken = True
             return [TransferStatus(TransferCode.CONNECTION, f"RDMA error: {exc}")] * len(requests)

@@ -291,23 +291,21 @@ class RdmaUnavailable(RuntimeError):
 
 
 class RdmaContext:
-    """An opened device with a protection domain, a completion queue, and registered regions."""
+    """An opened device with a protection domain and registered regions (each queue pair has
+    its completion queue)."""
 
-    def __init__(self, device: str | None = None, port: int = 1, gid_index: int = 0, cq_depth: int = 1024) -> None:
+    def __init__(self, device: str | None = None, port: int = 1, gid_index: int = 0) -> None:
         devices, reason = rdma_status()
         if not devices:
             raise RdmaUnavailable(f"no RDMA devices: {reason}")
         import pyverbs.device as d
-        from pyverbs.cq import CQ
         from pyverbs.pd import PD
 
         self.device = device or devices[0]
         self.port = port
         self.gid_index = gid_index
-        self.cq_depth = cq_depth
         self.ctx: Any = d.Context(name=self.device)
         self.pd: Any = PD(self.ctx)
-        self.cq: Any = CQ(self.ctx, cq_depth, None, None, 0)
         self._lock = threading.Lock()
         # (start address, end address, MR); few entries (one per segment), scanned linearly
         self._regions: list[tuple[int, int, Any]] = []
@@ -362,7 +360,6 @@ class RdmaContext:
             regions, self._regions = self._regions, []
         for _, _, mr in regions:
             mr.close()
-        self.cq.close()
         self.pd.close()
         self.ctx.close()
 
@@ -372,12 +369,16 @@ class RdmaQueuePair:
 
     def __init__(self, context: RdmaContext, depth: int) -> None:
         import pyverbs.enums as e
+        from pyverbs.cq import CQ
         from pyverbs.qp import QP, QPCap, QPInitAttr
 
         self.context = context
         self.depth = depth
         cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=context.cq, rcq=context.cq, cap=cap)
+        # A completion queue of its own: queue pairs to several peers are driven from several
+        # threads at once, and a shared queue would hand one thread another's completions.
+        self.cq: Any = CQ(context.ctx, depth + 1, None, None, 0)
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
         self.qp: Any = QP(context.pd, init)
         port_attr = context.ctx.query_port(context.port)
         gid = context.ctx.query_gid(context.port, context.gid_index)
@@ -427,7 +428,7 @@ class RdmaQueuePair:
             pending = len(wave)
             last_progress = time.monotonic()
             while pending:
-                polled, completions = self.context.cq.poll(num_entries=min(pending, 64))
+                polled, completions = self.cq.poll(num_entries=min(pending, 64))
                 if polled <= 0:
                     if time.monotonic() - last_progress > stall_timeout:
                         for p in wave:
@@ -447,6 +448,7 @@ class RdmaQueuePair:
 
     def close(self) -> None:
         self.qp.close()
+        self.cq.close()
 
 
 class QueuePairLike(Protocol):
