@@ -46,7 +46,7 @@ from kvpool.pool.data_client import Dest, ExistsReply, ReadResult
 from kvpool.pool.leases import MatchLeases
 from kvpool.pool.lookup import PoolMatch
 from kvpool.pool.node_client import StoreClient
-from kvpool.pool.rdma_reader import LocalRdma
+from kvpool.pool.rdma_path import LocalRdma
 from kvpool.pool.routing import RingView, Routes, merge_replica_codes, rounds, write_routes
 from kvpool.wire.convert import ring_from_pb
 from kvpool.wire.proto import store_pb2 as pb

@@ -12,9 +12,10 @@ Stats, Remove, GetRing, releases of more than a few leases; the admin calls are
 that cannot be reached raises :class:`~kvpool.core.errors.Unavailable`, and the next call asks
 the node again where it is (a restarted node may listen on another transfer port).
 
-Given a :class:`~kvpool.pool.rdma_reader.LocalRdma` with a device, reads go one-sided over RDMA
-to a node that has one (:mod:`kvpool.pool.rdma_reader`); what that path cannot bring, whole and
-verified, is read over the data session in the same call.
+Given a :class:`~kvpool.pool.rdma_path.LocalRdma` with a device, reads and writes go one-sided
+over RDMA to a node that has one (:mod:`kvpool.pool.rdma_path`); what that path cannot bring,
+whole and verified, is read over the data session in the same call, and a write it cannot
+finish is made over the data session.
 
 The calls an engine waits for (exists, read, ranged read, the sidecar's probe) take a per-call
 ``timeout`` (the sidecar's :class:`~kvpool.core.deadlines.Deadlines`): armed on the data connection,
@@ -37,7 +38,7 @@ from kvpool.core.buffers import Buffer, as_bytes_view
 from kvpool.core.keys import KEY_BYTES, pack_keys
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.pool.data_client import DataSession, Dest, ExistsReply, ReadResult
-from kvpool.pool.rdma_reader import LocalRdma, RdmaRead, RdmaReader, merge
+from kvpool.pool.rdma_path import LocalRdma, RdmaPath, RdmaReadResult, merge
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
@@ -74,8 +75,8 @@ class StoreClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = pbg.StoreDataStub(self._channel)
-        self.rdma = RdmaReader(rdma, self.stub, self._metadata, address, min(timeout, 5.0)) if rdma else None
-        """Reads one-sided over RDMA where both sides have a device (:mod:`kvpool.pool.rdma_reader`)."""
+        self.rdma = RdmaPath(rdma, self.stub, self._metadata, address, min(timeout, 5.0)) if rdma else None
+        """Reads one-sided over RDMA where both sides have a device (:mod:`kvpool.pool.rdma_path`)."""
         self.epoch_seen = 0
         self.incarnation = 0
         """The node's life as its last reply that carries one said (HELLO, gRPC replies): a
@@ -234,6 +235,11 @@ class StoreClient:
         if len(keys) != len(values):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(values)} values")
         views = [as_bytes_view(v) for v in values]
+        if self.rdma is not None:
+            done = self.rdma.write(pack_keys(keys), views, checksums, traffic_class, kind, timeout_ms, epoch)
+            if done is not None:
+                self._seen(done[1])
+                return done[0]
         ds = self.session()
         with self._session_call(ds):
             codes, seen = ds.put(pack_keys(keys), views, checksums, traffic_class, kind, timeout_ms, epoch)
@@ -272,7 +278,7 @@ class StoreClient:
         self._seen(r.epoch)
         return r
 
-    def _finish_rdma(self, first: RdmaRead, blob: bytes, dest: Dest, kind: int, streams: int | None,
+    def _finish_rdma(self, first: RdmaReadResult, blob: bytes, dest: Dest, kind: int, streams: int | None,
                      timeout: float | None, bytes_per_second: float) -> ReadResult:
         """A one-sided read's result, with what it could not bring re-read over the data session
         into the buffers ``dest`` gave it already."""

@@ -16,6 +16,7 @@ import grpc
 
 from kvpool.core import errors
 from kvpool.core.keys import unpack_keys
+from kvpool.core.traffic import traffic_class_or_default
 from kvpool.store.admin_service import admin_allows
 from kvpool.store.node import StoreNode
 from kvpool.store.rdma import StoreRdma
@@ -101,6 +102,21 @@ class StoreDataService(pbg.StoreDataServicer):
         tenant = self._tenant(context)
         self._rdma(context).release(tenant, list(request.hold_ids))
         return pb.Empty()
+
+    def ReserveRdma(self, request: pb.ReserveRdmaRequest, context: grpc.ServicerContext) -> pb.ReserveRdmaReply:
+        tenant = self._tenant(context)
+        rdma = self._rdma(context)
+        codes, offsets, rid = grpc_status.answer(context, lambda: rdma.reserve(
+            tenant, _keys(request.keys), list(request.sizes), traffic_class_or_default(request.traffic_class),
+            request.kind, request.timeout_ms, request.epoch))
+        return pb.ReserveRdmaReply(codes=codes, offsets=offsets, reservation_id=rid, epoch=self.node.ring.epoch,
+                                   incarnation=self.node.incarnation)
+
+    def CommitRdma(self, request: pb.CommitRdmaRequest, context: grpc.ServicerContext) -> pb.CodesReply:
+        tenant = self._tenant(context)
+        rdma = self._rdma(context)
+        return pb.CodesReply(codes=grpc_status.answer(context, lambda: rdma.commit(
+            tenant, request.reservation_id, list(request.checksums), request.revoke)))
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsReply:
         # The admin (operator) sees every tenant; a tenant sees only its own usage and counters.

@@ -1,6 +1,7 @@
 """A store node's RDMA side: its DRAM arena registered with the device, the queue pairs of the
-sidecars that connected (``ConnectRdma``), and the holds that keep extents in place under
-one-sided reads (``HoldExtents`` / ``ReleaseExtents``).
+sidecars that connected (``ConnectRdma``), the holds that keep extents in place under
+one-sided reads (``HoldExtents`` / ``ReleaseExtents``) and the reservations of one-sided writes
+(``ReserveRdma`` / ``CommitRdma``).
 
 A one-sided READ runs without this node's CPU, so nothing here can check an access as the data
 session does per frame: the reader is handed the arena's rkey once, and each read first asks
@@ -10,6 +11,13 @@ demotion, expiry nor a removal can give their extents to another object — with
 (``hold_ms``, at most ``lease_ms_max``), so a reader that died frees them.  A read that outlives
 its hold may see a reused extent: the reader verifies every object's checksum, and re-reads a
 mismatch over TCP.
+
+A one-sided write reserves as a data-session PUT does (:meth:`StoreNode.put_start`) and holds
+each reserved slot as that PUT's guard does while its payload arrives
+(:meth:`StoreNode.acquire`: eviction, a revoke or the reservation's expiry leave the extent alone)
+— from the reservation until the commit, or until the reservation's own expiry.  The commit
+releases them first, then commits with the writer's checksums (verified by the node when it
+verifies commits); a writer whose WRITE failed revokes instead.
 
 Tenancy: the rkey covers the whole arena, so any tenant that may connect can read any extent of
 it (as with Mooncake's transfer engine); a pool whose tenants must not see each other's bytes
@@ -59,6 +67,7 @@ class StoreRdma:
         self._lock = threading.Lock()
         self._queue_pairs: OrderedDict[int, Any] = OrderedDict()
         self._holds: dict[int, _Hold] = {}
+        self._writing: dict[int, _Hold] = {}  # reservation id -> the slots held for RDMA WRITEs
         self._ids = itertools.count(1 + secrets.randbits(62))  # an id of another life names nothing
         self._stop = threading.Event()
         # Holds of readers that died expire on this timer, not only at the next call.
@@ -121,21 +130,64 @@ class StoreRdma:
         for hold in ended:
             self.node.read_unpin(hold.entries)
 
+    def reserve(self, tenant: str, keys: list[bytes], sizes: list[int], traffic_class: str, kind: int,
+                timeout_ms: int, epoch: int) -> tuple[list[pb.Code], list[int], int]:
+        """Reserve slots for one-sided writes and hold them until :meth:`commit`: ``(codes,
+        offsets, reservation id)``."""
+        self.sweep()
+        node = self.node
+        codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, traffic_class, kind, timeout_ms, epoch)
+        held: list[Entry] = []
+        for i, code in enumerate(codes):
+            if code == pb.OK:
+                e = node.acquire("write", offsets[i], sizes[i], tokens[i])
+                if e is None:  # gone already (expired at once): nothing may be written
+                    for h in held:
+                        node.release_guard(h)
+                    node.put_revoke(tenant, rid)
+                    raise errors.LeaseExpired("a reservation ended before its writes could be held")
+                held.append(e)
+        if rid:
+            cfg = node.cfg
+            seconds = min(timeout_ms / 1000.0 if timeout_ms else cfg.reservation_seconds, cfg.reservation_seconds_max)
+            with self._lock:
+                self._writing[rid] = _Hold(tenant, list(held), time.monotonic() + seconds)
+            node.count(StoreCounter.RDMA_RESERVATIONS)
+        return codes, offsets, rid
+
+    def commit(self, tenant: str, reservation_id: int, checksums: list[int], revoke: bool) -> list[pb.Code]:
+        """Release the slots of a reservation, then commit it (or revoke it: ``[]``)."""
+        with self._lock:
+            hold = self._writing.get(reservation_id)
+            if hold is not None and hold.tenant == tenant:
+                del self._writing[reservation_id]
+            else:
+                hold = None
+        for e in hold.entries if hold is not None else ():
+            self.node.release_guard(e)  # type: ignore[arg-type]
+        if revoke:
+            self.node.put_revoke(tenant, reservation_id)
+            return []
+        return self.node.put_commit(tenant, reservation_id, checksums)
+
     def sweep(self) -> int:
-        """End the holds past their expiry; how many."""
+        """End the holds (of reads and of writes) past their expiry; how many."""
         now = time.monotonic()
         with self._lock:
-            expired = [h for h, hold in self._holds.items() if hold.expires <= now]
-            ended = [self._holds.pop(h) for h in expired]
+            ended = [self._holds.pop(h) for h in [h for h, v in self._holds.items() if v.expires <= now]]
+            writes = [self._writing.pop(r) for r in [r for r, v in self._writing.items() if v.expires <= now]]
         for hold in ended:
             self.node.read_unpin(hold.entries)
             self.node.count(StoreCounter.RDMA_HOLDS_EXPIRED)
-        return len(ended)
+        for hold in writes:  # the reservation expires on its own: its slots are freed then
+            for e in hold.entries:
+                self.node.release_guard(e)  # type: ignore[arg-type]
+        return len(ended) + len(writes)
 
     def held(self) -> int:
-        """Holds alive (a test of the books)."""
+        """Holds alive, of reads and of writes (a test of the books)."""
         with self._lock:
-            return len(self._holds)
+            return len(self._holds) + len(self._writing)
 
     def connected(self) -> int:
         """Queue pairs kept (at most ``max_queue_pairs``)."""
@@ -154,9 +206,13 @@ class StoreRdma:
         self._sweeper.join(5)
         with self._lock:
             holds, self._holds = list(self._holds.values()), {}
+            writes, self._writing = list(self._writing.values()), {}
             qps, self._queue_pairs = list(self._queue_pairs.values()), OrderedDict()
         for hold in holds:
             self.node.read_unpin(hold.entries)
+        for hold in writes:
+            for e in hold.entries:
+                self.node.release_guard(e)  # type: ignore[arg-type]
         for qp in qps:
             qp.close()
         self.context.close()

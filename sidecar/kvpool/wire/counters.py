@@ -79,6 +79,8 @@ class StoreCounter(enum.StrEnum):
     """Holds granted for one-sided reads (HoldExtents that found something)."""
     RDMA_HOLDS_EXPIRED = "rdma_holds_expired"
     """Holds that ran out before their reader released them."""
+    RDMA_RESERVATIONS = "rdma_reservations"
+    """Reservations made for one-sided writes (ReserveRdma that reserved something)."""
 
     # -- removal and eviction
     REMOVED = "removed"
@@ -156,12 +158,16 @@ class SidecarCounter(enum.StrEnum):
     PUT_STREAMED = "put_streamed"
     """Blocks a put streamed to the pool directly (no room in the local tier)."""
 
-    # -- RDMA reads from store nodes (kvpool.pool.rdma_reader); a fallback goes over TCP
+    # -- RDMA reads from store nodes (kvpool.pool.rdma_path); a fallback goes over TCP
     RDMA_CONNECTS = "rdma_connects"
     """Queue pairs connected to store nodes."""
     RDMA_READS = "rdma_reads"
     """Objects read one-sided (RDMA READ) and verified."""
     RDMA_READ_BYTES = "rdma_read_bytes"
+    """Their bytes."""
+    RDMA_WRITES = "rdma_writes"
+    """Objects written one-sided (RDMA WRITE into a reserved extent, then committed)."""
+    RDMA_WRITE_BYTES = "rdma_write_bytes"
     """Their bytes."""
     RDMA_FALLBACK_NO_LOCAL_DEVICE = "rdma_fallback_no_local_device"
     """Store nodes read over TCP because this sidecar has no RDMA device (once per node client)."""
@@ -170,9 +176,10 @@ class SidecarCounter(enum.StrEnum):
     RDMA_FALLBACK_CONNECT_FAILED = "rdma_fallback_connect_failed"
     """Connections to a store node's RDMA side that failed (TCP until the next try)."""
     RDMA_FALLBACK_HOLD_FAILED = "rdma_fallback_hold_failed"
-    """Reads whose HoldExtents call failed: the batch went over TCP."""
+    """Reads whose HoldExtents call, or writes whose ReserveRdma call, failed: the batch went
+    over TCP."""
     RDMA_FALLBACK_TRANSFER_FAILED = "rdma_fallback_transfer_failed"
-    """Objects whose one-sided read failed (a broken queue pair): re-read over TCP."""
+    """Objects whose one-sided transfer failed (a broken queue pair): moved over TCP instead."""
     RDMA_FALLBACK_CHECKSUM = "rdma_fallback_checksum"
     """Objects whose one-sided bytes did not match their checksum: re-read over TCP."""
 

@@ -78,6 +78,25 @@ def test_a_hold_expires_when_its_reader_never_releases_it(node_rdma: tuple[Store
     assert rdma.hold("b", [key], pb.BLOCK, 50)[1] == [pb.NOT_FOUND]  # tenants' keys are apart
 
 
+def test_a_reservation_for_writes_holds_its_slots_until_the_commit(node_rdma: tuple[StoreNode, StoreRdma]) -> None:
+    node, rdma = node_rdma
+    keys, values = [os.urandom(32) for _ in range(2)], [os.urandom(4096), os.urandom(100)]
+    codes, offsets, rid = rdma.reserve("a", keys, [len(v) for v in values], "default", pb.BLOCK, 50, 0)
+    assert codes == [pb.OK, pb.OK] and rid and rdma.held() == 1
+    for off, v in zip(offsets, values, strict=True):  # what the writer's RDMA WRITEs do
+        node.dram.view[off:off + len(v)] = v
+    assert rdma.commit("b", rid, [checksum(v) for v in values], revoke=False) != [pb.OK, pb.OK]  # not b's
+    assert rdma.commit("a", rid, [checksum(v) for v in values], revoke=False) == [pb.OK, pb.OK]
+    assert rdma.held() == 0
+    assert [node.where("a", k) for k in keys] == ["dram", "dram"]
+    # A revoke publishes nothing; a reservation never committed releases its slots at expiry.
+    codes, _, rid = rdma.reserve("a", [os.urandom(32)], [4096], "default", pb.BLOCK, 50, 0)
+    assert rdma.commit("a", rid, [], revoke=True) == [] and node.stats()["counters"][StoreCounter.REVOKED] == 1  # type: ignore[index]
+    codes, _, rid = rdma.reserve("a", [os.urandom(32)], [4096], "default", pb.BLOCK, 50, 0)
+    time.sleep(0.1)
+    assert rdma.sweep() == 1 and rdma.held() == 0
+
+
 def test_connect_checks_the_endpoint_and_bounds_the_queue_pairs(node_rdma: tuple[StoreNode, StoreRdma],
                                                                 tmp_path: Path) -> None:
     node, rdma = node_rdma

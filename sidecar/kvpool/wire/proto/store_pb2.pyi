@@ -311,6 +311,46 @@ class ReleaseExtentsRequest(_message.Message):
     hold_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, hold_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ReserveRdmaRequest(_message.Message):
+    __slots__ = ("keys", "sizes", "traffic_class", "kind", "timeout_ms", "epoch")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    traffic_class: str
+    kind: Kind
+    timeout_ms: int
+    epoch: int
+    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., traffic_class: _Optional[str] = ..., kind: _Optional[_Union[Kind, str]] = ..., timeout_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReserveRdmaReply(_message.Message):
+    __slots__ = ("codes", "offsets", "reservation_id", "epoch", "incarnation")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    codes: _containers.RepeatedScalarFieldContainer[Code]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    reservation_id: int
+    epoch: int
+    incarnation: int
+    def __init__(self, codes: _Optional[_Iterable[_Union[Code, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., reservation_id: _Optional[int] = ..., epoch: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class CommitRdmaRequest(_message.Message):
+    __slots__ = ("reservation_id", "checksums", "revoke")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    revoke: bool
+    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., revoke: bool = ...) -> None: ...
+
 class WarmRequest(_message.Message):
     __slots__ = ("ring", "added", "deadline_unix_ms", "max_bytes_per_second", "fraction", "removed")
     RING_FIELD_NUMBER: _ClassVar[int]

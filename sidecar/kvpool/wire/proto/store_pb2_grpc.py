@@ -76,6 +76,16 @@ class StoreDataStub(object):
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseExtentsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ReserveRdma = channel.unary_unary(
+                '/kvpool.v1.StoreData/ReserveRdma',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReserveRdmaRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReserveRdmaReply.FromString,
+                _registered_method=True)
+        self.CommitRdma = channel.unary_unary(
+                '/kvpool.v1.StoreData/CommitRdma',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.CommitRdmaRequest.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.FromString,
+                _registered_method=True)
 
 
 class StoreDataServicer(object):
@@ -114,7 +124,8 @@ class StoreDataServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ConnectRdma(self, request, context):
-        """RDMA set-up and the holds of one-sided reads (UNIMPLEMENTED on a node without a device).
+        """RDMA set-up, the holds of one-sided reads and the reservations of one-sided writes
+        (UNIMPLEMENTED on a node without a device).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +138,18 @@ class StoreDataServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseExtents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveRdma(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitRdma(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,6 +197,16 @@ def add_StoreDataServicer_to_server(servicer, server):
                     servicer.ReleaseExtents,
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseExtentsRequest.FromString,
                     response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+            ),
+            'ReserveRdma': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveRdma,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReserveRdmaRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ReserveRdmaReply.SerializeToString,
+            ),
+            'CommitRdma': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitRdma,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.CommitRdmaRequest.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +427,60 @@ class StoreData(object):
             '/kvpool.v1.StoreData/ReleaseExtents',
             kvpool_dot_wire_dot_proto_dot_store__pb2.ReleaseExtentsRequest.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveRdma(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreData/ReserveRdma',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.ReserveRdmaRequest.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.ReserveRdmaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitRdma(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreData/CommitRdma',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.CommitRdmaRequest.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.CodesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,9 +1,10 @@
-"""Sidecars read store nodes one-sided over RDMA (the simulated fabric, ``KVPOOL_RDMA=sim:DIR``,
-between real processes): connection set-up, byte-exact reads into the sidecar's buffers and the
-client's registered memory, the store's hold keeping an extent in place under a read, and every
-fallback to TCP — sidecar without a device, node without one, a connection that fails, a link
-lost in the middle of a batch, bytes that do not match their checksum — counted by reason,
-with the reads still exact.
+"""Sidecars read and write store nodes one-sided over RDMA (the simulated fabric,
+``KVPOOL_RDMA=sim:DIR``, between real processes): connection set-up, byte-exact reads into the
+sidecar's buffers and the client's registered memory, byte-exact writes (the pool writes of a
+put), the store's hold keeping an extent in place under a read, and every fallback to TCP —
+sidecar without a device, node without one, a connection that fails, a link lost in the middle
+of a batch, bytes that do not match their checksum — counted by reason, with the reads and
+writes still exact.
 
 The simulated READ copies from the node's arena pages mapped in the sidecar's process
 (``kvpool/transfer/rdma_sim.py``): the node's CPU takes no part in moving the bytes.
@@ -261,6 +262,45 @@ def test_a_link_lost_mid_batch_falls_back_for_the_rest(fabric: Fabric, h: Any, r
             fabric.fault(None)
 
 
+def _pool_has(f: Fabric, keys: list[bytes], values: list[bytes]) -> None:
+    with StoreClient(f.lc.stores[0]) as node:
+        assert node.get(keys) == values
+
+
+def test_pool_writes_are_one_sided_and_byte_exact(fabric: Fabric, h: Any, rng: random.Random) -> None:
+    with _connect(fabric.lc, 0) as a:
+        _rdma_up(h, fabric, a, rng)
+        sizes = [1, 4095, 64 * KiB, MiB, 3 * MiB + 5]
+        keys, values = h.keys(rng, len(sizes)), h.values(rng, sizes)
+        before, store_before = h.counters(a), fabric.store_counters()
+        assert a.put(keys, values) == [pb.OK] * len(keys)
+        h.wait_for(lambda: a.stats().pending_pool_bytes == 0, 60, "the write-through to the pool")
+        _pool_has(fabric, keys, values)
+        after = h.counters(a)
+        assert _grew(after, before, SidecarCounter.RDMA_WRITES) == len(keys)
+        assert _grew(after, before, SidecarCounter.RDMA_WRITE_BYTES) == sum(sizes)
+        assert _grew(fabric.store_counters(), store_before, StoreCounter.RDMA_RESERVATIONS) >= 1
+
+
+def test_a_pool_write_whose_link_fails_is_revoked_and_made_over_tcp(fabric: Fabric, h: Any,
+                                                                    rng: random.Random) -> None:
+    with _connect(fabric.lc, 0) as a:
+        _rdma_up(h, fabric, a, rng)
+        keys, values = h.keys(rng, 3), h.values(rng, [MiB, 5, 200 * KiB])
+        before, store_before = h.counters(a), fabric.store_counters()
+        fabric.fault("fail-after 1")
+        try:
+            assert a.put(keys, values) == [pb.OK] * 3
+            h.wait_for(lambda: a.stats().pending_pool_bytes == 0, 60, "the write-through to the pool")
+        finally:
+            fabric.fault(None)
+        _pool_has(fabric, keys, values)
+        after, store_after = h.counters(a), fabric.store_counters()
+        assert _grew(after, before, SidecarCounter.RDMA_FALLBACK_TRANSFER_FAILED) >= 1
+        assert _grew(after, before, SidecarCounter.RDMA_WRITES) == 0
+        assert _grew(store_after, store_before, StoreCounter.REVOKED) >= 1  # nothing half-written is visible
+
+
 def test_a_node_without_a_device_is_read_over_tcp(h: Any, rng: random.Random) -> None:
     """A store node without a device advertises none (Health, its ring entry) and refuses
     ConnectRdma; a sidecar with a device reads it over TCP, counted once."""
@@ -318,5 +358,11 @@ def test_reads_over_a_real_device(h: Any, rng: random.Random) -> None:
             c = h.counters(a)
             assert c.get(SidecarCounter.RDMA_READS, 0) == 4, c
             assert c.get(SidecarCounter.RDMA_READ_BYTES, 0) == sum(len(v) for v in values)
+            more, more_values = h.keys(rng, 2), h.values(rng, [MiB, 17])
+            assert a.put(more, more_values) == [pb.OK, pb.OK]
+            h.wait_for(lambda: a.stats().pending_pool_bytes == 0, 60, "the write-through to the pool")
+            assert h.counters(a).get(SidecarCounter.RDMA_WRITES, 0) == 2
+        with StoreClient(lc.stores[0]) as node:
+            assert node.get(more) == more_values
     finally:
         lc.__exit__(None, None, None)

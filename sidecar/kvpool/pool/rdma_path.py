@@ -1,16 +1,19 @@
-"""One-sided reads from store nodes over RDMA, with the data session (TCP) as the fallback: the
-sidecar's half of :mod:`kvpool.store.rdma`.
+"""One-sided reads and writes of store nodes over RDMA, with the data session (TCP) as the
+fallback: the sidecar's half of :mod:`kvpool.store.rdma`.
 
 :class:`LocalRdma` is this process's device (``$KVPOOL_RDMA``, :func:`~kvpool.transfer.rdma.open_context`)
-or the reason it has none, and the counters of every node's reader.  :class:`RdmaReader` is the
+or the reason it has none, and the counters of every node's reader.  :class:`RdmaPath` is the
 path to one node: connected lazily by the first read (``ConnectRdma``: our queue pair's endpoint
 in, the node's and the rkey of its DRAM arena out); each read then asks the node to hold the
 objects in place (``HoldExtents``: where they are, their sizes and checksums), READs them
 one-sided into the caller's buffers, releases the hold (without waiting) and verifies every
 object's checksum.  What did not come whole and verified — a failed transfer (the queue pair is
 then dropped, and reconnected ``retry_seconds`` later), a checksum mismatch (an extent that
-changed under the read, the hold having run out) — is handed back for a re-read over TCP.  A
-node without a device, or one the connection to fails, is read over TCP until the next try.
+changed under the read, the hold having run out) — is handed back for a re-read over TCP.
+Writes reserve (``ReserveRdma``: the slots held for the writes), WRITE one-sided and commit
+with the checksums (``CommitRdma``); a failed WRITE revokes, and the batch goes over TCP.  A
+node without a device, or one the connection to fails, is read and written over TCP until the
+next try.
 Every fallback is counted by its reason (``SidecarCounter.RDMA_FALLBACK_*``).
 """
 
@@ -20,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +75,7 @@ class LocalRdma:
 
 
 @dataclass
-class RdmaRead:
+class RdmaReadResult:
     """What a one-sided read did: final codes where the node answered, and the items to re-read
     over TCP (``redo``) with the buffers ``dest`` already gave them."""
 
@@ -84,7 +87,7 @@ class RdmaRead:
     buffers: dict[int, memoryview] = field(default_factory=dict)
 
 
-class RdmaReader:
+class RdmaPath:
     """The RDMA path to one store node (see the module docstring); thread-safe."""
 
     def __init__(self, local: LocalRdma, stub: Any, metadata: tuple[tuple[str, str], ...], address: str,
@@ -153,7 +156,7 @@ class RdmaReader:
         return RdmaPeer(qp, [key], stall_timeout=self.timeout)
 
     def read(self, keys: bytes, dest: Dest, kind: int, lease_id: int = 0,
-             timeout: float | None = None) -> RdmaRead | None:
+             timeout: float | None = None) -> RdmaReadResult | None:
         """Read ``keys`` one-sided into the buffers ``dest`` gives; None when this node is read
         over TCP (no device, no connection, the hold refused): nothing was asked of ``dest``."""
         peer = self._link()
@@ -182,7 +185,7 @@ class RdmaReader:
             self._release(reply.hold_id)
             self.local.count(SidecarCounter.RDMA_FALLBACK_HOLD_FAILED)
             return None
-        result = RdmaRead(codes, sizes, sums, reply.epoch)
+        result = RdmaReadResult(codes, sizes, sums, reply.epoch)
         order: list[int] = []
         requests: list[TransferRequest] = []
         try:
@@ -219,7 +222,7 @@ class RdmaReader:
             peer.broken = True
             return [TransferStatus(TransferCode.CONNECTION, f"RDMA error: {exc}")] * len(requests)
 
-    def _settle(self, result: RdmaRead, order: list[int], statuses: list[TransferStatus]) -> None:
+    def _settle(self, result: RdmaReadResult, order: list[int], statuses: list[TransferStatus]) -> None:
         """Verify what arrived; what failed or does not match goes to ``redo``, counted."""
         failed = checksum_bad = moved = 0
         for i, status in zip(order, statuses, strict=True):
@@ -240,6 +243,66 @@ class RdmaReader:
             self.local.count(SidecarCounter.RDMA_READS, good)
             self.local.count(SidecarCounter.RDMA_READ_BYTES, moved)
 
+    def write(self, keys: bytes, views: Sequence[memoryview], checksums: Sequence[int] | None,
+              traffic_class: str, kind: int, timeout_ms: int = 0, epoch: int = 0) -> tuple[list[int], int] | None:
+        """Store objects one-sided: reserve (``ReserveRdma``, the slots held for the writes), RDMA
+        WRITE each into its slot, commit with the checksums (``CommitRdma``).  ``(codes, the
+        node's epoch)``; None when the batch goes over TCP (no connection, the reservation
+        refused, a WRITE or the commit failed: a failed WRITE revokes the reservation first)."""
+        peer = self._link()
+        if peer is None:
+            return None
+        try:
+            reply = self.stub.ReserveRdma(
+                pb.ReserveRdmaRequest(keys=keys, sizes=[v.nbytes for v in views], traffic_class=traffic_class,
+                                      kind=grpc_status.as_kind(kind), timeout_ms=timeout_ms, epoch=epoch),
+                timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError:
+            self._drop(peer)
+            self.local.count(SidecarCounter.RDMA_FALLBACK_HOLD_FAILED)
+            return None
+        rid = reply.reservation_id
+        codes: list[int] = list(reply.codes)
+        if reply.incarnation != self._incarnation or len(codes) != len(views) or len(reply.offsets) != len(views):
+            self._end_reservation(rid, [], revoke=True)
+            self._drop(peer)
+            self.local.count(SidecarCounter.RDMA_FALLBACK_HOLD_FAILED)
+            return None
+        todo = [i for i, c in enumerate(codes) if c == pb.OK]
+        if not todo:
+            return codes, reply.epoch
+        statuses = self._run(peer, [TransferRequest("write", views[i], self._segment, reply.offsets[i],
+                                                    views[i].nbytes) for i in todo])
+        if not all(st.ok for st in statuses):
+            self._end_reservation(rid, [], revoke=True)
+            self.local.count(SidecarCounter.RDMA_FALLBACK_TRANSFER_FAILED, len(todo))
+            return None
+        ok = set(todo)
+        sums = [(checksums[i] if checksums is not None else checksum(v)) if i in ok else 0
+                for i, v in enumerate(views)]
+        final = self._end_reservation(rid, sums, revoke=False)
+        if final is None or len(final) != len(codes):
+            self.local.count(SidecarCounter.RDMA_FALLBACK_TRANSFER_FAILED, len(todo))
+            return None  # unknown whether it committed: TCP's put answers ALREADY_EXISTS if it did
+        for i in todo:
+            codes[i] = final[i]
+        written = [i for i in todo if codes[i] == pb.OK]
+        if written:
+            self.local.count(SidecarCounter.RDMA_WRITES, len(written))
+            self.local.count(SidecarCounter.RDMA_WRITE_BYTES, sum(views[i].nbytes for i in written))
+        return codes, reply.epoch
+
+    def _end_reservation(self, rid: int, checksums: list[int], revoke: bool) -> list[int] | None:
+        """CommitRdma (or its revoke): the per-item codes, None when the call failed."""
+        if not rid:
+            return []
+        try:
+            reply = self.stub.CommitRdma(pb.CommitRdmaRequest(reservation_id=rid, checksums=checksums, revoke=revoke),
+                                         timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError:
+            return None  # a revoke that did not arrive: the reservation expires on its own
+        return list(reply.codes)
+
     def _release(self, hold_id: int) -> None:
         """End a hold without waiting for the answer (it expires on its own if this is lost)."""
         if hold_id:
@@ -253,7 +316,7 @@ class RdmaReader:
             peer.close()
 
 
-def merge(first: RdmaRead, again_codes: list[pb.Code], again_sizes: list[int], again_sums: list[int]) -> None:
+def merge(first: RdmaReadResult, again_codes: list[pb.Code], again_sizes: list[int], again_sums: list[int]) -> None:
     """Put the TCP re-read of ``first.redo`` (in that order) into ``first``'s results."""
     for j, i in enumerate(first.redo):
         first.codes[i], first.sizes[i], first.checksums[i] = again_codes[j], again_sizes[j], again_sums[j]
