@@ -44,7 +44,7 @@ Dest = Callable[[int, int], memoryview | None]
 
 
 class LocalRdma:
-    """This process's RDMA device, or why it has none; the RDMA counters of all its readers."""
+    """This process's RDMA device, or why it has none; the RDMA counters of all its paths."""
 
     def __init__(self, spec: str | None = None) -> None:
         self.context, self.reason = open_context(spec)
@@ -70,8 +70,9 @@ class LocalRdma:
             return dict(self._counters)
 
     def close(self) -> None:
-        if self.context is not None:
-            self.context.close()
+        context, self.context = self.context, None
+        if context is not None:
+            context.close()
 
 
 @dataclass
@@ -108,7 +109,7 @@ class RdmaPath:
         self._busy = threading.Lock()  # one batch at a time on the queue pair (its send queue and CQ)
 
     def _link(self) -> RdmaPeer | None:
-        """The connected queue pair to the node, connecting when due; None: read over TCP."""
+        """The connected queue pair to the node, connecting when due; None: use TCP."""
         peer = self._peer
         if peer is not None and not peer.broken:
             return peer
@@ -126,7 +127,8 @@ class RdmaPath:
                 return None
             self._next_try = time.monotonic() + self.retry_seconds
             if self._peer is not None:
-                self._peer.close()
+                with self._busy:  # not under a batch of another thread still on its way out
+                    self._peer.close()
                 self._peer = None
             self._peer = self._connect()
             return self._peer
@@ -168,9 +170,8 @@ class RdmaPath:
                 pb.HoldExtentsRequest(keys=keys, kind=grpc_status.as_kind(kind), hold_ms=self.hold_ms,
                                       drop_lease_id=lease_id),
                 timeout=timeout or self.timeout, metadata=self.metadata)
-        except grpc.RpcError:
-            self._drop(peer)  # a node that restarted without a device, or is unreachable
-            self.local.count(SidecarCounter.RDMA_FALLBACK_HOLD_FAILED)
+        except grpc.RpcError as err:
+            self._refused(peer, err)
             return None
         if reply.incarnation != self._incarnation:
             # Another life of the node: the arena key of the connection is not its arena's.
@@ -202,10 +203,17 @@ class RdmaPath:
             statuses = self._run(peer, requests)
         finally:
             self._release(reply.hold_id)
-        if peer.broken:
-            self._next_try = time.monotonic() + self.retry_seconds
         self._settle(result, order, statuses)
         return result
+
+    def _refused(self, peer: RdmaPeer, err: grpc.RpcError) -> None:
+        """A HoldExtents/ReserveRdma call failed: counted; the connection is dropped when the
+        node restarted without a device or did not answer (not when it refused the arguments)."""
+        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+        if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
+            self._drop(peer)
+        self.local.count(SidecarCounter.RDMA_FALLBACK_HOLD_FAILED)
 
     def _drop(self, peer: RdmaPeer) -> None:
         """Stop using ``peer``: reads go over TCP until the next connection, ``retry_seconds`` on."""
@@ -217,10 +225,13 @@ class RdmaPath:
             return []
         try:
             with self._busy:
-                return peer.run(requests)
+                statuses = peer.run(requests)
         except Exception as exc:  # a device error fails the batch as a whole, never hangs it
+            statuses = [TransferStatus(TransferCode.CONNECTION, f"RDMA error: {exc}")] * len(requests)
             peer.broken = True
-            return [TransferStatus(TransferCode.CONNECTION, f"RDMA error: {exc}")] * len(requests)
+        if peer.broken:  # the queue pair is in error: TCP until the next connection, not before
+            self._drop(peer)
+        return statuses
 
     def _settle(self, result: RdmaReadResult, order: list[int], statuses: list[TransferStatus]) -> None:
         """Verify what arrived; what failed or does not match goes to ``redo``, counted."""
@@ -257,9 +268,8 @@ class RdmaPath:
                 pb.ReserveRdmaRequest(keys=keys, sizes=[v.nbytes for v in views], traffic_class=traffic_class,
                                       kind=grpc_status.as_kind(kind), timeout_ms=timeout_ms, epoch=epoch),
                 timeout=self.timeout, metadata=self.metadata)
-        except grpc.RpcError:
-            self._drop(peer)
-            self.local.count(SidecarCounter.RDMA_FALLBACK_HOLD_FAILED)
+        except grpc.RpcError as err:
+            self._refused(peer, err)
             return None
         rid = reply.reservation_id
         codes: list[int] = list(reply.codes)
