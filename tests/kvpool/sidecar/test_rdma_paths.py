@@ -366,3 +366,35 @@ def test_reads_over_a_real_device(h: Any, rng: random.Random) -> None:
             assert node.get(more) == more_values
     finally:
         lc.__exit__(None, None, None)
+
+
+def test_a_node_restart_breaks_the_connection_and_reads_go_on(h: Any, rng: random.Random) -> None:
+    """The node dies and comes back (a new life, a new arena and rkey): the sidecar's reads of
+    that moment go over TCP, exact, and the connection is made again later."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-fabric-") as d:
+        with _env(f"sim:{d}"):
+            lc = LocalCluster(stores=1, sidecars=0, store_bytes=32 * MiB, local_bytes=16 * MiB)
+            lc.__enter__()
+        try:
+            with _env(f"sim:{d}"):
+                lc.add_sidecar(extra_args=SLOW_OK)
+            f = Fabric(lc, d)
+            with _connect(lc, 0) as a:
+                _rdma_up(h, f, a, rng)
+                with _env(f"sim:{d}"):
+                    lc.restart_store(0)
+                keys, values = f.written(rng, [MiB, 33])
+                before = h.counters(a)
+
+                def exact() -> bool:  # the sidecar may need a moment to find the new life
+                    bufs = [np.zeros(len(v), np.uint8) for v in values]
+                    return a.get_into(keys, bufs) == [len(v) for v in values] and \
+                        [x.tobytes() for x in bufs] == values
+                h.wait_for(exact, 60, "the read after the restart")
+                after = h.counters(a)
+                assert _grew(after, before, SidecarCounter.RDMA_READS) == 0
+                assert sum(_grew(after, before, c) for c in SidecarCounter if c.startswith("rdma_fallback_")) >= 1
+                _rdma_up(h, f, a, rng)  # connected again to the new life
+                assert _grew(h.counters(a), after, SidecarCounter.RDMA_CONNECTS) == 1
+        finally:
+            lc.__exit__(None, None, None)
