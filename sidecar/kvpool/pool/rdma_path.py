@@ -208,10 +208,11 @@ class RdmaPath:
 
     def _refused(self, peer: RdmaPeer, err: grpc.RpcError) -> None:
         """A HoldExtents/ReserveRdma call failed: counted; the connection is dropped when the
-        node restarted without a device or did not answer (not when it refused the arguments)."""
+        node lost its device (a restart without one) or is unreachable — not when it was slow
+        (a missed deadline: this batch goes over TCP, the next tries RDMA again) or refused the
+        arguments."""
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-        if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
+        if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
             self._drop(peer)
         self.local.count(SidecarCounter.RDMA_FALLBACK_HOLD_FAILED)
 
