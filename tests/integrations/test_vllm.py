@@ -30,7 +30,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool import LocalCluster
 from kvpool.integrations.common import IntegrationConfigError
+from kvpool.integrations.staging import PathStat
 from kvpool.integrations.vllm import KVPoolConnector
+from kvpool.wire.counters import SidecarCounter
 
 BS = 16  # vLLM block size = kvpool block tokens
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -84,8 +86,8 @@ def kv_cache_config() -> KVCacheConfig:
 class Engine:
     """vLLM's scheduler and a worker-role connector over one paged KV cache."""
 
-    def __init__(self, model_dir: Path, address: str, layout: str = CPU_LAYOUT) -> None:
-        self.config = vllm_config(model_dir, address)
+    def __init__(self, model_dir: Path, address: str, layout: str = CPU_LAYOUT, **extra: Any) -> None:
+        self.config = vllm_config(model_dir, address, **extra)
         kcc = kv_cache_config()
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets after profiling
         self.scheduler = Scheduler(self.config, kcc, StructuredOutputManager(self.config), block_size=BS)
@@ -196,6 +198,8 @@ def test_engine_b_loads_what_engine_a_saved_and_computes_only_the_tail(model_dir
         a.run_to_end()
         assert "a-1" not in a.scheduler.requests
         assert a.worker.stats["saved_blocks"] == 7
+        # Gathered straight into reserved arena extents: no staging, no put copy.
+        assert a.worker.stats[PathStat.ARENA_WRITES] == 7 and a.worker.stats[PathStat.STAGED_WRITES] == 0
         a_blocks = {(name, i): a.block(name, a.block_ids["a-1"][i]) for name in LAYERS for i in range(7)}
         assert ra.is_finished()
     finally:
@@ -205,10 +209,18 @@ def test_engine_b_loads_what_engine_a_saved_and_computes_only_the_tail(model_dir
     try:
         tail = prompt(3, 2 * BS + 3)
         rb = b.add("b-1", shared[:6 * BS + 9] + tail)  # shares 6 full blocks, then diverges mid-block
+        before = b.worker.client.stats()
         so = b.step()
+        after = b.worker.client.stats()
         # vLLM's scheduler took the external hit: it scheduled only the tail.
         assert so.num_scheduled_tokens["b-1"] == len(rb.prompt_token_ids) - 6 * BS
         assert b.worker.stats["loaded_blocks"] == 6 and not b.load_errors
+        # The fast path: every remote block landed in registered staging, none in the arena; the
+        # sidecar fetched them from the pool and its local tier took only B's own saves.
+        st = b.worker.stats
+        assert (st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS], st[PathStat.LOCAL_VIEWS]) == (6, 0, 0)
+        assert after.counters[SidecarCounter.READ_HITS_POOL] - before.counters[SidecarCounter.READ_HITS_POOL] == 6
+        assert after.local_objects - before.local_objects == st["saved_blocks"]
         for i in range(6):
             for name in LAYERS:
                 assert torch.equal(b.block(name, b.block_ids["b-1"][i]), a_blocks[(name, i)]), (name, i)
@@ -279,6 +291,9 @@ def test_bad_configuration_is_refused_with_its_name(model_dir: Path, cluster: Lo
                         kv_cache_config())
     with pytest.raises(IntegrationConfigError, match="unix://"):
         KVPoolConnector(vllm_config(model_dir, "tcp://127.0.0.1:1"), KVConnectorRole.SCHEDULER, kv_cache_config())
+    with pytest.raises(IntegrationConfigError, match="staging_mib"):
+        KVPoolConnector(vllm_config(model_dir, cluster.sidecars[0], staging_mib=-1), KVConnectorRole.SCHEDULER,
+                        kv_cache_config())
     with pytest.raises(IntegrationConfigError, match="lease_ms"):
         KVPoolConnector(vllm_config(model_dir, cluster.sidecars[0], lease_ms=0), KVConnectorRole.SCHEDULER,
                         kv_cache_config())
@@ -295,3 +310,67 @@ def test_keys_come_from_the_configuration_not_the_process(model_dir: Path, clust
     finally:
         c1.shutdown()
         c2.shutdown()
+
+
+def save_prompt(model_dir: Path, address: str, p: list[int], blocks: int) -> dict[tuple[str, int], torch.Tensor]:
+    """Engine A computes and saves ``p`` through ``address``; its blocks' bytes by (layer, index)."""
+    a = Engine(model_dir, address)
+    try:
+        a.add("src", p)
+        a.run_to_end()
+        assert a.worker.stats["saved_blocks"] == blocks
+        return {(name, i): a.block(name, a.block_ids["src"][i]) for name in LAYERS for i in range(blocks)}
+    finally:
+        a.close()
+
+
+def load_prompt(e: Engine, p: list[int], blocks: int, want: dict[tuple[str, int], torch.Tensor]) -> None:
+    e.add("dst", p)
+    so = e.step()
+    assert so.num_scheduled_tokens["dst"] == len(p) - blocks * BS and not e.load_errors
+    assert e.worker.stats["loaded_blocks"] == blocks
+    for i in range(blocks):
+        for name in LAYERS:
+            assert torch.equal(e.block(name, e.block_ids["dst"][i]), want[(name, i)]), (name, i)
+
+
+def test_local_hits_are_read_as_arena_views_not_through_staging(model_dir: Path, cluster: LocalCluster) -> None:
+    p = prompt(31, 5 * BS + 3)
+    want = save_prompt(model_dir, cluster.sidecars[0], p, 5)
+    e = Engine(model_dir, cluster.sidecars[0])  # the sidecar that took the saves: local hits
+    try:
+        load_prompt(e, p, 5, want)
+        st = e.worker.stats
+        assert (st[PathStat.LOCAL_VIEWS], st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS]) == (5, 0, 0)
+    finally:
+        e.close()
+
+
+def test_a_load_larger_than_staging_goes_in_parts_still_registered(model_dir: Path, cluster: LocalCluster) -> None:
+    p = prompt(41, 6 * BS + 1)
+    want = save_prompt(model_dir, cluster.sidecars[0], p, 6)
+    probe = Engine(model_dir, cluster.sidecars[2])
+    obj = 32 + probe.worker._payload
+    probe.close()
+    e = Engine(model_dir, cluster.sidecars[2], staging_mib=4 * obj / 2**20)  # 4 slots for 6 blocks
+    try:
+        assert e.worker._path is not None and e.worker._path.pool.slots == 4
+        load_prompt(e, p, 6, want)
+        st = e.worker.stats
+        assert (st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS]) == (6, 0)
+        assert e.worker._path.pool.free == 4  # every slot back after the step
+    finally:
+        e.close()
+
+
+def test_without_staging_remote_blocks_land_in_the_arena_and_are_counted(model_dir: Path,
+                                                                         cluster: LocalCluster) -> None:
+    p = prompt(51, 3 * BS + 1)
+    want = save_prompt(model_dir, cluster.sidecars[0], p, 3)
+    e = Engine(model_dir, cluster.sidecars[1], staging_mib=0)
+    try:
+        load_prompt(e, p, 3, want)
+        st = e.worker.stats
+        assert (st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS]) == (0, 3)
+    finally:
+        e.close()

@@ -36,7 +36,7 @@ from kvpool.client.link import SidecarLink
 from kvpool.client.ranged import RangedReads
 from kvpool.client.results import Blocks, HandoffResult, RangeReads, Reads
 from kvpool.client.session import FastSession, RegistrationRefused
-from kvpool.client.writes import put_rounds
+from kvpool.client.writes import Reservation, put_rounds, reserve
 from kvpool.core import errors
 from kvpool.core import handoff_record as _ho
 from kvpool.core.buffers import Buffer, as_bytes_view
@@ -145,11 +145,14 @@ class Client:
                 self.release(lid)
         return n
 
-    def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int]:
-        """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`)."""
+    def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None,
+                    local_only: bool = False) -> tuple[int, int]:
+        """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`).
+        ``local_only``: the prefix in the sidecar's local tier only (no pool lookup: no round
+        trip beyond the sidecar), what a reader serves as views of the arena."""
         if not keys:
             return 0, 0
-        prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms,
+        prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms, local_only,
                                                timeout=self.deadlines.match_seconds)
         return prefix, lease_id
 
@@ -357,6 +360,19 @@ class Client:
             write_from_memory(self._fast, self._regions, self._copier, keys, values, views, codes, traffic_class,
                               kind)
         return codes
+
+    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], traffic_class: str = DEFAULT_TRAFFIC_CLASS,
+                kind: int = pb.BLOCK) -> Reservation:
+        """A put without its copy: arena extents of ``sizes`` bytes for ``keys`` that the caller
+        fills in place (``Reservation.views``), then ``Reservation.commit()`` publishes them
+        (written to the pool in the background, as :meth:`put`).  Items not reserved keep their
+        code (ALREADY_EXISTS; NO_SPACE / TOO_LARGE: put those with :meth:`put`, which streams
+        what the local tier cannot take to the pool)."""
+        if len(keys) != len(sizes):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        bound = min(self.timeout, self.deadlines.other_seconds)
+        return reserve(self._fast, self._link.life, keys, [int(s) for s in sizes], traffic_class, kind,
+                       self.deadlines.write_seconds, bound)
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
         request = pb.RemoveRequest(keys=pack_keys(keys), kind=grpc_status.as_kind(kind))

@@ -4,6 +4,8 @@ A batch larger than the free local tier goes in rounds (:func:`kvpool.core.spill
 each round reserves what fits, and the sidecar writes a round that left items out to the pool
 before answering its commit, so the next round can evict those clean copies.  One memcpy per
 object into the arena (numpy's, big batches over two threads), its checksum hashed beside it.
+:class:`Reservation` is the put without that copy: the caller writes the objects into the
+reserved extents itself (an engine gathering its KV straight into the arena).
 """
 
 from __future__ import annotations
@@ -65,3 +67,44 @@ def _put_round(fast: FastSession, life: Callable[[int], ArenaMap], copier: Copie
         if c == pb.OK:
             codes[i] = final[i]
     return reserved, codes
+
+
+class Reservation:
+    """Arena extents reserved for a put, which the caller fills in place, then :meth:`commit`
+    (``Client.reserve``): the put's copy into the arena is the caller's own write (an engine
+    gathers its KV straight into them).  ``codes``: the reservation's per-item codes; ``views``:
+    a writable view of each item reserved (OK), None for the others (ALREADY_EXISTS: present
+    already; NO_SPACE / TOO_LARGE: no room in the local tier, put them with ``Client.put``,
+    which streams them to the pool; ...).  One commit; a reservation never committed lapses at
+    the sidecar's reservation expiry (nothing becomes visible)."""
+
+    def __init__(self, fast: FastSession, m: ArenaMap, codes: list[int], offsets: Sequence[int], sizes: list[int],
+                 reservation_id: int, commit_bound: float) -> None:
+        self.codes = list(codes)
+        self.views: list[memoryview | None] = [m.rw[o:o + s] if c == pb.OK and reservation_id else None
+                                               for c, o, s in zip(codes, offsets, sizes, strict=True)]
+        self._fast, self._map, self._rid, self._bound = fast, m, reservation_id, commit_bound
+        self._done = False
+
+    def commit(self) -> list[int]:
+        """Publish the filled items (their checksums hashed here, as ``put`` does): the final
+        per-item codes (LEASE_EXPIRED for all when the sidecar restarted meanwhile)."""
+        if self._done:
+            raise RuntimeError("reservation committed twice")
+        self._done = True
+        if not self._rid:
+            return list(self.codes)
+        sums = [checksum(v) if v is not None else 0 for v in self.views]
+        final = self._fast.write_commit(self._rid, sums, self._map.incarnation, 0, timeout=self._bound)
+        return [f if c == pb.OK else c for c, f in zip(self.codes, final, strict=True)]
+
+
+def reserve(fast: FastSession, life: Callable[[int], ArenaMap], keys: Sequence[bytes], sizes: list[int],
+            traffic_class: str, kind: int, write_bound: float, pool_bound: float) -> Reservation:
+    """One WRITE_START: the reservation to fill (``life``: the arena mapping of a sidecar life).
+    Its commit may write to the pool first when items were left out (the sidecar streams a
+    round that did not fit), so it is bounded by ``pool_bound`` then."""
+    codes, offsets, rid, inc = fast.write_start(pack_keys(keys), sizes, kind, traffic_class, timeout=write_bound)
+    bound = pool_bound if pb.NO_SPACE in codes else write_bound
+    return Reservation(fast, life(inc), codes, offsets, sizes, rid, bound)
+

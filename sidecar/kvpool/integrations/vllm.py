@@ -55,6 +55,7 @@ from kvpool.integrations.common import (
     sidecar_address,
 )
 from kvpool.integrations.common import write_header as _write_header
+from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, Landing, staging_settings
 from kvpool.wire.proto import store_pb2 as pb
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ SETTINGS = {
     "traffic_class": "the traffic class of saved blocks (TTL class of the pool; default "
                      f"{DEFAULT_TRAFFIC_CLASS})",
     "lease_ms": "how long a match pins the matched blocks for the load that follows (default 10000)",
+    "staging_mib": "registered memory (MiB, allocated once per worker) remote blocks land in before their copy "
+                   f"into the paged cache (default {DEFAULT_STAGING_MIB}; 0: through the sidecar's arena)",
+    "staging_wait_ms": "unused by vLLM's loads (one thread: a step short of staging copies in what it landed "
+                       "and reuses the slots); accepted for symmetry with the other integrations",
     "save": "store new prompt blocks (default true)",
     "load": "load matched blocks (default true)",
 }
@@ -216,7 +221,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._layers: list[_Layer] = []
         self._payload = 0
         self._layout = 0
-        self._loading: list[tuple[BlockRange, Any, int]] = []  # (range, views, count)
+        self._staging = staging_settings(dict(self._kv_transfer_config.kv_connector_extra_config or {}),
+                                         "kv_connector_extra_config")
+        self._path: FastPath | None = None  # the worker's data path, made with the caches' layout
+        self._loading: list[tuple[tuple[int, ...], Landing, int]] = []  # (block ids, landed objects, count)
         self._layers_loaded: set[str] = set()
         self._load_errors: set[int] = set()
         self._step_saves: list[BlockRange] = []
@@ -386,6 +394,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         num_blocks = int(self._kv_cache_config.num_blocks)
         self._layers, self._payload, self._layout = layout_of(kv_caches, num_blocks)
         self._by_name = {ly.name: ly for ly in self._layers}
+        if self._path is not None:
+            self._path.close()
+        self._path = FastPath(self.client, HEADER_BYTES + self._payload, self._staging[0], 0.0, self.stats,
+                              self.settings.lease_ms)
 
     def _require_caches(self) -> None:
         if not self._layers:
@@ -402,37 +414,42 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._fetch(rng)
 
     def _fetch(self, rng: BlockRange) -> None:
+        """Land the range's blocks (local hits as arena views, the rest in staging slots) and
+        check them; the copies into the paged cache follow layer by layer.  A range larger
+        than the free slots goes in parts: the blocks landed before are copied in first (all
+        layers), which frees their slots — staging stays bounded, and never waits on itself."""
+        path = self._path
+        assert path is not None
         keys = self._my_space(rng.space).block_keys(rng.tokens)[rng.first:]
         n = len(rng.block_ids)
-        got: Any = None
-        try:
-            got = self.client.get(keys)
-        except errors.NotFound:
-            # Evicted between match and load: take the prefix still there, report the rest.
-            try:
-                have = self.client.match(keys)
-                got = self.client.get(keys[:have]) if have else None
-            except errors.KvpoolError:
-                got = None
-        except errors.KvpoolError as exc:
-            log.warning("kvpool load of %d blocks failed: %s", n, exc)
-        views = list(got) if got is not None else []
-        good = 0
-        for v in views:
-            why = check_object(v, self._layout)
-            if why is not None:
-                log.warning("kvpool block %d of request %s not loaded: %s", rng.first + good, rng.req_id, why)
+        step = path.pool.slots or n
+        done = 0
+        while done < n:
+            part = keys[done:done + step]
+            if path.pool.slots and path.pool.free < len(part) and self._loading:
+                self._finish_loads()
+            land = path.read(part, wait_s=0.0)
+            good = 0
+            for v in land.views[:land.prefix]:
+                assert v is not None
+                why = check_object(v, self._layout)
+                if why is None and len(v) != HEADER_BYTES + self._payload:
+                    why = f"object of {len(v)} bytes, this layout's is {HEADER_BYTES + self._payload}"
+                if why is not None:
+                    log.warning("kvpool block %d of request %s not loaded: %s", rng.first + done + good, rng.req_id,
+                                why)
+                    break
+                good += 1
+            if good:
+                self._loading.append((rng.block_ids[done:done + good], land, good))
+            else:
+                land.release()
+            done += good
+            if good < len(part):
                 break
-            if len(v) != HEADER_BYTES + self._payload:
-                break
-            good += 1
-        if good < n:
-            self._load_errors.update(rng.block_ids[good:])
-            self.stats["load_errors"] += n - good
-        if good:
-            self._loading.append((rng, got, good))
-        elif got is not None:
-            got.release()
+        if done < n:
+            self._load_errors.update(rng.block_ids[done:])
+            self.stats["load_errors"] += n - done
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading or layer_name in self._layers_loaded:
@@ -448,13 +465,13 @@ class KVPoolConnector(KVConnectorBase_V1):
     def _copy_in(self, ly: _Layer) -> None:
         start = HEADER_BYTES + ly.offset
         with warnings.catch_warnings():
-            # The views are read-only (the sidecar's arena): torch warns that writing through
-            # them is undefined; we only read.
+            # Views of local hits are read-only (the sidecar's arena): torch warns that writing
+            # through them is undefined; we only read.
             warnings.simplefilter("ignore", UserWarning)
-            for rng, views, good in self._loading:
+            for ids, land, good in self._loading:
                 for i in range(good):
-                    src = torch.frombuffer(views[i], dtype=torch.uint8, count=ly.nbytes, offset=start)
-                    dst = ly.tensor.select(ly.block_dim, rng.block_ids[i])
+                    src = torch.frombuffer(land.views[i], dtype=torch.uint8, count=ly.nbytes, offset=start)
+                    dst = ly.tensor.select(ly.block_dim, ids[i])
                     dst.copy_(src.view(ly.tensor.dtype).view(ly.block_shape))
 
     def _finish_loads(self) -> None:
@@ -463,9 +480,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             for ly in self._layers:
                 if ly.name not in self._layers_loaded:
                     self._copy_in(ly)
-            for _, views, good in self._loading:
+            for _, land, good in self._loading:
                 self.stats["loaded_blocks"] += good
-                views.release()
+                land.release()
         self._loading = []
         self._layers_loaded = set()
 
@@ -488,20 +505,22 @@ class KVPoolConnector(KVConnectorBase_V1):
                 self._had_saves.add(rng.req_id)
 
     def _save(self, rng: BlockRange) -> None:
+        """Gather the range's blocks from the paged cache straight into reserved arena extents
+        (every layer's slice of a block, then its header) and commit them: one copy."""
+        path = self._path
+        assert path is not None
         n = len(rng.block_ids)
         keys = self._my_space(rng.space).block_keys(rng.tokens)[rng.first:rng.first + n]
-        idx = torch.tensor(rng.block_ids, dtype=torch.long)
-        buf = torch.empty((n, HEADER_BYTES + self._payload), dtype=torch.uint8)
-        for ly in self._layers:
-            g = ly.tensor.index_select(ly.block_dim, idx.to(ly.tensor.device)).movedim(ly.block_dim, 0)
-            g = g.contiguous().cpu().reshape(n, -1).view(torch.uint8)
-            buf[:, HEADER_BYTES + ly.offset:HEADER_BYTES + ly.offset + ly.nbytes] = g
-        arr = buf.numpy()
-        rows = [memoryview(arr[i]) for i in range(n)]
-        for r in rows:
-            _write_header(r, self._layout)
+
+        def fill(i: int, obj: memoryview) -> None:
+            bid = rng.block_ids[i]
+            for ly in self._layers:
+                dst = torch.frombuffer(obj, dtype=torch.uint8, count=ly.nbytes, offset=HEADER_BYTES + ly.offset)
+                dst.view(ly.tensor.dtype).view(ly.block_shape).copy_(ly.tensor.select(ly.block_dim, bid))
+            _write_header(obj, self._layout)
+
         try:
-            codes = self.client.put(keys, rows, traffic_class=self.settings.traffic_class)
+            codes = path.write(keys, [HEADER_BYTES + self._payload] * n, fill, self.settings.traffic_class)
         except errors.KvpoolError as exc:
             log.warning("kvpool save of %d blocks failed: %s", n, exc)
             self.stats["save_refused"] += n
@@ -547,4 +566,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._saver.shutdown(wait=True)
+        self._finish_loads()
+        if self._path is not None:
+            self._path.close()
         self.client.close()

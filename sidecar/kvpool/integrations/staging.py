@@ -1,0 +1,296 @@
+"""The engine integrations' data path: reads land in registered staging memory, writes go straight
+into the sidecar's arena.
+
+What the engines call reads and writes kvpool objects through here (vLLM's connector, SGLang's
+HiCache backend, LMCache's remote connector), so each pays the fewest copies kvpool can offer:
+
+- **Remote reads** (objects not in the sidecar's local tier) land with ``Client.get_into`` in a
+  :class:`StagingPool`: registered memory from ``Client.alloc_buffer``, allocated once and reused
+  (its pages stay mapped and cache-warm), that the sidecar writes the pool's bytes into directly.
+  The integration then makes its one copy into the engine's memory (vLLM's paged cache, SGLang's
+  host pages, LMCache's memory objects).  No arena extent is taken for them (the local tier is
+  left as it was: a read-through, as Mooncake's registered buffers are).
+- **Local hits** (the leading run of keys the sidecar's arena has: one local-only match, no
+  round trip beyond the sidecar) are read with ``Client.get_many`` as views of the arena, zero
+  copy, and the integration copies them once into the engine's memory, as before.  Read into
+  staging, they would cost a second copy (the sidecar's, arena to staging).
+- **Writes** reserve arena extents (``Client.reserve``) and the engine's bytes are gathered
+  straight into them, then committed: one copy, where the integrations used to gather into a
+  fresh buffer (cold pages, faulted in on every save) and ``put`` copied it again.  Items the
+  local tier has no room for go with ``Client.put`` from staging (which streams them to the pool).
+
+Why not land straight in the engine's memory: the sidecar maps only memfd regions made by
+``alloc_buffer``, and every engine allocates its KV memory itself before kvpool is attached
+(vLLM's paged cache; SGLang's host pool, pinned for CUDA, in ``HostKVCache.__init__``; LMCache's
+allocator, behind ``local_cpu_backend``); an object is also framed (32-byte header, LMCache's
+metadata) and a vLLM block is spread over every layer's tensor, so even registered engine memory
+could not take an object as one contiguous landing.
+
+Micro-measurements: MEASUREMENTS
+
+Counters (:class:`PathStat`, in each integration's ``stats``) prove which path was taken.  Pure
+Python and numpy: no engine, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.core import errors
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
+from kvpool.integrations.common import IntegrationConfigError
+from kvpool.wire.proto import store_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STAGING_MIB = 64
+DEFAULT_STAGING_WAIT_MS = 50
+
+
+class PathStat(enum.StrEnum):
+    """Which path each object took (keys of an integration's ``stats``)."""
+
+    REGISTERED_LANDINGS = "registered_landings"
+    """Objects a remote read landed in registered staging memory (the fast path)."""
+    ARENA_LANDINGS = "arena_landings"
+    """Objects a remote read landed in the sidecar's arena (staging full past its wait, an
+    object larger than a slot, or staging the sidecar refused to map)."""
+    LOCAL_VIEWS = "local_views"
+    """Local hits read as views of the sidecar's arena (zero copy)."""
+    STAGING_WAITS = "staging_waits"
+    """Reads or writes that waited for a staging slot."""
+    ARENA_WRITES = "arena_writes"
+    """Objects written in place into reserved arena extents (one copy)."""
+    STAGED_WRITES = "staged_writes"
+    """Objects put from staging or a temporary buffer (the local tier had no room: ``put``
+    streams them to the pool)."""
+
+
+def path_stats() -> dict[str, int]:
+    return {str(s): 0 for s in PathStat}
+
+
+def staging_settings(extra: MutableMapping[str, Any] | dict[str, Any], where: str) -> tuple[int, float]:
+    """``staging_mib`` (registered memory for remote reads, allocated once; 0: none, reads
+    land in the arena) and
+    ``staging_wait_ms`` (how long a read waits for a free slot before going through the arena)
+    from an integration's configuration, checked."""
+    mib = extra.get("staging_mib", DEFAULT_STAGING_MIB)
+    wait = extra.get("staging_wait_ms", DEFAULT_STAGING_WAIT_MS)
+    for name, v in (("staging_mib", mib), ("staging_wait_ms", wait)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+            raise IntegrationConfigError(f"{where}.{name} must be a number >= 0, got {v!r}")
+    return int(mib * (1 << 20)), float(wait) / 1000.0
+
+
+class StagingPool:
+    """Fixed slots of registered memory (one ``alloc_buffer`` region, allocated once), each the
+    size of the largest object the integration reads; thread-safe.  :meth:`acquire` takes free
+    slots, waiting at most its deadline for the first one."""
+
+    def __init__(self, client: Any, slot_bytes: int, total_bytes: int) -> None:
+        self.client = client
+        self.slot_bytes = max(1, int(slot_bytes))
+        self.slots = total_bytes // self.slot_bytes
+        self._mem: np.ndarray | None = client.alloc_buffer(self.slots * self.slot_bytes) if self.slots else None
+        self._free = list(range(self.slots - 1, -1, -1))  # popped from the end: slot 0 first, kept warm
+        self._cond = threading.Condition()
+
+    @property
+    def registered(self) -> bool:
+        """Whether ``get_into`` of the slots lands bytes directly (the sidecar mapped the region)."""
+        return self._mem is not None and bool(self.client.is_registered(self._mem[:1]))
+
+    def acquire(self, n: int, wait_s: float) -> tuple[list[int], bool]:
+        """Up to ``n`` free slots (fewer when fewer are free; none when none came free within
+        ``wait_s``) and whether it waited."""
+        if n <= 0 or not self.slots:
+            return [], False
+        deadline = time.monotonic() + wait_s
+        waited = False
+        with self._cond:
+            while not self._free:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return [], waited
+                waited = True
+                self._cond.wait(left)
+            take = min(n, len(self._free))
+            got = self._free[-take:][::-1]
+            del self._free[-take:]
+            return got, waited
+
+    @property
+    def free(self) -> int:
+        """Slots free now."""
+        return len(self._free)
+
+    def view(self, slot: int) -> np.ndarray:
+        assert self._mem is not None
+        return self._mem[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+
+    def release(self, slots: Sequence[int]) -> None:
+        if slots:
+            with self._cond:
+                self._free.extend(reversed(slots))
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        if self._mem is not None:
+            try:
+                self.client.free_buffer(self._mem)
+            except errors.KvpoolError:
+                pass  # the client is closed already: its regions went with it
+            self._mem = None
+
+
+class Landing:
+    """A read's objects: per key a view (arena view of a local hit, or a staging slot) or None,
+    valid until :meth:`release` (which drops the arena lease and gives the slots back)."""
+
+    def __init__(self, n: int, pool: StagingPool | None) -> None:
+        self.views: list[memoryview | None] = [None] * n
+        self._leased: list[Any] = []
+        self._slots: list[int] = []
+        self._pool = pool
+
+    @property
+    def prefix(self) -> int:
+        """How many keys from the start have a view."""
+        return next((i for i, v in enumerate(self.views) if v is None), len(self.views))
+
+    def release(self) -> None:
+        for r in self._leased:
+            r.release()
+        self._leased = []
+        if self._pool is not None:
+            self._pool.release(self._slots)
+        self._slots = []
+
+    def __enter__(self) -> Landing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class FastPath:
+    """One integration's reads and writes through the fastest path (see the module docstring).
+
+    ``object_bytes``: the largest object the integration reads (a staging slot's size);
+    ``stats``: the integration's stats, where :class:`PathStat` counts go."""
+
+    def __init__(self, client: Any, object_bytes: int, staging_bytes: int, wait_s: float,
+                 stats: MutableMapping[str, int], lease_ms: int = 10000) -> None:
+        self.client = client
+        self.pool = StagingPool(client, object_bytes, staging_bytes)
+        self.wait_s = wait_s
+        self.stats = stats
+        self.lease_ms = lease_ms
+        for s in PathStat:
+            stats.setdefault(str(s), 0)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def read(self, keys: Sequence[bytes], wait_s: float | None = None) -> Landing:
+        """Views of ``keys`` (the leading run that could be read; None after a miss): local hits
+        in the arena, the rest landed in staging slots (through the arena only when no slot came
+        free within ``wait_s``, default the pool's wait).  Errors of the sidecar are misses."""
+        land = Landing(len(keys), self.pool)
+        try:
+            n_local, lease = self.client.match_lease(keys, self.lease_ms, local_only=True)
+            if n_local:
+                reads = self.client.get_many(keys[:n_local], lease_id=lease)
+                land._leased.append(reads)
+                for i, v in enumerate(reads.views[:reads.prefix]):
+                    land.views[i] = v
+                self.stats[PathStat.LOCAL_VIEWS] += reads.prefix
+                if reads.prefix < n_local:
+                    return land  # a local hit vanished under the read: the prefix ends there
+            self._read_remote(keys, n_local, land, self.wait_s if wait_s is None else wait_s)
+        except errors.KvpoolError as exc:
+            log.warning("kvpool read of %d objects stopped (%s): the rest are misses", len(keys), exc)
+        return land
+
+    def _read_remote(self, keys: Sequence[bytes], start: int, land: Landing, wait_s: float) -> None:
+        i = start
+        while i < len(keys):
+            slots, waited = self.pool.acquire(len(keys) - i, wait_s)
+            self.stats[PathStat.STAGING_WAITS] += waited
+            if not slots or not self.pool.registered:
+                self.pool.release(slots)
+                self._read_arena(keys, i, land)
+                return
+            land._slots.extend(slots)
+            bufs = [self.pool.view(s) for s in slots]
+            part = keys[i:i + len(slots)]
+            try:
+                sizes = self.client.get_into(part, bufs)
+            except errors.InvalidArgument:
+                # An object larger than a slot (not one this engine wrote: it fails its checks
+                # anyway, or a larger chunk): read through the arena, where any size fits.
+                self._read_arena(keys, i, land)
+                return
+            for j, size in enumerate(sizes):
+                if size < 0:
+                    return  # the prefix ends at the first miss
+                land.views[i + j] = memoryview(bufs[j])[:size]
+                self.stats[PathStat.REGISTERED_LANDINGS] += 1
+            i += len(slots)
+
+    def _read_arena(self, keys: Sequence[bytes], start: int, land: Landing) -> None:
+        reads = self.client.get_many(keys[start:])
+        land._leased.append(reads)
+        for j, v in enumerate(reads.views[:reads.prefix]):
+            land.views[start + j] = v
+        self.stats[PathStat.ARENA_LANDINGS] += reads.prefix
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def write(self, keys: Sequence[bytes], sizes: Sequence[int], fill: Callable[[int, memoryview], None],
+              traffic_class: str = DEFAULT_TRAFFIC_CLASS) -> list[int]:
+        """Store objects of ``sizes`` bytes that ``fill(i, view)`` writes (the whole object:
+        its header too) into ``view``: in place in reserved arena extents, or, for those the
+        local tier had no room for, into staging (a temporary buffer when staging is busy) and
+        ``put`` from there.  Per-item codes (OK / ALREADY_EXISTS: stored)."""
+        if not keys:
+            return []
+        res = self.client.reserve(keys, sizes, traffic_class)
+        for i, v in enumerate(res.views):
+            if v is not None:
+                fill(i, v)
+        codes = res.commit()
+        self.stats[PathStat.ARENA_WRITES] += sum(v is not None for v in res.views)
+        left = [i for i, c in enumerate(res.codes) if c in (pb.NO_SPACE, pb.TOO_LARGE)]
+        if left:
+            for i, c in zip(left, self._put_staged([keys[i] for i in left], [sizes[i] for i in left],
+                                                   lambda j, v: fill(left[j], v), traffic_class), strict=True):
+                codes[i] = c
+        return codes
+
+    def _put_staged(self, keys: list[bytes], sizes: list[int], fill: Callable[[int, memoryview], None],
+                    traffic_class: str) -> list[int]:
+        fits = max(sizes) <= self.pool.slot_bytes
+        slots, waited = self.pool.acquire(len(keys), self.wait_s) if fits else ([], False)
+        self.stats[PathStat.STAGING_WAITS] += waited
+        try:
+            bufs: list[Any] = [self.pool.view(s)[:n] for s, n in zip(slots, sizes, strict=False)]
+            bufs += [bytearray(n) for n in sizes[len(slots):]]
+            views = [memoryview(b).cast("B") for b in bufs]
+            for j, v in enumerate(views):
+                fill(j, v)
+            codes = self.client.put(keys, views, traffic_class=traffic_class)
+        finally:
+            self.pool.release(slots)
+        self.stats[PathStat.STAGED_WRITES] += len(keys)
+        return list(codes)
+
+    def close(self) -> None:
+        self.pool.close()
