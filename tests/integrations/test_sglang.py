@@ -38,6 +38,8 @@ from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from kvpool import LocalCluster  # noqa: E402
 from kvpool.integrations.common import IntegrationConfigError  # noqa: E402
 from kvpool.integrations.sglang import KVPoolHiCacheStorage  # noqa: E402
+from kvpool.integrations.staging import PathStat  # noqa: E402
+from kvpool.wire.counters import SidecarCounter  # noqa: E402
 
 PAGE, HEADS, LAYERS, DIM = 16, 2, 2, 16
 
@@ -97,6 +99,8 @@ def test_v1_pages_round_trip_between_two_engines(cluster: LocalCluster) -> None:
     keys = [f"{i:064x}" for i in range(1, 6)]
     fill(ha, 3, 5, seed=1)
     assert a.batch_set_v1(keys, page_indices(3, 5)) == [True] * 5
+    # Copied from the host pages straight into reserved arena extents (no framing buffer, no put copy).
+    assert (a.stats[PathStat.ARENA_WRITES], a.stats[PathStat.STAGED_WRITES]) == (5, 0)
     want = pages(ha, 3, 5)
     a.close()
 
@@ -104,14 +108,38 @@ def test_v1_pages_round_trip_between_two_engines(cluster: LocalCluster) -> None:
     try:
         assert b.batch_exists(keys) == 5
         assert b.batch_exists(keys[:2] + ["f" * 64] + keys[3:]) == 2  # the leading run of hits
+        before = b.client.stats()
         assert b.batch_get_v1(keys, page_indices(10, 5)) == [True] * 5
+        after = b.client.stats()
         got = pages(hb, 10, 5)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        # The fast path: fetched from the pool into registered staging, nothing landed in the arena.
+        assert (b.stats[PathStat.REGISTERED_LANDINGS], b.stats[PathStat.ARENA_LANDINGS],
+                b.stats[PathStat.LOCAL_VIEWS]) == (5, 0, 0)
+        assert after.counters[SidecarCounter.READ_HITS_POOL] - before.counters[SidecarCounter.READ_HITS_POOL] == 5
+        assert after.local_objects == before.local_objects
         # Misses: unknown pages are not found and leave the host pool alone.
         before = pages(hb, 20, 2)
         assert b.batch_exists(["e" * 64, "d" * 64]) == 0
         assert b.batch_get_v1(["e" * 64, "d" * 64], page_indices(20, 2)) == [False, False]
         assert all(torch.equal(x, y) for x, y in zip(pages(hb, 20, 2), before, strict=True))
+    finally:
+        b.close()
+
+
+def test_local_hits_are_copied_from_arena_views_not_staged(cluster: LocalCluster) -> None:
+    a, ha = backend(cluster.sidecars[0])
+    keys = [f"l{i:063x}" for i in range(3)]
+    fill(ha, 0, 3, seed=3)
+    assert a.batch_set_v1(keys, page_indices(0, 3)) == [True] * 3
+    want = pages(ha, 0, 3)
+    a.close()
+    b, hb = backend(cluster.sidecars[0])  # the same sidecar: its arena has them
+    try:
+        assert b.batch_get_v1(keys, page_indices(4, 3)) == [True] * 3
+        assert all(torch.equal(g, w) for g, w in zip(pages(hb, 4, 3), want, strict=True))
+        assert (b.stats[PathStat.LOCAL_VIEWS], b.stats[PathStat.REGISTERED_LANDINGS],
+                b.stats[PathStat.ARENA_LANDINGS]) == (3, 0, 0)
     finally:
         b.close()
 
@@ -272,6 +300,9 @@ def test_controller_backup_thread_stores_and_prefetch_thread_loads_exact_pages(c
         op, loaded = prefetch(b, "b", tokens)
         assert loaded == len(tokens)
         assert all(torch.equal(g, w) for g, w in zip(host_pages(hb, op.host_indices), want, strict=True))
+        # SGLang's prefetch thread read them through the fast path: landed in registered staging.
+        assert b.storage_backend.stats[PathStat.REGISTERED_LANDINGS] == 4
+        assert b.storage_backend.stats[PathStat.ARENA_LANDINGS] == 0
         # A request sharing the first two pages only: the hash chain hits exactly those two.
         op, loaded = prefetch(b, "b-fork", tokens[:2 * PAGE] + tokens_of(5000, 2))
         assert op.storage_hit_count == 2 * PAGE and loaded == 2 * PAGE

@@ -11,8 +11,12 @@ hash (SGLang's string key) becomes a 32-byte kvpool key: SHA-256 of it inside a 
 the model and the TP/PP rank (MLA pages are rank-independent), plus the host pool's page layout.
 Objects are framed by :mod:`kvpool.integrations.common` (layout fingerprint + checksum): a damaged
 or foreign page is a miss.  ``batch_exists`` is one match (the leading run of hits);
-``batch_get_v1`` / ``batch_set_v1`` copy straight between the sidecar's arena and the host pool's
-pages (one copy each way, no intermediate tensor on the read side).
+``batch_get_v1`` / ``batch_set_v1`` move pages through :mod:`kvpool.integrations.staging`: a page
+the sidecar's arena has is copied from it into the host pool (one copy), a page from the pool
+lands in registered staging memory (``staging_mib``, allocated once) and is copied from there;
+a saved page is copied from the host pool straight into a reserved arena extent (one copy).  The
+host pool cannot itself be the landing: SGLang allocates it (pinned for CUDA) before the backend
+is attached, and the sidecar writes only into memory kvpool allocated.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from kvpool.core.keys import KeySpace
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
 from kvpool.integrations.common import write_header as _write_header
+from kvpool.integrations.staging import FastPath, staging_settings
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
-OUR_KEYS = ("address", "traffic_class")
+OUR_KEYS = ("address", "traffic_class", "staging_mib", "staging_wait_ms")
+TEXT_KEYS = ("address", "traffic_class")
 
 
 class KVPoolHiCacheStorage(HiCacheStorage):
@@ -43,7 +49,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         for k, v in extra.items():
-            if k in OUR_KEYS and not isinstance(v, str):
+            if k in TEXT_KEYS and not isinstance(v, str):
                 raise IntegrationConfigError(f"hicache extra config {k} must be a string, got {v!r}")
         unknown = sorted(set(extra) - set(SGLANG_KEYS) - set(OUR_KEYS))
         if unknown:
@@ -52,6 +58,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.address = sidecar_address(extra)
         self.traffic_class = str(extra.get("traffic_class", DEFAULT_TRAFFIC_CLASS))
+        self._staging = staging_settings(extra, "hicache extra config")
+        self._path: FastPath | None = None  # made when the host pool's page size is known
         rank = "mla" if storage_config.is_mla_model else f"tp{storage_config.tp_rank}/{storage_config.tp_size}"
         self._space_fields = (str(storage_config.model_name or ""), f"{rank},pp{storage_config.pp_rank}/"
                                                                     f"{storage_config.pp_size}")
@@ -74,42 +82,37 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                                    tuple(mem_pool_host.get_data_page(0, flat=False).shape), str(page.dtype)])
         self._seed = KeySpace(self._space_fields[0], layout=self._space_fields[1],
                               extra={"engine": "sglang", "pages": f"{self.layout:016x}"}).seed
+        if self._path is not None:
+            self._path.close()
+        self._path = FastPath(self.client, HEADER_BYTES + self.page_bytes, self._staging[0], self._staging[1],
+                              self.stats)
+
+    def _data_path(self) -> FastPath:
+        if self._path is None:  # the v0 interface used before any host pool: pages of unknown size
+            self._path = FastPath(self.client, 0, 0, self._staging[1], self.stats)
+        return self._path
 
     # -- keys and framing ----------------------------------------------------------------------
 
     def pool_key(self, key: str) -> bytes:
         return hashlib.sha256(self._seed + key.encode()).digest()
 
-    def _frame(self, value: torch.Tensor) -> memoryview:
-        flat = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-        buf = torch.empty(HEADER_BYTES + flat.numel(), dtype=torch.uint8)
-        buf[HEADER_BYTES:] = flat
-        mv = memoryview(buf.numpy())
-        _write_header(mv, self.layout)
-        return mv
-
     def _fetch(self, keys: list[str]) -> tuple[list[memoryview | None], Any]:
-        """Views of the leading run of present, intact objects (None after it) and their lease."""
-        pk = [self.pool_key(k) for k in keys]
+        """Views of the leading run of present, intact objects (None after it) and what holds them."""
+        land = self._data_path().read([self.pool_key(k) for k in keys])
         out: list[memoryview | None] = [None] * len(keys)
-        got = None
-        try:
-            have = self.client.match(pk)
-            if have:
-                got = self.client.get(pk[:have])
-                for i, v in enumerate(got):
-                    why = check_object(v, self.layout)
-                    if why is not None:
-                        log.warning("kvpool page %d not loaded: %s", i, why)
-                        self.stats["rejected"] += 1
-                        break
-                    out[i] = v
-        except errors.KvpoolError as exc:
-            log.warning("kvpool get of %d pages failed: %s", len(keys), exc)
+        for i, v in enumerate(land.views[:land.prefix]):
+            assert v is not None
+            why = check_object(v, self.layout)
+            if why is not None:
+                log.warning("kvpool page %d not loaded: %s", i, why)
+                self.stats["rejected"] += 1
+                break
+            out[i] = v
         hits = sum(o is not None for o in out)
         self.stats["hits"] += hits
         self.stats["misses"] += len(keys) - hits
-        return out, got
+        return out, land
 
     @staticmethod
     def _copy(view: memoryview, dst: torch.Tensor) -> bool:
@@ -127,9 +130,17 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             raise IntegrationConfigError(f"{len(keys)} keys but {len(values)} values")
         if not keys:
             return []
+        values = [v.detach() for v in values]
+        sizes = [HEADER_BYTES + v.numel() * v.element_size() for v in values]
+
+        def fill(i: int, obj: memoryview) -> None:
+            v = values[i]
+            dst = torch.frombuffer(obj, dtype=torch.uint8, count=sizes[i] - HEADER_BYTES, offset=HEADER_BYTES)
+            dst.view(v.dtype).view(v.shape).copy_(v)  # the page's strides, gathered in this one copy
+            _write_header(obj, self.layout)
+
         try:
-            codes = self.client.put([self.pool_key(k) for k in keys], [self._frame(v) for v in values],
-                                    traffic_class=self.traffic_class)
+            codes = self._data_path().write([self.pool_key(k) for k in keys], sizes, fill, self.traffic_class)
         except errors.KvpoolError as exc:
             log.warning("kvpool put of %d pages failed: %s", len(keys), exc)
             self.stats["refused"] += len(keys)
@@ -217,4 +228,6 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         return dict(self.stats)
 
     def close(self) -> None:
+        if self._path is not None:
+            self._path.close()
         self.client.close()
