@@ -25,6 +25,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from kvpool import LocalCluster
 from kvpool.integrations.common import IntegrationConfigError
 from kvpool.integrations.lmcache import KVPoolRemoteConnector
+from kvpool.integrations.staging import PathStat
 
 CHUNK = 32
 LAYERS, HEADS, HEAD = 2, 2, 16
@@ -137,6 +138,8 @@ def test_store_clear_local_and_retrieve_through_the_pool(cluster: LocalCluster) 
         expect = a.gpu.kv[:, :, :len(tokens)].clone()
         a.engine.store(tokens)
         wait(lambda: conn.stats["stored"] >= 6)  # 5 full chunks and the partial one, put asynchronously
+        # Framed straight into reserved arena extents (no packing buffer, no put copy).
+        assert (conn.stats[PathStat.ARENA_WRITES], conn.stats[PathStat.STAGED_WRITES]) == (6, 0)
     finally:
         a.close()
 
@@ -148,6 +151,10 @@ def test_store_clear_local_and_retrieve_through_the_pool(cluster: LocalCluster) 
         mask = b.engine.retrieve(tokens)
         assert int(mask.sum()) == len(tokens)
         assert torch.equal(b.gpu.kv[:, :, :len(tokens)], expect)  # exact bytes back, the partial chunk included
+        # The fast path: every chunk from the pool landed in registered staging, none in the arena.
+        st = b.connector().stats
+        assert st["hits"] >= 6 and st[PathStat.REGISTERED_LANDINGS] == st["hits"]
+        assert (st[PathStat.ARENA_LANDINGS], st[PathStat.LOCAL_VIEWS]) == (0, 0)
         # Clear B's local tier: the next retrieve comes from the pool again, still exact.
         b.gpu.kv.zero_()
         b.engine.clear(locations=["LocalCPUBackend"])
@@ -159,6 +166,28 @@ def test_store_clear_local_and_retrieve_through_the_pool(cluster: LocalCluster) 
         other = torch.randint(1, 30000, (3 * CHUNK,), generator=torch.Generator().manual_seed(9))
         assert b.engine.lookup(other) == 0
         assert int(b.engine.retrieve(other).sum()) == 0
+    finally:
+        b.close()
+
+
+def test_local_hits_are_copied_from_arena_views_not_staged(cluster: LocalCluster) -> None:
+    tokens = torch.randint(1, 30000, (3 * CHUNK,), generator=torch.Generator().manual_seed(12))
+    a = Engine(cluster.sidecars[0])
+    try:
+        conn = a.connector()
+        fill(a.gpu, len(tokens), seed=13)
+        expect = a.gpu.kv[:, :, :len(tokens)].clone()
+        a.engine.store(tokens)
+        wait(lambda: conn.stats["stored"] >= 3)
+    finally:
+        a.close()
+    b = Engine(cluster.sidecars[0])  # the same sidecar: its arena has the chunks
+    try:
+        assert int(b.engine.retrieve(tokens).sum()) == len(tokens)
+        assert torch.equal(b.gpu.kv[:, :, :len(tokens)], expect)
+        st = b.connector().stats
+        assert st["hits"] == 3 and st[PathStat.LOCAL_VIEWS] == 3
+        assert (st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS]) == (0, 0)
     finally:
         b.close()
 

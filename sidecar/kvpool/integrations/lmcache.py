@@ -16,6 +16,13 @@ of the plugin's name and the chunk layout.  Stored objects are framed by
 ``RemoteMetadata`` and the chunk bytes, so a partial chunk comes back with its shape and a damaged
 or foreign object is a miss, never wrong KV.  Every gRPC call runs on the connector's own threads:
 nothing blocks LMCache's event loop.
+
+Bytes move through :mod:`kvpool.integrations.staging`: a chunk from the pool lands in registered
+staging memory (``remote_storage_plugin.kvpool.staging_mib``, allocated once) and is copied once
+into the memory object LMCache allocates for it; a chunk the sidecar's arena has is copied from
+the arena view; a stored chunk is written straight into a reserved arena extent (one copy).
+LMCache's memory objects cannot be the landing themselves: they come from LMCache's own allocator,
+and the sidecar writes only into memory kvpool allocated (and the object's frame precedes the KV).
 """
 
 from __future__ import annotations
@@ -46,11 +53,12 @@ from kvpool.integrations.common import (
     sidecar_address,
 )
 from kvpool.integrations.common import write_header as _write_header
+from kvpool.integrations.staging import FastPath, staging_settings
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SETTINGS = ("module_path", "class_name", "address", "traffic_class")
+SETTINGS = ("module_path", "class_name", "address", "traffic_class", "staging_mib", "staging_wait_ms")
 
 
 class KVPoolRemoteConnector(RemoteConnector):
@@ -77,21 +85,24 @@ class KVPoolRemoteConnector(RemoteConnector):
         self.client = connect(self.address, block_tokens=int(md.chunk_size))
         self._threads = ThreadPoolExecutor(4, thread_name_prefix="kvpool-lmcache")
         self.stats = {"hits": 0, "misses": 0, "rejected": 0, "stored": 0, "refused": 0}
+        staging, wait = staging_settings(mine, f"LMCache extra_config {prefix}")
+        # A slot holds the largest object: a full chunk and its frame.
+        self._path = FastPath(self.client, HEADER_BYTES + self.remote_metadata_bytes + self.full_chunk_size_bytes,
+                              staging, wait, self.stats)
 
     # -- keys and framing ----------------------------------------------------------------------
 
     def pool_key(self, key: CacheEngineKey) -> bytes:
         return hashlib.sha256(self.space.seed + key.to_string().encode()).digest()
 
-    def _pack(self, obj: MemoryObj) -> bytearray:
+    def _fill(self, obj: MemoryObj, head: bytes, out: memoryview) -> None:
+        """Frame ``obj`` into ``out`` (a reserved arena extent): header, LMCache's metadata, the KV."""
         data = memoryview(obj.byte_array).cast("B")
-        md = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(), obj.get_memory_format())
-        head = md.serialize()
-        buf = bytearray(HEADER_BYTES + len(head) + len(data))
-        buf[HEADER_BYTES:HEADER_BYTES + len(head)] = head
-        buf[HEADER_BYTES + len(head):] = data
-        _write_header(memoryview(buf), self.layout)
-        return buf
+        out[HEADER_BYTES:HEADER_BYTES + len(head)] = head
+        # numpy's copy: a memoryview slice assignment into cold memory ran at half the speed here
+        # (16 MiB: 3.8 vs 1.8 ms).
+        np.copyto(np.frombuffer(out, np.uint8, len(data), HEADER_BYTES + len(head)), np.frombuffer(data, np.uint8))
+        _write_header(out, self.layout)
 
     def _unpack(self, view: memoryview) -> MemoryObj | None:
         why = check_object(view, self.layout)
@@ -158,16 +169,11 @@ class KVPoolRemoteConnector(RemoteConnector):
     # -- reads --------------------------------------------------------------------------------
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        pk = [self.pool_key(k) for k in keys]
         out: list[MemoryObj | None] = [None] * len(keys)
-        try:
-            have = self.client.match(pk)  # one round trip tells the present prefix; pinned for the get
-            if have:
-                with self.client.get(pk[:have]) as views:
-                    for i, v in enumerate(views):
-                        out[i] = self._unpack(v)
-        except errors.KvpoolError as exc:
-            log.warning("kvpool get of %d chunks failed: %s", len(keys), exc)
+        with self._path.read([self.pool_key(k) for k in keys]) as land:
+            for i, v in enumerate(land.views[:land.prefix]):
+                assert v is not None
+                out[i] = self._unpack(v)
         hits = sum(o is not None for o in out)
         self.stats["hits"] += hits
         self.stats["misses"] += len(keys) - hits
@@ -199,9 +205,13 @@ class KVPoolRemoteConnector(RemoteConnector):
     def _put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
         if len(keys) != len(objs):
             raise IntegrationConfigError(f"{len(keys)} keys but {len(objs)} memory objects")
+        lens = [memoryview(o.byte_array).nbytes for o in objs]
+        heads = [RemoteMetadata(n, o.get_shapes(), o.get_dtypes(), o.get_memory_format()).serialize()
+                 for n, o in zip(lens, objs, strict=True)]
+        sizes = [HEADER_BYTES + len(h) + n for h, n in zip(heads, lens, strict=True)]
         try:
-            codes = self.client.put([self.pool_key(k) for k in keys], [self._pack(o) for o in objs],
-                                    traffic_class=self.traffic_class)
+            codes = self._path.write([self.pool_key(k) for k in keys], sizes,
+                                     lambda i, out: self._fill(objs[i], heads[i], out), self.traffic_class)
         except errors.KvpoolError as exc:
             log.warning("kvpool put of %d chunks failed: %s", len(keys), exc)
             self.stats["refused"] += len(keys)
@@ -233,6 +243,7 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     async def close(self) -> None:
         self._threads.shutdown(wait=True)
+        self._path.close()
         self.client.close()
 
     def __repr__(self) -> str:
