@@ -374,3 +374,12 @@ def test_without_staging_remote_blocks_land_in_the_arena_and_are_counted(model_d
         assert (st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS]) == (0, 3)
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
+def test_copy_tensor_copies_strided_views_of_any_dtype_exactly(dtype: torch.dtype) -> None:
+    from kvpool.integrations.tensors import copy_tensor
+    src = (torch.randn((2, 6, 4, 3), generator=torch.Generator().manual_seed(1)) * 50).to(dtype)
+    dst = torch.zeros((2, 6, 4, 3), dtype=dtype)
+    copy_tensor(dst.select(1, 2), src.select(1, 4))  # both strided: the kv-first layout's block
+    assert torch.equal(dst.select(1, 2), src.select(1, 4)) and not dst.select(1, 3).any()

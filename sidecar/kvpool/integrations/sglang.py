@@ -35,6 +35,7 @@ from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
 from kvpool.integrations.common import write_header as _write_header
 from kvpool.integrations.staging import FastPath, staging_settings
+from kvpool.integrations.tensors import copy_tensor
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only arena view; we only read
             src = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=HEADER_BYTES)
-        dst.copy_(src.view(dst.dtype).view(dst.shape))
+        copy_tensor(dst, src.view(dst.dtype).view(dst.shape))
         return True
 
     def _put(self, keys: list[str], values: list[torch.Tensor]) -> list[bool]:
@@ -136,7 +137,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         def fill(i: int, obj: memoryview) -> None:
             v = values[i]
             dst = torch.frombuffer(obj, dtype=torch.uint8, count=sizes[i] - HEADER_BYTES, offset=HEADER_BYTES)
-            dst.view(v.dtype).view(v.shape).copy_(v)  # the page's strides, gathered in this one copy
+            copy_tensor(dst.view(v.dtype).view(v.shape), v)  # the page's strides, gathered in this one copy
             _write_header(obj, self.layout)
 
         try:

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, MutableMapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +47,10 @@ from kvpool.core import errors
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations.common import IntegrationConfigError
 from kvpool.wire.proto import store_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvpool.client.client import Client
+    from kvpool.client.results import Reads
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ class StagingPool:
     size of the largest object the integration reads; thread-safe.  :meth:`acquire` takes free
     slots, waiting at most its deadline for the first one."""
 
-    def __init__(self, client: Any, slot_bytes: int, total_bytes: int) -> None:
+    def __init__(self, client: Client, slot_bytes: int, total_bytes: int) -> None:
         self.client = client
         self.slot_bytes = max(1, int(slot_bytes))
         self.slots = total_bytes // self.slot_bytes
@@ -157,7 +161,7 @@ class Landing:
 
     def __init__(self, n: int, pool: StagingPool | None) -> None:
         self.views: list[memoryview | None] = [None] * n
-        self._leased: list[Any] = []
+        self._leased: list[Reads] = []
         self._slots: list[int] = []
         self._pool = pool
 
@@ -187,7 +191,7 @@ class FastPath:
     ``object_bytes``: the largest object the integration reads (a staging slot's size);
     ``stats``: the integration's stats, where :class:`PathStat` counts go."""
 
-    def __init__(self, client: Any, object_bytes: int, staging_bytes: int, wait_s: float,
+    def __init__(self, client: Client, object_bytes: int, staging_bytes: int, wait_s: float,
                  stats: MutableMapping[str, int], lease_ms: int = 10000) -> None:
         self.client = client
         self.pool = StagingPool(client, object_bytes, staging_bytes)
@@ -241,7 +245,7 @@ class FastPath:
             for j, size in enumerate(sizes):
                 if size < 0:
                     return  # the prefix ends at the first miss
-                land.views[i + j] = memoryview(bufs[j])[:size]
+                land.views[i + j] = bufs[j].data[:size]
                 self.stats[PathStat.REGISTERED_LANDINGS] += 1
             i += len(slots)
 
@@ -290,7 +294,7 @@ class FastPath:
         finally:
             self.pool.release(slots)
         self.stats[PathStat.STAGED_WRITES] += len(keys)
-        return list(codes)
+        return codes
 
     def close(self) -> None:
         self.pool.close()

@@ -56,6 +56,7 @@ from kvpool.integrations.common import (
 )
 from kvpool.integrations.common import write_header as _write_header
 from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, Landing, staging_settings
+from kvpool.integrations.tensors import copy_tensor
 from kvpool.wire.proto import store_pb2 as pb
 
 if TYPE_CHECKING:
@@ -472,7 +473,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 for i in range(good):
                     src = torch.frombuffer(land.views[i], dtype=torch.uint8, count=ly.nbytes, offset=start)
                     dst = ly.tensor.select(ly.block_dim, ids[i])
-                    dst.copy_(src.view(ly.tensor.dtype).view(ly.block_shape))
+                    copy_tensor(dst, src.view(ly.tensor.dtype).view(ly.block_shape))
 
     def _finish_loads(self) -> None:
         """Copy the layers nobody waited for, then release the views' lease."""
@@ -516,7 +517,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             bid = rng.block_ids[i]
             for ly in self._layers:
                 dst = torch.frombuffer(obj, dtype=torch.uint8, count=ly.nbytes, offset=HEADER_BYTES + ly.offset)
-                dst.view(ly.tensor.dtype).view(ly.block_shape).copy_(ly.tensor.select(ly.block_dim, bid))
+                copy_tensor(dst.view(ly.tensor.dtype).view(ly.block_shape), ly.tensor.select(ly.block_dim, bid))
             _write_header(obj, self._layout)
 
         try:
