@@ -193,7 +193,7 @@ def test_local_hits_are_copied_from_arena_views_not_staged(cluster: LocalCluster
 
 
 def test_connector_api_directly(cluster: LocalCluster) -> None:
-    e = Engine(cluster.sidecars[1])
+    e = Engine(cluster.sidecars[1], staging_mib=0.07)  # one slot (a chunk here is 64 KiB): batches go in parts
     try:
         conn = e.connector()
         loop = asyncio.new_event_loop()
@@ -223,6 +223,15 @@ def test_connector_api_directly(cluster: LocalCluster) -> None:
             assert loop.run_until_complete(conn.list()) == []
             # remove drops the sidecar's local copy; the pool's committed copy stays until evicted.
             assert conn.remove_sync(keys[0]) and conn.exists_sync(keys[0])
+            # Only in the pool now: the reads land in staging, one slot, so in three parts.
+            assert conn._path.pool.slots == 1
+            conn.client.remove([conn.pool_key(k) for k in keys[1:]])
+            landed = conn.stats[PathStat.REGISTERED_LANDINGS]
+            got = loop.run_until_complete(conn.batched_get(keys))
+            for i, g in enumerate(got):
+                assert g is not None and g.tensor is not None and torch.equal(g.tensor, objs[i].tensor)
+                g.ref_count_down()
+            assert conn.stats[PathStat.REGISTERED_LANDINGS] - landed == 3 and conn.stats[PathStat.ARENA_LANDINGS] == 0
             for o in objs:
                 o.ref_count_down()
         finally:

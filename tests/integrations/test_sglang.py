@@ -64,9 +64,9 @@ def host_pool(kv: MHATokenToKVPool | None = None) -> MHATokenToKVPoolHost:
                                 end_layer=kv.end_layer, write_back_staging=kv.hicache_write_back_staging)
 
 
-def backend(address: str) -> tuple[KVPoolHiCacheStorage, MHATokenToKVPoolHost]:
+def backend(address: str, **extra: Any) -> tuple[KVPoolHiCacheStorage, MHATokenToKVPoolHost]:
     host = host_pool()
-    b = StorageBackendFactory.create_backend("dynamic", storage_config(address), host)
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(address, **extra), host)
     b = getattr(b, "_backend", b)  # SGLang may wrap it (failure injector) when configured to
     assert isinstance(b, KVPoolHiCacheStorage)
     b.register_mem_pool_host(host)
@@ -144,6 +144,26 @@ def test_local_hits_are_copied_from_arena_views_not_staged(cluster: LocalCluster
         b.close()
 
 
+def test_a_batch_larger_than_staging_lands_in_parts_all_registered(cluster: LocalCluster) -> None:
+    a, ha = backend(cluster.sidecars[0])
+    keys = [f"p{i:063x}" for i in range(5)]
+    fill(ha, 0, 5, seed=4)
+    assert a.batch_set_v1(keys, page_indices(0, 5)) == [True] * 5
+    want = pages(ha, 0, 5)
+    slot = 32 + a.page_bytes
+    a.close()
+    b, hb = backend(cluster.sidecars[1], staging_mib=2 * slot / 2**20)  # two slots for five pages
+    try:
+        assert b._path is not None and b._path.pool.slots == 2
+        assert b.batch_get_v1(keys, page_indices(6, 5)) == [True] * 5
+        assert all(torch.equal(g, w) for g, w in zip(pages(hb, 6, 5), want, strict=True))
+        assert (b.stats[PathStat.REGISTERED_LANDINGS], b.stats[PathStat.ARENA_LANDINGS],
+                b.stats[PathStat.STAGING_WAITS]) == (5, 0, 0)
+        assert b._path.pool.free == 2
+    finally:
+        b.close()
+
+
 def test_v0_tensors_get_set_exists(cluster: LocalCluster) -> None:
     b, _ = backend(cluster.sidecars[1])
     try:
@@ -198,6 +218,9 @@ def test_bad_configuration_is_refused(cluster: LocalCluster) -> None:
         StorageBackendFactory.create_backend("dynamic", storage_config(cluster.sidecars[0], adress="x"), None)
     with pytest.raises(IntegrationConfigError, match="unix://"):
         StorageBackendFactory.create_backend("dynamic", storage_config("tcp://127.0.0.1:1"), None)
+    with pytest.raises(IntegrationConfigError, match="staging_wait_ms"):
+        StorageBackendFactory.create_backend("dynamic", storage_config(cluster.sidecars[0], staging_wait_ms="x"),
+                                             None)
     b, _ = backend(cluster.sidecars[0])
     try:
         with pytest.raises(IntegrationConfigError, match="host indices"):

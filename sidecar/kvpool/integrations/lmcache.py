@@ -59,6 +59,7 @@ from kvpool.wire.proto import store_pb2 as pb
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SETTINGS = ("module_path", "class_name", "address", "traffic_class", "staging_mib", "staging_wait_ms")
+STAGING_MIB = 256
 
 
 class KVPoolRemoteConnector(RemoteConnector):
@@ -85,7 +86,8 @@ class KVPoolRemoteConnector(RemoteConnector):
         self.client = connect(self.address, block_tokens=int(md.chunk_size))
         self._threads = ThreadPoolExecutor(4, thread_name_prefix="kvpool-lmcache")
         self.stats = {"hits": 0, "misses": 0, "rejected": 0, "stored": 0, "refused": 0}
-        staging, wait = staging_settings(mine, f"LMCache extra_config {prefix}")
+        # LMCache's chunks are large (32 MiB for an 8B model's 256 tokens): room for several.
+        staging, wait = staging_settings(mine, f"LMCache extra_config {prefix}", STAGING_MIB)
         # A slot holds the largest object: a full chunk and its frame.
         self._path = FastPath(self.client, HEADER_BYTES + self.remote_metadata_bytes + self.full_chunk_size_bytes,
                               staging, wait, self.stats)
@@ -170,10 +172,12 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     def _get_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = [None] * len(keys)
-        with self._path.read([self.pool_key(k) for k in keys]) as land:
-            for i, v in enumerate(land.views[:land.prefix]):
-                assert v is not None
-                out[i] = self._unpack(v)
+
+        def use(i: int, view: memoryview) -> bool:
+            out[i] = self._unpack(view)
+            return out[i] is not None
+
+        self._path.read_each([self.pool_key(k) for k in keys], use)
         hits = sum(o is not None for o in out)
         self.stats["hits"] += hits
         self.stats["misses"] += len(keys) - hits

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,22 +99,25 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def pool_key(self, key: str) -> bytes:
         return hashlib.sha256(self._seed + key.encode()).digest()
 
-    def _fetch(self, keys: list[str]) -> tuple[list[memoryview | None], Any]:
-        """Views of the leading run of present, intact objects (None after it) and what holds them."""
-        land = self._data_path().read([self.pool_key(k) for k in keys])
-        out: list[memoryview | None] = [None] * len(keys)
-        for i, v in enumerate(land.views[:land.prefix]):
-            assert v is not None
-            why = check_object(v, self.layout)
+    def _load(self, keys: list[str], put: Callable[[int, memoryview], bool]) -> list[bool]:
+        """Read ``keys`` through the fast path, checking each object before ``put(i, view)``
+        copies it into the engine's memory; which were loaded (the leading run)."""
+        out = [False] * len(keys)
+
+        def use(i: int, view: memoryview) -> bool:
+            why = check_object(view, self.layout)
             if why is not None:
                 log.warning("kvpool page %d not loaded: %s", i, why)
                 self.stats["rejected"] += 1
-                break
-            out[i] = v
-        hits = sum(o is not None for o in out)
+                return False
+            out[i] = put(i, view)
+            return out[i]
+
+        self._data_path().read_each([self.pool_key(k) for k in keys], use)
+        hits = sum(out)
         self.stats["hits"] += hits
         self.stats["misses"] += len(keys) - hits
-        return out, land
+        return out
 
     @staticmethod
     def _copy(view: memoryview, dst: torch.Tensor) -> bool:
@@ -159,20 +163,16 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        views, lease = self._fetch(list(keys))
-        try:
-            out: list[torch.Tensor | None] = []
-            for v, t in zip(views, targets, strict=True):
-                if v is None:
-                    out.append(None)
-                    continue
-                if t is None:
-                    t = torch.empty(len(v) - HEADER_BYTES, dtype=torch.uint8)
-                out.append(t if self._copy(v, t) else None)
-            return out
-        finally:
-            if lease is not None:
-                lease.release()
+        got: list[torch.Tensor | None] = [None] * len(keys)
+
+        def put(i: int, view: memoryview) -> bool:
+            t = targets[i] if targets[i] is not None else torch.empty(len(view) - HEADER_BYTES, dtype=torch.uint8)
+            if self._copy(view, t):
+                got[i] = t
+            return got[i] is not None
+
+        self._load(list(keys), put)
+        return got
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self._put([key], [value])[0]
@@ -209,13 +209,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         starts = self._pages(keys, host_indices)
-        views, lease = self._fetch(list(keys))
-        try:
-            return [v is not None and self._copy(v, self.mem_pool_host.get_data_page(s, flat=False))
-                    for v, s in zip(views, starts, strict=True)]
-        finally:
-            if lease is not None:
-                lease.release()
+        return self._load(list(keys), lambda i, view: self._copy(view, self.mem_pool_host.get_data_page(starts[i],
+                                                                                                       flat=False)))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:

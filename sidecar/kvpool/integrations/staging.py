@@ -26,7 +26,29 @@ allocator, behind ``local_cpu_backend``); an object is also framed (32-byte head
 metadata) and a vLLM block is spread over every layer's tensor, so even registered engine memory
 could not take an object as one contiguous landing.
 
-Micro-measurements: MEASUREMENTS
+Micro-measurements that picked these paths (16 objects of 1 MiB, a ``LocalCluster`` of one store
+node and two sidecars, milliseconds: run 1 the median of 7, runs 2-3 the best of 7 with the
+median beside it; on the 2 CI cores shared with other sessions at a load average of 5-8, so a
+figure moves by ±30% between runs):
+
+=============================================  ================  ================  ================
+path                                           run 1             run 2             run 3
+=============================================  ================  ================  ================
+remote: ``get`` (fresh arena extent) + copy    14.0              14.2 (19.1)       12.3 (13.5)
+remote: ``get_into`` staging + copy  (chosen)   9.0              13.2 (13.9)        9.8 (14.3)
+remote: ``get_into`` staging, no copy           6.1              10.4 (10.9)       10.1 (10.9)
+local: ``get`` arena views + copy               1.5               2.0 (2.2)         1.8 (2.1)
+local: ``get_into`` staging + copy              3.1               4.2 (4.5)         4.2 (4.3)
+local: :meth:`FastPath.read` + copy  (chosen)   1.7               2.5 (2.8)         2.3 (2.8)
+save: gather in ``torch.empty`` + ``put``      17.6              29.3 (31.2)       11.9 (13.2)
+save: gather in reserved extents  (chosen)     11.7               7.8 (8.8)         8.1 (8.7)
+=============================================  ================  ================  ================
+
+So: remote objects land in staging (no arena extent, warm reused pages, no arena bookkeeping);
+local hits stay arena views (into staging they pay the sidecar's copy too, twice the time; the
+local-only match that tells them apart costs one sidecar round trip, 0.2-0.5 ms here); saves
+gather in place.  Run 1 copied into the engine's memory with torch's ``copy_``, runs 2-3 with
+numpy's (:mod:`kvpool.integrations.tensors` says why).
 
 Counters (:class:`PathStat`, in each integration's ``stats``) prove which path was taken.  Pure
 Python and numpy: no engine, no torch.
@@ -81,12 +103,13 @@ def path_stats() -> dict[str, int]:
     return {str(s): 0 for s in PathStat}
 
 
-def staging_settings(extra: MutableMapping[str, Any] | dict[str, Any], where: str) -> tuple[int, float]:
+def staging_settings(extra: MutableMapping[str, Any] | dict[str, Any], where: str,
+                     default_mib: int = DEFAULT_STAGING_MIB) -> tuple[int, float]:
     """``staging_mib`` (registered memory for remote reads, allocated once; 0: none, reads
     land in the arena) and
     ``staging_wait_ms`` (how long a read waits for a free slot before going through the arena)
     from an integration's configuration, checked."""
-    mib = extra.get("staging_mib", DEFAULT_STAGING_MIB)
+    mib = extra.get("staging_mib", default_mib)
     wait = extra.get("staging_wait_ms", DEFAULT_STAGING_WAIT_MS)
     for name, v in (("staging_mib", mib), ("staging_wait_ms", wait)):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
@@ -223,10 +246,33 @@ class FastPath:
             log.warning("kvpool read of %d objects stopped (%s): the rest are misses", len(keys), exc)
         return land
 
+    def read_each(self, keys: Sequence[bytes], use: Callable[[int, memoryview], bool]) -> int:
+        """Read ``keys`` in parts of at most the pool's slots, handing each object in order to
+        ``use(index, view)`` (its copy into the engine's memory) before the next part lands, so
+        a batch of any size stays within staging.  Stops at the first miss or when ``use``
+        returns False; how many were used."""
+        step = self.pool.slots or len(keys)
+        done = 0
+        while done < len(keys):
+            part = keys[done:done + step]
+            with self.read(part) as land:
+                for j, v in enumerate(land.views[:land.prefix]):
+                    assert v is not None
+                    if not use(done + j, v):
+                        return done + j
+                got = land.prefix
+            done += got
+            if got < len(part):
+                break
+        return done
+
     def _read_remote(self, keys: Sequence[bytes], start: int, land: Landing, wait_s: float) -> None:
         i = start
         while i < len(keys):
-            slots, waited = self.pool.acquire(len(keys) - i, wait_s)
+            # Wait for slots only while other readers' releases can cover the rest: never for
+            # slots this read holds itself.
+            can_wait = len(land._slots) + len(keys) - i <= self.pool.slots
+            slots, waited = self.pool.acquire(len(keys) - i, wait_s if can_wait else 0.0)
             self.stats[PathStat.STAGING_WAITS] += waited
             if not slots or not self.pool.registered:
                 self.pool.release(slots)
