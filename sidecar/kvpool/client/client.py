@@ -145,14 +145,11 @@ class Client:
                 self.release(lid)
         return n
 
-    def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None,
-                    local_only: bool = False) -> tuple[int, int]:
-        """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`).
-        ``local_only``: the prefix in the sidecar's local tier only (no pool lookup: no round
-        trip beyond the sidecar), what a reader serves as views of the arena."""
+    def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int]:
+        """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`)."""
         if not keys:
             return 0, 0
-        prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms, local_only,
+        prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms,
                                                timeout=self.deadlines.match_seconds)
         return prefix, lease_id
 
@@ -190,16 +187,19 @@ class Client:
             return Blocks([v for v in views if v is not None], self, r.lease_id)  # all OK: every one
         return Blocks([ro[o:o + s] for o, s in zip(r.offsets, r.sizes, strict=True)], self, r.lease_id)
 
-    def get_many(self, keys: Sequence[bytes], lease_id: int = 0, kind: int = pb.BLOCK) -> Reads:
+    def get_many(self, keys: Sequence[bytes], lease_id: int = 0, kind: int = pb.BLOCK,
+                 local_only: bool = False) -> Reads:
         """Per-key reads: what is present comes back as views (as :meth:`get`), what is truly
         gone as its code (NOT_FOUND; NO_SPACE only where the object could be read neither into
         the arena nor into this client's memory) — one missing object never fails the others.
-        ``Reads.prefix`` is the leading run read, what an engine loads of a matched prefix."""
+        ``Reads.prefix`` is the leading run read, what an engine loads of a matched prefix.
+        ``local_only``: the objects the sidecar's arena has, the others NOT_FOUND and fetched
+        nowhere (a reader lands those in registered memory with :meth:`get_into`)."""
         if not keys:
             return Reads([], [], self, 0)
-        if not lease_id and kind == pb.BLOCK:
+        if not lease_id and kind == pb.BLOCK and not local_only:
             lease_id = self._consume_match(keys)
-        r, m = self._read(pack_keys(keys), lease_id, kind)
+        r, m = self._read(pack_keys(keys), lease_id, kind, local_only)
         codes = list(r.codes)
         views = read_spilled(self._fast, self._regions, keys, codes, r, m.ro, kind, self.deadlines)
         return Reads(codes, views, self, r.lease_id)
@@ -292,10 +292,11 @@ class Client:
         key is not asked for)."""
         return self._ranged.into(keys, per_key, buffers, kind)
 
-    def _read(self, keys: bytes, lease_id: int, kind: int) -> tuple[Any, ArenaMap]:
+    def _read(self, keys: bytes, lease_id: int, kind: int, local_only: bool = False) -> tuple[Any, ArenaMap]:
         """One READ: (codes, offsets, sizes, lease_id), and the mapping of the sidecar life whose
         arena the offsets are in."""
-        r = self._fast.read(keys, kind, self.lease_ms, lease_id, timeout=self.deadlines.read_seconds)
+        r = self._fast.read(keys, kind, self.lease_ms, lease_id, timeout=self.deadlines.read_seconds,
+                            local_only=local_only)
         return r, self._link.life(r.incarnation)
 
     def _release_async(self, lease_id: int) -> None:

@@ -349,10 +349,12 @@ class FastSession:
         return r.prefix, r.local, r.ref
 
     def read(self, keys: bytes, kind: int, lease_ms: int, match_lease: int = 0,
-             releases: list[int] | None = None, timeout: float | None = None) -> ReadReply:
+             releases: list[int] | None = None, timeout: float | None = None, local_only: bool = False) -> ReadReply:
+        """``local_only``: the local tier's objects only (nothing is fetched from the pool)."""
         bound = timeout or self.timeout
         (r, body), inc = self._on_connection(lambda conn: conn.call(
-            fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease, releases=releases), bound)
+            fp.OP_READ, keys=keys, kind=kind, lease_ms=lease_ms, ref=match_lease, releases=releases,
+            flags=fp.FLAG_LOCAL_ONLY if local_only else 0), bound)
         t = fp.decode_table(r, body, self.arena_bytes)
         if len(t.codes) != len(keys) // 32:
             raise errors.Unavailable("fast session: READ reply for another number of keys")

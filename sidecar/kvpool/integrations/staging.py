@@ -10,10 +10,11 @@ HiCache backend, LMCache's remote connector), so each pays the fewest copies kvp
   The integration then makes its one copy into the engine's memory (vLLM's paged cache, SGLang's
   host pages, LMCache's memory objects).  No arena extent is taken for them (the local tier is
   left as it was: a read-through, as Mooncake's registered buffers are).
-- **Local hits** (the leading run of keys the sidecar's arena has: one local-only match, no
-  round trip beyond the sidecar) are read with ``Client.get_many`` as views of the arena, zero
-  copy, and the integration copies them once into the engine's memory, as before.  Read into
-  staging, they would cost a second copy (the sidecar's, arena to staging).
+- **Local hits** (keys the sidecar's arena has) are read first, in one ``Client.get_many(...,
+  local_only=True)`` that fetches nothing from the pool, as views of the arena, zero copy, and
+  the integration copies them once into the engine's memory, as before: the same one READ
+  round trip.  Read into staging, they would cost a second copy (the sidecar's, arena to
+  staging); the keys it did not find go to staging (a second round trip, only for them).
 - **Writes** reserve arena extents (``Client.reserve``) and the engine's bytes are gathered
   straight into them, then committed: one copy, where the integrations used to gather into a
   fresh buffer (cold pages, faulted in on every save) and ``put`` copied it again.  Items the
@@ -46,8 +47,9 @@ save: gather in reserved extents  (chosen)     11.7               7.8 (8.8)     
 
 So: remote objects land in staging (no arena extent, warm reused pages, no arena bookkeeping);
 local hits stay arena views (into staging they pay the sidecar's copy too, twice the time; the
-local-only match that tells them apart costs one sidecar round trip, 0.2-0.5 ms here); saves
-gather in place.  Run 1 copied into the engine's memory with torch's ``copy_``, runs 2-3 with
+measured ``FastPath.read`` told them apart with a local-only MATCH first, a round trip of
+0.2-0.5 ms here, which a local-only READ has since folded into the read itself); saves gather
+in place.  Run 1 copied into the engine's memory with torch's ``copy_``, runs 2-3 with
 numpy's (:mod:`kvpool.integrations.tensors` says why).
 
 Counters (:class:`PathStat`, in each integration's ``stats``) prove which path was taken.  Pure
@@ -232,16 +234,19 @@ class FastPath:
         free within ``wait_s``, default the pool's wait).  Errors of the sidecar are misses."""
         land = Landing(len(keys), self.pool)
         try:
-            n_local, lease = self.client.match_lease(keys, self.lease_ms, local_only=True)
-            if n_local:
-                reads = self.client.get_many(keys[:n_local], lease_id=lease)
-                land._leased.append(reads)
-                for i, v in enumerate(reads.views[:reads.prefix]):
+            # One READ of the local tier only: its hits are views (pinned by its lease), the
+            # rest NOT_FOUND, fetched nowhere yet.
+            local = self.client.get_many(keys, local_only=True)
+            land._leased.append(local)
+            rest = []
+            for i, v in enumerate(local.views):
+                if v is None:
+                    rest.append(i)
+                else:
                     land.views[i] = v
-                self.stats[PathStat.LOCAL_VIEWS] += reads.prefix
-                if reads.prefix < n_local:
-                    return land  # a local hit vanished under the read: the prefix ends there
-            self._read_remote(keys, n_local, land, self.wait_s if wait_s is None else wait_s)
+            self.stats[PathStat.LOCAL_VIEWS] += len(keys) - len(rest)
+            if rest:
+                self._read_remote(keys, rest, land, self.wait_s if wait_s is None else wait_s)
         except errors.KvpoolError as exc:
             log.warning("kvpool read of %d objects stopped (%s): the rest are misses", len(keys), exc)
         return land
@@ -266,40 +271,41 @@ class FastPath:
                 break
         return done
 
-    def _read_remote(self, keys: Sequence[bytes], start: int, land: Landing, wait_s: float) -> None:
-        i = start
-        while i < len(keys):
+    def _read_remote(self, keys: Sequence[bytes], rest: list[int], land: Landing, wait_s: float) -> None:
+        """Land ``keys[i] for i in rest`` (increasing) in staging slots, stopping at a miss."""
+        at = 0
+        while at < len(rest):
             # Wait for slots only while other readers' releases can cover the rest: never for
             # slots this read holds itself.
-            can_wait = len(land._slots) + len(keys) - i <= self.pool.slots
-            slots, waited = self.pool.acquire(len(keys) - i, wait_s if can_wait else 0.0)
+            can_wait = len(land._slots) + len(rest) - at <= self.pool.slots
+            slots, waited = self.pool.acquire(len(rest) - at, wait_s if can_wait else 0.0)
             self.stats[PathStat.STAGING_WAITS] += waited
             if not slots or not self.pool.registered:
                 self.pool.release(slots)
-                self._read_arena(keys, i, land)
+                self._read_arena(keys, rest[at:], land)
                 return
             land._slots.extend(slots)
             bufs = [self.pool.view(s) for s in slots]
-            part = keys[i:i + len(slots)]
+            part = rest[at:at + len(slots)]
             try:
-                sizes = self.client.get_into(part, bufs)
+                sizes = self.client.get_into([keys[i] for i in part], bufs)
             except errors.InvalidArgument:
                 # An object larger than a slot (not one this engine wrote: it fails its checks
                 # anyway, or a larger chunk): read through the arena, where any size fits.
-                self._read_arena(keys, i, land)
+                self._read_arena(keys, rest[at:], land)
                 return
-            for j, size in enumerate(sizes):
+            for i, buf, size in zip(part, bufs, sizes, strict=True):
                 if size < 0:
                     return  # the prefix ends at the first miss
-                land.views[i + j] = bufs[j].data[:size]
+                land.views[i] = buf.data[:size]
                 self.stats[PathStat.REGISTERED_LANDINGS] += 1
-            i += len(slots)
+            at += len(slots)
 
-    def _read_arena(self, keys: Sequence[bytes], start: int, land: Landing) -> None:
-        reads = self.client.get_many(keys[start:])
+    def _read_arena(self, keys: Sequence[bytes], rest: list[int], land: Landing) -> None:
+        reads = self.client.get_many([keys[i] for i in rest])
         land._leased.append(reads)
-        for j, v in enumerate(reads.views[:reads.prefix]):
-            land.views[start + j] = v
+        for i, v in zip(rest[:reads.prefix], reads.views, strict=False):
+            land.views[i] = v
         self.stats[PathStat.ARENA_LANDINGS] += reads.prefix
 
     # -- writes -------------------------------------------------------------------------------

@@ -189,9 +189,10 @@ class Reads:
     # -- read ---------------------------------------------------------------------------------
 
     def read_keys(self, keys: list[bytes], arr: np.ndarray, kind: int, lease_ms: int,
-                  match_lease: int = 0) -> ReadResult:
+                  match_lease: int = 0, local_only: bool = False) -> ReadResult:
         """Local hits and pool fetches of ``keys`` as arena extents under one read lease (which
-        also drops the match lease ``match_lease``)."""
+        also drops the match lease ``match_lease``).  ``local_only``: local hits only, the rest
+        NOT_FOUND and not counted (the client reads them otherwise: into its registered memory)."""
         t0 = time.perf_counter()
         # The lease pins local hits in the lookup itself and fetched objects as they land, so
         # nothing handed to the client can be evicted (and its extent reused) under it.
@@ -204,7 +205,7 @@ class Reads:
         land: ArenaLanding | None = None
         try:
             with self.match_leases.superseded(match_lease) as drop:
-                if missing and self.pool.enabled:
+                if missing and self.pool.enabled and not local_only:
                     land = ArenaLanding(self.local, keys, kind, lease, found, self.offer, self.pool.rpc_timeout,
                                         self.stash)
                     pool_hits = self.fetcher.fetch_missing(keys, arr, missing, land, kind, lease_ms, drop)
@@ -230,7 +231,7 @@ class Reads:
                     spilled += 1
             self.counters[SidecarCounter.READ_NO_ROOM] += spilled
         fetched = sum(e.size for e, was in zip(found, local_found, strict=True) if e is not None and not was)
-        self._count_read(n - spilled, local_hits, pool_hits, moved, fetched, t0)
+        self._count_read(local_hits if local_only else n - spilled, local_hits, pool_hits, moved, fetched, t0)
         return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0, local_hits, pool_hits)
 
     def read_into(self, keys: list[bytes], arr: np.ndarray, kind: int, dests: Sequence[memoryview],

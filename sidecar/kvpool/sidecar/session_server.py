@@ -254,7 +254,8 @@ class _Connection:
             if req.op == fp.OP_READ:
                 kind = self._kind(req.kind)
                 arr = np.frombuffer(body.keys, dtype=f"V{KEY_BYTES}")
-                r = self.reads.read_keys(arr.tolist(), arr, kind, lease_ms, req.ref)
+                r = self.reads.read_keys(arr.tolist(), arr, kind, lease_ms, req.ref,
+                                         local_only=bool(req.flags & fp.FLAG_LOCAL_ONLY))
                 return [fp.encode_response(fp.OP_READ, req.request_id, req.items, prefix=r.local_hits,
                                            local=r.pool_hits, ref=r.lease_id),
                         fp.encode_table(r.codes, r.offsets, r.sizes)]

@@ -98,7 +98,7 @@ OPS = (OP_HELLO, OP_MATCH, OP_READ, OP_WRITE_START, OP_WRITE_COMMIT, OP_RELEASE,
 
 FLAG_NO_REPLY = 1
 FLAG_LOCAL_ONLY = 2
-"""MATCH: look at the local tier only."""
+"""MATCH, READ: look at the local tier only (a READ fetches nothing from the pool: the rest are NOT_FOUND)."""
 FLAG_IDENTITY = 4
 """Response to HELLO: the body carries the arena generation and size (``ref``: the incarnation)."""
 IDENTITY = struct.Struct("<QQ")

@@ -1,6 +1,6 @@
 """``Client.reserve``: a put whose copy into the arena is the caller's own write (what the engine
-integrations gather their KV into), and ``match_lease(local_only=True)``, on real sidecar and
-store processes."""
+integrations gather their KV into), and ``get_many(local_only=True)`` (the arena's objects, the
+rest fetched nowhere), on real sidecar and store processes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvpool
+from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 MiB = 1 << 20
@@ -50,14 +51,20 @@ def test_an_uncommitted_reservation_shows_nothing_and_one_too_large_is_left_to_p
         assert a.match(keys[:1]) == 0  # reserved, not committed: invisible
 
 
-def test_local_only_match_counts_the_arena_prefix_without_asking_the_pool(module_cluster: Any, rng: random.Random,
-                                                                          h: Any) -> None:
-    keys, values = h.keys(rng, 2), h.values(rng, (64, 64))
+def test_a_local_only_read_gives_the_arena_objects_and_fetches_nothing(module_cluster: Any, rng: random.Random,
+                                                                        h: Any) -> None:
+    keys, values = h.keys(rng, 3), h.values(rng, (64, 64, 64))
     with kvpool.connect(module_cluster.sidecars[0]) as a:
-        assert a.put(keys, values) == [pb.OK] * 2
-        n, lease = a.match_lease(keys, local_only=True)
-        assert n == 2 and lease
-        a.release(lease)
+        assert a.put(keys[:2], values[:2]) == [pb.OK] * 2
+        with a.get_many(keys, local_only=True) as r:
+            assert r.codes == [pb.OK, pb.OK, pb.NOT_FOUND]
+            assert [bytes(v) for v in r.views[:2]] == values[:2] and r.views[2] is None
     with kvpool.connect(module_cluster.sidecars[1]) as b:
-        h.wait_for(lambda: b.match(keys) == 2, what="the objects to reach the pool")
-        assert b.match_lease(keys, local_only=True)[0] == 0  # in the pool, not in this sidecar's arena
+        h.wait_for(lambda: b.match(keys[:2]) == 2, what="the objects to reach the pool")
+        before = b.stats()
+        with b.get_many(keys[:2], local_only=True) as r:  # in the pool, not in this sidecar's arena
+            assert r.codes == [pb.NOT_FOUND] * 2
+        after = b.stats()
+        assert after.local_objects == before.local_objects  # nothing was fetched into the arena
+        assert after.counters[SidecarCounter.READ_HITS_POOL] == before.counters[SidecarCounter.READ_HITS_POOL]
+        assert after.counters[SidecarCounter.READ_MISSES] == before.counters[SidecarCounter.READ_MISSES]
