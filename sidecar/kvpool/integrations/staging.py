@@ -28,29 +28,30 @@ metadata) and a vLLM block is spread over every layer's tensor, so even register
 could not take an object as one contiguous landing.
 
 Micro-measurements that picked these paths (16 objects of 1 MiB, a ``LocalCluster`` of one store
-node and two sidecars, milliseconds: run 1 the median of 7, runs 2-3 the best of 7 with the
+node and two sidecars, milliseconds: run 1 the median of 7, runs 2-4 the best of 7 with the
 median beside it; on the 2 CI cores shared with other sessions at a load average of 5-8, so a
-figure moves by ±30% between runs):
+figure moves by ±30% between runs; run 4 after local hits moved into the local-only READ):
 
-=============================================  ================  ================  ================
-path                                           run 1             run 2             run 3
-=============================================  ================  ================  ================
-remote: ``get`` (fresh arena extent) + copy    14.0              14.2 (19.1)       12.3 (13.5)
-remote: ``get_into`` staging + copy  (chosen)   9.0              13.2 (13.9)        9.8 (14.3)
-remote: ``get_into`` staging, no copy           6.1              10.4 (10.9)       10.1 (10.9)
-local: ``get`` arena views + copy               1.5               2.0 (2.2)         1.8 (2.1)
-local: ``get_into`` staging + copy              3.1               4.2 (4.5)         4.2 (4.3)
-local: :meth:`FastPath.read` + copy  (chosen)   1.7               2.5 (2.8)         2.3 (2.8)
-save: gather in ``torch.empty`` + ``put``      17.6              29.3 (31.2)       11.9 (13.2)
-save: gather in reserved extents  (chosen)     11.7               7.8 (8.8)         8.1 (8.7)
-=============================================  ================  ================  ================
+=========================================  ======  ===========  ===========  ===========
+path                                       run 1   run 2        run 3        run 4
+=========================================  ======  ===========  ===========  ===========
+remote: ``get`` (arena extent) + copy      14.0    14.2 (19.1)  12.3 (13.5)  15.5 (17.1)
+remote: staging + copy (chosen)             9.0    13.2 (13.9)   9.8 (14.3)  14.0 (17.5)
+remote: ``get_into`` staging, no copy       6.1    10.4 (10.9)  10.1 (10.9)   9.1 (10.0)
+local: ``get`` arena views + copy           1.5     2.0 (2.2)    1.8 (2.1)    2.6 (2.7)
+local: ``get_into`` staging + copy          3.1     4.2 (4.5)    4.2 (4.3)    4.6 (4.8)
+local: ``FastPath.read`` + copy (chosen)    1.7     2.5 (2.8)    2.3 (2.8)    2.4 (2.7)
+save: in ``torch.empty`` + ``put``         17.6    29.3 (31.2)  11.9 (13.2)  15.0 (25.1)
+save: in reserved extents (chosen)         11.7     7.8 (8.8)    8.1 (8.7)    6.7 (7.4)
+=========================================  ======  ===========  ===========  ===========
 
-So: remote objects land in staging (no arena extent, warm reused pages, no arena bookkeeping);
-local hits stay arena views (into staging they pay the sidecar's copy too, twice the time; the
-measured ``FastPath.read`` told them apart with a local-only MATCH first, a round trip of
-0.2-0.5 ms here, which a local-only READ has since folded into the read itself); saves gather
-in place.  Run 1 copied into the engine's memory with torch's ``copy_``, runs 2-3 with
-numpy's (:mod:`kvpool.integrations.tensors` says why).
+So: remote objects land in staging (no arena extent taken, nothing of the local tier evicted for
+them, warm reused pages; on these loaded cores the gain over the arena landing ranges from none
+to a third); local hits stay arena views (into staging they pay the sidecar's copy too, twice the
+time; runs 1-3 told them apart with a local-only MATCH first, a round trip more, which the
+local-only READ of run 4 folds into the read itself: local hits now cost what ``get`` + copy
+does); saves gather in place, 1.3-3× faster.  Run 1 copied into the engine's memory with torch's
+``copy_``, runs 2-4 with numpy's (:mod:`kvpool.integrations.tensors` says why).
 
 Counters (:class:`PathStat`, in each integration's ``stats``) prove which path was taken.  Pure
 Python and numpy: no engine, no torch.
