@@ -193,8 +193,7 @@ class Client:
         gone as its code (NOT_FOUND; NO_SPACE only where the object could be read neither into
         the arena nor into this client's memory) — one missing object never fails the others.
         ``Reads.prefix`` is the leading run read, what an engine loads of a matched prefix.
-        ``local_only``: the objects the sidecar's arena has, the others NOT_FOUND and fetched
-        nowhere (a reader lands those in registered memory with :meth:`get_into`)."""
+        ``local_only``: the arena's objects only, the others NOT_FOUND and fetched nowhere."""
         if not keys:
             return Reads([], [], self, 0)
         if not lease_id and kind == pb.BLOCK and not local_only:
@@ -295,8 +294,7 @@ class Client:
     def _read(self, keys: bytes, lease_id: int, kind: int, local_only: bool = False) -> tuple[Any, ArenaMap]:
         """One READ: (codes, offsets, sizes, lease_id), and the mapping of the sidecar life whose
         arena the offsets are in."""
-        r = self._fast.read(keys, kind, self.lease_ms, lease_id, timeout=self.deadlines.read_seconds,
-                            local_only=local_only)
+        r = self._fast.read(keys, kind, self.lease_ms, lease_id, None, self.deadlines.read_seconds, local_only)
         return r, self._link.life(r.incarnation)
 
     def _release_async(self, lease_id: int) -> None:
@@ -364,16 +362,8 @@ class Client:
 
     def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], traffic_class: str = DEFAULT_TRAFFIC_CLASS,
                 kind: int = pb.BLOCK) -> Reservation:
-        """A put without its copy: arena extents of ``sizes`` bytes for ``keys`` that the caller
-        fills in place (``Reservation.views``), then ``Reservation.commit()`` publishes them
-        (written to the pool in the background, as :meth:`put`).  Items not reserved keep their
-        code (ALREADY_EXISTS; NO_SPACE / TOO_LARGE: put those with :meth:`put`, which streams
-        what the local tier cannot take to the pool)."""
-        if len(keys) != len(sizes):
-            raise errors.InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
-        bound = min(self.timeout, self.deadlines.other_seconds)
-        return reserve(self._fast, self._link.life, keys, [int(s) for s in sizes], traffic_class, kind,
-                       self.deadlines.write_seconds, bound)
+        """A put without its copy: fill the reserved arena extents, then commit (:class:`Reservation`)."""
+        return reserve(self._fast, self._link.life, keys, sizes, traffic_class, kind, self.deadlines, self.timeout)
 
     def remove(self, keys: Sequence[bytes], kind: int = pb.BLOCK) -> list[int]:
         request = pb.RemoveRequest(keys=pack_keys(keys), kind=grpc_status.as_kind(kind))
@@ -408,14 +398,9 @@ class Client:
         """Match + state lookup + :func:`~kvpool.core.planning.plan_hit` in one call (DESIGN §5)."""
         b = self.block_tokens
         matched = self.match(keys) if keys else 0
-        positions: list[int] = []
-        if window_tokens:
-            cap = max(0, prompt_tokens - max(1, window_tokens + rollback_tokens))
-            l1 = (min(matched * b, cap) // b) * b
-            cands = [p for p in (l1, l1 - b) if p > 0 and p // b - 1 < len(keys)]
-            if cands:
-                have = self.has_states([keys[p // b - 1] for p in cands])
-                positions = [p for p, h in zip(cands, have, strict=True) if h]
+        cands = handoff.state_candidates(prompt_tokens, matched * b, len(keys), b, window_tokens, rollback_tokens)
+        have = self.has_states([keys[p // b - 1] for p in cands]) if cands else []
+        positions = [p for p, h in zip(cands, have, strict=True) if h]
         return plan_hit(prompt_tokens, matched * b, positions, b, window_tokens, rollback_tokens)
 
     # -- prefill → decode handoff -------------------------------------------------------------

@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     from kvpool.client.client import Client
 
 
+def state_candidates(prompt_tokens: int, matched_tokens: int, n_keys: int, block_tokens: int, window_tokens: int,
+                     rollback_tokens: int) -> list[int]:
+    """Where ``Client.plan`` looks for a state object: the last block boundary of the match that
+    leaves the window and rollback to compute, and the one before (none without a window)."""
+    if not window_tokens:
+        return []
+    b = block_tokens
+    cap = max(0, prompt_tokens - max(1, window_tokens + rollback_tokens))
+    l1 = (min(matched_tokens, cap) // b) * b
+    return [p for p in (l1, l1 - b) if p > 0 and p // b - 1 < n_keys]
+
+
 def check_position(position: int, block_tokens: int) -> None:
     """A state object's attach position must be a positive multiple of the block size."""
     if position <= 0 or position % block_tokens:

@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 from kvpool.client.arena import ArenaMap
 from kvpool.client.keys import pack_keys
 from kvpool.client.session import FastSession
-from kvpool.core import spill
+from kvpool.core import errors, spill
 from kvpool.core.checksum import checksum
+from kvpool.core.deadlines import ClientDeadlines
 from kvpool.transfer.copier import Copier
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -99,12 +100,16 @@ class Reservation:
         return [f if c == pb.OK else c for c, f in zip(self.codes, final, strict=True)]
 
 
-def reserve(fast: FastSession, life: Callable[[int], ArenaMap], keys: Sequence[bytes], sizes: list[int],
-            traffic_class: str, kind: int, write_bound: float, pool_bound: float) -> Reservation:
-    """One WRITE_START: the reservation to fill (``life``: the arena mapping of a sidecar life).
-    Its commit may write to the pool first when items were left out (the sidecar streams a
-    round that did not fit), so it is bounded by ``pool_bound`` then."""
-    codes, offsets, rid, inc = fast.write_start(pack_keys(keys), sizes, kind, traffic_class, timeout=write_bound)
+def reserve(fast: FastSession, life: Callable[[int], ArenaMap], keys: Sequence[bytes], sizes: Sequence[int],
+            traffic_class: str, kind: int, deadlines: ClientDeadlines, timeout: float) -> Reservation:
+    """One WRITE_START: the reservation to fill (``life``: the arena mapping of a sidecar life),
+    bounded as a put is.  Its commit may write to the pool first when items were left out (the
+    sidecar streams a round that did not fit), so it has a put's pool bound then."""
+    write_bound, pool_bound = deadlines.write_seconds, min(timeout, deadlines.other_seconds)
+    if len(keys) != len(sizes):
+        raise errors.InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+    nbytes = [int(s) for s in sizes]
+    codes, offsets, rid, inc = fast.write_start(pack_keys(keys), nbytes, kind, traffic_class, timeout=write_bound)
     bound = pool_bound if pb.NO_SPACE in codes else write_bound
-    return Reservation(fast, life(inc), codes, offsets, sizes, rid, bound)
+    return Reservation(fast, life(inc), codes, offsets, nbytes, rid, bound)
 
