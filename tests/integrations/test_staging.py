@@ -98,7 +98,12 @@ def test_read_each_lands_a_batch_larger_than_staging_in_parts(cluster: LocalClus
         st = path_stats()
         fp = FastPath(b, OBJ, 2 * OBJ, 0.05, st)
         got: list[bytes] = []
-        assert fp.read_each(keys, lambda i, v: got.append(bytes(v)) is None) == 5
+
+        def use(i: int, v: memoryview) -> bool:
+            got.append(bytes(v))
+            return True
+
+        assert fp.read_each(keys, use) == 5
         assert got == values
         assert (st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS], st[PathStat.STAGING_WAITS]) == (5, 0, 0)
         assert fp.read_each(keys, lambda i, v: i < 2) == 2  # the consumer refused the third

@@ -58,7 +58,7 @@ def test_a_local_only_read_gives_the_arena_objects_and_fetches_nothing(module_cl
         assert a.put(keys[:2], values[:2]) == [pb.OK] * 2
         with a.get_many(keys, local_only=True) as r:
             assert r.codes == [pb.OK, pb.OK, pb.NOT_FOUND]
-            assert [bytes(v) for v in r.views[:2]] == values[:2] and r.views[2] is None
+            assert [bytes(v) for v in r.views[:2] if v is not None] == values[:2] and r.views[2] is None
     with kvpool.connect(module_cluster.sidecars[1]) as b:
         h.wait_for(lambda: b.match(keys[:2]) == 2, what="the objects to reach the pool")
         before = b.stats()
