@@ -108,16 +108,16 @@ def test_v1_pages_round_trip_between_two_engines(cluster: LocalCluster) -> None:
     try:
         assert b.batch_exists(keys) == 5
         assert b.batch_exists(keys[:2] + ["f" * 64] + keys[3:]) == 2  # the leading run of hits
-        before = b.client.stats()
+        s0 = b.client.stats()
         assert b.batch_get_v1(keys, page_indices(10, 5)) == [True] * 5
-        after = b.client.stats()
+        s1 = b.client.stats()
         got = pages(hb, 10, 5)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         # The fast path: fetched from the pool into registered staging, nothing landed in the arena.
         assert (b.stats[PathStat.REGISTERED_LANDINGS], b.stats[PathStat.ARENA_LANDINGS],
                 b.stats[PathStat.LOCAL_VIEWS]) == (5, 0, 0)
-        assert after.counters[SidecarCounter.READ_HITS_POOL] - before.counters[SidecarCounter.READ_HITS_POOL] == 5
-        assert after.local_objects == before.local_objects
+        assert s1.counters[SidecarCounter.READ_HITS_POOL] - s0.counters[SidecarCounter.READ_HITS_POOL] == 5
+        assert s1.local_objects == s0.local_objects
         # Misses: unknown pages are not found and leave the host pool alone.
         before = pages(hb, 20, 2)
         assert b.batch_exists(["e" * 64, "d" * 64]) == 0
