@@ -60,6 +60,9 @@ class CPUConnector(GPUConnectorInterface):
 
 
 def engine_config(address: str, **plugin: Any) -> LMCacheEngineConfig:
+    # Staging of 1 MiB (16 of this model's 64 KiB chunks) rather than the default 256 MiB, which
+    # each of the test's engines would hold (populated) for chunks this small.
+    plugin = {"staging_mib": 1, **plugin}
     return LMCacheEngineConfig.from_dict({
         "chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.05, "save_unfull_chunk": True,
         # sha256_cbor (what a deployment wants: hashes equal across processes) is vLLM's; without vLLM

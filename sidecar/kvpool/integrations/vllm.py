@@ -397,7 +397,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._by_name = {ly.name: ly for ly in self._layers}
         if self._path is not None:
             self._path.close()
-        self._path = FastPath(self.client, HEADER_BYTES + self._payload, self._staging[0], 0.0, self.stats,
+        staging = self._staging[0] if self.settings.load else 0  # only loads land in staging
+        self._path = FastPath(self.client, HEADER_BYTES + self._payload, staging, 0.0, self.stats,
                               self.settings.lease_ms)
 
     def _require_caches(self) -> None:
