@@ -4,7 +4,9 @@ torch's ``copy_`` opens an OpenMP parallel region on every call; on the 2 shared
 the CI machine, gathering a save of 16 × 1 MiB blocks into reserved arena extents with one
 ``copy_`` per block took 2.7 ms at best but 220-320 ms at the median (the regions' threads
 waiting for cores), numpy's single-threaded ``copyto`` of the same 3.3 ms at best and 11-15 ms at
-the median.  Loaded by the engine modules only (imports torch).
+the median.  :func:`host_array` goes further for vLLM's per-(block, layer) copies: the cache's
+memory as numpy, made once, so a copy costs no torch call at all.  Loaded by the engine modules
+only (imports torch).
 """
 
 from __future__ import annotations
@@ -25,3 +27,12 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
+
+
+def host_array(t: torch.Tensor) -> np.ndarray | None:
+    """``t``'s memory as a numpy array (of a same-size integer dtype: its bits), or None for a
+    device tensor or an element size numpy has no integer for.  Writes through it change ``t``."""
+    as_int = _SAME_SIZE_INT.get(t.element_size())
+    if as_int is None or t.device.type != "cpu":
+        return None
+    return t.detach().view(as_int).numpy()

@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -56,7 +57,7 @@ from kvpool.integrations.common import (
 )
 from kvpool.integrations.common import write_header as _write_header
 from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, Landing, staging_settings
-from kvpool.integrations.tensors import copy_tensor
+from kvpool.integrations.tensors import copy_tensor, host_array
 from kvpool.wire.proto import store_pb2 as pb
 
 if TYPE_CHECKING:
@@ -173,6 +174,35 @@ class _Layer:
     block_shape: tuple[int, ...]
     nbytes: int  # bytes of one block of this layer
     offset: int  # within the payload
+    host: np.ndarray | None = None
+    """The cache as numpy when it is in host memory: a block's copy then costs ~10 us less than
+    through torch (16 blocks × 32 layers of 64 KiB: 6.5 vs 17.7 ms), see :mod:`.tensors`."""
+
+    def _segment(self, obj: np.ndarray) -> np.ndarray:
+        return obj[HEADER_BYTES + self.offset:HEADER_BYTES + self.offset + self.nbytes]
+
+    def save(self, block_id: int, obj: np.ndarray) -> None:
+        """Copy block ``block_id`` of this layer into its place in the object ``obj`` (uint8)."""
+        if self.host is not None:
+            np.copyto(self._segment(obj).view(self.host.dtype).reshape(self.block_shape),
+                      self.host[(slice(None),) * self.block_dim + (block_id,)])
+        else:
+            dst = torch.from_numpy(self._segment(obj)).view(self.tensor.dtype).view(self.block_shape)
+            copy_tensor(dst, self.tensor.select(self.block_dim, block_id))
+
+    def load(self, block_id: int, obj: np.ndarray) -> None:
+        """Copy this layer's place in the object ``obj`` (uint8, maybe read-only) into block ``block_id``."""
+        if self.host is not None:
+            np.copyto(self.host[(slice(None),) * self.block_dim + (block_id,)],
+                      self._segment(obj).view(self.host.dtype).reshape(self.block_shape))
+        else:
+            with warnings.catch_warnings():
+                # A local hit's object is read-only (the sidecar's arena): torch warns that
+                # writing through it is undefined; we only read.
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.from_numpy(self._segment(obj))
+            dst = self.tensor.select(self.block_dim, block_id)
+            copy_tensor(dst, src.view(self.tensor.dtype).view(self.block_shape))
 
 
 def _block_dim(name: str, shape: Sequence[int], num_blocks: int) -> int:
@@ -195,7 +225,7 @@ def layout_of(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list
         nbytes = t.element_size()
         for s in shape:
             nbytes *= s
-        layers.append(_Layer(name, t, d, shape, nbytes, off))
+        layers.append(_Layer(name, t, d, shape, nbytes, off, host_array(t)))
         off += nbytes
     fp = fingerprint([(ly.name, ly.block_shape, str(ly.tensor.dtype)) for ly in layers])
     return layers, off, fp
@@ -465,16 +495,11 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._finish_loads()
 
     def _copy_in(self, ly: _Layer) -> None:
-        start = HEADER_BYTES + ly.offset
-        with warnings.catch_warnings():
-            # Views of local hits are read-only (the sidecar's arena): torch warns that writing
-            # through them is undefined; we only read.
-            warnings.simplefilter("ignore", UserWarning)
-            for ids, land, good in self._loading:
-                for i in range(good):
-                    src = torch.frombuffer(land.views[i], dtype=torch.uint8, count=ly.nbytes, offset=start)
-                    dst = ly.tensor.select(ly.block_dim, ids[i])
-                    copy_tensor(dst, src.view(ly.tensor.dtype).view(ly.block_shape))
+        for ids, land, good in self._loading:
+            for i in range(good):
+                view = land.views[i]
+                assert view is not None
+                ly.load(ids[i], np.frombuffer(view, np.uint8))
 
     def _finish_loads(self) -> None:
         """Copy the layers nobody waited for, then release the views' lease."""
@@ -515,10 +540,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         keys = self._my_space(rng.space).block_keys(rng.tokens)[rng.first:rng.first + n]
 
         def fill(i: int, obj: memoryview) -> None:
-            bid = rng.block_ids[i]
+            out = np.frombuffer(obj, np.uint8)
             for ly in self._layers:
-                dst = torch.frombuffer(obj, dtype=torch.uint8, count=ly.nbytes, offset=HEADER_BYTES + ly.offset)
-                copy_tensor(dst.view(ly.tensor.dtype).view(ly.block_shape), ly.tensor.select(ly.block_dim, bid))
+                ly.save(rng.block_ids[i], out)
             _write_header(obj, self._layout)
 
         try:
