@@ -35,4 +35,5 @@ def host_array(t: torch.Tensor) -> np.ndarray | None:
     as_int = _SAME_SIZE_INT.get(t.element_size())
     if as_int is None or t.device.type != "cpu":
         return None
-    return t.detach().view(as_int).numpy()
+    arr: np.ndarray = t.detach().view(as_int).numpy()
+    return arr
