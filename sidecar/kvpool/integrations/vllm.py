@@ -16,10 +16,12 @@ hashes), so they never depend on vLLM's per-process block-hash seed.
 Scheduler side: ``get_num_new_matched_tokens`` matches the prompt's keys (pinned for a lease) and
 returns the block-aligned hit beyond vLLM's own prefix cache, leaving at least the last prompt
 token to compute; the blocks to load and the new full blocks to save go to the workers in the
-step's metadata.  Worker side: ``start_load_kv`` fetches the blocks (zero-copy views into the
-sidecar's arena) and checks them, ``wait_for_layer_load`` copies one layer into the paged cache;
+step's metadata.  Worker side (:mod:`kvpool.integrations.staging`): ``start_load_kv`` lands the
+blocks (local hits as views of the sidecar's arena, the rest in the worker's registered staging,
+``staging_mib``) and checks them, ``wait_for_layer_load`` copies one layer into the paged cache;
 ``wait_for_save`` hands the step's saves to a background thread that gathers the blocks from the
-paged cache and puts them, which is why ``request_finished`` delays freeing a request with saves
+paged cache straight into reserved arena extents and commits them, which is why
+``request_finished`` delays freeing a request with saves
 until ``get_finished`` reports them done.  A block that vanished or fails its checks between
 match and load is reported by ``get_block_ids_with_load_errors`` and vLLM recomputes it.
 The KV layout (which dimension indexes blocks, per-block shape, dtype) is read from the registered
