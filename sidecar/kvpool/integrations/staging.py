@@ -183,10 +183,12 @@ class StagingPool:
 
 class Landing:
     """A read's objects: per key a view (arena view of a local hit, or a staging slot) or None,
-    valid until :meth:`release` (which drops the arena lease and gives the slots back)."""
+    valid until :meth:`release` (which drops the arena lease and gives the slots back);
+    ``error``: the sidecar's error that stopped the read (its unread keys are None), if any."""
 
     def __init__(self, n: int, pool: StagingPool | None) -> None:
         self.views: list[memoryview | None] = [None] * n
+        self.error: errors.KvpoolError | None = None
         self._leased: list[Reads] = []
         self._slots: list[int] = []
         self._pool = pool
@@ -230,9 +232,10 @@ class FastPath:
     # -- reads --------------------------------------------------------------------------------
 
     def read(self, keys: Sequence[bytes], wait_s: float | None = None) -> Landing:
-        """Views of ``keys`` (the leading run that could be read; None after a miss): local hits
-        in the arena, the rest landed in staging slots (through the arena only when no slot came
-        free within ``wait_s``, default the pool's wait).  Errors of the sidecar are misses."""
+        """Views of ``keys``: local hits in the arena, the rest landed in staging slots (through
+        the arena only when no slot came free within ``wait_s``, default the pool's wait).  None
+        for a miss; past a remote miss only the objects of the same batch have views (``prefix``
+        is what a prefix load takes).  Errors of the sidecar are misses (and ``error``)."""
         land = Landing(len(keys), self.pool)
         try:
             # One READ of the local tier only: its hits are views (pinned by its lease), the
@@ -250,6 +253,7 @@ class FastPath:
                 self._read_remote(keys, rest, land, self.wait_s if wait_s is None else wait_s)
         except errors.KvpoolError as exc:
             log.warning("kvpool read of %d objects stopped (%s): the rest are misses", len(keys), exc)
+            land.error = exc
         return land
 
     def read_each(self, keys: Sequence[bytes], use: Callable[[int, memoryview], bool]) -> int:
@@ -273,7 +277,8 @@ class FastPath:
         return done
 
     def _read_remote(self, keys: Sequence[bytes], rest: list[int], land: Landing, wait_s: float) -> None:
-        """Land ``keys[i] for i in rest`` (increasing) in staging slots, stopping at a miss."""
+        """Land ``keys[i] for i in rest`` (increasing) in staging slots; a miss ends the read
+        after its batch (the batch's other objects keep their views: one call fetched them)."""
         at = 0
         while at < len(rest):
             # Wait for slots only while other readers' releases can cover the rest: never for
@@ -296,18 +301,19 @@ class FastPath:
                 self._read_arena(keys, rest[at:], land)
                 return
             for i, buf, size in zip(part, bufs, sizes, strict=True):
-                if size < 0:
-                    return  # the prefix ends at the first miss
-                land.views[i] = buf.data[:size]
-                self.stats[PathStat.REGISTERED_LANDINGS] += 1
+                if size >= 0:
+                    land.views[i] = buf.data[:size]
+                    self.stats[PathStat.REGISTERED_LANDINGS] += 1
+            if min(sizes) < 0:
+                return  # the prefix ended: no further batch for it
             at += len(slots)
 
     def _read_arena(self, keys: Sequence[bytes], rest: list[int], land: Landing) -> None:
         reads = self.client.get_many([keys[i] for i in rest])
         land._leased.append(reads)
-        for i, v in zip(rest[:reads.prefix], reads.views, strict=False):
+        for i, v in zip(rest, reads.views, strict=True):
             land.views[i] = v
-        self.stats[PathStat.ARENA_LANDINGS] += reads.prefix
+        self.stats[PathStat.ARENA_LANDINGS] += sum(v is not None for v in reads.views)
 
     # -- writes -------------------------------------------------------------------------------
 
