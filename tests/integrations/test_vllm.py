@@ -9,9 +9,7 @@ from failed loads) is vLLM's own code.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +38,6 @@ HEADS, HEAD = 2, 16
 NUM_BLOCKS = 96
 CPU_LAYOUT = "cpu"  # vLLM's CPU backend: [num_blocks, kv_heads, block_size, 2 * head_size]
 KV_FIRST = "kv-first"  # the CUDA flash-attention style: [2, num_blocks, block_size, kv_heads, head_size]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": HEADS, "num_hidden_layers": len(LAYERS),
-        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
-        "head_dim": HEAD}))
-    return d
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(stores=2, sidecars=3, block_tokens=BS) as lc:
-        yield lc
 
 
 def vllm_config(model_dir: Path, address: str, **extra: Any) -> VllmConfig:

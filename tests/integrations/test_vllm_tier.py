@@ -21,11 +21,10 @@ job completion) is vLLM's and kvpool's own code.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool import LocalCluster
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, write_header
+from kvpool.integrations.staging import PathStat
 from kvpool.integrations.vllm_tier import (
     TIER_TYPE,
     KVPoolSecondaryTier,
@@ -76,23 +76,6 @@ HEADS, HEAD = 2, 16
 NUM_BLOCKS = 64
 CPU_BYTES = 4 << 20
 MODULE = "kvpool.integrations.vllm_tier"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": HEADS, "num_hidden_layers": len(LAYERS),
-        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
-        "head_dim": HEAD}))
-    return d
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(stores=2, sidecars=3, block_tokens=BS) as lc:
-        yield lc
 
 
 def tier_entry(address: str, by_module_path: bool = True, **extra: Any) -> dict[str, Any]:
@@ -305,6 +288,7 @@ def test_under_vllms_scheduler_blocks_cascade_to_kvpool_and_another_engine_loads
             a.step()
             time.sleep(0.01)
         assert a.tier.stats["stored"] == 6, a.tier.stats
+        assert (a.tier.stats[PathStat.ARENA_WRITES], a.tier.stats[PathStat.STAGED_WRITES]) == (6, 0)
         a_blocks = {i: a.block("a-1", i) for i in range(6)}
         assert all(t.any() for blk in a_blocks.values() for t in blk)
     finally:
@@ -328,6 +312,7 @@ def test_under_vllms_scheduler_blocks_cascade_to_kvpool_and_another_engine_loads
                 assert torch.equal(got, want), i
         s = b.tier.stats
         assert (s["loaded"], s["load_errors"], s["fallbacks"]) == (6, 0, 0)
+        assert (s[PathStat.REGISTERED_LANDINGS], s[PathStat.ARENA_LANDINGS], s[PathStat.LOCAL_VIEWS]) == (6, 0, 0)
     finally:
         b.close()
 
@@ -341,8 +326,20 @@ def payload_fn(seed: int, row: int) -> Callable[[int], np.ndarray]:
     return lambda i: np.random.default_rng(seed * 1000 + i).integers(0, 256, row, dtype=np.uint8)
 
 
+def promote(e: Engine, rid: str, keys: list[bytes]) -> list[int]:
+    """vLLM's lookup of ``keys`` until final (all hits) and the promotion that follows: the chunk
+    rows the connector hands the worker for CPU -> GPU."""
+    ctx = e.request(rid)
+    assert e.lookup_until_final(ctx, keys) == [LookupResult.HIT] * len(keys)
+    with e.manager.lock:
+        spec = e.manager.prepare_load(keys, ctx)
+    return [int(c) for c in spec.chunk_ids]
+
+
 def test_stores_cascade_into_kvpool_and_load_back_byte_exact_on_another_engine(model_dir: Path,
                                                                                 cluster: LocalCluster) -> None:
+    """Stores write in place into the sidecar's arena (one copy); another engine's loads land in
+    its registered staging, an engine on the storing sidecar reads arena views: byte-exact."""
     a = Engine(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=10.0))
     keys = chunk_keys(1, 6)
     row = a.rows.shape[1]
@@ -350,7 +347,8 @@ def test_stores_cascade_into_kvpool_and_load_back_byte_exact_on_another_engine(m
         ctx = a.request("a-1")
         cids = a.store(ctx, keys, payload_fn(1, row))
         a.settle(lambda: a.tier.stats["stored"] == len(keys) and not a.manager.has_pending_work())
-        assert a.tier.stats["store_refused"] == 0
+        s = a.tier.stats
+        assert (s["store_refused"], s[PathStat.ARENA_WRITES], s[PathStat.STAGED_WRITES]) == (0, len(keys), 0)
         written = {k: a.rows[c].copy() for k, c in zip(keys, cids, strict=True)}
         with cluster.connect(2) as c, c.get(pool_keys(a.tier.space, keys)) as views:
             for k, v in zip(keys, views, strict=True):  # framed, and the bytes the CPU tier held
@@ -362,16 +360,23 @@ def test_stores_cascade_into_kvpool_and_load_back_byte_exact_on_another_engine(m
     b = Engine(model_dir, tier_entry(cluster.sidecars[1], lookup_timeout_s=10.0))  # another sidecar: the store nodes
     try:
         assert b.rows.shape[1] == row and b.tier.layout == a.tier.layout
-        ctx = b.request("b-1")
-        assert b.lookup_until_final(ctx, keys) == [LookupResult.HIT] * len(keys)
-        with b.manager.lock:
-            spec = b.manager.prepare_load(keys, ctx)  # what the connector hands the worker for CPU -> GPU
-        for k, c in zip(keys, spec.chunk_ids, strict=True):
-            assert np.array_equal(b.rows[int(c)], written[k])
+        for k, c in zip(keys, promote(b, "b-1", keys), strict=True):
+            assert np.array_equal(b.rows[c], written[k])
         s = b.tier.stats
         assert (s["loaded"], s["hits"], s["load_errors"], s["fallbacks"]) == (len(keys), len(keys), 0, 0)
+        # The fast path: every chunk landed in the tier's registered staging, none in the arena.
+        assert (s[PathStat.REGISTERED_LANDINGS], s[PathStat.ARENA_LANDINGS], s[PathStat.LOCAL_VIEWS]) == (6, 0, 0)
     finally:
         b.close()
+
+    c = Engine(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=10.0))  # A's sidecar: local hits
+    try:
+        for k, cid in zip(keys, promote(c, "c-1", keys), strict=True):
+            assert np.array_equal(c.rows[cid], written[k])
+        s = c.tier.stats
+        assert (s["loaded"], s[PathStat.LOCAL_VIEWS], s[PathStat.REGISTERED_LANDINGS]) == (len(keys), len(keys), 0)
+    finally:
+        c.close()
 
 
 def test_a_foreign_or_damaged_object_is_a_miss_and_never_reaches_the_cpu_tier(model_dir: Path,
@@ -492,8 +497,14 @@ def test_the_tier_registers_with_vllm_and_refuses_bad_settings(model_dir: Path, 
     assert SecondaryTierFactory.get_tier_class(tier_entry(cluster.sidecars[0])) is KVPoolSecondaryTier
     with pytest.raises(IntegrationConfigError, match="unknown kvpool setting.*adress"):
         Engine(model_dir, {"type": TIER_TYPE, "adress": cluster.sidecars[0]})
-    with pytest.raises(IntegrationConfigError, match="staging_bytes"):
-        Engine(model_dir, tier_entry(cluster.sidecars[0], staging_bytes=1024))
+    with pytest.raises(IntegrationConfigError, match="staging_mib .* below one chunk"):
+        Engine(model_dir, tier_entry(cluster.sidecars[0], staging_mib=0.001))
+    with pytest.raises(IntegrationConfigError, match="staging_mib .* below one chunk"):
+        Engine(model_dir, tier_entry(cluster.sidecars[0], staging_bytes=1024))  # the older name, in bytes
+    with pytest.raises(IntegrationConfigError, match="older name of staging_mib"):
+        Engine(model_dir, tier_entry(cluster.sidecars[0], staging_bytes=1 << 26, staging_mib=64))
+    with pytest.raises(IntegrationConfigError, match="staging_wait_ms"):
+        Engine(model_dir, tier_entry(cluster.sidecars[0], staging_wait_ms=-1))
     with pytest.raises(IntegrationConfigError, match="lookup_timeout_s"):
         Engine(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=0))
 

@@ -29,25 +29,24 @@ Threads: every call vLLM makes (under its manager lock, on the scheduler thread)
 work.  Lookups use vLLM's own ``AsyncLookupManager``: one ``match`` per request and KV cache
 group per step on its thread (keys in prefix order; the run matched from the start is the hit,
 as vLLM's prefix lookup stops at the first miss).  Loads and stores run on one I/O thread, loads
-first: one ``get_into`` / one ``put`` per batch (a job larger than the staging memory goes in
+first, in batches of at most the staging slots (a job larger than the staging memory goes in
 several).  Bounds: a lookup not answered within ``lookup_timeout_s`` is a miss; every client
 call has its deadline; after a failure the tier leaves the sidecar alone for ``retry_after_s``
 and answers misses and fails transfers at once (counted as ``fallbacks``), so a slow or stopped
 pool never holds vLLM's scheduler.
 
-Fast path: reads land in staging memory from ``Client.alloc_buffer`` (registered: the sidecar
-writes the pool's bytes there itself; allocated once per direction and reused, so it stays warm),
-are checked there and copied into the primary rows (one memcpy per chunk).  Landing straight in
-the primary rows is not possible: the region is vLLM's own ``/dev/shm`` file, which the client
-cannot register (only its sealed memfds), and the header would overwrite the previous row's tail.
-Writes copy each row into the store staging memory behind its header (the checksum is hashed
-there, warm) and ``put`` that: one copy more than the put's own into the arena, because an object
-is header and row back to back and the client has no scatter put; the staging memory being
-registered, objects the local tier cannot take go to the pool from it without another copy.
-Measured (16 chunks of 1 MiB, one store node, median of 7 interleaved rounds on 2 shared cores,
-so +-30 %): a remote load through ``get_into`` into registered staging 15.2 ms + check and copy
-into the rows 3.2 ms = 18.4 ms, against 20.7 ms through ``get`` (arena views) + check + copy; a
-store's staging copy + header 5.7 ms beside its ``put`` of 9.3 ms.
+Data path: :class:`~kvpool.integrations.staging.FastPath`, as the other integrations (its module
+says why and what was measured).  A load batch is one ``FastPath.read``: chunks the sidecar's
+arena has are read as views of it (zero copy), the others land with ``get_into`` in the tier's
+registered staging memory (``staging_mib``, from ``Client.alloc_buffer``, allocated once and
+reused, so it stays warm), are checked there and copied into their primary rows: one copy per
+chunk either way.  Landing straight in the primary rows is not possible: the region is vLLM's own
+``/dev/shm`` file, which the client cannot register (only its sealed memfds), and the header would
+overwrite the previous row's tail.  A store batch is one ``FastPath.write``: the header and the
+primary row are written straight into reserved arena extents and committed (one copy; the
+sidecar writes them through to the pool), and only chunks the local tier has no room for are put
+from staging.  The loads and stores share one staging pool: they run on one thread, one batch at
+a time, so a batch never waits for a slot (``staging_wait_ms`` is accepted for symmetry).
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.client.client import Client, connect
 from kvpool.core import errors
-from kvpool.core.buffers import as_bytes_view
 from kvpool.core.deadlines import ClientDeadlines
 from kvpool.core.keys import KeySpace
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
@@ -83,6 +81,7 @@ from kvpool.integrations.common import (
     sidecar_address,
     write_header,
 )
+from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, path_stats, staging_settings
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -93,8 +92,12 @@ TIER_TYPE = "kvpool"
 SETTINGS = {
     "address": "the sidecar's unix:// address (default $KVPOOL_ADDRESS, then unix:///run/kvpool/kvpool.sock)",
     "traffic_class": f"the traffic class of stored chunks (TTL class of the pool; default {DEFAULT_TRAFFIC_CLASS})",
-    "staging_bytes": "registered staging memory per direction (loads, stores), allocated once and reused; a job "
-                     "larger than it goes in several batches (default 64 MiB; at least one chunk)",
+    "staging_mib": "registered memory (MiB, allocated once and reused) chunks from the pool land in before their copy "
+                   "into the CPU tier's rows; a job larger than it goes in several batches (default "
+                   f"{DEFAULT_STAGING_MIB}; at least one chunk; 0: through the sidecar's arena)",
+    "staging_wait_ms": "accepted for symmetry with the other integrations: the tier's one I/O thread never waits "
+                       "for a staging slot",
+    "staging_bytes": "the older name of staging_mib, in bytes",
     "lookup_timeout_s": "a lookup not answered within this is a miss; also the bound of its match (default 0.5)",
     "load_timeout_s": "the bound of one load batch's read (grows by 1 s per 100 MB; default 2.0)",
     "store_timeout_s": "the bound of one store batch's write (default 2.0)",
@@ -104,8 +107,9 @@ SETTINGS = {
 }
 
 STAT_NAMES = ("lookups", "hits", "misses", "fallbacks", "stored", "store_refused", "loaded", "load_errors")
-"""The counters of :attr:`KVPoolSecondaryTier.stats`, in chunks (``fallbacks``: chunks answered a
-miss, or not loaded or stored, because the sidecar was slow or unreachable)."""
+"""The tier's own counters in :attr:`KVPoolSecondaryTier.stats`, in chunks (``fallbacks``: chunks
+answered a miss, or not loaded or stored, because the sidecar was slow or unreachable); the
+data path's :class:`~kvpool.integrations.staging.PathStat` counters are there too."""
 
 
 def _positive(cfg: dict[str, Any], name: str, default: float) -> float:
@@ -121,8 +125,10 @@ class TierSettings:
     """The sidecar's address."""
     traffic_class: str = DEFAULT_TRAFFIC_CLASS
     """Traffic class of stored chunks."""
-    staging_bytes: int = 64 << 20
-    """Registered staging memory per direction."""
+    staging_bytes: int = DEFAULT_STAGING_MIB << 20
+    """Registered staging memory (``staging_mib``) for chunks landing from the pool; 0: none."""
+    staging_wait_s: float = 0.05
+    """``staging_wait_ms``: a load's wait for a free staging slot (never needed: one I/O thread)."""
     lookup_timeout_s: float = 0.5
     """Longest a lookup stays RETRY before it is a miss."""
     load_timeout_s: float = 2.0
@@ -143,10 +149,16 @@ class TierSettings:
         loc = str(cfg.get("locality", "REMOTE")).upper()
         if loc not in ("LOCAL", "REMOTE"):
             raise IntegrationConfigError(f"kvpool tier setting locality must be LOCAL or REMOTE, got {loc!r}")
-        return cls(sidecar_address(cfg), str(cfg.get("traffic_class", DEFAULT_TRAFFIC_CLASS)),
-                   int(_positive(cfg, "staging_bytes", 64 << 20)), _positive(cfg, "lookup_timeout_s", 0.5),
-                   _positive(cfg, "load_timeout_s", 2.0), _positive(cfg, "store_timeout_s", 2.0),
-                   _positive(cfg, "retry_after_s", 2.0), int(_positive(cfg, "lease_ms", 10000)), loc)
+        staging = dict(cfg)
+        if "staging_bytes" in cfg:  # the older name, in bytes
+            if "staging_mib" in cfg:
+                raise IntegrationConfigError("kvpool tier: staging_bytes is the older name of staging_mib; give one")
+            staging["staging_mib"] = _positive(cfg, "staging_bytes", 1) / (1 << 20)
+        staging_bytes, wait_s = staging_settings(staging, "secondary_tiers[kvpool]")
+        return cls(sidecar_address(cfg), str(cfg.get("traffic_class", DEFAULT_TRAFFIC_CLASS)), staging_bytes, wait_s,
+                   _positive(cfg, "lookup_timeout_s", 0.5), _positive(cfg, "load_timeout_s", 2.0),
+                   _positive(cfg, "store_timeout_s", 2.0), _positive(cfg, "retry_after_s", 2.0),
+                   int(_positive(cfg, "lease_ms", 10000)), loc)
 
 
 # -- pure: keys, layout, lookup order ----------------------------------------------------------------
@@ -200,45 +212,46 @@ def batches(n: int, per: int) -> list[range]:
 
 
 class _Pool:
-    """The sidecar connection: opened on first use, every call bounded by the client's deadlines,
-    and after a failure left alone for ``retry_after_s`` (callers answer misses meanwhile).  Owns
-    the two staging buffers (registered memory of this client)."""
+    """The sidecar connection and its data path: opened on first use, every call bounded by the
+    client's deadlines, and after a failure left alone for ``retry_after_s`` (callers answer
+    misses meanwhile).  ``path_stats``: the data path's counters (written by the I/O thread)."""
 
-    def __init__(self, s: TierSettings, block_tokens: int, slot_bytes: int) -> None:
+    def __init__(self, s: TierSettings, block_tokens: int, object_bytes: int) -> None:
         self.settings = s
         self._block_tokens = block_tokens
-        self.slot_bytes = slot_bytes
+        self.object_bytes = object_bytes
         self._lock = threading.Lock()
-        self._client: Client | None = None
+        self._path: FastPath | None = None
         self._down_until = 0.0
-        self.load_stage = np.empty((0, slot_bytes), np.uint8)
-        self.store_stage = np.empty((0, slot_bytes), np.uint8)
+        self.path_stats = path_stats()
 
-    def client(self) -> Client | None:
-        """The connected client, or None while the sidecar rests after a failure or cannot be reached."""
+    def path(self) -> FastPath | None:
+        """The connected data path (its ``client`` for other calls), or None while the sidecar
+        rests after a failure or cannot be reached."""
         with self._lock:
             if time.monotonic() < self._down_until:
                 return None
-            if self._client is None:
+            if self._path is None:
                 self._connect()
-            return self._client
+            return self._path
 
     def _connect(self) -> None:
         s = self.settings
         bound = max(s.load_timeout_s, s.store_timeout_s)
         deadlines = ClientDeadlines(match_seconds=s.lookup_timeout_s, read_seconds=s.load_timeout_s,
                                     write_seconds=s.store_timeout_s, other_seconds=bound)
+        c: Client | None = None
         try:
             c = connect(s.address, block_tokens=self._block_tokens, timeout=bound, deadlines=deadlines)
+            self._path = FastPath(c, self.object_bytes, s.staging_bytes, s.staging_wait_s, self.path_stats,
+                                  s.lease_ms)
         except (errors.KvpoolError, OSError) as exc:
+            if c is not None:
+                c.close()
             self._rest(f"cannot reach the sidecar at {s.address}: {exc}")
             return
-        slots = max(1, s.staging_bytes // self.slot_bytes)
-        self.load_stage = c.alloc_buffer(slots * self.slot_bytes).reshape(slots, self.slot_bytes)
-        self.store_stage = c.alloc_buffer(slots * self.slot_bytes).reshape(slots, self.slot_bytes)
-        self._client = c
-        log.info("kvpool tier: connected to %s (%d staging slots of %d bytes per direction)", s.address, slots,
-                 self.slot_bytes)
+        log.info("kvpool tier: connected to %s (%d staging slots of %d bytes, registered: %s)", s.address,
+                 self._path.pool.slots, self.object_bytes, self._path.pool.registered)
 
     def _rest(self, why: str) -> None:
         if time.monotonic() >= self._down_until:  # one warning per rest, never one per call
@@ -252,9 +265,10 @@ class _Pool:
 
     def close(self) -> None:
         with self._lock:
-            c, self._client = self._client, None
-        if c is not None:
-            c.close()
+            p, self._path = self._path, None
+        if p is not None:
+            p.close()
+            p.client.close()
 
 
 class _Counts:
@@ -283,14 +297,14 @@ class _Lookups(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[bytes], req_context: Any) -> list[bool]:
         present = [False] * len(keys)
-        client = self._pool.client()
-        if client is None:
+        path = self._pool.path()
+        if path is None:
             self._counts.add(fallbacks=len(keys))
             return present
         positions = [req_context.get_offload_key_position(k) for k in keys]
         for run in match_runs(keys, positions):
             try:
-                n = client.match(pool_keys(self._space, [keys[i] for i in run]), self._pool.settings.lease_ms)
+                n = path.client.match(pool_keys(self._space, [keys[i] for i in run]), self._pool.settings.lease_ms)
             except errors.KvpoolError as exc:
                 self._pool.failed(exc)
                 self._counts.add(fallbacks=len(run))
@@ -384,24 +398,24 @@ class KVPoolSecondaryTier(SecondaryTierManager):
             raise IntegrationConfigError(f"kvpool tier: primary view of shape {self._primary.shape}, expected "
                                          f"rows of {self._row} bytes")
         self._obj = HEADER_BYTES + self._row
-        slot = -(-self._obj // 4096) * 4096  # room for a slightly larger (foreign) object to fail its check
-        if self.settings.staging_bytes < slot:
-            raise IntegrationConfigError(f"kvpool tier setting staging_bytes={self.settings.staging_bytes} is "
-                                         f"below one chunk ({slot} bytes)")
+        if 0 < self.settings.staging_bytes < self._obj:
+            raise IntegrationConfigError(f"kvpool tier setting staging_mib ({self.settings.staging_bytes} bytes) is "
+                                         f"below one chunk ({self._obj} bytes); 0 for none")
         self.space = key_space(config)
         """kvpool's key space of this engine's chunks (:func:`key_space`; keys: :func:`pool_keys`)."""
         self.layout = layout_of(config, self._row)
         """The layout fingerprint every object of this tier carries (:func:`layout_of`)."""
         self._counts = _Counts()
-        self._pool = _Pool(self.settings, self.space.block_tokens, slot)
+        self._pool = _Pool(self.settings, self.space.block_tokens, self._obj)
         self._lookups = _Lookups(tier_type, self._pool, self.space, self._counts)
         self._transfers = _Transfers(self._load, self._store)
         self._asked: dict[bytes, float] = {}  # key -> when a lookup of it was first answered RETRY
 
     @property
     def stats(self) -> dict[str, int]:
-        """What the tier did (:data:`STAT_NAMES`), as the other integrations' ``stats``."""
-        return self._counts.snapshot()
+        """What the tier did (:data:`STAT_NAMES`) and which path the bytes took
+        (:class:`~kvpool.integrations.staging.PathStat`), as the other integrations' ``stats``."""
+        return {**self._counts.snapshot(), **self._pool.path_stats}
 
     # -- scheduler thread (vLLM's manager lock held) -------------------------------------------------
 
@@ -459,60 +473,62 @@ class KVPoolSecondaryTier(SecondaryTierManager):
     # -- I/O thread ----------------------------------------------------------------------------------
 
     def _load(self, job: Any) -> JobResult:
-        """Read the job's objects into load staging (one ``get_into`` per batch), check each, copy
-        the good payloads into their primary rows."""
+        """Read the job's objects (one ``FastPath.read`` per batch: arena views or registered
+        staging), check each, copy the good payloads into their primary rows."""
         keys, cids = list(job.keys), [int(c) for c in job.chunk_ids]
         t0 = time.perf_counter()
-        client = self._pool.client()
-        if client is None:
+        path = self._pool.path()
+        if path is None:
             self._counts.add(fallbacks=len(keys), load_errors=len(keys))
             return JobResult(job_id=job.job_id, success=False)
-        stage, good = self._pool.load_stage, []
-        for part in batches(len(keys), len(stage)):
+        pks, good = pool_keys(self.space, keys), []
+        for part in batches(len(keys), path.pool.slots or len(keys)):
             if self._transfers.stopping:
                 break
-            try:
-                sizes = client.get_into(pool_keys(self.space, [keys[i] for i in part]),
-                                        [stage[j] for j in range(len(part))])
-            except errors.InvalidArgument as exc:  # an object larger than its slot: not ours
-                log.warning("kvpool tier: load of %d chunks refused: %s", len(part), exc)
-                continue
-            except errors.KvpoolError as exc:
-                self._pool.failed(exc)
+            with path.read([pks[i] for i in part]) as land:
+                for i, v in zip(part, land.views, strict=True):
+                    if v is None and land.error is not None:
+                        continue  # not read: the sidecar failed (a fallback, below)
+                    why = self._unloadable(v)
+                    if why is not None:
+                        log.warning("kvpool tier: chunk %s not loaded: %s", keys[i].hex()[:16], why)
+                        continue
+                    assert v is not None
+                    np.copyto(self._primary[cids[i]], np.frombuffer(v, np.uint8)[HEADER_BYTES:])
+                    good.append(keys[i])
+            if land.error is not None:
+                self._pool.failed(land.error)
                 self._counts.add(fallbacks=len(keys) - part.start)
                 break
-            for j, (i, size) in enumerate(zip(part, sizes, strict=True)):
-                why = "gone from the pool" if size < 0 else check_object(as_bytes_view(stage[j, :size]), self.layout)
-                if why is not None:
-                    log.warning("kvpool tier: chunk %s not loaded: %s", keys[i].hex()[:16], why)
-                    continue
-                np.copyto(self._primary[cids[i]], stage[j, HEADER_BYTES:self._obj])
-                good.append(keys[i])
         self._counts.add(loaded=len(good), load_errors=len(keys) - len(good))
         ok = len(good) == len(keys)
         return JobResult(job_id=job.job_id, success=ok, successful_keys=None if ok or not good else tuple(good),
                          transfer_time=time.perf_counter() - t0, transfer_bytes=len(good) * self._row)
 
+    def _unloadable(self, obj: memoryview | None) -> str | None:
+        """Why ``obj`` cannot go into a primary row (None when it can)."""
+        if obj is None:
+            return "gone from the pool"
+        if len(obj) != self._obj:
+            return f"object of {len(obj)} bytes, this tier's chunks are {self._obj}"
+        return check_object(obj, self.layout)
+
     def _store(self, job: Any) -> JobResult:
-        """Copy the job's rows into store staging behind their headers and ``put`` them (one per batch)."""
+        """Write the job's rows behind their headers straight into reserved arena extents (one
+        ``FastPath.write`` per batch) and commit them."""
         keys, cids = list(job.keys), [int(c) for c in job.chunk_ids]
         t0 = time.perf_counter()
-        client = self._pool.client()
-        if client is None:
+        path = self._pool.path()
+        if path is None:
             self._counts.add(fallbacks=len(keys), store_refused=len(keys))
             return JobResult(job_id=job.job_id, success=False)
-        stage, stored = self._pool.store_stage, 0
-        for part in batches(len(keys), len(stage)):
+        pks, stored = pool_keys(self.space, keys), 0
+        for part in batches(len(keys), path.pool.slots or len(keys)):
             if self._transfers.stopping:
                 break
-            rows = []
-            for j, i in enumerate(part):
-                np.copyto(stage[j, HEADER_BYTES:self._obj], self._primary[cids[i]])
-                write_header(as_bytes_view(stage[j, :self._obj]), self.layout)
-                rows.append(stage[j, :self._obj])
             try:
-                codes = client.put(pool_keys(self.space, [keys[i] for i in part]), rows,
-                                   traffic_class=self.settings.traffic_class)
+                codes = path.write([pks[i] for i in part], [self._obj] * len(part),
+                                   self._filler([cids[i] for i in part]), self.settings.traffic_class)
             except errors.KvpoolError as exc:
                 self._pool.failed(exc)
                 self._counts.add(fallbacks=len(keys) - part.start)
@@ -521,6 +537,13 @@ class KVPoolSecondaryTier(SecondaryTierManager):
         self._counts.add(stored=stored, store_refused=len(keys) - stored)
         return JobResult(job_id=job.job_id, success=stored == len(keys), transfer_time=time.perf_counter() - t0,
                          transfer_bytes=stored * self._row)
+
+    def _filler(self, rows: list[int]) -> Callable[[int, memoryview], None]:
+        """``fill`` of ``FastPath.write``: object ``j`` is primary row ``rows[j]`` behind its header."""
+        def fill(j: int, obj: memoryview) -> None:
+            np.copyto(np.frombuffer(obj, np.uint8)[HEADER_BYTES:], self._primary[rows[j]])
+            write_header(obj, self.layout)
+        return fill
 
 
 def register() -> None:
