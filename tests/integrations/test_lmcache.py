@@ -32,7 +32,7 @@ LAYERS, HEADS, HEAD = 2, 2, 16
 TOKENS = 1024  # the size of each engine's "GPU" KV buffer, in tokens
 
 
-class CPUConnector(GPUConnectorInterface):
+class CPUConnector(GPUConnectorInterface):  # type: ignore[misc]  # LMCache's classes are Any to mypy
     """Copies KV between a [2, layers, tokens, hidden] CPU buffer and memory objects (format KV_2LTD)."""
 
     def __init__(self) -> None:

@@ -252,8 +252,8 @@ def hicache(address: str) -> Iterator[tuple[HiCacheController, MHATokenToKVPoolH
     try:
         assert isinstance(c.storage_backend, KVPoolHiCacheStorage)
         # interface_v1 selects the zero-copy page functions: the threads call batch_{get,set}_v1.
-        assert c.page_set_func.__func__ is HiCacheController._page_set_zero_copy  # type: ignore[attr-defined]
-        assert c.page_get_func.__func__ is HiCacheController._page_get_zero_copy  # type: ignore[attr-defined]
+        assert c.page_set_func.__func__ is HiCacheController._page_set_zero_copy
+        assert c.page_get_func.__func__ is HiCacheController._page_get_zero_copy
         yield c, host
     finally:
         c.detach_storage_backend()

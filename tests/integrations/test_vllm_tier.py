@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from vllm import SamplingParams
@@ -123,7 +124,7 @@ class Engine:
             self.manager.on_new_request(ctx)
         return ctx
 
-    def store(self, ctx: ReqContext, keys: list[bytes], payload: Callable[[int], np.ndarray]) -> list[int]:
+    def store(self, ctx: ReqContext, keys: list[bytes], payload: Callable[[int], npt.NDArray[np.uint8]]) -> list[int]:
         """What the connector does for a GPU -> CPU store, the worker's copy being ``payload``:
         chunk rows for ``keys``; complete_store cascades them to the secondary tier."""
         with self.manager.lock:
@@ -164,13 +165,13 @@ class Engine:
         self.scheduler.connector.shutdown()
 
 
-class HostCopies(OffloadingWorker):
+class HostCopies(OffloadingWorker):  # type: ignore[misc]  # vLLM's classes are Any to mypy
     """Stands in for vLLM's CPUOffloadingWorker, which needs CUDA: the same copies between the
     paged KV cache (here host tensors) and the CPU tier's chunk rows, by the device pointers vLLM's
     OffloadingConnectorWorker resolved, with memmove instead of CUDA streams.  A row is the
     block's data refs back to back (one group, one block per chunk)."""
 
-    def __init__(self, rows: np.ndarray) -> None:
+    def __init__(self, rows: npt.NDArray[np.uint8]) -> None:
         self.rows = rows
         self.done: list[TransferResult] = []
 
@@ -322,7 +323,7 @@ def chunk_keys(seed: int, n: int) -> list[bytes]:
     return [make_offload_key(g.bytes(32), 0) for _ in range(n)]
 
 
-def payload_fn(seed: int, row: int) -> Callable[[int], np.ndarray]:
+def payload_fn(seed: int, row: int) -> Callable[[int], npt.NDArray[np.uint8]]:
     return lambda i: np.random.default_rng(seed * 1000 + i).integers(0, 256, row, dtype=np.uint8)
 
 
@@ -389,7 +390,7 @@ def test_a_foreign_or_damaged_object_is_a_miss_and_never_reaches_the_cpu_tier(mo
         for i, layout in enumerate((b.tier.layout, b.tier.layout ^ 1, b.tier.layout)):
             obj = np.zeros(HEADER_BYTES + row, np.uint8)
             obj[HEADER_BYTES:] = payload_fn(7, row)(i)
-            write_header(memoryview(obj), layout)
+            write_header(obj.data, layout)
             objs.append(obj)
         objs[2][-1] ^= 0xFF  # damaged after framing: the checksum no longer holds
         with cluster.connect(0) as c:
@@ -424,7 +425,7 @@ def test_a_stopped_sidecar_gives_misses_within_the_bound_and_the_tier_recovers(m
         row = e.rows.shape[1]
         obj = np.zeros(HEADER_BYTES + row, np.uint8)
         obj[HEADER_BYTES:] = payload_fn(10, row)(0)
-        write_header(memoryview(obj), e.tier.layout)
+        write_header(obj.data, e.tier.layout)
         with cluster.connect(0) as c:
             assert c.put(pool_keys(e.tier.space, pooled), [obj], wait=True) == [0]
         ctx = e.request("s-1")
