@@ -47,6 +47,12 @@ primary row are written straight into reserved arena extents and committed (one 
 sidecar writes them through to the pool), and only chunks the local tier has no room for are put
 from staging.  The loads and stores share one staging pool: they run on one thread, one batch at
 a time, so a batch never waits for a slot (``staging_wait_ms`` is accepted for symmetry).
+Measured against the tier's former path (its own staging per direction: header + row copied there
+and ``put``, one copy more; loads ``get_into`` that staging), 16 chunks of 1 MiB, one store node
+and two sidecars, median of 7 interleaved rounds on the 2 shared cores, two runs: a store batch
+11.6 / 7.2 ms before, 8.2 / 6.5 ms now; a remote load batch with its checks and copies 18.2 / 13.5
+ms before, 20.2 / 12.2 ms now (the same landing: the difference is noise and the local-only READ
+that finds local hits first).
 """
 
 from __future__ import annotations
