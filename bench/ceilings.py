@@ -27,7 +27,19 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Context, MiB, Row, free_port, python_env, row_from_times, timed, touched  # noqa: E402
+from bench.common import (  # noqa: E402
+    Context,
+    CpuMeter,
+    MiB,
+    Row,
+    free_port,
+    python_env,
+    row_from_times,
+    timed,
+    timed_cpu,
+    touched,
+    with_cpu,
+)
 
 HDR = struct.Struct("<cQ")
 SERVER_BUF = 64 * MiB
@@ -185,7 +197,7 @@ def network_rows(ctx: Context) -> list[Row]:
     uds = str(ctx.work_dir / "ceiling.sock")
     rows: list[Row] = []
     with ctx.procs.scope() as procs:
-        procs.start("ceiling-server",
+        server = procs.start("ceiling-server",
                     [sys.executable, "-m", "bench.ceilings", "serve", "--tcp-port", str(port),
                      "--uds", uds], env=python_env(), ready_line="READY", timeout=30)
         dst = touched(plan.max_batch_bytes, 0).data
@@ -217,9 +229,11 @@ def network_rows(ctx: Context) -> list[Row]:
                 reps = plan.reps(v, nb)
                 for name, conns in (("tcp_stream_1conn", c1), ("tcp_stream_2conn", c2), ("tcp_stream_4conn", c4)):
                     for op in ("get", "put"):
-                        t = timed(stream(conns, op, v * nb), reps, warmup=plan.warmup)
-                        rows.append(row_from_times(name, op, v, nb, t,
-                                                   note="one stream per conn, batch split evenly"))
+                        meter = CpuMeter({"client": [os.getpid()], "server": [server.pid]})
+                        t = timed_cpu(stream(conns, op, v * nb), reps, meter, warmup=plan.warmup)
+                        rows.append(with_cpu(row_from_times(name, op, v, nb, t,
+                                                            note="one stream per conn, batch split evenly"),
+                                             meter, v * nb * reps))
 
             # Request/response: one request per value, sequential, on one connection.
             def reqresp(conn: _Conn, v: int, nb: int) -> Callable[[int], None]:

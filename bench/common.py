@@ -134,6 +134,11 @@ class Row:
     status: str = "ok"
     """'ok'; 'errors' (measured, but some items failed or the bytes/answers were wrong: the
     note says what; such a row enters no ratio); 'unavailable' (the system could not run)."""
+    cpu_s_per_gb: float | None = None
+    """CPU seconds of every process of the system (client, servers) per 1e9 bytes moved in
+    the timed batches (:class:`CpuMeter`); None where not measured."""
+    cpu_split: dict[str, float] | None = None
+    """The same, per process role ('client', 'sidecar', 'store', ...)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -160,6 +165,16 @@ def row_from_times(system: str, op: str, value_size: int | None, batch: int | No
 
 ERROR_MARKERS = ("item failures", "VERIFY FAILED", "WRONG")
 """Words the system modules put in a row's note when items failed or answers were wrong."""
+
+
+def with_cpu(row: Row, meter: CpuMeter | None, nbytes: int) -> Row:
+    """``row`` with the CPU per GB ``meter`` saw over ``nbytes`` moved (its timed batches)."""
+    if meter is not None and nbytes > 0:
+        split = meter.seconds()
+        if split:
+            row.cpu_s_per_gb = round(sum(split.values()) / (nbytes / 1e9), 4)
+            row.cpu_split = {k: round(v / (nbytes / 1e9), 4) for k, v in split.items()}
+    return row
 
 
 def unavailable(system: str, reason: str, op: str = "-") -> Row:
@@ -242,6 +257,76 @@ def wait_idle(max_wait: float, busy_below: float = 0.25,
         waited = True
         busy = cpu_busy(1.0)
     return busy
+
+
+# --------------------------------------------------------------------------------------------
+# CPU per byte
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Nanoseconds on CPU of each live thread of ``pid`` (``/proc/<pid>/task/<tid>/schedstat``:
+    exact, where ``/proc/<pid>/stat`` counts 10 ms ticks); {} for a process that is gone."""
+    out: dict[int, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+class CpuMeter:
+    """CPU seconds of a set of processes (role → pids), summed over the windows between
+    :meth:`start` and :meth:`stop` (the timed batches of one row).
+
+    Per thread, so a thread that starts inside a window counts from 0 and one that ends inside
+    it counts what it had at the window's start (lost: its last moments; the systems measured
+    keep their worker threads).  Every thread of a process counts, its idle pollers too: that
+    is what the process costs the machine.  The measuring process is read last at the start
+    and first at the stop, so the reads of /proc land outside its own window."""
+
+    def __init__(self, roles: dict[str, Sequence[int]]) -> None:
+        self.roles = {role: list(pids) for role, pids in roles.items() if pids}
+        self._total: dict[str, int] = {role: 0 for role in self.roles}
+        self._at: dict[int, dict[int, int]] = {}
+
+    def _order(self) -> list[tuple[str, int]]:
+        me = os.getpid()
+        pairs = [(role, pid) for role, pids in self.roles.items() for pid in pids]
+        return [p for p in pairs if p[1] == me] + [p for p in pairs if p[1] != me]
+
+    def start(self) -> None:
+        self._at = {pid: thread_cpu_ns(pid) for _role, pid in reversed(self._order())}
+
+    def stop(self) -> None:
+        now = [(role, pid, thread_cpu_ns(pid)) for role, pid in self._order()]
+        for role, pid, threads in now:
+            before = self._at.get(pid, {})
+            self._total[role] += sum(max(0, ns - before.get(tid, 0)) for tid, ns in threads.items())
+
+    def seconds(self) -> dict[str, float]:
+        """Role → CPU seconds over every window so far."""
+        return {role: ns / 1e9 for role, ns in self._total.items()}
+
+
+def timed_cpu(fn: Callable[[int], object], reps: int, meter: CpuMeter, warmup: int = 0) -> list[float]:
+    """:func:`timed`, with ``meter`` running around each timed call (not the warmup)."""
+    for i in range(warmup):
+        fn(-1 - i)
+    out = []
+    pc = time.perf_counter
+    for i in range(reps):
+        meter.start()
+        t0 = pc()
+        fn(i)
+        out.append(pc() - t0)
+        meter.stop()
+    return out
 
 
 # --------------------------------------------------------------------------------------------

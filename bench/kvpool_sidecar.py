@@ -1,7 +1,9 @@
 """kvpool through its sidecar and client library, on a `kvpool.LocalCluster` of 4 store nodes
 and 2 sidecars (A and B):
 
-- put: `A.put(keys, values)`, fresh keys every repetition;
+- put: `A.put(keys, values)`, fresh keys every repetition, back to back (each meets the
+  write-through of the batches before it); put_drained: the same once A's write-through backlog
+  has drained (waited for untimed): the put with and without a write-through in flight;
 - local_get: what A just put (a local-tier hit) read into caller buffers, once A's
   write-through backlog of those puts has drained (untimed) — `A.get_into` where
   the client has it, else `A.get` with each view copied out: the same work as Mooncake's
@@ -20,12 +22,16 @@ and 2 sidecars (A and B):
 - match: `B.match(keys)` of 8192 keys spread over the 4 store nodes and not in B's local tier
   (each match's lease released, untimed, where the client returns one).
 
+The put and remote get rows carry `cpu_s_per_gb`: the CPU seconds of every kvpool process (this
+client, both sidecars, the store nodes) per GB of their timed batches (`common.CpuMeter`).
+
 If `kvpool.LocalCluster` / `kvpool.connect` are not there yet, the rows say "not available yet".
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +41,7 @@ import numpy as np
 from bench.common import (
     EXISTS_KEYS,
     Context,
+    CpuMeter,
     GiB,
     MiB,
     Row,
@@ -45,6 +52,7 @@ from bench.common import (
     size_label,
     touched,
     unavailable,
+    with_cpu,
 )
 
 SYSTEM = "kvpool_sidecar"
@@ -69,16 +77,16 @@ def measure(ctx: Context) -> list[Row]:
     local_bytes = (256 * MiB if plan.quick else GiB) + 2 * plan.max_batch_bytes
     store_bytes = 256 * MiB if plan.quick else GiB
     try:
-        with _two_clients(kvpool, STORES, store_bytes, local_bytes) as (a, b):
-            rows = _measure(ctx, a, b)
+        with _cluster_clients(kvpool, STORES, store_bytes, local_bytes) as (a, b, roles):
+            rows = _measure(ctx, a, b, roles)
         # The same remote get from one store node: Mooncake's TCP peer has one segment owner,
         # and 4 store processes on a small machine share its cores with the sidecar.
-        with _two_clients(kvpool, 1, store_bytes, local_bytes) as (a, b):
+        with _cluster_clients(kvpool, 1, store_bytes, local_bytes) as (a, b, roles):
             v, nb = MiB, 16
             src = touched(v * nb, 1)
             pattern(src, nb + 1)
             row = _remote_get(plan, a, b, [src[j * v:(j + 1) * v].data for j in range(nb)], src,
-                              registered(b, v * nb), v, nb, "remote_get_1node")
+                              registered(b, v * nb), v, nb, "remote_get_1node", roles)
             row.note += ", 1 store node"
             rows.append(row)
             ctx.log(f"[kvpool_sidecar] 1 MiB x 16 remote get from 1 store node: {row.gbps:.2f} GB/s")
@@ -90,13 +98,27 @@ def measure(ctx: Context) -> list[Row]:
 @contextlib.contextmanager
 def _two_clients(kvpool: Any, stores: int, store_bytes: int, local_bytes: int) -> Iterator[tuple[Any, Any]]:
     """Clients of the two sidecars (A, B) of a fresh LocalCluster of ``stores`` store nodes."""
+    with _cluster_clients(kvpool, stores, store_bytes, local_bytes) as (a, b, _roles):
+        yield a, b
+
+
+Roles = dict[str, list[int]]
+"""Process role ('client', 'sidecar', 'store') → pids: what a :class:`CpuMeter` watches."""
+
+
+@contextlib.contextmanager
+def _cluster_clients(kvpool: Any, stores: int, store_bytes: int,
+                     local_bytes: int) -> Iterator[tuple[Any, Any, Roles]]:
+    """As :func:`_two_clients`, with the pids of every kvpool process (this one is the client)."""
     with kvpool.LocalCluster(stores=stores, sidecars=2, store_bytes=store_bytes,
                              local_bytes=local_bytes) as cluster:
+        roles = {"client": [os.getpid()], "sidecar": list(cluster.sidecar_pids),
+                 "store": list(cluster.store_pids)}
         a = kvpool.connect(cluster.sidecars[0])
         try:
             b = kvpool.connect(cluster.sidecars[1])
             try:
-                yield a, b
+                yield a, b, roles
             finally:
                 b.close()
         finally:
@@ -182,7 +204,7 @@ def _pool_hits(client: Any) -> tuple[int, int]:
 
 
 def _remote_get(plan: Any, a: Any, b: Any, vals: list[Any], src: np.ndarray, dst: np.ndarray,
-                v: int, nb: int, op: str) -> Row:
+                v: int, nb: int, op: str, roles: Roles | None = None) -> Row:
     """remote_get: keys A put, read by B from the pool into caller buffers.
 
     Into registered buffers the read leaves B's local tier as it was, so every repetition reads
@@ -198,23 +220,28 @@ def _remote_get(plan: Any, a: Any, b: Any, vals: list[Any], src: np.ndarray, dst
     dst[:v * nb].fill(0)
     pool0, local0 = _pool_hits(b)
     rkeys: list[bytes] = []
+    meter = CpuMeter(roles) if roles else None
     for i in range(plan.warmup + plan.reps(v, nb)):
         if not same_keys or i == 0:
             rkeys = keys32(f"sc-{op}-{v}-{nb}-{i}", nb)
             a.put(rkeys, vals)
             _wait_match(b, rkeys)
+        if meter and i >= plan.warmup:
+            meter.start()
         t0 = time.perf_counter()
         failures += _read_into(b, rkeys, outs)
         dt = time.perf_counter() - t0
         if i >= plan.warmup:
             times.append(dt)
+            if meter:
+                meter.stop()
     pool1, local1 = _pool_hits(b)
     note = (f"B.{read_how} from the pool ({'the same' if same_keys else 'a fresh'} key set each rep; "
             f"pool hits {pool1 - pool0}, local hits {local1 - local0})"
             + (f"; {failures} item failures" if failures else ""))
     if not np.array_equal(dst[:v * nb], src[:v * nb]):
         note += "; VERIFY FAILED"
-    return row_from_times(SYSTEM, op, v, nb, times, note=note)
+    return with_cpu(row_from_times(SYSTEM, op, v, nb, times, note=note), meter, v * nb * len(times))
 
 
 def _remote_zero_copy(plan: Any, a: Any, b: Any, vals: list[Any], v: int, nb: int) -> Row:
@@ -241,7 +268,42 @@ def _remote_zero_copy(plan: Any, a: Any, b: Any, vals: list[Any], v: int, nb: in
                           + (f"; {bad} WRONG VIEWS" if bad else ""))
 
 
-def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
+def _put_rows(plan: Any, a: Any, vals: list[Any], v: int, nb: int, roles: Roles) -> tuple[list[Row], list[bytes]]:
+    """put: ``A.put`` back to back, each batch meeting the write-through of the ones before (A
+    writes them to the store nodes in the background, on the same cores); put_drained: each
+    batch after A's write-through backlog has drained (waited for untimed), alone on the cores.
+    The CPU counted: the back-to-back put's over its timed calls (the write-through they met
+    included); the drained put's until its own write-through has drained (what one put costs
+    all processes).  Returns the rows and the keys of the last batch."""
+    rows: list[Row] = []
+    keys: list[bytes] = []
+    for op in ("put", "put_drained"):
+        times: list[float] = []
+        meter = CpuMeter(roles)
+        drained = True
+        for i in range(plan.warmup + plan.reps(v, nb)):
+            keys = keys32(f"sc-{op}-{v}-{nb}-{i}", nb)
+            if op == "put_drained":
+                drained = _wait_written_through(a) and drained
+            timed = i >= plan.warmup
+            if timed:
+                meter.start()
+            t0 = time.perf_counter()
+            a.put(keys, vals)
+            dt = time.perf_counter() - t0
+            if timed:
+                if op == "put_drained":
+                    drained = _wait_written_through(a) and drained
+                meter.stop()
+                times.append(dt)
+        note = "A.put, back to back (the write-through of the batches before in flight)" if op == "put" else \
+            "A.put after the write-through backlog drained (cpu: until its own drained)" + (
+                "" if drained else " (could not tell: not waited)")
+        rows.append(with_cpu(row_from_times(SYSTEM, op, v, nb, times, note=note), meter, v * nb * len(times)))
+    return rows, keys
+
+
+def _measure(ctx: Context, a: Any, b: Any, roles: Roles) -> list[Row]:
     plan = ctx.plan
     rows: list[Row] = []
     src = touched(plan.max_batch_bytes, 1)
@@ -253,16 +315,8 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
         pattern(src[:v * nb], nb + v // MiB)
         vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
 
-        keys: list[bytes] = []
-        times: list[float] = []
-        for i in range(total):
-            keys = keys32(f"sc-{v}-{nb}-{i}", nb)
-            t0 = time.perf_counter()
-            a.put(keys, vals)
-            dt = time.perf_counter() - t0
-            if i >= plan.warmup:
-                times.append(dt)
-        rows.append(row_from_times(SYSTEM, "put", v, nb, times, note="A.put"))
+        put_rows, keys = _put_rows(plan, a, vals, v, nb, roles)
+        rows += put_rows
         # A.put returns once the objects are in A's local tier; their write-through to the
         # store nodes goes on in the background.  Wait (untimed) for that backlog, so that it
         # does not run into the local_get timings below (Mooncake's put pays it inside put).
@@ -270,7 +324,7 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
 
         rows.append(_local_get(plan, a, keys, src, dst, v, nb, drained))
 
-        times = []
+        times: list[float] = []
         bad = 0
         for i in range(total):
             t0 = time.perf_counter()
@@ -286,13 +340,13 @@ def _measure(ctx: Context, a: Any, b: Any) -> list[Row]:
                                    note="A.get (views, released untimed)"
                                    + (f"; {bad} WRONG SIZES" if bad else "")))
 
-        rows.append(_remote_get(plan, a, b, vals, src, reg_b, v, nb, "remote_get"))
+        rows.append(_remote_get(plan, a, b, vals, src, reg_b, v, nb, "remote_get", roles))
         remote = rows[-1]
-        rows.append(_remote_get(plan, a, b, vals, src, dst, v, nb, "remote_get_promote"))
+        rows.append(_remote_get(plan, a, b, vals, src, dst, v, nb, "remote_get_promote", roles))
         rows.append(_remote_zero_copy(plan, a, b, vals, v, nb))
-        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {rows[-6].gbps:.2f} local "
-                f"{rows[-5].gbps:.2f} remote {remote.gbps:.2f} (promoting {rows[-2].gbps:.2f}, views "
-                f"{rows[-1].gbps:.2f}) GB/s")
+        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {put_rows[0].gbps:.2f} (drained "
+                f"{put_rows[1].gbps:.2f}) local {rows[-5].gbps:.2f} remote {remote.gbps:.2f} "
+                f"({remote.cpu_s_per_gb} CPU s/GB; promoting {rows[-2].gbps:.2f}, views {rows[-1].gbps:.2f}) GB/s")
 
     rows.append(_match_row(plan, a, b, src))
     return rows

@@ -14,6 +14,7 @@ If `kvpool.pool.node_client` cannot be imported yet, the rows say "not available
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ import numpy as np
 from bench.common import (
     EXISTS_KEYS,
     Context,
+    CpuMeter,
     GiB,
     MiB,
     Row,
@@ -37,6 +39,7 @@ from bench.common import (
     size_label,
     touched,
     unavailable,
+    with_cpu,
 )
 
 SYSTEM = "kvpool_store"
@@ -122,7 +125,7 @@ def measure(ctx: Context) -> list[Row]:
             address = words[1] if len(words) > 1 else f"127.0.0.1:{port}"
             client = mod.StoreClient(address)
             try:
-                return _measure(ctx, client, dram, can_remove)
+                return _measure(ctx, client, dram, can_remove, node.pid)
             finally:
                 client.close()
     except Exception as e:
@@ -145,7 +148,7 @@ def _pretouch(ctx: Context, client: Any, dram: int, src: np.ndarray) -> None:
             f"{time.perf_counter() - t0:.1f}s")
 
 
-def _measure(ctx: Context, client: Any, dram: int, can_remove: bool) -> list[Row]:
+def _measure(ctx: Context, client: Any, dram: int, can_remove: bool, node_pid: int) -> list[Row]:
     plan = ctx.plan
     rows: list[Row] = []
     src = touched(plan.max_batch_bytes, 1)
@@ -163,33 +166,42 @@ def _measure(ctx: Context, client: Any, dram: int, can_remove: bool) -> list[Row
         failures = 0
         seen: Counter[str] = Counter()
         total = plan.warmup + reps
+        roles = {"client": [os.getpid()], "store": [node_pid]}
+        meter = CpuMeter(roles)
         for i in range(total):
             keys = keys32(f"kvpool-{v}-{nb}-{i}", nb)
+            if i >= plan.warmup:
+                meter.start()
             t0 = time.perf_counter()
             st = client.put(keys, vals)
             dt = time.perf_counter() - t0
-            failures += bad_items(st, seen)
             if i >= plan.warmup:
+                meter.stop()
                 times.append(dt)
+            failures += bad_items(st, seen)
             if can_remove and i != total - 1:
                 client.remove(keys)  # untimed: keep the tier from filling up
-        rows.append(row_from_times(SYSTEM, "put", v, nb, times,
-                                   note=note_dram + _failures_note(failures, seen)))
+        rows.append(with_cpu(row_from_times(SYSTEM, "put", v, nb, times,
+                                            note=note_dram + _failures_note(failures, seen)), meter, v * nb * reps))
         dst[:v * nb].fill(0)
         times = []
         failures = 0
         seen = Counter()
+        meter = CpuMeter(roles)
         for i in range(total):
+            if i >= plan.warmup:
+                meter.start()
             t0 = time.perf_counter()
             st = client.get_into(keys, outs)
             dt = time.perf_counter() - t0
-            failures += bad_items(st, seen)
             if i >= plan.warmup:
+                meter.stop()
                 times.append(dt)
+            failures += bad_items(st, seen)
         ok = np.array_equal(dst[:v * nb], src[:v * nb])
-        rows.append(row_from_times(SYSTEM, "get", v, nb, times,
-                                   note="get_into" + _failures_note(failures, seen)
-                                   + ("" if ok else "; VERIFY FAILED")))
+        rows.append(with_cpu(row_from_times(SYSTEM, "get", v, nb, times,
+                                            note="get_into" + _failures_note(failures, seen)
+                                            + ("" if ok else "; VERIFY FAILED")), meter, v * nb * reps))
         ctx.log(f"[kvpool_store] {size_label(v)} x {nb}: put {rows[-2].gbps:.2f} "
                 f"get {rows[-1].gbps:.2f} GB/s")
 

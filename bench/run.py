@@ -57,18 +57,30 @@ SIDECAR_STEPS: list[tuple[str, Step]] = [
 # name -> (kind, numerator (system, op), denominator (system, op), target, explanation)
 # kind "throughput": numerator GB/s / denominator GB/s (> 1: kvpool moves bytes faster).
 # kind "time": numerator p50 / denominator p50 (< 1: kvpool answers sooner).
+# kind "cpu": numerator cpu_s_per_gb / denominator cpu_s_per_gb (< 1: kvpool spends less CPU).
 R = tuple[str, tuple[str, str], tuple[str, str], str, str]
 STORE_RATIOS: dict[str, R] = {
-    "get_vs_mooncake_tcp": ("throughput", ("kvpool_store", "get"), ("mooncake_tcp", "get"),
-                            ">= 2.5", "kvpool get_into / Mooncake batch_get_into over TCP"),
     "get_vs_tcp2_ceiling": ("throughput", ("kvpool_store", "get"), ("tcp_stream_2conn", "get"),
-                            ">= 0.7", "kvpool get_into / raw Python TCP, 2 streams"),
-    "put_vs_mooncake_tcp": ("throughput", ("kvpool_store", "put"), ("mooncake_tcp", "put"),
-                            ">= 2.5", "kvpool put / Mooncake batch_put_from over TCP"),
+                            ">= 0.8", "kvpool get_into / raw Python TCP, 2 streams"),
+    "put_vs_tcp2_ceiling": ("throughput", ("kvpool_store", "put"), ("tcp_stream_2conn", "put"),
+                            ">= 0.8", "kvpool put / raw Python TCP, 2 streams"),
     "exists8192_vs_mooncake": ("time", ("kvpool_store", "exists"), ("mooncake_tcp", "exists"),
                                "<= 0.25", "kvpool exists(8192 present keys) / Mooncake "
                                "batch_is_exist(8192 present keys)"),
-    # informational
+    # informational (issue 21 replaced the >= 2.5x Mooncake targets by the TCP ceiling's)
+    "get_vs_mooncake_tcp": ("throughput", ("kvpool_store", "get"), ("mooncake_tcp", "get"),
+                            "", "kvpool get_into / Mooncake batch_get_into over TCP"),
+    "put_vs_mooncake_tcp": ("throughput", ("kvpool_store", "put"), ("mooncake_tcp", "put"),
+                            "", "kvpool put / Mooncake batch_put_from over TCP"),
+    "get_cpu_vs_tcp2_ceiling": ("cpu", ("kvpool_store", "get"), ("tcp_stream_2conn", "get"), "",
+                                "CPU s/GB of the client and the store node over a get / "
+                                "those of the 2-stream TCP ceiling's two processes"),
+    "put_cpu_vs_tcp2_ceiling": ("cpu", ("kvpool_store", "put"), ("tcp_stream_2conn", "put"), "",
+                                "CPU s/GB of the client and the store node over a put / "
+                                "those of the 2-stream TCP ceiling's two processes"),
+    "mooncake_tcp_get_cpu_vs_tcp2_ceiling": ("cpu", ("mooncake_tcp", "get"), ("tcp_stream_2conn", "get"),
+                                             "", "peer context: Mooncake's CPU s/GB over a get "
+                                             "(client, master, segment owner) / the TCP ceiling's"),
     "get_vs_redis": ("throughput", ("kvpool_store", "get"), ("redis", "get"), "",
                      "kvpool get_into / Redis MGET"),
     "put_vs_redis": ("throughput", ("kvpool_store", "put"), ("redis", "put"), "",
@@ -92,7 +104,7 @@ SIDECAR_RATIOS: dict[str, R] = {
                                   "kvpool local-hit get (views copied into caller buffers) / "
                                   "Mooncake shared-memory client batch_get_into"),
     "remote_get_vs_mooncake_tcp": ("throughput", ("kvpool_sidecar", "remote_get"),
-                                   ("mooncake_tcp", "get"), ">= 2",
+                                   ("mooncake_tcp", "get"), ">= 1.5",
                                    "kvpool get_into through a sidecar whose local tier lacks the "
                                    "keys, into registered caller buffers (alloc_buffer) / Mooncake "
                                    "over TCP batch_get_into into registered buffers"),
@@ -100,6 +112,18 @@ SIDECAR_RATIOS: dict[str, R] = {
                                      ("mooncake_tcp", "exists"), "<= 0.25",
                                      "kvpool match(8192 keys held by 4 store nodes) / "
                                      "Mooncake batch_is_exist(8192 present keys)"),
+    "remote_get_cpu_vs_tcp2_ceiling": ("cpu", ("kvpool_sidecar", "remote_get"),
+                                       ("tcp_stream_2conn", "get"), "<= 1.5",
+                                       "CPU s/GB of every kvpool process (client, sidecars, store "
+                                       "nodes) over the remote get / those of the 2-stream TCP "
+                                       "ceiling's client and server"),
+    "put_vs_mooncake_shm": ("throughput", ("kvpool_sidecar", "put"), ("mooncake_shm", "put"),
+                            ">= 1.0", "kvpool A.put back to back (the write-through of the batches "
+                            "before in flight) / Mooncake shm batch_put_from"),
+    "put_drained_vs_mooncake_shm": ("throughput", ("kvpool_sidecar", "put_drained"),
+                                    ("mooncake_shm", "put"), ">= 1.0",
+                                    "kvpool A.put with no write-through in flight / Mooncake shm "
+                                    "batch_put_from"),
     # informational
     "local_get_zero_copy_vs_mooncake_shm": ("throughput", ("kvpool_sidecar",
                                                            "local_get_zero_copy"),
@@ -122,8 +146,17 @@ SIDECAR_RATIOS: dict[str, R] = {
                             "", "kvpool local-hit get / numpy memcpy of the same batch"),
     "remote_get_vs_redis": ("throughput", ("kvpool_sidecar", "remote_get"), ("redis", "get"),
                             "", "kvpool remote get / Redis MGET"),
-    "put_vs_mooncake_shm": ("throughput", ("kvpool_sidecar", "put"), ("mooncake_shm", "put"),
-                            "", "kvpool put through the sidecar / Mooncake shm batch_put_from"),
+    "mooncake_tcp_get_cpu_vs_tcp2_ceiling": ("cpu", ("mooncake_tcp", "get"), ("tcp_stream_2conn", "get"),
+                                             "", "peer context: Mooncake's CPU s/GB over a TCP get "
+                                             "(client, master, segment owner) / the TCP ceiling's"),
+    "remote_get_cpu_vs_mooncake_tcp": ("cpu", ("kvpool_sidecar", "remote_get"), ("mooncake_tcp", "get"),
+                                       "", "CPU s/GB of the kvpool remote get / Mooncake's over TCP"),
+    "put_cpu_vs_mooncake_shm": ("cpu", ("kvpool_sidecar", "put"), ("mooncake_shm", "put"), "",
+                                "CPU s/GB of the back-to-back put (its write-through included) / "
+                                "Mooncake shm put's (client, master, mooncake_client)"),
+    "put_drained_cpu_vs_mooncake_shm": ("cpu", ("kvpool_sidecar", "put_drained"), ("mooncake_shm", "put"),
+                                        "", "CPU s/GB of the put with nothing in flight / Mooncake "
+                                        "shm put's"),
 }
 RATIO_CELL = (MiB, 16)
 RATIOS_DOC = {
@@ -132,7 +165,9 @@ RATIOS_DOC = {
                    "(get_*, put_*, local_get_*, remote_get_*) are kvpool GB/s / peer GB/s of "
                    "the median batch, so > 1 means kvpool is faster. Time ratios "
                    "(exists8192_*, match8192_*) are kvpool p50 time / peer p50 time, so < 1 "
-                   "means kvpool is faster. null: one side was not measured "
+                   "means kvpool is faster. CPU ratios (*_cpu_*) are kvpool cpu_s_per_gb / the "
+                   "other's (CPU seconds of every process of the system per 1e9 bytes of the timed "
+                   "batches), so < 1 means kvpool spends less CPU. null: one side was not measured "
                    "(see ratios_missing). Ratios named mooncake_* are peer context (Mooncake over a "
                    "ceiling), not kvpool over a peer.",
 }
@@ -147,7 +182,7 @@ def ratio_values(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, float 
                 continue
             if kind == "time" and r.batch == EXISTS_KEYS:
                 return r
-            if kind == "throughput" and (r.value_size, r.batch) == RATIO_CELL:
+            if kind in ("throughput", "cpu") and (r.value_size, r.batch) == RATIO_CELL:
                 return r
         return None
 
@@ -171,6 +206,10 @@ def ratio_values(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, float 
             value = a.gbps / b.gbps
         elif kind == "time" and a.p50_ms and b.p50_ms:
             value = a.p50_ms / b.p50_ms
+        elif kind == "cpu" and a.cpu_s_per_gb and b.cpu_s_per_gb:
+            value = a.cpu_s_per_gb / b.cpu_s_per_gb
+        elif kind == "cpu":
+            missing[name] = "cpu_s_per_gb not measured"
         values[name] = value
     return values, missing
 
@@ -182,7 +221,9 @@ def ratios_doc(table: dict[str, R], rounds: int) -> dict[str, str]:
                           "ratio is the median over rounds of that round's ratio, and each "
                           "row is the median over rounds (ratios_per_round has them all).")
     for name, (kind, _num, _den, _target, text) in table.items():
-        doc[name] = f"{text} ({'GB/s ratio, >1 better' if kind == 'throughput' else 'time ratio, <1 better'})"
+        how = {"throughput": "GB/s ratio, >1 better", "time": "time ratio, <1 better",
+               "cpu": "CPU s/GB ratio, <1 better"}[kind]
+        doc[name] = f"{text} ({how})"
     return doc
 
 
@@ -230,7 +271,12 @@ def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
             continue
         m = Row(ok[0].system, ok[0].op, ok[0].value_size, ok[0].batch,
                 med([r.gbps for r in ok]), med([r.p50_ms for r in ok]),
-                med([r.p99_ms for r in ok]), sum(r.reps for r in ok), ok[0].note)
+                med([r.p99_ms for r in ok]), sum(r.reps for r in ok), ok[0].note,
+                cpu_s_per_gb=med([r.cpu_s_per_gb for r in ok]))
+        splits = [r.cpu_split for r in ok if r.cpu_split]
+        if splits:
+            m.cpu_split = {k: v for k in splits[0]
+                           if (v := med([s.get(k) for s in splits])) is not None}
         m.note = (m.note + "; " if m.note else "") + f"median of {len(ok)}/{len(rounds)} rounds"
         out.append(m)
     return out
@@ -253,25 +299,28 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ["system", "op", "value", "batch", "GB/s", "p50 ms", "p99 ms", "n", "note"]
+    head = ["system", "op", "value", "batch", "GB/s", "p50 ms", "p99 ms", "n", "cpu s/GB", "note"]
+    last = len(head) - 1
     body = []
     for r in rows:
         if r.status == "unavailable":
-            body.append([r.system, r.op, "-", "-", "-", "-", "-", "-",
+            body.append([r.system, r.op, "-", "-", "-", "-", "-", "-", "-",
                          f"{r.status.upper()}: {r.note}"])
             continue
         note = r.note if r.status == "ok" else f"{r.status.upper()}: {r.note}"
+        if r.cpu_split:
+            note += " [cpu s/GB: " + ", ".join(f"{k} {v:.3f}" for k, v in r.cpu_split.items()) + "]"
         body.append([r.system, r.op, size_label(r.value_size),
                      "-" if r.batch is None else str(r.batch), _fmt(r.gbps), _fmt(r.p50_ms),
-                     _fmt(r.p99_ms), str(r.reps), note])
+                     _fmt(r.p99_ms), str(r.reps), _fmt(r.cpu_s_per_gb), note])
     widths = [max(len(head[i]), *(len(b[i].splitlines()[0] if b[i] else "") for b in body))
-              if body else len(head[i]) for i in range(len(head) - 1)]
-    lines = ["  ".join(h.ljust(w) if i < 2 or i == 8 else h.rjust(w)
+              if body else len(head[i]) for i in range(last)]
+    lines = ["  ".join(h.ljust(w) if i < 2 or i == last else h.rjust(w)
                        for i, (h, w) in enumerate(zip(head, widths + [0], strict=True)))]
     lines.append("-" * (sum(widths) + 2 * len(widths) + 4))
     for b in body:
-        first, *rest = (b[8] or "").splitlines() or [""]
-        cells = [b[i].ljust(widths[i]) if i < 2 else b[i].rjust(widths[i]) for i in range(8)]
+        first, *rest = (b[last] or "").splitlines() or [""]
+        cells = [b[i].ljust(widths[i]) if i < 2 else b[i].rjust(widths[i]) for i in range(last)]
         lines.append("  ".join(cells + [first]).rstrip())
         indent = " " * (sum(widths) + 2 * len(widths))
         for extra in rest[:6]:
@@ -409,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     print(title)
     print(format_table(rows))
     print()
-    print("ratios (kvpool / peer, 1 MiB x 16; throughput: >1 better, time: <1 better):")
+    print("ratios (kvpool / peer, 1 MiB x 16; throughput: >1 better, time and cpu: <1 better):")
     for k, v in ratios.items():
         t = f"  target {targets[k]}: {'met' if meets[k] else 'NOT met'}" \
             if k in targets and meets.get(k) is not None else \

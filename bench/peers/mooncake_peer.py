@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 from bench.common import (  # noqa: E402
     EXISTS_KEYS,
     Context,
+    CpuMeter,
     MiB,
     Plan,
     Row,
@@ -49,6 +50,7 @@ from bench.common import (  # noqa: E402
     size_label,
     touched,
     unavailable,
+    with_cpu,
 )
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
@@ -100,7 +102,7 @@ def _measure_mode(ctx: Context, mode: str) -> list[Row]:
     env = dict(ENV)
     with ctx.procs.scope() as procs:
         rpc, http, metrics = free_port(), free_port(), free_port()
-        procs.start(
+        master_proc = procs.start(
             f"mooncake-master-{mode}",
             [binary("mooncake_master"), "--enable_http_metadata_server=true",
              "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
@@ -114,20 +116,22 @@ def _measure_mode(ctx: Context, mode: str) -> list[Row]:
         bench_args = ["--mode", mode, "--master", master, "--meta", meta,
                       "--segment", str(seg)]
         if mode == "tcp":
-            procs.start(
+            seg_proc = procs.start(
                 "mooncake-owner",
                 [sys.executable, "-m", "bench.peers.mooncake_peer", "owner", "--master", master,
                  "--meta", meta, "--segment", str(seg)],
                 env={**env, **python_env()}, ready_line="READY", timeout=60)
         else:
             port = free_port()
-            procs.start(
+            seg_proc = procs.start(
                 "mooncake-client",
                 [binary("mooncake_client"), "--host=127.0.0.1", f"--port={port}",
                  f"--master_server_address={master}", f"--metadata_server={meta}",
                  f"--global_segment_size={seg // MiB} MB", "--protocol=tcp"],
                 env=env, ready_port=port, timeout=60)
             bench_args += ["--client", f"127.0.0.1:{port}"]
+        # The measuring process counts its own CPU and theirs (cpu_s_per_gb of the rows).
+        bench_args += ["--cpu-pids", f"master={master_proc.pid},segment={seg_proc.pid}"]
         out = ctx.work_dir / f"mooncake-{mode}.json"
         worker = procs.start(
             f"mooncake-bench-{mode}",
@@ -208,10 +212,11 @@ def _hexkeys(prefix: str, n: int) -> list[str]:
 
 
 def bench(mode: str, master: str, meta: str, segment: int, client: str, plan: Plan,
-          out: Path) -> None:
+          out: Path, cpu_pids: dict[str, list[int]] | None = None) -> None:
     from mooncake.store import MooncakeDistributedStore
 
     system = SYSTEMS[mode]
+    roles = {"client": [os.getpid()], **(cpu_pids or {})}
 
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -247,33 +252,41 @@ def bench(mode: str, master: str, meta: str, segment: int, client: str, plan: Pl
         failures = 0
         keys: list[str] = []
         total = plan.warmup + reps
+        meter = CpuMeter(roles)
         for i in range(total):
             keys = _hexkeys(f"{mode}-{v}-{nb}-{i}", nb)
+            if i >= plan.warmup:
+                meter.start()
             t0 = time.perf_counter()
             res = store.batch_put_from(keys, ptrs_src, sizes)
             dt = time.perf_counter() - t0
-            failures += sum(1 for r in res if r != 0)
             if i >= plan.warmup:
+                meter.stop()
                 times.append(dt)
+            failures += sum(1 for r in res if r != 0)
             if i != total - 1:
                 store.batch_remove(keys)  # untimed: keep the segment from filling up
         note = "batch_put_from" + (f"; {failures} item failures" if failures else "")
-        rows.append(row_from_times(system, "put", v, nb, times, note=note))
+        rows.append(with_cpu(row_from_times(system, "put", v, nb, times, note=note), meter, v * nb * reps))
 
         bufs.dst[:v * nb].fill(0)
         times = []
         failures = 0
+        meter = CpuMeter(roles)
         for i in range(total):
+            if i >= plan.warmup:
+                meter.start()
             t0 = time.perf_counter()
             res = store.batch_get_into(keys, ptrs_dst, sizes)
             dt = time.perf_counter() - t0
-            failures += sum(1 for r in res if r != v)
             if i >= plan.warmup:
+                meter.stop()
                 times.append(dt)
+            failures += sum(1 for r in res if r != v)
         ok = np.array_equal(bufs.dst[:v * nb], bufs.src[:v * nb])
         note = "batch_get_into" + (f"; {failures} item failures" if failures else "") + \
             ("" if ok else "; VERIFY FAILED")
-        rows.append(row_from_times(system, "get", v, nb, times, note=note))
+        rows.append(with_cpu(row_from_times(system, "get", v, nb, times, note=note), meter, v * nb * reps))
         log(f"{size_label(v)} x {nb}: put {rows[-2].gbps:.2f} get {rows[-1].gbps:.2f} GB/s")
 
     # exists of 8192 present keys (4 KiB values), and of 8192 absent keys
@@ -303,6 +316,15 @@ def bench(mode: str, master: str, meta: str, segment: int, client: str, plan: Pl
     store.close()
 
 
+def parse_pids(text: str) -> dict[str, list[int]]:
+    """'master=12,segment=34' → {'master': [12], 'segment': [34]}."""
+    out: dict[str, list[int]] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        role, _, pid = part.partition("=")
+        out.setdefault(role, []).append(int(pid))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -316,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--client", default="")
     b.add_argument("--plan", required=True)
     b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--cpu-pids", default="", help="role=pid,... of the peer's other processes, whose CPU "
+                   "the rows count beside this one's")
     args = ap.parse_args(argv)
     code = 0
     try:
@@ -323,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             owner(args.master, args.meta, args.segment)
         else:
             bench(args.mode, args.master, args.meta, args.segment, args.client,
-                  Plan.from_json(json.loads(args.plan)), args.out)
+                  Plan.from_json(json.loads(args.plan)), args.out, parse_pids(args.cpu_pids))
     except BaseException:
         traceback.print_exc()
         code = 1
