@@ -62,6 +62,11 @@ class SidecarConfig:
     max_registered_bytes: int = 1 << 40
     """Client memory (``Client.alloc_buffer``) the sidecar maps at most, over all connections; a
     registration beyond it is refused (the client then reads through the arena)."""
+    pool_write_yield_ms: int = 50
+    """Longest the pool writer holds a write-through batch back while puts are being served
+    (one seen in the last few ms): the write and the engine's next put compete for the same
+    cores, and the put is what the engine waits for.  Under sustained puts the backlog then
+    grows and sheds (``max_pending_bytes``) rather than slow the puts; 0: never held back."""
     pool_write_retries: int = 10
     """Retries of a write-through block, or of an evicted object's copy, whose pool write failed
     for a passing reason (busy or unreachable owner, another writer's reservation, ...:

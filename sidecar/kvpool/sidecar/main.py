@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="retries of a write-through block or an evicted object's copy whose pool write "
                              "failed for a passing reason (with doubling delays), after which it is counted as "
                              "dropped (a block stays local-only, a copy is lost)")
+    writes.add_argument("--pool-write-yield-ms", type=int, default=D.pool_write_yield_ms,
+                        help="longest the pool writer holds a write-through batch back while puts are being "
+                             "served (they compete for the same cores; 0: never)")
     writes.add_argument("--drain-seconds", type=float, default=D.drain_seconds,
                         help="how long SIGTERM's flush of local-only objects may take")
 
@@ -143,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          handoff_advertise=args.handoff_advertise, handoff_key=key,
                          transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes,
                          arena_dir=args.arena_dir, pool_write_retries=args.pool_write_retries,
+                         pool_write_yield_ms=args.pool_write_yield_ms,
                          max_registered_bytes=args.max_registered_bytes, match_deadline_ms=args.match_deadline_ms,
                          read_deadline_ms=args.read_deadline_ms, read_bytes_per_second=args.read_bytes_per_second,
                          probe_deadline_ms=args.probe_deadline_ms, suspect_backoff_ms=args.suspect_backoff_ms)

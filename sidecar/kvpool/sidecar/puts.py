@@ -57,6 +57,7 @@ class Puts:
         commit writes the reserved part to the pool before it answers (:meth:`write_commit`),
         so the client's next round (:meth:`Client.put`) can evict those clean copies and take
         their room — the batch streams through the tier instead of being refused."""
+        self.writer.put_seen()
         codes, entries, rid = self.local.reserve(keys, sizes, kind, traffic_class_or_default(traffic_class))
         if rid and self.pool.enabled and pb.NO_SPACE in codes:
             now = time.monotonic()
@@ -73,6 +74,7 @@ class Puts:
         ``pool_wait_ms``: write them to the pool now and answer, for each object committed
         here, the pool's verdict (:meth:`Writer.write_waited`) instead of the local tier's."""
         t0 = time.perf_counter()
+        self.writer.put_seen()
         entries = self.local.reservation_entries(reservation_id)
         if entries is None:
             return [pb.LEASE_EXPIRED] * len(sums)

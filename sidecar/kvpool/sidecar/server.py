@@ -70,7 +70,8 @@ class Sidecar:
                          backoff=cfg.suspect_backoff_ms / 1000.0, max_backoff=8 * cfg.suspect_backoff_ms / 1000.0)
         self.pool.rdma.register("sidecar-arena", self.local.arena.view)  # one-sided reads land here
         self.writer = Writer(self.local, self.pool, self.counters, cfg.tenant_id, cfg.write_back,
-                             cfg.max_pending_bytes or self.local.capacity // 4, cfg.pool_write_retries)
+                             cfg.max_pending_bytes or self.local.capacity // 4, cfg.pool_write_retries,
+                             yield_seconds=cfg.pool_write_yield_ms / 1000.0)
         self.local.on_evict = self.writer.on_evict
         self.pool.on_ring_change = self.writer.ring_changed
         self._stop = threading.Event()

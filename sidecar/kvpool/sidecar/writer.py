@@ -6,7 +6,10 @@ only ones left).  The put path never waits for it: over ``max_pending`` bytes of
 batch is *shed* (its blocks become local-only, handed over on eviction and drain like write-back
 blocks, and queued again when the backlog has room).  A write that failed for a passing reason
 is tried again with doubling delays (:class:`kvpool.core.retry.RetryQueue`), then counted as
-dropped.  SIGTERM's flush of what is still local-only: :mod:`kvpool.sidecar.flush`.
+dropped.  While puts are being served the writer holds its next batch back (at most
+``yield_seconds``): a write-through and the engine's next put compete for the same cores, and
+the put is what the engine waits for.  SIGTERM's flush of what is still local-only:
+:mod:`kvpool.sidecar.flush`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ log = logging.getLogger("kvpool.sidecar")
 
 PIN_MS = 600_000
 """Pin of entries on their way to the pool (released when the write is done)."""
+QUIET_SECONDS = 0.005
+"""No put seen for this long: the puts have paused and the writer goes on (a put of 16 x 1 MiB
+takes a few ms between its reserve and its commit, the next one follows its commit at once)."""
+
+
+def hold_back(now: float, put_seen_at: float, deadline: float) -> float:
+    """How long the pool writer should still wait before its next batch: until QUIET_SECONDS
+    after the last put seen, and never past ``deadline`` (0: go now)."""
+    return max(0.0, min(put_seen_at + QUIET_SECONDS, deadline) - now)
 
 
 def verdict(got: dict[int, int]) -> dict[int, pb.Code]:
@@ -44,11 +56,13 @@ class Writer:
     """The write-behind queue, its thread and its retries; thread-safe."""
 
     def __init__(self, local: LocalTier, pool: Pool, counters: Any, tenant_id: str, write_back: bool,
-                 max_pending: int, retries: int) -> None:
+                 max_pending: int, retries: int, yield_seconds: float = 0.0) -> None:
         self.local, self.pool, self.counters = local, pool, counters
         self.tenant_id = tenant_id
         self.write_back = write_back
         self.max_pending = max_pending
+        self.yield_seconds = yield_seconds
+        self._put_seen_at = float("-inf")
         self._lock = threading.Lock()
         self.pending: queue.Queue[tuple[list[LocalEntry], list[bytes] | None] | None] = queue.Queue()
         self.pending_bytes = 0
@@ -71,6 +85,24 @@ class Writer:
         """Whether write-through batches are queued or being written (what the drain at
         SIGTERM waits for before it is done)."""
         return self.pending_bytes > 0
+
+    def put_seen(self) -> None:
+        """A put is being served (its reserve or its commit): the next batch waits a moment."""
+        self._put_seen_at = time.monotonic()
+
+    def _hold_back(self) -> None:
+        """Before a batch: wait while puts are being served, at most ``yield_seconds``."""
+        if self.yield_seconds <= 0:
+            return
+        now = time.monotonic()
+        deadline = now + self.yield_seconds
+        wait = hold_back(now, self._put_seen_at, deadline)
+        if wait <= 0:
+            return
+        self.counters[SidecarCounter.POOL_WRITES_HELD_BACK] += 1
+        while wait > 0:
+            time.sleep(wait)
+            wait = hold_back(time.monotonic(), self._put_seen_at, deadline)
 
     def close(self) -> None:
         self.pending.put(None)
@@ -242,6 +274,7 @@ class Writer:
             entries, copies = item
             codes: dict[int, int] = {}
             try:
+                self._hold_back()
                 self.push(entries, copies, codes)
             except Exception:
                 log.exception("pool write failed")

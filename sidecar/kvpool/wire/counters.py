@@ -204,6 +204,9 @@ class SidecarCounter(enum.StrEnum):
     """Objects the pool took (OK or ALREADY_EXISTS)."""
     POOL_WRITES_SHED = "pool_writes_shed"
     """Pool writes deferred because the backlog was full."""
+    POOL_WRITES_HELD_BACK = "pool_writes_held_back"
+    """Write-through batches the pool writer held back while puts were being served (they
+    compete for the same cores: ``SidecarConfig.pool_write_yield_ms``)."""
     POOL_WRITES_RETRIED = "pool_writes_retried"
     """Pool writes queued again (after a ring change or a passing failure)."""
     POOL_WRITES_BACKOFF = "pool_writes_backoff"
