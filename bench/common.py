@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -292,7 +292,7 @@ class CpuMeter:
     outside them, so the reads of /proc (a few ms of CPU for a sidecar's threads) are not
     counted as the client's."""
 
-    def __init__(self, roles: dict[str, Sequence[int]]) -> None:
+    def __init__(self, roles: Mapping[str, Sequence[int]]) -> None:
         self.roles = {role: list(pids) for role, pids in roles.items() if pids}
         self._total: dict[str, int] = {role: 0 for role in self.roles}
         self._at: dict[int, dict[int, int]] = {}
