@@ -193,6 +193,14 @@ def _read_into(client: Any, keys: list[bytes], outs: list[np.ndarray]) -> int:
     return 0
 
 
+def _counter(client: Any, name: str) -> int:
+    """A sidecar counter by its name (0 when the client has no stats or the sidecar no such
+    counter: an older kvpool measured through $KVPOOL_BENCH_SRC)."""
+    if not hasattr(client, "stats"):
+        return 0
+    return int(dict(client.stats().counters).get(name, 0))
+
+
 def _pool_hits(client: Any) -> tuple[int, int]:
     """(pool hits, local hits) the sidecar has counted for its reads so far ((0, 0): unknown)."""
     from kvpool.wire.counters import SidecarCounter
@@ -281,6 +289,7 @@ def _put_rows(plan: Any, a: Any, vals: list[Any], v: int, nb: int, roles: Roles)
         times: list[float] = []
         meter = CpuMeter(roles)
         drained = True
+        held0, shed0 = _counter(a, "pool_writes_held_back"), _counter(a, "pool_writes_shed")
         for i in range(plan.warmup + plan.reps(v, nb)):
             keys = keys32(f"sc-{op}-{v}-{nb}-{i}", nb)
             if op == "put_drained":
@@ -303,6 +312,8 @@ def _put_rows(plan: Any, a: Any, vals: list[Any], v: int, nb: int, roles: Roles)
         note = "A.put, back to back (the write-through of the batches before in flight)" if op == "put" else \
             "A.put after the write-through backlog drained (cpu: until its own drained)" + (
                 "" if drained else " (could not tell: not waited)")
+        note += (f"; write-through batches held back {_counter(a, 'pool_writes_held_back') - held0}, "
+                 f"blocks shed {_counter(a, 'pool_writes_shed') - shed0}")
         rows.append(with_cpu(row_from_times(SYSTEM, op, v, nb, times, note=note), meter, v * nb * len(times)))
     return rows, keys
 
