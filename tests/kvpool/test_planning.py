@@ -3,6 +3,13 @@
 import pytest
 
 from kvpool.core.planning import (
+    PRIOR_LOCAL_READ_BYTES_PER_S,
+    PRIOR_LOOKUP_SECONDS,
+    PRIOR_POOL_READ_BYTES_PER_S,
+    PRIOR_PREFILL_TOKENS_PER_S,
+    CrossoverInputs,
+    FetchMode,
+    decide_fetch,
     kv_bytes_per_token,
     plan_hit,
     should_fetch,
@@ -99,3 +106,55 @@ def test_should_fetch() -> None:
     assert not should_fetch(0, bpt, 1e9, 1000).fetch
     with pytest.raises(ValueError):
         should_fetch(10, bpt, 0, 1000)
+
+
+def _inputs(**kw: float) -> CrossoverInputs:
+    base: dict[str, float] = dict(matched_tokens=1024, local_tokens=0, bytes_per_token=131072,
+                                  pool_bytes_per_s=2e9, local_bytes_per_s=8e9, lookup_seconds=1e-3,
+                                  prefill_tokens_per_s=10_000)
+    base.update(kw)
+    return CrossoverInputs(**base)  # type: ignore[arg-type]
+
+
+def test_decide_fetch_is_should_fetch_on_the_blended_bandwidth() -> None:
+    # 1024 tokens × 128 KiB = 128 MiB: 67 ms from the pool at 2 GB/s, 102 ms to recompute.
+    d = decide_fetch(_inputs())
+    assert d.fetch and d.reason == "FetchFaster"
+    assert d.fetch_seconds == pytest.approx(1024 * 131072 / 2e9) and d.recompute_seconds == pytest.approx(0.1024)
+    # The same from the local tier: a quarter of the time.
+    assert decide_fetch(_inputs(local_tokens=1024)).fetch_seconds == pytest.approx(1024 * 131072 / 8e9)
+    # Half local, half pool: the two shares add (a local count above the match is clamped).
+    half = decide_fetch(_inputs(local_tokens=512)).fetch_seconds
+    assert half == pytest.approx(512 * 131072 / 8e9 + 512 * 131072 / 2e9)
+    assert decide_fetch(_inputs(local_tokens=5000)).fetch_seconds == pytest.approx(1024 * 131072 / 8e9)
+
+
+def test_decide_fetch_crossover_in_length_comes_from_the_fixed_lookup() -> None:
+    # Per token: fetch 13 µs, recompute 100 µs; the 20 ms lookup is paid back after ~230 tokens.
+    slow_lookup = dict(lookup_seconds=0.02, bytes_per_token=26_000)
+    short, long = decide_fetch(_inputs(matched_tokens=32, **slow_lookup)), \
+        decide_fetch(_inputs(matched_tokens=2048, **slow_lookup))
+    assert (short.fetch, short.reason) == (False, "RecomputeFaster")
+    assert (long.fetch, long.reason) == (True, "FetchFaster")
+    # A slow pool (a fetch slower per token than prefill) recomputes at every length.
+    assert not decide_fetch(_inputs(matched_tokens=100_000, pool_bytes_per_s=1e8)).fetch
+    # Overlap hides load time.
+    assert decide_fetch(_inputs(matched_tokens=32, overlap_seconds=0.05, **slow_lookup)).fetch
+
+
+def test_decide_fetch_modes_and_refusals() -> None:
+    assert decide_fetch(_inputs(matched_tokens=0)).reason == "NoHit"
+    slow = _inputs(pool_bytes_per_s=1e6)
+    assert not decide_fetch(slow).fetch
+    assert (decide_fetch(slow, FetchMode.ALWAYS).fetch, decide_fetch(slow, FetchMode.ALWAYS).reason) == (True, "Always")
+    for bad in (dict(pool_bytes_per_s=0), dict(prefill_tokens_per_s=0), dict(bytes_per_token=0)):
+        with pytest.raises(ValueError):
+            decide_fetch(_inputs(**bad))
+
+
+def test_the_priors_lean_to_loading() -> None:
+    """Before anything is measured, a Llama-8B-sized token (128 KiB) of a one-block prefix loads:
+    the rule recomputes only on measured or configured evidence."""
+    x = CrossoverInputs(16, 0, 131072, PRIOR_POOL_READ_BYTES_PER_S, PRIOR_LOCAL_READ_BYTES_PER_S,
+                        PRIOR_LOOKUP_SECONDS, PRIOR_PREFILL_TOKENS_PER_S)
+    assert decide_fetch(x).fetch

@@ -2,11 +2,13 @@
 
 ``plan_hit`` decides how much of a prompt to take from the cache given the matched block prefix
 and the positions where state objects (sliding-window / recurrent state) exist; the rest of the
-module sizes KV and state objects and decides whether fetching beats recomputing.
+module sizes KV and state objects and decides whether fetching beats recomputing
+(``should_fetch``, and ``decide_fetch`` on the measured inputs the engine integrations gather).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -120,3 +122,63 @@ def should_fetch(
     if cost < t_recompute:
         return FetchDecision(True, t_fetch, t_recompute, "FetchFaster")
     return FetchDecision(False, t_fetch, t_recompute, "RecomputeFaster")
+
+
+# -- the crossover on measured inputs (the engine integrations' decision) ----------------------
+
+PRIOR_POOL_READ_BYTES_PER_S = 1.0e9
+"""Pool read bandwidth assumed until a sidecar has measured its own: about the engine-facing remote
+read of this project's TCP path (0.85–1.1 GB/s, issue 21), below its registered-memory path."""
+PRIOR_LOCAL_READ_BYTES_PER_S = 4.0e9
+"""Local-tier bandwidth assumed until measured: one memory copy on a loaded core."""
+PRIOR_LOOKUP_SECONDS = 1.0e-3
+"""Fixed cost of a load assumed until measured: one round trip to the store nodes."""
+PRIOR_PREFILL_TOKENS_PER_S = 1000.0
+"""Prefill rate assumed when the engine's is neither configured nor measured yet: low on purpose.
+The priors lean to loading (what every integration did before the rule existed): without a
+measurement, cached work is not thrown away; the rule recomputes only on measured or configured
+evidence."""
+
+
+class FetchMode(enum.StrEnum):
+    """The integrations' ``fetch_decision`` setting."""
+
+    AUTO = "auto"
+    """Decide per request: load when ``decide_fetch`` says the load is faster."""
+    ALWAYS = "always"
+    """Load whatever matched (the behaviour before the rule; counted as loads)."""
+
+
+@dataclass(frozen=True)
+class CrossoverInputs:
+    """What one decision is made on (kept as the integrations' "last decision" in their stats)."""
+
+    matched_tokens: int
+    """Tokens the pool holds beyond what the engine already has (the load's size)."""
+    local_tokens: int
+    """Of those, in the sidecar's local tier (read at ``local_bytes_per_s``, the rest from the pool)."""
+    bytes_per_token: int
+    """KV bytes one token takes in this engine's layout (what one worker loads)."""
+    pool_bytes_per_s: float
+    local_bytes_per_s: float
+    lookup_seconds: float
+    """Fixed cost of a load before its bytes flow: a round trip to the owners (the sidecar's match time)."""
+    prefill_tokens_per_s: float
+    overlap_seconds: float = 0.0
+    """Load time hidden behind compute (0 where the load completes before the forward starts)."""
+
+
+def decide_fetch(x: CrossoverInputs, mode: FetchMode = FetchMode.AUTO) -> FetchDecision:
+    """Load or recompute ``x.matched_tokens``: ``should_fetch`` with the load's bandwidth blended
+    from the local-tier and pool shares.  ``NoHit`` when nothing matched; ``Always`` in that mode."""
+    if x.matched_tokens <= 0:
+        return FetchDecision(False, 0.0, 0.0, "NoHit")
+    if x.pool_bytes_per_s <= 0 or x.local_bytes_per_s <= 0 or x.prefill_tokens_per_s <= 0 or x.bytes_per_token <= 0:
+        raise ValueError("bandwidths, prefill rate and bytes per token must be positive")
+    local = min(max(x.local_tokens, 0), x.matched_tokens)
+    t_fetch = (local / x.local_bytes_per_s + (x.matched_tokens - local) / x.pool_bytes_per_s) * x.bytes_per_token
+    if mode == FetchMode.ALWAYS:
+        return FetchDecision(True, t_fetch, x.matched_tokens / x.prefill_tokens_per_s, "Always")
+    # One rule (should_fetch) on the load's blended bandwidth: its T_fetch is t_fetch.
+    return should_fetch(x.matched_tokens, x.bytes_per_token, x.matched_tokens * x.bytes_per_token / t_fetch,
+                        x.prefill_tokens_per_s, x.overlap_seconds, x.lookup_seconds)

@@ -111,10 +111,15 @@ class SidecarServicer(spbg.SidecarServicer):
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> spb.SidecarStats:
         s = self._stats()
+        r = s.reads
         return spb.SidecarStats(counters=s.counters, local_capacity_bytes=s.local_capacity_bytes,
                                 local_used_bytes=s.local_used_bytes, local_objects=s.local_objects,
                                 ring_epoch=s.ring_epoch, pool_nodes_up=s.pool_nodes_up,
-                                pending_pool_bytes=s.pending_pool_bytes)
+                                pending_pool_bytes=s.pending_pool_bytes,
+                                pool_read_bytes_per_s=r.pool_read_bytes_per_s,
+                                local_read_bytes_per_s=r.local_read_bytes_per_s, lookup_seconds=r.lookup_seconds,
+                                pool_read_samples=r.pool_read_samples, local_read_samples=r.local_read_samples,
+                                lookup_samples=r.lookup_samples)
 
 
 class IncarnationCheck(grpc.ServerInterceptor):  # type: ignore[misc]

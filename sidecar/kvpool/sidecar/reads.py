@@ -25,6 +25,7 @@ from kvpool.core import ranges
 from kvpool.core.errors import Code
 from kvpool.pool.fanout import Pool
 from kvpool.sidecar import journal, metrics
+from kvpool.sidecar.estimates import ReadMeter
 from kvpool.sidecar.fetch import Fetcher
 from kvpool.sidecar.landing import ArenaLanding, BufferLanding, SpillStash
 from kvpool.sidecar.local_tier import LocalEntry, LocalTier
@@ -126,8 +127,11 @@ class Reads:
     """Match and read calls of one sidecar; thread-safe."""
 
     def __init__(self, local: LocalTier, pool: Pool, fetcher: Fetcher, counters: Any, tenant_id: str,
-                 lease_ms: int, stash: SpillStash, offer: Callable[[list[LocalEntry]], None] | None) -> None:
+                 lease_ms: int, stash: SpillStash, offer: Callable[[list[LocalEntry]], None] | None,
+                 meter: ReadMeter | None = None) -> None:
         self.local, self.pool, self.fetcher, self.counters = local, pool, fetcher, counters
+        self.meter = meter or ReadMeter()
+        """Pool and local read bandwidth and match time, measured (the engines' fetch-or-recompute inputs)."""
         self.tenant_id = tenant_id
         self.lease_ms = lease_ms
         """Lease of the local hits of a ``read_into`` while they are copied out."""
@@ -160,7 +164,9 @@ class Reads:
             lease_id = self.match_leases.open(local_lease.lease_id if local_lease else 0, pool_leases, lease_ms)
         elif pool_leases:
             self.pool.release(pool_leases)
-        metrics.record_match(self.tenant_id, len(arr), n_local, prefix - n_local, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        metrics.record_match(self.tenant_id, len(arr), n_local, prefix - n_local, took)
+        self.meter.lookup(took)
         self.counters[SidecarCounter.MATCH_CALLS] += 1
         self.counters[SidecarCounter.LOOKUP_BLOCKS] += len(arr)
         self.counters[SidecarCounter.HIT_BLOCKS_LOCAL] += n_local
@@ -203,12 +209,15 @@ class Reads:
         missing = [i for i, e in enumerate(found) if e is None]
         pool_hits = 0
         land: ArenaLanding | None = None
+        fetch_seconds = 0.0
         try:
             with self.match_leases.superseded(match_lease) as drop:
                 if missing and self.pool.enabled and not local_only:
                     land = ArenaLanding(self.local, keys, kind, lease, found, self.offer, self.pool.rpc_timeout,
                                         self.stash)
+                    t_fetch = time.perf_counter()
                     pool_hits = self.fetcher.fetch_missing(keys, arr, missing, land, kind, lease_ms, drop)
+                    fetch_seconds = time.perf_counter() - t_fetch
         except BaseException:
             self.local.release([lease.lease_id])
             raise
@@ -231,6 +240,7 @@ class Reads:
                     spilled += 1
             self.counters[SidecarCounter.READ_NO_ROOM] += spilled
         fetched = sum(e.size for e, was in zip(found, local_found, strict=True) if e is not None and not was)
+        self.meter.pool_read(fetched, fetch_seconds)
         self._count_read(local_hits if local_only else n - spilled, local_hits, pool_hits, moved, fetched, t0)
         return ReadResult(codes, offsets, sizes, sums, lease.lease_id if lease.entries else 0, local_hits, pool_hits)
 
@@ -256,7 +266,9 @@ class Reads:
                     continue
                 codes[i], sizes[i] = pb.OK, e.size
                 pairs.append((self.local.view(e), dests[i][:e.size]))
+            t_copy = time.perf_counter()
             self._copier.copy(pairs)
+            self.meter.local_read(sum(dst.nbytes for _, dst in pairs), time.perf_counter() - t_copy)
         finally:
             self.local.release([lease.lease_id])
         local_hits = len(pairs)
@@ -270,7 +282,9 @@ class Reads:
             if missing and self.pool.enabled:
                 landed: list[int | None] = [None] * n
                 land = BufferLanding(dests, landed)
+                t_fetch = time.perf_counter()
                 pool_hits += self.fetcher.fetch_missing(keys, arr, missing, land, kind, self.lease_ms, drop)
+                self.meter.pool_read(sum(landed[i] or 0 for i in missing), time.perf_counter() - t_fetch)
                 for i in missing:
                     size = landed[i]
                     if size is not None:

@@ -193,7 +193,8 @@ class Sidecar:
             counters[SidecarCounter.POOL_COPYOVER_QUEUED_BYTES] = self.copy_over.queued_bytes
         return Stats(counters=counters, local_capacity_bytes=self.local.capacity, local_used_bytes=self.local.used,
                      local_objects=self.local.objects(), ring_epoch=self.pool.ring.epoch,
-                     pool_nodes_up=self.pool.nodes_up(), pending_pool_bytes=self.backlog_bytes())
+                     pool_nodes_up=self.pool.nodes_up(), pending_pool_bytes=self.backlog_bytes(),
+                     reads=self.reads.meter.snapshot())
 
     def flush(self, seconds: float) -> tuple[int, int, int]:
         """Every local-only object to the pool within ``seconds``: (flushed, bytes, dropped)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.sidecar.estimates import ReadEstimates
+
 
 @dataclass(frozen=True)
 class Greeting:
@@ -37,3 +39,5 @@ class Stats:
     ring_epoch: int
     pool_nodes_up: int
     pending_pool_bytes: int
+    reads: ReadEstimates
+    """Measured pool/local read bandwidth and match time (the engines' fetch-or-recompute inputs)."""

@@ -297,6 +297,22 @@ class EventsCounter(enum.StrEnum):
     """Publish errors."""
 
 
+class FetchDecisionCounter(enum.StrEnum):
+    """The fetch-or-recompute decision of an engine integration (vLLM connector, SGLang backend,
+    LMCache connector), in the integration's own stats (``kvpool.integrations.crossover``); not
+    sent in Stats.  Counted per lookup (a request whose allocation vLLM retries is looked up again)."""
+
+    LOADED = "loaded"
+    """Lookups whose match was loaded (above the crossover, or ``fetch_decision: always``)."""
+    LOADED_TOKENS = "loaded_tokens"
+    """Tokens of those."""
+    RECOMPUTED_CHEAPER = "recomputed_cheaper"
+    """Lookups whose match was recomputed: below the crossover (recomputing was faster)."""
+    RECOMPUTED_CHEAPER_TOKENS = "recomputed_cheaper_tokens"
+    """Tokens of those (in the pool, not loaded)."""
+    RECOMPUTED_MISSING = "recomputed_missing"
+    """Lookups that found nothing to load (not in the pool beyond what the engine had)."""
+
 # ------------------------------------------------------------------------------ groups
 
 TENANT_COUNTERS: frozenset[StoreCounter] = frozenset({

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.wire.proto import store_pb2 as kvpool_dot_wire_dot_proto_dot_store__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvpool/wire/proto/sidecar.proto\x12\tkvpool.v1\x1a\x1dkvpool/wire/proto/store.proto\"\xde\x01\n\nHelloReply\x12\x12\n\narena_path\x18\x01 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x02 \x01(\x04\x12\x11\n\ttenant_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x12\n\nring_epoch\x18\x05 \x01(\x04\x12\x12\n\npool_nodes\x18\x06 \x01(\r\x12\x17\n\x0fhandoff_address\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x12\x18\n\x10\x61rena_generation\x18\n \x01(\x04\";\n\x0cProbeRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.kvpool.v1.Kind\"\x1d\n\nProbeReply\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"\x8e\x02\n\x0cSidecarStats\x12\x37\n\x08\x63ounters\x18\x01 \x03(\x0b\x32%.kvpool.v1.SidecarStats.CountersEntry\x12\x1c\n\x14local_capacity_bytes\x18\x02 \x01(\x04\x12\x18\n\x10local_used_bytes\x18\x03 \x01(\x04\x12\x15\n\rlocal_objects\x18\x04 \x01(\x04\x12\x12\n\nring_epoch\x18\x05 \x01(\x04\x12\x15\n\rpool_nodes_up\x18\x06 \x01(\r\x12\x1a\n\x12pending_pool_bytes\x18\x07 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x0c\x46lushRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"U\n\nFlushReply\x12\x17\n\x0f\x66lushed_objects\x18\x01 \x01(\x04\x12\x15\n\rflushed_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ropped_objects\x18\x03 \x01(\x04\"\xa4\x01\n\x11ReadRangesRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x0e\n\x06ranges\x18\x03 \x01(\x0c\x12\x1d\n\x04kind\x18\x04 \x01(\x0e\x32\x0f.kvpool.v1.Kind\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x15\n\rverify_object\x18\x06 \x01(\x08\x12\x19\n\x11release_lease_ids\x18\x07 \x03(\x04\"\xbd\x01\n\x0fReadRangesReply\x12\x1e\n\x05\x63odes\x18\x01 \x03(\x0e\x32\x0f.kvpool.v1.Code\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x05 \x01(\x04\x12\x12\n\nlocal_hits\x18\x06 \x01(\r\x12\x11\n\tpool_hits\x18\x07 \x01(\r\x12\x12\n\npool_bytes\x18\x08 \x01(\x04\"\xa6\x01\n\x15PublishPrefillRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x16\n\x0estate_position\x18\x04 \x01(\r\x12\x0f\n\x07hold_ms\x18\x05 \x01(\r\x12\x15\n\rrecord_ttl_ms\x18\x06 \x01(\r\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"\xb9\x01\n\x13PublishPrefillReply\x12\x1d\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x0f.kvpool.v1.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1e\n\x05\x63odes\x18\x03 \x03(\x0e\x32\x0f.kvpool.v1.Code\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\x16\n\x0e\x62locks_written\x18\x05 \x01(\r\x12\x12\n\npublish_us\x18\x06 \x01(\x04\x12\x16\n\x0estate_exported\x18\x07 \x01(\x08\"8\n\x14\x41\x63\x63\x65ptHandoffRequest\x12\x0e\n\x06record\x18\x01 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"\xe2\x02\n\x12\x41\x63\x63\x65ptHandoffReply\x12\x1d\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x0f.kvpool.v1.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1e\n\x05\x63odes\x18\x03 \x03(\x0e\x32\x0f.kvpool.v1.Code\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\x12\r\n\x05sizes\x18\x05 \x03(\x04\x12\x10\n\x08lease_id\x18\x06 \x01(\x04\x12&\n\x05state\x18\x07 \x01(\x0e\x32\x17.kvpool.v1.HandoffState\x12\x14\n\x0cstate_offset\x18\x08 \x01(\x04\x12\x12\n\nstate_size\x18\t \x01(\x04\x12\x16\n\x0estate_lease_id\x18\n \x01(\x04\x12\x11\n\tblocks_us\x18\x0b \x01(\x04\x12\x10\n\x08state_us\x18\x0c \x01(\x04\x12\x12\n\nlocal_hits\x18\r \x01(\r\x12\x11\n\tpool_hits\x18\x0e \x01(\r\x12\x14\n\x0cstate_detail\x18\x0f \x01(\t*\xa2\x01\n\x0cHandoffState\x12\x16\n\x12HANDOFF_STATE_NONE\x10\x00\x12\x16\n\x12HANDOFF_STATE_PEER\x10\x01\x12\x16\n\x12HANDOFF_STATE_POOL\x10\x02\x12\x17\n\x13HANDOFF_STATE_LOCAL\x10\x03\x12\x19\n\x15HANDOFF_STATE_EXPIRED\x10\x04\x12\x16\n\x12HANDOFF_STATE_GONE\x10\x05\x32\x89\x04\n\x07Sidecar\x12\x30\n\x05Hello\x12\x10.kvpool.v1.Empty\x1a\x15.kvpool.v1.HelloReply\x12\x37\n\x05Probe\x12\x17.kvpool.v1.ProbeRequest\x1a\x15.kvpool.v1.ProbeReply\x12\x39\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x15.kvpool.v1.CodesReply\x12\x32\n\x05Stats\x12\x10.kvpool.v1.Empty\x1a\x17.kvpool.v1.SidecarStats\x12\x37\n\x05\x46lush\x12\x17.kvpool.v1.FlushRequest\x1a\x15.kvpool.v1.FlushReply\x12R\n\x0ePublishPrefill\x12 .kvpool.v1.PublishPrefillRequest\x1a\x1e.kvpool.v1.PublishPrefillReply\x12O\n\rAcceptHandoff\x12\x1f.kvpool.v1.AcceptHandoffRequest\x1a\x1d.kvpool.v1.AcceptHandoffReply\x12\x46\n\nReadRanges\x12\x1c.kvpool.v1.ReadRangesRequest\x1a\x1a.kvpool.v1.ReadRangesReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvpool/wire/proto/sidecar.proto\x12\tkvpool.v1\x1a\x1dkvpool/wire/proto/store.proto\"\xde\x01\n\nHelloReply\x12\x12\n\narena_path\x18\x01 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x02 \x01(\x04\x12\x11\n\ttenant_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x12\n\nring_epoch\x18\x05 \x01(\x04\x12\x12\n\npool_nodes\x18\x06 \x01(\r\x12\x17\n\x0fhandoff_address\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x12\x18\n\x10\x61rena_generation\x18\n \x01(\x04\";\n\x0cProbeRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x1d\n\x04kind\x18\x02 \x01(\x0e\x32\x0f.kvpool.v1.Kind\"\x1d\n\nProbeReply\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"\xb4\x03\n\x0cSidecarStats\x12\x37\n\x08\x63ounters\x18\x01 \x03(\x0b\x32%.kvpool.v1.SidecarStats.CountersEntry\x12\x1c\n\x14local_capacity_bytes\x18\x02 \x01(\x04\x12\x18\n\x10local_used_bytes\x18\x03 \x01(\x04\x12\x15\n\rlocal_objects\x18\x04 \x01(\x04\x12\x12\n\nring_epoch\x18\x05 \x01(\x04\x12\x15\n\rpool_nodes_up\x18\x06 \x01(\r\x12\x1a\n\x12pending_pool_bytes\x18\x07 \x01(\x04\x12\x1d\n\x15pool_read_bytes_per_s\x18\x08 \x01(\x01\x12\x1e\n\x16local_read_bytes_per_s\x18\t \x01(\x01\x12\x16\n\x0elookup_seconds\x18\n \x01(\x01\x12\x19\n\x11pool_read_samples\x18\x0b \x01(\r\x12\x1a\n\x12local_read_samples\x18\x0c \x01(\r\x12\x16\n\x0elookup_samples\x18\r \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x0c\x46lushRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\"U\n\nFlushReply\x12\x17\n\x0f\x66lushed_objects\x18\x01 \x01(\x04\x12\x15\n\rflushed_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ropped_objects\x18\x03 \x01(\x04\"\xa4\x01\n\x11ReadRangesRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x0e\n\x06ranges\x18\x03 \x01(\x0c\x12\x1d\n\x04kind\x18\x04 \x01(\x0e\x32\x0f.kvpool.v1.Kind\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x15\n\rverify_object\x18\x06 \x01(\x08\x12\x19\n\x11release_lease_ids\x18\x07 \x03(\x04\"\xbd\x01\n\x0fReadRangesReply\x12\x1e\n\x05\x63odes\x18\x01 \x03(\x0e\x32\x0f.kvpool.v1.Code\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x05 \x01(\x04\x12\x12\n\nlocal_hits\x18\x06 \x01(\r\x12\x11\n\tpool_hits\x18\x07 \x01(\r\x12\x12\n\npool_bytes\x18\x08 \x01(\x04\"\xa6\x01\n\x15PublishPrefillRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x16\n\x0estate_position\x18\x04 \x01(\r\x12\x0f\n\x07hold_ms\x18\x05 \x01(\r\x12\x15\n\rrecord_ttl_ms\x18\x06 \x01(\r\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"\xb9\x01\n\x13PublishPrefillReply\x12\x1d\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x0f.kvpool.v1.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1e\n\x05\x63odes\x18\x03 \x03(\x0e\x32\x0f.kvpool.v1.Code\x12\x0e\n\x06record\x18\x04 \x01(\x0c\x12\x16\n\x0e\x62locks_written\x18\x05 \x01(\r\x12\x12\n\npublish_us\x18\x06 \x01(\x04\x12\x16\n\x0estate_exported\x18\x07 \x01(\x08\"8\n\x14\x41\x63\x63\x65ptHandoffRequest\x12\x0e\n\x06record\x18\x01 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"\xe2\x02\n\x12\x41\x63\x63\x65ptHandoffReply\x12\x1d\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x0f.kvpool.v1.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x1e\n\x05\x63odes\x18\x03 \x03(\x0e\x32\x0f.kvpool.v1.Code\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\x12\r\n\x05sizes\x18\x05 \x03(\x04\x12\x10\n\x08lease_id\x18\x06 \x01(\x04\x12&\n\x05state\x18\x07 \x01(\x0e\x32\x17.kvpool.v1.HandoffState\x12\x14\n\x0cstate_offset\x18\x08 \x01(\x04\x12\x12\n\nstate_size\x18\t \x01(\x04\x12\x16\n\x0estate_lease_id\x18\n \x01(\x04\x12\x11\n\tblocks_us\x18\x0b \x01(\x04\x12\x10\n\x08state_us\x18\x0c \x01(\x04\x12\x12\n\nlocal_hits\x18\r \x01(\r\x12\x11\n\tpool_hits\x18\x0e \x01(\r\x12\x14\n\x0cstate_detail\x18\x0f \x01(\t*\xa2\x01\n\x0cHandoffState\x12\x16\n\x12HANDOFF_STATE_NONE\x10\x00\x12\x16\n\x12HANDOFF_STATE_PEER\x10\x01\x12\x16\n\x12HANDOFF_STATE_POOL\x10\x02\x12\x17\n\x13HANDOFF_STATE_LOCAL\x10\x03\x12\x19\n\x15HANDOFF_STATE_EXPIRED\x10\x04\x12\x16\n\x12HANDOFF_STATE_GONE\x10\x05\x32\x89\x04\n\x07Sidecar\x12\x30\n\x05Hello\x12\x10.kvpool.v1.Empty\x1a\x15.kvpool.v1.HelloReply\x12\x37\n\x05Probe\x12\x17.kvpool.v1.ProbeRequest\x1a\x15.kvpool.v1.ProbeReply\x12\x39\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x15.kvpool.v1.CodesReply\x12\x32\n\x05Stats\x12\x10.kvpool.v1.Empty\x1a\x17.kvpool.v1.SidecarStats\x12\x37\n\x05\x46lush\x12\x17.kvpool.v1.FlushRequest\x1a\x15.kvpool.v1.FlushReply\x12R\n\x0ePublishPrefill\x12 .kvpool.v1.PublishPrefillRequest\x1a\x1e.kvpool.v1.PublishPrefillReply\x12O\n\rAcceptHandoff\x12\x1f.kvpool.v1.AcceptHandoffRequest\x1a\x1d.kvpool.v1.AcceptHandoffReply\x12\x46\n\nReadRanges\x12\x1c.kvpool.v1.ReadRangesRequest\x1a\x1a.kvpool.v1.ReadRangesReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SIDECARSTATS_COUNTERSENTRY']._loaded_options = None
   _globals['_SIDECARSTATS_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_HANDOFFSTATE']._serialized_start=1922
-  _globals['_HANDOFFSTATE']._serialized_end=2084
+  _globals['_HANDOFFSTATE']._serialized_start=2088
+  _globals['_HANDOFFSTATE']._serialized_end=2250
   _globals['_HELLOREPLY']._serialized_start=78
   _globals['_HELLOREPLY']._serialized_end=300
   _globals['_PROBEREQUEST']._serialized_start=302
@@ -43,25 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROBEREPLY']._serialized_start=363
   _globals['_PROBEREPLY']._serialized_end=392
   _globals['_SIDECARSTATS']._serialized_start=395
-  _globals['_SIDECARSTATS']._serialized_end=665
-  _globals['_SIDECARSTATS_COUNTERSENTRY']._serialized_start=618
-  _globals['_SIDECARSTATS_COUNTERSENTRY']._serialized_end=665
-  _globals['_FLUSHREQUEST']._serialized_start=667
-  _globals['_FLUSHREQUEST']._serialized_end=701
-  _globals['_FLUSHREPLY']._serialized_start=703
-  _globals['_FLUSHREPLY']._serialized_end=788
-  _globals['_READRANGESREQUEST']._serialized_start=791
-  _globals['_READRANGESREQUEST']._serialized_end=955
-  _globals['_READRANGESREPLY']._serialized_start=958
-  _globals['_READRANGESREPLY']._serialized_end=1147
-  _globals['_PUBLISHPREFILLREQUEST']._serialized_start=1150
-  _globals['_PUBLISHPREFILLREQUEST']._serialized_end=1316
-  _globals['_PUBLISHPREFILLREPLY']._serialized_start=1319
-  _globals['_PUBLISHPREFILLREPLY']._serialized_end=1504
-  _globals['_ACCEPTHANDOFFREQUEST']._serialized_start=1506
-  _globals['_ACCEPTHANDOFFREQUEST']._serialized_end=1562
-  _globals['_ACCEPTHANDOFFREPLY']._serialized_start=1565
-  _globals['_ACCEPTHANDOFFREPLY']._serialized_end=1919
-  _globals['_SIDECAR']._serialized_start=2087
-  _globals['_SIDECAR']._serialized_end=2608
+  _globals['_SIDECARSTATS']._serialized_end=831
+  _globals['_SIDECARSTATS_COUNTERSENTRY']._serialized_start=784
+  _globals['_SIDECARSTATS_COUNTERSENTRY']._serialized_end=831
+  _globals['_FLUSHREQUEST']._serialized_start=833
+  _globals['_FLUSHREQUEST']._serialized_end=867
+  _globals['_FLUSHREPLY']._serialized_start=869
+  _globals['_FLUSHREPLY']._serialized_end=954
+  _globals['_READRANGESREQUEST']._serialized_start=957
+  _globals['_READRANGESREQUEST']._serialized_end=1121
+  _globals['_READRANGESREPLY']._serialized_start=1124
+  _globals['_READRANGESREPLY']._serialized_end=1313
+  _globals['_PUBLISHPREFILLREQUEST']._serialized_start=1316
+  _globals['_PUBLISHPREFILLREQUEST']._serialized_end=1482
+  _globals['_PUBLISHPREFILLREPLY']._serialized_start=1485
+  _globals['_PUBLISHPREFILLREPLY']._serialized_end=1670
+  _globals['_ACCEPTHANDOFFREQUEST']._serialized_start=1672
+  _globals['_ACCEPTHANDOFFREQUEST']._serialized_end=1728
+  _globals['_ACCEPTHANDOFFREPLY']._serialized_start=1731
+  _globals['_ACCEPTHANDOFFREPLY']._serialized_end=2085
+  _globals['_SIDECAR']._serialized_start=2253
+  _globals['_SIDECAR']._serialized_end=2774
 # @@protoc_insertion_point(module_scope)

@@ -62,7 +62,7 @@ class ProbeReply(_message.Message):
     def __init__(self, present: _Optional[bytes] = ...) -> None: ...
 
 class SidecarStats(_message.Message):
-    __slots__ = ("counters", "local_capacity_bytes", "local_used_bytes", "local_objects", "ring_epoch", "pool_nodes_up", "pending_pool_bytes")
+    __slots__ = ("counters", "local_capacity_bytes", "local_used_bytes", "local_objects", "ring_epoch", "pool_nodes_up", "pending_pool_bytes", "pool_read_bytes_per_s", "local_read_bytes_per_s", "lookup_seconds", "pool_read_samples", "local_read_samples", "lookup_samples")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,12 @@ class SidecarStats(_message.Message):
     RING_EPOCH_FIELD_NUMBER: _ClassVar[int]
     POOL_NODES_UP_FIELD_NUMBER: _ClassVar[int]
     PENDING_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.ScalarMap[str, int]
     local_capacity_bytes: int
     local_used_bytes: int
@@ -84,7 +90,13 @@ class SidecarStats(_message.Message):
     ring_epoch: int
     pool_nodes_up: int
     pending_pool_bytes: int
-    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., local_capacity_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., local_objects: _Optional[int] = ..., ring_epoch: _Optional[int] = ..., pool_nodes_up: _Optional[int] = ..., pending_pool_bytes: _Optional[int] = ...) -> None: ...
+    pool_read_bytes_per_s: float
+    local_read_bytes_per_s: float
+    lookup_seconds: float
+    pool_read_samples: int
+    local_read_samples: int
+    lookup_samples: int
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., local_capacity_bytes: _Optional[int] = ..., local_used_bytes: _Optional[int] = ..., local_objects: _Optional[int] = ..., ring_epoch: _Optional[int] = ..., pool_nodes_up: _Optional[int] = ..., pending_pool_bytes: _Optional[int] = ..., pool_read_bytes_per_s: _Optional[float] = ..., local_read_bytes_per_s: _Optional[float] = ..., lookup_seconds: _Optional[float] = ..., pool_read_samples: _Optional[int] = ..., local_read_samples: _Optional[int] = ..., lookup_samples: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("timeout_ms",)
