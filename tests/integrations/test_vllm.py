@@ -278,6 +278,10 @@ def test_bad_configuration_is_refused_with_its_name(model_dir: Path, cluster: Lo
     with pytest.raises(IntegrationConfigError, match="lease_ms"):
         KVPoolConnector(vllm_config(model_dir, cluster.sidecars[0], lease_ms=0), KVConnectorRole.SCHEDULER,
                         kv_cache_config())
+    for bad in ({"fetch_decision": "sometimes"}, {"prefill_tokens_per_s": -5}, {"estimate_refresh_ms": 0}):
+        with pytest.raises(IntegrationConfigError, match=next(iter(bad))):
+            KVPoolConnector(vllm_config(model_dir, cluster.sidecars[0], **bad), KVConnectorRole.SCHEDULER,
+                            kv_cache_config())
 
 
 def test_keys_come_from_the_configuration_not_the_process(model_dir: Path, cluster: LocalCluster) -> None:
@@ -364,3 +368,93 @@ def test_copy_tensor_copies_strided_views_of_any_dtype_exactly(dtype: torch.dtyp
     dst = torch.zeros((2, 6, 4, 3), dtype=dtype)
     copy_tensor(dst.select(1, 2), src.select(1, 4))  # both strided: the kv-first layout's block
     assert torch.equal(dst.select(1, 2), src.select(1, 4)) and not dst.select(1, 3).any()
+
+
+def test_fetch_or_recompute_a_short_prefix_is_recomputed_and_a_long_one_loaded(model_dir: Path,
+                                                                             cluster: LocalCluster) -> None:
+    """On vLLM's real scheduler.  The pool's read bandwidth and lookup time are what sidecar 1
+    measured of its remote reads; the prefill rate is configured so that the crossover falls
+    between a 2-block and a 40-block prefix (their geometric mean).  The connector reads the
+    sidecar's estimates once at start (``estimate_refresh_ms`` of an hour): it decides on exactly
+    the values read here, so the outcome is not left to timing."""
+    short, long, warm = prompt(31, 2 * BS + 5), prompt(32, 40 * BS + 5), prompt(33, 40 * BS + 1)
+    a = Engine(model_dir, cluster.sidecars[0])
+    try:
+        for rid, p in (("x-s", short), ("x-l", long), ("x-w", warm)):
+            a.add(rid, p)
+        a.run_to_end()
+        assert a.worker.stats["saved_blocks"] == 82
+        warm_keys = a.worker._my_space(()).block_keys(warm[:40 * BS])
+    finally:
+        a.close()
+    with cluster.connect(1) as c:  # sidecar 1 measures its pool: remote reads of blocks it never held
+        for i in range(0, 40, 8):
+            assert c.match(warm_keys[i:i + 8]) == 8
+            with c.get(warm_keys[i:i + 8]) as got:
+                assert len(got) == 8
+        s = c.stats()
+    assert s.pool_read_samples >= 4 and s.lookup_samples >= 4  # measured, not the priors
+    bytes_per_token = len(LAYERS) * kv_cache_config().kv_cache_groups[0].kv_cache_spec.page_size_bytes // BS
+    crossover = (2 * BS * 40 * BS) ** 0.5
+    rate = 1.0 / (bytes_per_token / s.pool_read_bytes_per_s + s.lookup_seconds / crossover)
+
+    b = Engine(model_dir, cluster.sidecars[1], prefill_tokens_per_s=rate, estimate_refresh_ms=3_600_000)
+    try:
+        conn = b.scheduler.connector
+        assert isinstance(conn, KVPoolConnector) and conn.decider is not None
+        est = conn.decider.estimates.get()
+        assert (est.pool_bytes_per_s, est.lookup_seconds) == (s.pool_read_bytes_per_s, s.lookup_seconds)
+        assert conn.bytes_per_token == bytes_per_token
+
+        # Short: below the crossover.  vLLM gets 0 external tokens; the match's pins are dropped.
+        probe = Request("y-probe", short, SamplingParams(max_tokens=1), None)
+        assert conn.get_num_new_matched_tokens(probe, 0) == (0, False)
+        assert conn._reqs["y-probe"].leases == [] and conn._reqs["y-probe"].load is None
+        conn.request_finished(probe, [])
+        b.add("y-s", short)
+        so = b.step()
+        assert so.num_scheduled_tokens["y-s"] == len(short)  # all of it prefilled
+        assert conn.stats["recomputed_cheaper"] == 2 and conn.stats["recomputed_cheaper_tokens"] == 2 * 2 * BS
+        assert conn.stats["loaded"] == 0 and conn.stats["last_loaded"] == 0
+        assert conn.stats["last_fetch_us"] + conn.stats["last_lookup_us"] >= conn.stats["last_recompute_us"]
+        b.run_to_end()
+        assert b.worker.stats["loaded_blocks"] == 0
+        assert b.worker.stats["saved_blocks"] == 0  # its blocks are in the pool: recomputed, not stored again
+
+        # Long: above it.  Loaded; vLLM schedules only the tail.
+        b.add("y-l", long)
+        so = b.step()
+        assert so.num_scheduled_tokens["y-l"] == len(long) - 40 * BS
+        assert b.worker.stats["loaded_blocks"] == 40 and not b.load_errors
+        assert conn.stats["loaded"] == 1 and conn.stats["loaded_tokens"] == 40 * BS
+        assert conn.stats["last_matched_tokens"] == 40 * BS and conn.stats["last_loaded"] == 1
+        assert conn.stats["last_pool_read_bytes_per_s"] == int(s.pool_read_bytes_per_s)
+        b.run_to_end()
+
+        # Not in the pool at all: recomputed, counted as missing.
+        b.add("y-m", prompt(34, 3 * BS + 1))
+        b.run_to_end()
+        assert conn.stats["recomputed_missing"] == 1
+    finally:
+        b.close()
+
+
+def test_fetch_decision_always_loads_what_matched(model_dir: Path, cluster: LocalCluster) -> None:
+    """``fetch_decision: always`` loads even where recomputing is faster (a prefill rate no pool can beat)."""
+    p = prompt(41, 2 * BS + 3)
+    a = Engine(model_dir, cluster.sidecars[2])
+    try:
+        a.add("z-a", p)
+        a.run_to_end()
+    finally:
+        a.close()
+    for mode, loaded in (("auto", 0), ("always", 2)):
+        e = Engine(model_dir, cluster.sidecars[2], fetch_decision=mode, prefill_tokens_per_s=1e12)
+        try:
+            e.add(f"z-{mode}", p)
+            so = e.step()
+            assert so.num_scheduled_tokens[f"z-{mode}"] == len(p) - loaded * BS
+            e.run_to_end()
+            assert e.worker.stats["loaded_blocks"] == loaded
+        finally:
+            e.close()

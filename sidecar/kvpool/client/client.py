@@ -153,6 +153,15 @@ class Client:
                                                timeout=self.deadlines.match_seconds)
         return prefix, lease_id
 
+    def match_local(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int, int]:
+        """Like :meth:`match_lease`, also telling how much of the prefix is in the sidecar's local
+        tier: (prefix, local prefix, lease id) — a load's cost differs by where it reads from."""
+        if not keys:
+            return 0, 0, 0
+        prefix, local, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms,
+                                                   timeout=self.deadlines.match_seconds)
+        return prefix, local, lease_id
+
     def _consume_match(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0

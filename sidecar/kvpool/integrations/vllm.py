@@ -15,7 +15,10 @@ hashes), so they never depend on vLLM's per-process block-hash seed.
 
 Scheduler side: ``get_num_new_matched_tokens`` matches the prompt's keys (pinned for a lease) and
 returns the block-aligned hit beyond vLLM's own prefix cache, leaving at least the last prompt
-token to compute; the blocks to load and the new full blocks to save go to the workers in the
+token to compute, when loading it beats recomputing it (:mod:`kvpool.integrations.crossover`: the
+sidecar's measured read bandwidth and lookup time against the prefill rate, configured or timed
+from the scheduler's steps; below the crossover it returns 0 and drops the pins); the blocks to
+load and the new full blocks to save go to the workers in the
 step's metadata.  Worker side (:mod:`kvpool.integrations.staging`): ``start_load_kv`` lands the
 blocks (local hits as views of the sidecar's arena, the rest in the worker's registered staging,
 ``staging_mib``) and checks them, ``wait_for_layer_load`` copies one layer into the paged cache;
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +52,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
+from kvpool.core.planning import kv_bytes_per_token
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
+from kvpool.integrations import crossover
 from kvpool.integrations.common import (
     HEADER_BYTES,
     IntegrationConfigError,
@@ -82,6 +88,7 @@ SETTINGS = {
                        "and reuses the slots); accepted for symmetry with the other integrations",
     "save": "store new prompt blocks (default true)",
     "load": "load matched blocks (default true)",
+    **crossover.SETTINGS,
 }
 
 
@@ -97,6 +104,8 @@ class Settings:
     """Store new full prompt blocks."""
     load: bool = True
     """Load matched blocks."""
+    decision: crossover.CrossoverSettings = crossover.CrossoverSettings()
+    """Fetch or recompute: ``fetch_decision``, ``prefill_tokens_per_s``, ``estimate_refresh_ms``."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> Settings:
@@ -109,7 +118,8 @@ class Settings:
             if not isinstance(extra.get(k, True), bool):
                 raise IntegrationConfigError(f"kv_connector_extra_config.{k} must be true or false, got {extra[k]!r}")
         return cls(sidecar_address(extra), str(extra.get("traffic_class", DEFAULT_TRAFFIC_CLASS)), lease,
-                   extra.get("save", True), extra.get("load", True))
+                   extra.get("save", True), extra.get("load", True),
+                   crossover.CrossoverSettings.parse(extra, "kv_connector_extra_config"))
 
 
 # -- what the scheduler sends the workers --------------------------------------------------------
@@ -163,6 +173,27 @@ def _request_space(request: Any) -> tuple[tuple[str, str], ...]:
     if mm:
         fields.append(("mm", ",".join(mm)))
     return tuple(fields)
+
+
+_PREFILL_STEP_TOKENS = 256
+"""Steps of fewer scheduled tokens are decode-dominated: they say little about the prefill rate."""
+_STEP_GAP_SECONDS = 5.0
+"""A longer gap between two steps' plans is idle time, not a step."""
+
+
+def _kv_bytes_per_token(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
+    """KV bytes per token of one worker (what it loads per token): from the KV cache groups'
+    page sizes, else from the model's shape; 0 when neither is known (then every match loads)."""
+    bs = int(vllm_config.cache_config.block_size)
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        page = sum(len(g.layer_names) * int(g.kv_cache_spec.page_size_bytes) for g in kv_cache_config.kv_cache_groups)
+        return max(1, page // bs)
+    try:
+        mc, par = vllm_config.model_config, vllm_config.parallel_config
+        return kv_bytes_per_token(mc.get_num_layers(par), mc.get_num_kv_heads(par), mc.get_head_size(),
+                                  torch.tensor([], dtype=mc.dtype).element_size())
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 # -- worker-side layout ----------------------------------------------------------------------------
@@ -267,6 +298,27 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._had_saves: set[str] = set()
         self._finished_waiting: set[str] = set()
         self.stats = {"loaded_blocks": 0, "load_errors": 0, "saved_blocks": 0, "save_refused": 0}
+        self._scheduler_side(vllm_config, kv_cache_config, role)
+
+    def _scheduler_side(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                        role: KVConnectorRole) -> None:
+        """The fetch-or-recompute decider (the scheduler decides; its counters go to ``stats``)."""
+        self.decider: crossover.FetchDecider | None = None
+        self._step: tuple[int, float] | None = None  # (tokens, start) of the step being executed
+        if role == KVConnectorRole.SCHEDULER:
+            self.bytes_per_token = _kv_bytes_per_token(vllm_config, kv_cache_config)
+            self.decider = crossover.FetchDecider(self.settings.decision, self.client.stats, self.stats)
+
+    def _time_step(self, scheduled_tokens: int) -> None:
+        """The prefill rate, measured: the tokens of one step over the time until the next is
+        planned (the step ran in between).  Only steps of many tokens (prefill-dominated) count,
+        and not the gap after an idle spell."""
+        if self.decider is None:
+            return
+        now = time.monotonic()
+        if self._step is not None and now - self._step[1] < _STEP_GAP_SECONDS:
+            self.decider.observe_prefill(self._step[0], now - self._step[1])
+        self._step = (scheduled_tokens, now) if scheduled_tokens >= _PREFILL_STEP_TOKENS else None
 
     # -- key spaces ----------------------------------------------------------------------------
 
@@ -325,27 +377,36 @@ class KVPoolConnector(KVConnectorBase_V1):
         limit = (len(tokens) - 1) // self.block_size  # the last prompt token is always computed
         if limit <= st.local_blocks:
             return 0, False
-        matched = limit
+        matched = local = limit
         self._release(st)  # called again for the same request: the new match replaces the old pins
         try:
             # Every rank's blocks must be there (each worker loads its own shard).
             for ks in self._key_spaces(st.space):
                 keys = ks.block_keys(tokens[:limit * self.block_size])
-                n, lease = self.client.match_lease(keys, self.settings.lease_ms)
+                n, n_local, lease = self.client.match_local(keys, self.settings.lease_ms)
                 if lease:
                     st.leases.append(lease)
-                matched = min(matched, n)
+                matched, local = min(matched, n), min(local, n_local)
                 if matched <= st.local_blocks:
                     break
         except errors.KvpoolError as exc:  # the pool being away is a miss, never a failed request
             log.warning("kvpool match failed (%s): treating as a miss", exc)
             matched = 0
-        st.in_pool = st.saved = max(st.saved, matched)
-        if matched <= st.local_blocks:
-            self._release(st)
+        st.in_pool = st.saved = max(st.saved, matched)  # recomputed or not, these are in the pool: not saved again
+        if not self._load_pays(matched - st.local_blocks, local - st.local_blocks):
+            self._release(st)  # nothing is loaded: the pins go now, not at the lease's end
             return 0, False
         st.load = (st.local_blocks, matched - st.local_blocks)
         return (matched - st.local_blocks) * self.block_size, False
+
+    def _load_pays(self, blocks: int, local_blocks: int) -> bool:
+        """Whether loading ``blocks`` matched blocks (``local_blocks`` of them in the local tier)
+        beats recomputing them (counted; no blocks: a miss, counted too)."""
+        if self.decider is None:
+            return blocks > 0
+        b = self.block_size
+        return self.decider.decide(max(0, blocks) * b, max(0, min(local_blocks, blocks)) * b,
+                                   self.bytes_per_token).fetch
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -361,6 +422,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                                      tuple(ids[first:first + n]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
+        self._time_step(int(scheduler_output.total_num_scheduled_tokens))
         meta = KVPoolConnectorMetadata(preempted=tuple(sorted(scheduler_output.preempted_req_ids or ())))
         for rid in meta.preempted:
             st = self._reqs.get(rid)
