@@ -221,6 +221,9 @@ def test_bad_configuration_is_refused(cluster: LocalCluster) -> None:
     with pytest.raises(IntegrationConfigError, match="staging_wait_ms"):
         StorageBackendFactory.create_backend("dynamic", storage_config(cluster.sidecars[0], staging_wait_ms="x"),
                                              None)
+    for bad in ({"fetch_decision": "never"}, {"prefill_tokens_per_s": "fast"}, {"estimate_refresh_ms": 1.5}):
+        with pytest.raises(IntegrationConfigError, match=next(iter(bad))):
+            StorageBackendFactory.create_backend("dynamic", storage_config(cluster.sidecars[0], **bad), None)
     b, _ = backend(cluster.sidecars[0])
     try:
         with pytest.raises(IntegrationConfigError, match="host indices"):
@@ -235,14 +238,14 @@ QUEUE_WAIT = 60.0  # an upper bound on one controller step, not a pacing sleep: 
 
 
 @contextmanager
-def hicache(address: str) -> Iterator[tuple[HiCacheController, MHATokenToKVPoolHost]]:
+def hicache(address: str, **settings: Any) -> Iterator[tuple[HiCacheController, MHATokenToKVPoolHost]]:
     """One engine's HiCache: device pool + paged allocator + host pool + the real controller, the kvpool
     backend attached through the dynamic factory exactly as ``--hicache-storage-backend dynamic`` does."""
     kv = device_pool()
     host = host_pool(kv)
     allocator = PagedTokenToKVPoolAllocator(kv.size, PAGE, torch.float16, "cpu", kv, False)
     c = HiCacheController(allocator, host, PAGE, None, threading.Event(), io_backend="direct")
-    extra = storage_config(address).extra_config
+    extra = storage_config(address, **settings).extra_config
     # A launched SGLang publishes its parallel topology; this process has none, so state the single
     # rank the controller derives the storage config (TP/PP ranks) from.  tp_group None: no
     # cross-rank all-reduce of hit counts (that is what one rank does too: it skips 1-wide groups).
@@ -361,3 +364,41 @@ def test_controller_detects_a_corrupted_page_and_loads_only_the_run_before_it(cl
         got = host_pages(host, op.host_indices)
         assert torch.equal(got[0], want[0])
         assert all(bool((g == 3.0).all()) for g in got[1:])  # nothing damaged reached the host pool
+
+
+def test_controller_prefetch_fetch_or_recompute_short_recomputed_long_loaded(cluster: LocalCluster) -> None:
+    """SGLang's prefetch thread asks batch_exists; below the crossover it hears 0 pages and starts no
+    prefetch (SGLang prefills them).  The pool's read bandwidth and lookup time are what sidecar 1
+    measured; the prefill rate is configured to put the crossover between 1 and 24 pages (their
+    geometric mean); the estimates are read once (``estimate_refresh_ms`` of an hour), so the
+    decisions are made on exactly the values read here."""
+    short, long, warm = tokens_of(30000, 1), tokens_of(31000, 24), tokens_of(32000, 16)
+    with hicache(cluster.sidecars[0]) as (a, ha):
+        for seed, t in enumerate((short, long, warm)):
+            hi = ha.alloc(len(t))
+            fill_pages(ha, hi, seed=seed)
+            assert backup(a, hi, t) == len(t)
+            ha.free(hi)
+        warm_keys = [a.storage_backend.pool_key(h) for h in get_storage_hash_str(warm, None, page_size=PAGE)]
+    with cluster.connect(1) as client:  # sidecar 1 measures its pool: remote reads of pages it never held
+        for i in range(0, 16, 4):
+            assert client.match(warm_keys[i:i + 4]) == 4
+            with client.get(warm_keys[i:i + 4]) as got:
+                assert len(got) == 4
+        s = client.stats()
+    assert s.pool_read_samples >= 4
+    page_bytes = 2 * LAYERS * PAGE * HEADS * DIM * 2
+    rate = 1.0 / (page_bytes / PAGE / s.pool_read_bytes_per_s + s.lookup_seconds / (PAGE * 24 * PAGE) ** 0.5)
+    with hicache(cluster.sidecars[1], prefill_tokens_per_s=rate, estimate_refresh_ms=3_600_000) as (b, hb):
+        backend_ = b.storage_backend
+        assert isinstance(backend_, KVPoolHiCacheStorage) and backend_.page_bytes == page_bytes
+        op, loaded = prefetch(b, "short", short)
+        assert op.storage_hit_count == 0 and loaded == 0 and op.host_indices is None
+        assert backend_.stats["recomputed_cheaper"] == 1 and backend_.stats["recomputed_cheaper_tokens"] == PAGE
+        assert backend_.stats["hits"] == 0  # batch_get_v1 was never reached
+        op, loaded = prefetch(b, "long", long)
+        assert op.storage_hit_count == len(long) and loaded == len(long)
+        assert backend_.stats["loaded"] == 1 and backend_.stats["last_matched_tokens"] == len(long)
+        assert backend_.stats["last_pool_read_bytes_per_s"] == int(s.pool_read_bytes_per_s)
+        prefetch(b, "missing", tokens_of(33000, 2))
+        assert backend_.get_stats()["recomputed_missing"] == 1

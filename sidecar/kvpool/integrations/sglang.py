@@ -10,7 +10,10 @@ SGLang's factory calls ``cls(storage_config, kwargs)``, then ``register_mem_pool
 hash (SGLang's string key) becomes a 32-byte kvpool key: SHA-256 of it inside a key space of
 the model and the TP/PP rank (MLA pages are rank-independent), plus the host pool's page layout.
 Objects are framed by :mod:`kvpool.integrations.common` (layout fingerprint + checksum): a damaged
-or foreign page is a miss.  ``batch_exists`` is one match (the leading run of hits);
+or foreign page is a miss.  ``batch_exists`` is one match (the leading run of hits), and is HiCache's
+prefetch decision: it answers 0 pages when recomputing them is faster than loading them
+(:mod:`kvpool.integrations.crossover`: the sidecar's measured read bandwidth and lookup time
+against ``prefill_tokens_per_s``), so the prefetch is not started and SGLang prefills them;
 ``batch_get_v1`` / ``batch_set_v1`` move pages through :mod:`kvpool.integrations.staging`: a page
 the sidecar's arena has is copied from it into the host pool (one copy), a page from the pool
 lands in registered staging memory (``staging_mib``, allocated once) and is copied from there;
@@ -33,6 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
+from kvpool.integrations import crossover
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
 from kvpool.integrations.common import write_header as _write_header
 from kvpool.integrations.staging import FastPath, staging_settings
@@ -41,7 +45,14 @@ from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
-OUR_KEYS = ("address", "traffic_class", "staging_mib", "staging_wait_ms")
+SETTINGS = {
+    "address": "the sidecar's unix:// address (default $KVPOOL_ADDRESS, then unix:///run/kvpool/kvpool.sock)",
+    "traffic_class": f"the traffic class of stored pages (default {DEFAULT_TRAFFIC_CLASS})",
+    "staging_mib": "registered memory (MiB, allocated once) pages from the pool land in (staging)",
+    "staging_wait_ms": "how long a read waits for a free staging slot before going through the arena",
+    **crossover.SETTINGS,
+}
+OUR_KEYS = tuple(SETTINGS)
 TEXT_KEYS = ("address", "traffic_class")
 
 
@@ -73,6 +84,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._seed = KeySpace(*self._space_fields[:1], layout=self._space_fields[1],
                               extra={"engine": "sglang"}).seed
         self.stats = {"hits": 0, "misses": 0, "rejected": 0, "stored": 0, "refused": 0}
+        self.decider = crossover.FetchDecider(crossover.CrossoverSettings.parse(extra, "hicache extra config"),
+                                              self.client.stats, self.stats)
+        self.page_size = 0
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -182,19 +196,32 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         return all(self._put(list(keys), list(values)))
 
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        return self._present([key])[0] == 1
 
-    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+    def _present(self, keys: list[str]) -> tuple[int, int]:
+        """(leading run of present pages, of them in the sidecar's local tier); nothing stays pinned."""
         if not keys:
-            return 0
+            return 0, 0
         try:
-            n, lease = self.client.match_lease([self.pool_key(k) for k in keys], 1)
+            n, local, lease = self.client.match_local([self.pool_key(k) for k in keys], 1)
             if lease:
                 self.client.release(lease)
-            return int(n)
+            return int(n), int(local)
         except errors.KvpoolError as exc:
             log.warning("kvpool exists of %d pages failed (%s): a miss", len(keys), exc)
+            return 0, 0
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """HiCache's prefetch query: the leading run of pages to load — 0 when recomputing them is
+        faster (SGLang then prefills them and starts no prefetch).  Each call of the query (SGLang
+        asks in batches of 128 pages) is decided on its own pages."""
+        if not keys:
             return 0
+        n, local = self._present(keys)
+        if not self.page_size or not self.page_bytes:  # no host pool registered: nothing to size a load by
+            return n
+        ps = self.page_size
+        return n if self.decider.decide(n * ps, local * ps, self.page_bytes // ps).fetch else 0
 
     # -- the v1 interface (host pool indices, no intermediate tensors) -------------------------
 
