@@ -286,6 +286,53 @@ def test_bad_plugin_configuration_is_refused(cluster: LocalCluster) -> None:
             KVPoolRemoteConnector(loop, lcb, engine_config(cluster.sidecars[0], adress="x"))
         with pytest.raises(IntegrationConfigError, match="unix://"):
             KVPoolRemoteConnector(loop, lcb, engine_config("tcp://127.0.0.1:1"))
+        for bad in ({"fetch_decision": "maybe"}, {"prefill_tokens_per_s": 0}, {"estimate_refresh_ms": "soon"}):
+            with pytest.raises(IntegrationConfigError, match=f"kvpool.{next(iter(bad))}"):
+                KVPoolRemoteConnector(loop, lcb, engine_config(cluster.sidecars[0], **bad))
         loop.close()
     finally:
         e.close()
+
+
+def test_lookup_fetch_or_recompute_short_recomputed_long_loaded(cluster: LocalCluster) -> None:
+    """LMCache's lookup asks the connector; below the crossover it hears 0 chunks and retrieves
+    nothing (the engine prefills them).  The pool's read bandwidth and lookup time are what
+    sidecar 1 measured; the prefill rate is configured to put the crossover between 1 and 24
+    chunks (their geometric mean); the estimates are read once (``estimate_refresh_ms`` of an
+    hour), so the decisions are made on exactly the values read here."""
+    def toks(seed: int, n: int) -> torch.Tensor:
+        return torch.randint(1, 30000, (n,), generator=torch.Generator().manual_seed(seed))
+    short, long, warm = toks(40, CHUNK), toks(41, 24 * CHUNK), toks(42, 16 * CHUNK)
+    a = Engine(cluster.sidecars[0])
+    try:
+        conn = a.connector()
+        fill(a.gpu, len(long), seed=43)
+        expect = a.gpu.kv[:, :, :len(long)].clone()
+        for t in (short, long, warm):
+            a.engine.store(t)
+        wait(lambda: conn.stats["stored"] >= 41)
+        warm_keys = [conn.pool_key(key) for _, _, key in a.engine.token_database.process_tokens(warm)]
+        bytes_per_token = conn.bytes_per_token
+    finally:
+        a.close()
+    with cluster.connect(1) as client:  # sidecar 1 measures its pool: remote reads of chunks it never held
+        for i in range(0, 16, 4):
+            assert client.match(warm_keys[i:i + 4]) == 4
+            with client.get(warm_keys[i:i + 4]) as got:
+                assert len(got) == 4
+        s = client.stats()
+    assert s.pool_read_samples >= 4
+    rate = 1.0 / (bytes_per_token / s.pool_read_bytes_per_s + s.lookup_seconds / (CHUNK * 24 * CHUNK) ** 0.5)
+    b = Engine(cluster.sidecars[1], prefill_tokens_per_s=rate, estimate_refresh_ms=3_600_000)
+    try:
+        c = b.connector()
+        assert b.engine.lookup(short) == 0
+        assert int(b.engine.retrieve(short).sum()) == 0 and c.stats["hits"] == 0
+        assert c.stats["recomputed_cheaper"] == 1 and c.stats["recomputed_cheaper_tokens"] == CHUNK
+        assert b.engine.lookup(long) == len(long)
+        assert int(b.engine.retrieve(long).sum()) == len(long)
+        assert torch.equal(b.gpu.kv[:, :, :len(long)], expect)
+        assert c.stats["loaded"] == 1 and c.stats["last_matched_tokens"] == len(long)
+        assert c.stats["last_pool_read_bytes_per_s"] == int(s.pool_read_bytes_per_s)
+    finally:
+        b.close()

@@ -162,6 +162,12 @@ class Client:
                                                    timeout=self.deadlines.match_seconds)
         return prefix, local, lease_id
 
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Drop the pin a :meth:`match` of ``keys`` left for a :meth:`get` that will not come."""
+        lease_id = self._consume_match(keys)
+        if lease_id:
+            self.release(lease_id)
+
     def _consume_match(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0

@@ -64,13 +64,30 @@ class CrossoverSettings:
         if mode not in {m.value for m in FetchMode}:
             raise IntegrationConfigError(f"{where}.fetch_decision must be one of "
                                          f"{', '.join(m.value for m in FetchMode)}, got {mode!r}")
-        rate = cfg.get("prefill_tokens_per_s")
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0):
-            raise IntegrationConfigError(f"{where}.prefill_tokens_per_s must be a positive number, got {rate!r}")
-        refresh = cfg.get("estimate_refresh_ms", 1000)
-        if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh <= 0:
-            raise IntegrationConfigError(f"{where}.estimate_refresh_ms must be a positive integer, got {refresh!r}")
-        return cls(FetchMode(mode), float(rate) if rate is not None else None, refresh / 1000.0)
+        raw = cfg.get("prefill_tokens_per_s")
+        rate = None if raw is None else _number(raw, float)
+        if raw is not None and (rate is None or not rate > 0 or rate == float("inf")):
+            raise IntegrationConfigError(f"{where}.prefill_tokens_per_s must be a positive number, got {raw!r}")
+        raw = cfg.get("estimate_refresh_ms", 1000)
+        refresh = _number(raw, int)
+        if refresh is None or refresh <= 0:
+            raise IntegrationConfigError(f"{where}.estimate_refresh_ms must be a positive integer, got {raw!r}")
+        return cls(FetchMode(mode), rate, refresh / 1000.0)
+
+
+def _number(value: Any, kind: type[int] | type[float]) -> float | None:
+    """``value`` as a number of ``kind`` (a numeric string too: LMCache's settings may come from the
+    environment); None when it is not one (a bool, a fraction where an integer is due, text)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = kind(value)
+        except ValueError:
+            return None
+    if kind is int and not isinstance(value, int):
+        return None
+    return float(value) if isinstance(value, int | float) else None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,12 @@ into the memory object LMCache allocates for it; a chunk the sidecar's arena has
 the arena view; a stored chunk is written straight into a reserved arena extent (one copy).
 LMCache's memory objects cannot be the landing themselves: they come from LMCache's own allocator,
 and the sidecar writes only into memory kvpool allocated (and the object's frame precedes the KV).
+
+LMCache's lookups (``batched_contains``, ``batched_async_contains``) are where kvpool decides to
+fetch or recompute (:mod:`kvpool.integrations.crossover`): below the crossover they answer 0
+chunks, so LMCache neither loads them nor pins them, and the engine prefills them.  The decision
+is remembered for its keys for a few seconds, so the lookup and the retrieve's block mapping
+that asks again agree.  Single-key ``exists`` is not a lookup and is not decided.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -44,6 +53,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
+from kvpool.integrations import crossover
 from kvpool.integrations.common import (
     HEADER_BYTES,
     IntegrationConfigError,
@@ -58,8 +68,11 @@ from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SETTINGS = ("module_path", "class_name", "address", "traffic_class", "staging_mib", "staging_wait_ms")
+SETTINGS = ("module_path", "class_name", "address", "traffic_class", "staging_mib", "staging_wait_ms",
+            *crossover.SETTINGS)
 STAGING_MIB = 256
+_DECISION_SECONDS = 5.0
+"""How long a lookup's decision holds for the same keys (the retrieve that follows asks again)."""
 
 
 class KVPoolRemoteConnector(RemoteConnector):
@@ -91,6 +104,15 @@ class KVPoolRemoteConnector(RemoteConnector):
         # A slot holds the largest object: a full chunk and its frame.
         self._path = FastPath(self.client, HEADER_BYTES + self.remote_metadata_bytes + self.full_chunk_size_bytes,
                               staging, wait, self.stats)
+        decision = crossover.CrossoverSettings.parse(mine, f"LMCache extra_config {prefix[:-1]}")
+        self.decider = crossover.FetchDecider(decision, self.client.stats, self.stats)
+        # LMCache's chunk (the configuration's; the metadata's chunk_size is a default it may not set)
+        self.chunk_tokens = int(getattr(local_cpu_backend.config, "chunk_size", 0) or md.chunk_size)
+        chunk_bytes = sum(int(np.prod(tuple(s))) * d.itemsize for s, d in zip(self.meta_shapes, self.meta_dtypes,
+                                                                             strict=True))
+        self.bytes_per_token = max(1, chunk_bytes // self.chunk_tokens)
+        self._decided: OrderedDict[tuple[bytes, int], tuple[bool, float]] = OrderedDict()
+        self._decided_lock = threading.Lock()
 
     # -- keys and framing ----------------------------------------------------------------------
 
@@ -137,24 +159,48 @@ class KVPoolRemoteConnector(RemoteConnector):
 
     # -- existence ----------------------------------------------------------------------------
 
-    def _prefix(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
+    def _prefix(self, keys: Sequence[CacheEngineKey], pin: bool, decide: bool = True) -> int:
+        """The leading run of ``keys`` present (``pin``: pinned for the get that follows) — 0 when
+        ``decide`` and recomputing them is faster than loading them."""
         pk = [self.pool_key(k) for k in keys]
         try:
             if pin:  # the pin is consumed by the get of the same keys that follows
-                return self.client.match(pk)
-            n, lease = self.client.match_lease(pk, 1)
-            if lease:
-                self.client.release(lease)
-            return n
+                # (this call does not tell the local share: decided as a pool read, the cautious side)
+                n, local = self.client.match(pk), 0
+            else:
+                n, local, lease = self.client.match_local(pk, 1)
+                if lease:
+                    self.client.release(lease)
         except errors.KvpoolError as exc:
             log.warning("kvpool lookup failed (%s): a miss", exc)
             return 0
+        if not decide or self._load_pays(pk, n, local):
+            return n
+        if pin and n:
+            self.client.unpin(pk)  # nothing will be loaded: no pin held for it
+        return 0
+
+    def _load_pays(self, pk: list[bytes], n: int, local: int) -> bool:
+        """The decision for these chunks: made once, then remembered for the same keys a few seconds."""
+        memo = (pk[0], n)
+        now = time.monotonic()
+        with self._decided_lock:
+            hit = self._decided.get(memo)
+            if hit is not None and now - hit[1] < _DECISION_SECONDS:
+                return hit[0]
+        c = self.chunk_tokens
+        pays = self.decider.decide(n * c, local * c, self.bytes_per_token).fetch
+        with self._decided_lock:
+            self._decided[memo] = (pays, now)
+            while len(self._decided) > 4096:
+                self._decided.popitem(last=False)
+        return pays
 
     async def exists(self, key: CacheEngineKey) -> bool:
-        return await self._run(self._prefix, [key], False) == 1
+        return await self._run(self._prefix, [key], False, False) == 1
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        return self._prefix([key], False) == 1
+        return self._prefix([key], False, False) == 1
 
     def support_batched_contains(self) -> bool:
         return True
