@@ -147,26 +147,14 @@ class Client:
 
     def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int]:
         """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`)."""
-        if not keys:
-            return 0, 0
-        prefix, _, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms,
-                                               timeout=self.deadlines.match_seconds)
+        prefix, _, lease_id = self.match_local(keys, lease_ms)
         return prefix, lease_id
 
     def match_local(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int, int]:
-        """Like :meth:`match_lease`, also telling how much of the prefix is in the sidecar's local
-        tier: (prefix, local prefix, lease id) — a load's cost differs by where it reads from."""
+        """:meth:`match_lease` and the local tier's share of the prefix: (prefix, local prefix, lease id)."""
         if not keys:
             return 0, 0, 0
-        prefix, local, lease_id = self._fast.match(pack_keys(keys), lease_ms or self.lease_ms,
-                                                   timeout=self.deadlines.match_seconds)
-        return prefix, local, lease_id
-
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        """Drop the pin a :meth:`match` of ``keys`` left for a :meth:`get` that will not come."""
-        lease_id = self._consume_match(keys)
-        if lease_id:
-            self.release(lease_id)
+        return self._fast.match(pack_keys(keys), lease_ms or self.lease_ms, timeout=self.deadlines.match_seconds)
 
     def _consume_match(self, keys: Sequence[bytes]) -> int:
         if not keys:

@@ -164,21 +164,16 @@ class KVPoolRemoteConnector(RemoteConnector):
         ``decide`` and recomputing them is faster than loading them."""
         pk = [self.pool_key(k) for k in keys]
         try:
-            if pin:  # the pin is consumed by the get of the same keys that follows
-                # (this call does not tell the local share: decided as a pool read, the cautious side)
-                n, local = self.client.match(pk), 0
-            else:
-                n, local, lease = self.client.match_local(pk, 1)
-                if lease:
-                    self.client.release(lease)
+            n, local, lease = self.client.match_local(pk, 1)
+            if lease:
+                self.client.release(lease)
+            if decide and not self._load_pays(pk, n, local):
+                return 0  # recomputed: nothing loaded, nothing pinned
+            # The pin is consumed by the get of the same keys that follows (asked only for a load).
+            return self.client.match(pk) if pin and n else n
         except errors.KvpoolError as exc:
             log.warning("kvpool lookup failed (%s): a miss", exc)
             return 0
-        if not decide or self._load_pays(pk, n, local):
-            return n
-        if pin and n:
-            self.client.unpin(pk)  # nothing will be loaded: no pin held for it
-        return 0
 
     def _load_pays(self, pk: list[bytes], n: int, local: int) -> bool:
         """The decision for these chunks: made once, then remembered for the same keys a few seconds."""
