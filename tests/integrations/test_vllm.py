@@ -458,3 +458,23 @@ def test_fetch_decision_always_loads_what_matched(model_dir: Path, cluster: Loca
             assert e.worker.stats["loaded_blocks"] == loaded
         finally:
             e.close()
+
+
+def test_the_prefill_rate_is_measured_from_the_scheduler_steps(model_dir: Path, cluster: LocalCluster) -> None:
+    """No ``prefill_tokens_per_s``: the connector times its steps of many tokens (each one's tokens
+    over the time until the next step is planned) and decides on that rate, not the prior."""
+    from kvpool.core.planning import PRIOR_PREFILL_TOKENS_PER_S
+    e = Engine(model_dir, cluster.sidecars[0])
+    try:
+        conn = e.scheduler.connector
+        assert isinstance(conn, KVPoolConnector) and conn.decider is not None
+        assert conn.decider.prefill_rate() == PRIOR_PREFILL_TOKENS_PER_S
+        for i in range(5):  # five prefills of 300 tokens, each step timed by the next one's plan
+            e.add(f"t-{i}", prompt(50 + i, 300))
+            e.run_to_end()
+        rate = conn.decider.prefill_rate()
+        # This test's "model" is Python loops: slow, but a measurement (not the prior), in range.
+        assert rate != PRIOR_PREFILL_TOKENS_PER_S and 10 < rate < 1e8
+        assert conn.stats["recomputed_missing"] == 5  # nothing of these was in the pool
+    finally:
+        e.close()

@@ -37,6 +37,13 @@ def test_remote_reads_give_a_sane_bandwidth_and_matches_a_lookup_time(h: Any) ->
                     wall += time.perf_counter() - t0
                     assert [bytes(v) for v in got] == vals[i:i + 4]
             s = c.stats()
+            # Those reads promoted the blocks into this sidecar's local tier: reading them into
+            # registered memory copies local hits, which the local bandwidth measures.
+            bufs = [c.alloc_buffer(MiB) for _ in range(4)]
+            for _ in range(4):
+                assert c.get_into(keys[:4], bufs) == [MiB] * 4
+            assert bytes(bufs[0]) == vals[0]
+            local = c.stats()
         assert s.counters["read_hits_pool"] == len(keys)
         assert s.pool_read_samples == 6 and s.lookup_samples == 6
         # The sidecar times only its fetch rounds, inside the client's call: its bandwidth is at
@@ -45,5 +52,8 @@ def test_remote_reads_give_a_sane_bandwidth_and_matches_a_lookup_time(h: Any) ->
         assert seen <= s.pool_read_bytes_per_s < 100e9, (seen, s.pool_read_bytes_per_s)
         assert s.pool_read_bytes_per_s != planning.PRIOR_POOL_READ_BYTES_PER_S
         assert 0 < s.lookup_seconds < 1.0
-        # No read_into of a local hit happened: the local bandwidth is still the prior.
+        # No read_into of a local hit had happened: the local bandwidth was still the prior; then measured.
         assert s.local_read_samples == 0 and s.local_read_bytes_per_s == planning.PRIOR_LOCAL_READ_BYTES_PER_S
+        assert local.local_read_samples == 4 and local.pool_read_samples == 6
+        assert 1e6 < local.local_read_bytes_per_s < 1e12
+        assert local.local_read_bytes_per_s != planning.PRIOR_LOCAL_READ_BYTES_PER_S
