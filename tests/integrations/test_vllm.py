@@ -10,6 +10,7 @@ from failed loads) is vLLM's own code.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from kvpool.integrations.common import IntegrationConfigError
 from kvpool.integrations.staging import PathStat
 from kvpool.integrations.vllm import KVPoolConnector
 from kvpool.wire.counters import SidecarCounter
+from kvpool.wire.proto import store_pb2 as pb
 
 BS = 16  # vLLM block size = kvpool block tokens
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -478,3 +480,73 @@ def test_the_prefill_rate_is_measured_from_the_scheduler_steps(model_dir: Path, 
         assert conn.stats["recomputed_missing"] == 5  # nothing of these was in the pool
     finally:
         e.close()
+
+
+def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is_recomputed_from_a_slow_one(
+        model_dir: Path, tmp_path: Path) -> None:
+    """A really slow pool: the store node's blocks sit on its SSD tier, whose every read is made to
+    sleep (the store's fault hook, ``faultTierDelayFile``).  The same engine, the same 40-block
+    prefix length: loaded while the pool is fast, recomputed once the sidecar has measured it slow.
+    The prefill rate is configured at a quarter of the fast pool's load rate (the load wins by 4×)."""
+    delay = tmp_path / "delay"
+    long1, long2, fast, slow = (prompt(60 + i, n * BS + 1) for i, n in enumerate((40, 40, 8, 40)))
+    with LocalCluster(stores=1, sidecars=2, block_tokens=BS, store_bytes=1 << 20, ssd_bytes=32 << 20,
+                      store_config={"faultTierDelayFile": str(delay), "tierReadSeconds": 10.0}) as lc:
+        a = Engine(model_dir, lc.sidecars[0])
+        try:
+            for i, p in enumerate((long1, long2, fast, slow)):
+                a.add(f"s-{i}", p)
+                a.run_to_end()
+            assert a.worker.stats["saved_blocks"] == 128
+            space = a.worker._my_space(())
+            fast_keys, slow_keys = space.block_keys(fast[:8 * BS]), space.block_keys(slow[:40 * BS])
+        finally:
+            a.close()
+        with lc.connect(0) as c:  # 3 MiB more than the node's 1 MiB of DRAM: the blocks above go to its SSD
+            filler = [bytes([i]) * 32 for i in range(48)]
+            for i in range(0, 48, 8):
+                assert c.put(filler[i:i + 8], [bytes([i]) * (64 << 10)] * 8) == [pb.OK] * 8
+        admin = lc.admin(lc.stores[0])
+        deadline = time.monotonic() + 30
+        while admin.stats().counters.get("demoted", 0) < 128:
+            assert time.monotonic() < deadline, admin.stats().counters
+            time.sleep(0.05)
+        with lc.connect(1) as c:  # sidecar 1 measures the pool while it is fast
+            for i in range(0, 8, 2):
+                assert c.match(fast_keys[i:i + 2]) == 2
+                with c.get(fast_keys[i:i + 2]):
+                    pass
+            s = c.stats()
+        assert s.pool_read_samples >= 4
+        bytes_per_token = len(LAYERS) * kv_cache_config().kv_cache_groups[0].kv_cache_spec.page_size_bytes // BS
+        load_seconds = s.lookup_seconds + 40 * BS * bytes_per_token / s.pool_read_bytes_per_s
+        rate = 40 * BS / (4 * load_seconds)
+        b = Engine(model_dir, lc.sidecars[1], prefill_tokens_per_s=rate, estimate_refresh_ms=3_600_000)
+        try:
+            conn = b.scheduler.connector
+            assert isinstance(conn, KVPoolConnector) and conn.decider is not None
+            b.add("fast-pool", long1)
+            so = b.step()
+            assert so.num_scheduled_tokens["fast-pool"] == 1 and conn.stats["loaded"] == 1
+            b.run_to_end()
+            assert b.worker.stats["loaded_blocks"] == 40
+
+            delay.write_text("0.04")  # every SSD read of the node now sleeps 40 ms
+            with lc.connect(1) as c:  # sidecar 1 measures it: one block per read (each within its deadline)
+                for k in slow_keys:
+                    assert c.match([k]) == 1
+                    with c.get([k]):
+                        pass
+                slow_s = c.stats()
+            est = conn.decider.estimates.refresh()  # what a background refresh brings, now
+            assert est.pool_bytes_per_s == slow_s.pool_read_bytes_per_s < s.pool_read_bytes_per_s / 4
+            b.add("slow-pool", long2)
+            so = b.step()
+            assert so.num_scheduled_tokens["slow-pool"] == len(long2)  # recomputed: nothing loaded
+            assert conn.stats["recomputed_cheaper"] == 1 and conn.stats["last_matched_tokens"] == 40 * BS
+            assert conn.stats["last_fetch_us"] > conn.stats["last_recompute_us"]
+            b.run_to_end()
+            assert b.worker.stats["loaded_blocks"] == 40
+        finally:
+            b.close()
+            delay.unlink(missing_ok=True)
