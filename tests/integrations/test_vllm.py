@@ -489,17 +489,18 @@ def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is
     prefix length: loaded while the pool is fast, recomputed once the sidecar has measured it slow.
     The prefill rate is configured at a quarter of the fast pool's load rate (the load wins by 4×)."""
     delay = tmp_path / "delay"
-    long1, long2, fast, slow = (prompt(60 + i, n * BS + 1) for i, n in enumerate((40, 40, 8, 40)))
+    long1, long2, fast, slow_a, slow_b = (prompt(60 + i, n * BS + 1) for i, n in enumerate((40, 40, 32, 40, 40)))
     with LocalCluster(stores=1, sidecars=2, block_tokens=BS, store_bytes=1 << 20, ssd_bytes=32 << 20,
                       store_config={"faultTierDelayFile": str(delay), "tierReadSeconds": 10.0}) as lc:
         a = Engine(model_dir, lc.sidecars[0])
         try:
-            for i, p in enumerate((long1, long2, fast, slow)):
+            for i, p in enumerate((long1, long2, fast, slow_a, slow_b)):
                 a.add(f"s-{i}", p)
                 a.run_to_end()
-            assert a.worker.stats["saved_blocks"] == 128
+            assert a.worker.stats["saved_blocks"] == 192
             space = a.worker._my_space(())
-            fast_keys, slow_keys = space.block_keys(fast[:8 * BS]), space.block_keys(slow[:40 * BS])
+            fast_keys = space.block_keys(fast[:32 * BS])
+            slow_keys = space.block_keys(slow_a[:40 * BS]) + space.block_keys(slow_b[:40 * BS])
         finally:
             a.close()
         with lc.connect(0) as c:  # 3 MiB more than the node's 1 MiB of DRAM: the blocks above go to its SSD
@@ -508,13 +509,13 @@ def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is
                 assert c.put(filler[i:i + 8], [bytes([i]) * (64 << 10)] * 8) == [pb.OK] * 8
         admin = lc.admin(lc.stores[0])
         deadline = time.monotonic() + 30
-        while admin.stats().counters.get("demoted", 0) < 128:
+        while admin.stats().counters.get("demoted", 0) < 192:
             assert time.monotonic() < deadline, admin.stats().counters
             time.sleep(0.05)
         with lc.connect(1) as c:  # sidecar 1 measures the pool while it is fast
-            for i in range(0, 8, 2):
-                assert c.match(fast_keys[i:i + 2]) == 2
-                with c.get(fast_keys[i:i + 2]):
+            for i in range(0, 32, 8):
+                assert c.match(fast_keys[i:i + 8]) == 8
+                with c.get(fast_keys[i:i + 8]):
                     pass
             s = c.stats()
         assert s.pool_read_samples >= 4
@@ -531,7 +532,7 @@ def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is
             b.run_to_end()
             assert b.worker.stats["loaded_blocks"] == 40
 
-            delay.write_text("0.04")  # every SSD read of the node now sleeps 40 ms
+            delay.write_text("0.025")  # every SSD read of the node now sleeps 25 ms
             with lc.connect(1) as c:  # sidecar 1 measures it: one block per read (each within its deadline)
                 for k in slow_keys:
                     assert c.match([k]) == 1
