@@ -147,14 +147,12 @@ class Client:
 
     def match_lease(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int]:
         """Like :meth:`match`, also returning the lease id (pass it to :meth:`get` or :meth:`release`)."""
-        prefix, _, lease_id = self.match_local(keys, lease_ms)
-        return prefix, lease_id
+        return self.match_local(keys, lease_ms)[::2]  # (prefix, lease id)
 
     def match_local(self, keys: Sequence[bytes], lease_ms: int | None = None) -> tuple[int, int, int]:
         """:meth:`match_lease` and the local tier's share of the prefix: (prefix, local prefix, lease id)."""
-        if not keys:
-            return 0, 0, 0
-        return self._fast.match(pack_keys(keys), lease_ms or self.lease_ms, timeout=self.deadlines.match_seconds)
+        return self._fast.match(pack_keys(keys), lease_ms or self.lease_ms,
+                                timeout=self.deadlines.match_seconds) if keys else (0, 0, 0)
 
     def _consume_match(self, keys: Sequence[bytes]) -> int:
         if not keys:
