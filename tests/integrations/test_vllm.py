@@ -379,7 +379,7 @@ def test_fetch_or_recompute_a_short_prefix_is_recomputed_and_a_long_one_loaded(m
     between a 2-block and a 40-block prefix (their geometric mean).  The connector reads the
     sidecar's estimates once at start (``estimate_refresh_ms`` of an hour): it decides on exactly
     the values read here, so the outcome is not left to timing."""
-    short, long, warm = prompt(31, 2 * BS + 5), prompt(32, 40 * BS + 5), prompt(33, 40 * BS + 1)
+    short, long, warm = prompt(131, 2 * BS + 5), prompt(132, 40 * BS + 5), prompt(133, 40 * BS + 1)
     a = Engine(model_dir, cluster.sidecars[0])
     try:
         for rid, p in (("x-s", short), ("x-l", long), ("x-w", warm)):
@@ -434,7 +434,7 @@ def test_fetch_or_recompute_a_short_prefix_is_recomputed_and_a_long_one_loaded(m
         b.run_to_end()
 
         # Not in the pool at all: recomputed, counted as missing.
-        b.add("y-m", prompt(34, 3 * BS + 1))
+        b.add("y-m", prompt(134, 3 * BS + 1))
         b.run_to_end()
         assert conn.stats["recomputed_missing"] == 1
     finally:
@@ -443,7 +443,7 @@ def test_fetch_or_recompute_a_short_prefix_is_recomputed_and_a_long_one_loaded(m
 
 def test_fetch_decision_always_loads_what_matched(model_dir: Path, cluster: LocalCluster) -> None:
     """``fetch_decision: always`` loads even where recomputing is faster (a prefill rate no pool can beat)."""
-    p = prompt(41, 2 * BS + 3)
+    p = prompt(141, 2 * BS + 3)
     a = Engine(model_dir, cluster.sidecars[2])
     try:
         a.add("z-a", p)
@@ -472,7 +472,7 @@ def test_the_prefill_rate_is_measured_from_the_scheduler_steps(model_dir: Path, 
         assert isinstance(conn, KVPoolConnector) and conn.decider is not None
         assert conn.decider.prefill_rate() == PRIOR_PREFILL_TOKENS_PER_S
         for i in range(5):  # five prefills of 300 tokens, each step timed by the next one's plan
-            e.add(f"t-{i}", prompt(50 + i, 300))
+            e.add(f"t-{i}", prompt(150 + i, 300))
             e.run_to_end()
         rate = conn.decider.prefill_rate()
         # This test's "model" is Python loops: slow, but a measurement (not the prior), in range.
@@ -489,7 +489,7 @@ def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is
     prefix length: loaded while the pool is fast, recomputed once the sidecar has measured it slow.
     The prefill rate is configured at a quarter of the fast pool's load rate (the load wins by 4×)."""
     delay = tmp_path / "delay"
-    long1, long2, fast, slow_a, slow_b = (prompt(60 + i, n * BS + 1) for i, n in enumerate((40, 40, 32, 40, 40)))
+    long1, long2, fast, slow_a, slow_b = (prompt(160 + i, n * BS + 1) for i, n in enumerate((40, 40, 32, 40, 40)))
     with LocalCluster(stores=1, sidecars=2, block_tokens=BS, store_bytes=1 << 20, ssd_bytes=32 << 20,
                       store_config={"faultTierDelayFile": str(delay), "tierReadSeconds": 10.0}) as lc:
         a = Engine(model_dir, lc.sidecars[0])
