@@ -32,7 +32,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import ceilings, kvpool_sidecar, kvpool_store  # noqa: E402
+from bench import ceilings, integrations, kvpool_sidecar, kvpool_store  # noqa: E402
 from bench.common import EXISTS_KEYS, Context, MiB, Plan, Procs, Row, cpu_busy, size_label, unavailable, wait_idle  # noqa: E402
 from bench.peers import mooncake_peer, redis_peer  # noqa: E402
 
@@ -52,6 +52,7 @@ SIDECAR_STEPS: list[tuple[str, Step]] = [
     ("redis", redis_peer.measure),
     ("mooncake", lambda ctx: mooncake_peer.measure(ctx, ("tcp", "shm"))),
     ("kvpool", kvpool_sidecar.measure),
+    ("integrations", integrations.measure),  # each engine integration's own load, in its venv
 ]
 
 # name -> (kind, numerator (system, op), denominator (system, op), target, explanation)
@@ -157,6 +158,7 @@ SIDECAR_RATIOS: dict[str, R] = {
     "put_drained_cpu_vs_mooncake_shm": ("cpu", ("kvpool_sidecar", "put_drained"), ("mooncake_shm", "put"),
                                         "", "CPU s/GB of the put with nothing in flight / Mooncake "
                                         "shm put's"),
+    **integrations.ratios(),  # <integration>_read_vs_direct_store, <integration>_read_vs_mooncake_tcp
 }
 RATIO_CELL = (MiB, 16)
 RATIOS_DOC = {
@@ -376,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only 1 MiB x 16 (plus exists/match), fewer repetitions")
     ap.add_argument("--json", type=Path, help="write rows and ratios here")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of: memcpy,network,redis,mooncake,kvpool")
+                    help="comma-separated subset of: memcpy,network,redis,mooncake,kvpool "
+                         "(sidecar suite: also integrations)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the whole suite N times (systems interleaved); rows and ratios "
                          "are medians over rounds: steadier on a shared, busy machine")
