@@ -85,21 +85,34 @@ class VllmConnectorBench:
         from kvpool.integrations import vllm as kv
         self.kv = kv
         self.role = KVConnectorRole.WORKER
-        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        self.tmp = tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-")
-        with open(os.path.join(self.tmp.name, "config.json"), "w") as f:
-            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * HEAD,
-                       "intermediate_size": 2 * HEADS * HEAD, "num_attention_heads": HEADS,
-                       "num_key_value_heads": HEADS, "num_hidden_layers": LAYERS, "vocab_size": 1000,
-                       "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
-                       "head_dim": HEAD}, f)
+        self.layers = self.layer_names()
+        self.tmp = self.model_dir()
         self.a, self.a_caches = self._worker(writer)
         self.b, self.b_caches = self._worker(reader)
         _check_size(sum(t[0].numel() * t.element_size() for t in self.a_caches.values()), "a vLLM block")
         for li, name in enumerate(self.layers):
             self.a_caches[name][:BATCH] = _random_kv(self.a_caches[name][:BATCH].shape, li)
 
-    def _worker(self, address: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    @staticmethod
+    def model_dir() -> tempfile.TemporaryDirectory[str]:
+        """A model directory vLLM's ModelConfig accepts: a config.json of this geometry, no weights."""
+        d = tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-")
+        with open(os.path.join(d.name, "config.json"), "w") as f:
+            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * HEAD,
+                       "intermediate_size": 2 * HEADS * HEAD, "num_attention_heads": HEADS,
+                       "num_key_value_heads": HEADS, "num_hidden_layers": LAYERS, "vocab_size": 1000,
+                       "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
+                       "head_dim": HEAD}, f)
+        return d
+
+    @staticmethod
+    def layer_names() -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+    @staticmethod
+    def config(model: str, transfer: dict[str, Any]) -> tuple[Any, Any]:
+        """vLLM's configuration on CPU with ``transfer`` as its kv_transfer_config, and the KV cache
+        configuration of SLOTS blocks that the engine core would give the workers."""
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -108,27 +121,33 @@ class VllmConnectorBench:
             SchedulerConfig,
             VllmConfig,
         )
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
         os.environ["HF_HUB_OFFLINE"] = "1"
-        mc = ModelConfig(model=self.tmp.name, skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
+        mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
         config = VllmConfig(
             model_config=mc, cache_config=CacheConfig(block_size=TOKENS),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=8, max_model_len=4096,
                                              is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(kv_connector="KVPoolConnector",
-                                                kv_connector_module_path="kvpool.integrations.vllm",
-                                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                                                kv_connector_extra_config={"address": address}),
-            device_config=DeviceConfig("cpu"))
+            kv_transfer_config=KVTransferConfig(**transfer), device_config=DeviceConfig("cpu"))
         spec = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
         page = spec.page_size_bytes
+        layers = VllmConnectorBench.layer_names()
+        # One backing allocation, layer-outermost (vLLM 0.34's KVCacheTensor: size is the total).
         kcc = KVCacheConfig(num_blocks=SLOTS,
-                            kv_cache_tensors=[KVCacheTensor(size=page * SLOTS, layers=[n], layer_stride=page * SLOTS,
-                                                            block_stride=page) for n in self.layers],
-                            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)])
+                            kv_cache_tensors=[KVCacheTensor(size=page * SLOTS * LAYERS, layers=layers,
+                                                            layer_stride=page * SLOTS, block_stride=page)],
+                            kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
         config.cache_config.num_gpu_blocks = SLOTS
+        return config, kcc
+
+    def _worker(self, address: str) -> tuple[Any, dict[str, torch.Tensor]]:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        config, kcc = self.config(self.tmp.name, {
+            "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"address": address}})
         worker = KVConnectorFactory.create_connector(config, self.role, kcc)
         caches = {n: torch.zeros((SLOTS, HEADS, TOKENS, 2 * HEAD), dtype=DTYPE) for n in self.layers}
         worker.register_kv_caches(caches)
@@ -171,6 +190,97 @@ class VllmConnectorBench:
         self.a.shutdown()
         self.b.shutdown()
         self.tmp.cleanup()
+
+
+# -- vLLM: KVPoolSecondaryTier under OffloadingConnector + TieringOffloadingSpec -----------------
+
+
+class VllmTierBench:
+    """Two vLLM schedulers with OffloadingConnector + TieringOffloadingSpec whose secondary tier is
+    KVPoolSecondaryTier (built by vLLM's SecondaryTierFactory, as tests/integrations/
+    test_vllm_tier.py builds it); one chunk = one block = 1 MiB row of the CPU primary tier.  The
+    manager's part is played by the transfer jobs it would submit: A's tier stores rows 0..15
+    (submit_store), B's tier promotes the same keys into rows 16..31 (submit_load, timed until
+    get_finished_jobs reports the job)."""
+
+    def __init__(self, writer: str, reader: str) -> None:
+        import importlib
+
+        import numpy as np
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+
+        # By name: the bench runs against checkouts with and without the module (the runner says so).
+        tier_cls = importlib.import_module("kvpool.integrations.vllm_tier").KVPoolSecondaryTier
+        self.np, self.job = np, TransferJob
+        self.model = VllmConnectorBench.model_dir()
+        self.schedulers: list[Any] = []
+        self.a, self.a_rows = self._tier(writer, tier_cls)
+        self.b, self.b_rows = self._tier(reader, tier_cls)
+        _check_size(self.a_rows.shape[1], "a vLLM CPU-tier row")
+        self.a_rows[:BATCH] = np.random.default_rng(7).integers(0, 256, (BATCH, OBJECT_BYTES), dtype=np.uint8)
+        self.jobs = 0
+
+    def _tier(self, address: str, cls: type) -> tuple[Any, Any]:
+        import numpy as np
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        tier = {"type": cls.__name__, "module_path": cls.__module__, "address": address}
+        config, kcc = VllmConnectorBench.config(self.model.name, {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                          "cpu_bytes_to_use": SLOTS * OBJECT_BYTES, "secondary_tiers": [tier]}})
+        scheduler = Scheduler(config, kcc, StructuredOutputManager(config), block_size=TOKENS)
+        manager = scheduler.connector.scheduler.manager
+        got = manager.secondary_tiers[0]
+        if not isinstance(got, cls):
+            raise RuntimeError(f"vLLM built {got!r} as the secondary tier, not {cls.__name__}")
+        self.schedulers.append(scheduler)
+        return got, np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+
+    @staticmethod
+    def _keys(i: int) -> list[bytes]:
+        import hashlib
+
+        from vllm.v1.kv_offload.base import make_offload_key
+        return [make_offload_key(hashlib.sha256(f"bench-{i}-{j}".encode()).digest(), 0) for j in range(BATCH)]
+
+    def _run(self, tier: Any, i: int, first_row: int, load: bool) -> tuple[float, bool]:
+        from vllm.v1.kv_offload.base import ReqContext
+        self.jobs += 1
+        rows = self.np.arange(first_row, first_row + BATCH)
+        job = self.job(self.jobs, self._keys(i), rows, load, ReqContext(f"r{i}"))
+        deadline = time.monotonic() + 60.0
+        t0 = time.perf_counter()
+        (tier.submit_load if load else tier.submit_store)(job)
+        while True:
+            done = [r for r in tier.get_finished_jobs() if r.job_id == job.job_id]
+            if done:
+                return time.perf_counter() - t0, bool(done[0].success)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job.job_id} not finished in 60 s: {tier.stats}")
+            time.sleep(0.0001)
+
+    def write(self, i: int) -> None:
+        _, ok = self._run(self.a, i, 0, load=False)
+        if not ok:
+            raise RuntimeError(f"submit_store of batch {i} failed: {self.a.stats}")
+
+    def read(self, i: int) -> tuple[float, int]:
+        self.b_rows[BATCH:2 * BATCH] = 0  # untimed: the landing rows start empty every time
+        loaded = self.b.stats["loaded"]
+        dt, _ = self._run(self.b, i, BATCH, load=True)
+        return dt, BATCH - (self.b.stats["loaded"] - loaded)
+
+    def verify(self) -> str:
+        same = self.np.array_equal(self.b_rows[BATCH:2 * BATCH], self.a_rows[:BATCH])
+        return "" if same else "CPU-tier rows differ from what was stored"
+
+    def close(self) -> None:
+        self.a_rows = self.b_rows = None  # vLLM unmaps the regions: no view of them may outlive that
+        for s in self.schedulers:
+            s.connector.shutdown()
+        self.model.cleanup()
 
 
 # -- SGLang: KVPoolHiCacheStorage, v1 interface ------------------------------------------------
@@ -370,10 +480,11 @@ BENCHES: dict[str, Callable[[str, str], Bench]] = {
     "vllm": VllmConnectorBench,
     "sglang": SglangHiCacheBench,
     "lmcache": LmcacheConnectorBench,
+    "vllm_tier": VllmTierBench,
 }
 """Engine name (bench/integrations.py names it) -> its bench, built from (writer, reader) addresses."""
 
-VERSIONS = {"vllm": "vllm", "sglang": "sglang", "lmcache": "lmcache"}
+VERSIONS = {"vllm": "vllm", "sglang": "sglang", "lmcache": "lmcache", "vllm_tier": "vllm"}
 """Engine name -> the distribution whose version the row reports."""
 
 

@@ -62,19 +62,26 @@ WORKER_TIMEOUT = 900.0
 class Integration:
     name: str
     """Row system and ratio prefix."""
+    bench: str
+    """The worker's bench (integration_worker.BENCHES)."""
     engine: str
-    """The worker's bench (integration_worker.BENCHES) and the venv (tools/engines.sh --python ENGINE)."""
+    """The engine whose venv the worker runs in (tools/engines.sh --python ENGINE)."""
     load: str
     """The load function timed, for the row's note."""
+    module: str
+    """The integration's module under kvpool/integrations/ (a checkout without it: a row saying so)."""
 
 
 INTEGRATIONS = (
-    Integration("vllm_connector", "vllm",
-                "KVPoolConnector start_load_kv + wait_for_layer_load (worker side) into the paged KV cache"),
-    Integration("sglang_hicache", "sglang",
-                "KVPoolHiCacheStorage.batch_get_v1 into the MHATokenToKVPoolHost pages"),
-    Integration("lmcache_connector", "lmcache",
-                "KVPoolRemoteConnector.batched_get into LMCache local CPU memory objects"),
+    Integration("vllm_connector", "vllm", "vllm",
+                "KVPoolConnector start_load_kv + wait_for_layer_load (worker side) into the paged KV cache", "vllm"),
+    Integration("sglang_hicache", "sglang", "sglang",
+                "KVPoolHiCacheStorage.batch_get_v1 into the MHATokenToKVPoolHost pages", "sglang"),
+    Integration("lmcache_connector", "lmcache", "lmcache",
+                "KVPoolRemoteConnector.batched_get into LMCache local CPU memory objects", "lmcache"),
+    Integration("vllm_tier", "vllm_tier", "vllm",
+                "KVPoolSecondaryTier.submit_load until get_finished_jobs reports it, into vLLM's CPU-tier rows",
+                "vllm_tier"),
 )
 
 
@@ -189,7 +196,14 @@ def engine_python(engine: str) -> str | None:
     return py if r.returncode == 0 and py and os.path.exists(py) else None
 
 
+def _source_root() -> str:
+    """The kvpool source root the runner measures (its own checkout's, or $KVPOOL_BENCH_SRC)."""
+    return os.environ.get(KVPOOL_SRC_ENV) or str(REPO_ROOT / "sidecar")
+
+
 def integration_row(ctx: Context, kvpool: Any, it: Integration) -> Row:
+    if not os.path.exists(os.path.join(_source_root(), "kvpool", "integrations", f"{it.module}.py")):
+        return unavailable(it.name, f"not available yet (no kvpool.integrations.{it.module} in this checkout)", OP)
     py = engine_python(it.engine)
     if py is None:
         return unavailable(it.name, f"venv-{it.engine} is not built (bash tools/engines.sh {it.engine})", OP)
@@ -209,12 +223,11 @@ def integration_row(ctx: Context, kvpool: Any, it: Integration) -> Row:
 def _run_worker(ctx: Context, py: str, it: Integration, writer: str, reader: str) -> dict[str, Any]:
     """Run the worker in the engine's venv (its own process group, killed with the runner); its
     RESULT line."""
-    src = os.environ.get(KVPOOL_SRC_ENV) or str(REPO_ROOT / "sidecar")
-    env = {"PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [py, str(WORKER), it.engine, "--writer", writer, "--reader", reader,
+    env = {"PYTHONPATH": _source_root(), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    argv = [py, str(WORKER), it.bench, "--writer", writer, "--reader", reader,
             "--reps", str(ctx.plan.reps(VALUE, BATCH)), "--warmup", str(ctx.plan.warmup)]
     # The venvs hold no kvpool of their own: this checkout's (PYTHONPATH replaced, not extended).
-    proc = ctx.procs.start(f"integration-{it.engine}", argv, env=env, cwd=REPO_ROOT)
+    proc = ctx.procs.start(f"integration-{it.name}", argv, env=env, cwd=REPO_ROOT)
     try:
         proc.popen.wait(WORKER_TIMEOUT)
     except subprocess.TimeoutExpired:
