@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import kvpool_sidecar
 from bench.common import (
     KVPOOL_SRC_ENV,
     REPO_ROOT,
@@ -128,14 +129,6 @@ def _cluster(kvpool: Any, ctx: Context) -> Iterator[Any]:
         yield cluster
 
 
-def _wait_drained(client: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.stats().pending_pool_bytes > 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"sidecar write-through not drained after {timeout:.0f}s")
-        time.sleep(0.002)
-
-
 def _direct_row(ctx: Context, kvpool: Any, cluster: Any) -> Row:
     """StoreClient.get_into from this process, one call per owning node, the owners concurrently."""
     from kvpool.core.ring import owners
@@ -151,7 +144,8 @@ def _direct_row(ctx: Context, kvpool: Any, cluster: Any) -> Row:
     a = kvpool.connect(cluster.sidecars[0])
     try:
         a.put(keys, [src[j * VALUE:(j + 1) * VALUE].data for j in range(BATCH)])
-        _wait_drained(a)
+        if not kvpool_sidecar._wait_written_through(a):  # the sidecar rows' own wait
+            raise TimeoutError("sidecar A's write-through of the batch did not drain")
     finally:
         a.close()
     clients = {addr: StoreClient(addr) for addr in cluster.stores}
