@@ -16,8 +16,8 @@ the load reported missing or rejected), ``verify`` ("" or what differed), ``pool
 ``local_hits``, ``version``; or ``error``.  Imports only the standard library, torch, the engine
 and kvpool (the venvs hold no bench package).
 
-Adding an integration: one class with ``write(i)``, ``read(i)`` (times the load call; returns
-its seconds and the number of objects not loaded), ``verify()`` and ``close()``, named in :data:`BENCHES`.
+Adding an integration: one class with ``write(i)``, ``prepare(i)`` (untimed), ``load()`` (the
+timed call; returns the number of objects not loaded), ``verify()`` and ``close()``, named in :data:`BENCHES`.
 """
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ class Bench(Protocol):
     def write(self, i: int) -> None:
         """Store batch ``i`` (fresh keys) through the writer sidecar with the integration's save call."""
 
-    def read(self, i: int) -> tuple[float, int]:
-        """Load batch ``i`` into the reader engine's buffers: seconds of the load call (untimed
-        preparation left out) and the number of objects it did not load."""
+    def prepare(self, i: int) -> None:
+        """Untimed, before :meth:`load`: empty the landing buffers, build what the engine would
+        hand the load call for batch ``i``."""
+
+    def load(self) -> int:
+        """The timed call: load the prepared batch into the reader engine's buffers; the number
+        of objects it did not load."""
 
     def verify(self) -> str:
         """'' when the reader's buffers hold what the writer stored, else what differs."""
@@ -167,20 +171,20 @@ class VllmConnectorBench:
         self.a.get_finished({rid})
         self.a.clear_connector_metadata()
 
-    def read(self, i: int) -> tuple[float, int]:
-        for t in self.b_caches.values():  # untimed: the landing blocks start empty every time
+    def prepare(self, i: int) -> None:
+        for t in self.b_caches.values():
             t[BATCH:2 * BATCH].zero_()
         meta = self.kv.KVPoolConnectorMetadata(loads=[self.kv.BlockRange(f"r{i}", self._tokens(i), (), 0,
                                                                           tuple(range(BATCH, 2 * BATCH)))])
         self.b.bind_connector_metadata(meta)
-        t0 = time.perf_counter()
+
+    def load(self) -> int:
         self.b.start_load_kv(None)
         for name in self.layers:
             self.b.wait_for_layer_load(name)
-        dt = time.perf_counter() - t0
         bad = len(self.b.get_block_ids_with_load_errors())
         self.b.clear_connector_metadata()
-        return dt, bad
+        return bad
 
     def verify(self) -> str:
         return next((w for n in self.layers if (w := _differ(self.b_caches[n][BATCH:2 * BATCH],
@@ -245,32 +249,37 @@ class VllmTierBench:
         from vllm.v1.kv_offload.base import make_offload_key
         return [make_offload_key(hashlib.sha256(f"bench-{i}-{j}".encode()).digest(), 0) for j in range(BATCH)]
 
-    def _run(self, tier: Any, i: int, first_row: int, load: bool) -> tuple[float, bool]:
+    def _job(self, i: int, first_row: int, load: bool) -> Any:
         from vllm.v1.kv_offload.base import ReqContext
         self.jobs += 1
         rows = self.np.arange(first_row, first_row + BATCH)
-        job = self.job(self.jobs, self._keys(i), rows, load, ReqContext(f"r{i}"))
+        return self.job(self.jobs, self._keys(i), rows, load, ReqContext(f"r{i}"))
+
+    @staticmethod
+    def _run(tier: Any, job: Any) -> bool:
+        """Submit ``job`` and poll the tier until it reports it (as the manager polls): its success."""
         deadline = time.monotonic() + 60.0
-        t0 = time.perf_counter()
-        (tier.submit_load if load else tier.submit_store)(job)
+        (tier.submit_load if job.is_promotion else tier.submit_store)(job)
         while True:
             done = [r for r in tier.get_finished_jobs() if r.job_id == job.job_id]
             if done:
-                return time.perf_counter() - t0, bool(done[0].success)
+                return bool(done[0].success)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job.job_id} not finished in 60 s: {tier.stats}")
             time.sleep(0.0001)
 
     def write(self, i: int) -> None:
-        _, ok = self._run(self.a, i, 0, load=False)
-        if not ok:
+        if not self._run(self.a, self._job(i, 0, load=False)):
             raise RuntimeError(f"submit_store of batch {i} failed: {self.a.stats}")
 
-    def read(self, i: int) -> tuple[float, int]:
-        self.b_rows[BATCH:2 * BATCH] = 0  # untimed: the landing rows start empty every time
+    def prepare(self, i: int) -> None:
+        self.b_rows[BATCH:2 * BATCH] = 0
+        self.pending = self._job(i, BATCH, load=True)
+
+    def load(self) -> int:
         loaded = self.b.stats["loaded"]
-        dt, _ = self._run(self.b, i, BATCH, load=True)
-        return dt, BATCH - (self.b.stats["loaded"] - loaded)
+        self._run(self.b, self.pending)
+        return BATCH - int(self.b.stats["loaded"] - loaded)
 
     def verify(self) -> str:
         same = self.np.array_equal(self.b_rows[BATCH:2 * BATCH], self.a_rows[:BATCH])
@@ -335,13 +344,14 @@ class SglangHiCacheBench:
         if not all(ok):
             raise RuntimeError(f"batch_set_v1 stored {sum(ok)} of {len(ok)} pages")
 
-    def read(self, i: int) -> tuple[float, int]:
-        for p in range(BATCH, 2 * BATCH):  # untimed: the landing pages start empty every time
+    def prepare(self, i: int) -> None:
+        for p in range(BATCH, 2 * BATCH):
             self.hb.get_data_page(p * TOKENS, flat=False).zero_()
-        idx = self._indices(BATCH)
-        t0 = time.perf_counter()
-        ok = self.b.batch_get_v1(self._keys(i), idx)
-        return time.perf_counter() - t0, len(ok) - sum(ok)
+        self.pending = (self._keys(i), self._indices(BATCH))
+
+    def load(self) -> int:
+        ok: list[bool] = self.b.batch_get_v1(*self.pending)
+        return len(ok) - sum(ok)
 
     def verify(self) -> str:
         return next((w for p in range(BATCH) if (w := _differ(self.hb.get_data_page((BATCH + p) * TOKENS, flat=False),
@@ -424,11 +434,13 @@ class LmcacheConnectorBench:
         if self.a.stats["refused"]:
             raise RuntimeError(f"batched_put refused {self.a.stats['refused']} chunks")
 
-    def read(self, i: int) -> tuple[float, int]:
-        self._release()
-        t0 = time.perf_counter()
-        self.got = self.loop.run_until_complete(self.b.batched_get(self._keys(i)))
-        return time.perf_counter() - t0, sum(g is None for g in self.got)
+    def prepare(self, i: int) -> None:
+        self._release()  # the previous batch's memory objects, as the engine frees them once used
+        self.pending = self._keys(i)
+
+    def load(self) -> int:
+        self.got = self.loop.run_until_complete(self.b.batched_get(self.pending))
+        return sum(g is None for g in self.got)
 
     def verify(self) -> str:
         for j, g in enumerate(self.got):
@@ -519,8 +531,10 @@ def run(engine: str, writer: str, reader: str, reps: int, warmup: int) -> dict[s
         for i in range(warmup + reps):
             bench.write(i)
             _drain(wc)
-            dt, bad = bench.read(i)
-            failures += bad
+            bench.prepare(i)
+            t0 = time.perf_counter()
+            failures += bench.load()
+            dt = time.perf_counter() - t0
             if i >= warmup:
                 times.append(dt)
         pool1, local1 = _hits(rc)
