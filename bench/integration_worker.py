@@ -13,8 +13,9 @@ counters say so in the note).  The last repetition's buffers are compared with w
 
 Prints one line ``RESULT {json}``: ``times`` (seconds per timed batch), ``failures`` (objects
 the load reported missing or rejected), ``verify`` ("" or what differed), ``pool_hits`` /
-``local_hits``, ``version``; or ``error``.  Imports only the standard library, torch, the engine
-and kvpool (the venvs hold no bench package).
+``local_hits``, ``version``, ``cpu_s_per_gb`` / ``cpu_split`` (``bench.common.CpuMeter`` over the
+timed loads: this process as the client, and the sidecars and store nodes named by ``--roles``);
+or ``error``.  Imports the standard library, torch, the engine, kvpool and bench.common (numpy).
 
 Adding an integration: one class with ``write(i)``, ``prepare(i)`` (untimed), ``load()`` (the
 timed call; returns the number of objects not loaded), ``verify()`` and ``close()``, named in :data:`BENCHES`.
@@ -31,6 +32,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -518,10 +520,15 @@ def _hits(client: Any) -> tuple[int, int]:
     return int(c.get(SidecarCounter.READ_HITS_POOL, 0)), int(c.get(SidecarCounter.READ_HITS_LOCAL, 0))
 
 
-def run(engine: str, writer: str, reader: str, reps: int, warmup: int) -> dict[str, Any]:
+def run(engine: str, writer: str, reader: str, reps: int, warmup: int, roles: dict[str, list[int]]) -> dict[str, Any]:
+    """Time ``reps`` loads (after ``warmup``), metering the CPU of this process (the client) and of
+    ``roles`` (the cluster's processes) over the timed loads only."""
     from importlib.metadata import version
 
     import kvpool
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the bench package, for its meter
+    from bench.common import CpuMeter, Row, with_cpu
+    meter = CpuMeter({"client": [os.getpid()], **roles})
     bench = BENCHES[engine](writer, reader)
     wc, rc = kvpool.connect(writer), kvpool.connect(reader)
     try:
@@ -532,14 +539,20 @@ def run(engine: str, writer: str, reader: str, reps: int, warmup: int) -> dict[s
             bench.write(i)
             _drain(wc)
             bench.prepare(i)
+            timed = i >= warmup
+            if timed:
+                meter.start()
             t0 = time.perf_counter()
             failures += bench.load()
             dt = time.perf_counter() - t0
-            if i >= warmup:
+            if timed:
+                meter.stop()
                 times.append(dt)
         pool1, local1 = _hits(rc)
+        cpu = with_cpu(Row(engine, "load", OBJECT_BYTES, BATCH), meter, OBJECT_BYTES * BATCH * len(times))
         return {"times": times, "failures": failures, "verify": bench.verify(), "pool_hits": pool1 - pool0,
-                "local_hits": local1 - local0, "version": f"{VERSIONS[engine]} {version(VERSIONS[engine])}"}
+                "local_hits": local1 - local0, "version": f"{VERSIONS[engine]} {version(VERSIONS[engine])}",
+                "cpu_s_per_gb": cpu.cpu_s_per_gb, "cpu_split": cpu.cpu_split}
     finally:
         bench.close()
         wc.close()
@@ -553,9 +566,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reader", required=True, help="address of the sidecar the engine loads through")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--roles", default="{}",
+                    help='JSON {"sidecar": [pids], "store": [pids]}: processes whose CPU the row counts too')
     args = ap.parse_args(argv)
     try:
-        out = run(args.engine, args.writer, args.reader, args.reps, args.warmup)
+        out = run(args.engine, args.writer, args.reader, args.reps, args.warmup, json.loads(args.roles))
     except Exception as e:
         traceback.print_exc()
         out = {"error": f"{type(e).__name__}: {e}"}

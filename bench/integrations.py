@@ -12,6 +12,10 @@ own load function into that engine's buffers, beside the direct store read it is
   bytes come from the store nodes into the engine's KV buffers.  The note gives the load
   function, the engine's version and B's pool/local hit counts.
 
+Both carry ``cpu_s_per_gb`` (``common.CpuMeter`` over the timed batches): the direct read counts
+this process and the store nodes; an integration's counts the engine process (the worker), both
+sidecars and the store nodes.
+
 Each is measured on a fresh ``kvpool.LocalCluster`` of 4 store nodes and 2 sidecars (blocks of
 16 tokens), one at a time: no integration's leftovers (B's arena filled by earlier loads) weigh
 on the next.  A missing venv or a worker that fails gives an ``UNAVAILABLE`` row saying why.
@@ -39,14 +43,17 @@ from bench.common import (
     KVPOOL_SRC_ENV,
     REPO_ROOT,
     Context,
+    CpuMeter,
     MiB,
     Row,
     ensure_kvpool_importable,
     keys32,
     pattern,
     row_from_times,
+    timed_cpu,
     touched,
     unavailable,
+    with_cpu,
 )
 
 DIRECT = "kvpool_store_direct"
@@ -97,6 +104,10 @@ def ratios() -> dict[str, tuple[str, tuple[str, str], tuple[str, str], str, str]
         out[f"{it.name}_read_vs_mooncake_tcp"] = (
             "throughput", (it.name, OP), ("mooncake_tcp", "get"), ">= 1.5",
             f"remote read through {it.load} / Mooncake over TCP batch_get_into")
+        out[f"{it.name}_read_cpu_vs_direct_store"] = (
+            "cpu", (it.name, OP), (DIRECT, "get"), "",
+            "CPU s/GB of the engine process, both sidecars and the store nodes over the remote read / "
+            "those of the client process and the store nodes over the direct store read")
     return out
 
 
@@ -156,27 +167,23 @@ def _direct_row(ctx: Context, kvpool: Any, cluster: Any) -> Row:
         by_id = {m.id: m.address for m in active}
         calls = [(clients[by_id[nid]], [keys[i] for i in idx], [dst[i * VALUE:(i + 1) * VALUE].data for i in idx])
                  for nid, idx in routes.items()]
+        # CPU of the processes the read involves: this one (the client) and the store nodes.
+        meter = CpuMeter({"client": [os.getpid()], "store": list(cluster.store_pids)})
+        failed: list[int] = []
         with ThreadPoolExecutor(len(calls)) as threads:
-            def read() -> int:
+            def read(_i: int) -> None:
                 codes = [c for f in [threads.submit(cl.get_into, k, b) for cl, k, b in calls] for c in f.result()]
-                return sum(1 for c in codes if c != pb.OK)
+                failed.append(sum(1 for c in codes if c != pb.OK))
 
-            times: list[float] = []
-            failures = 0
-            for i in range(ctx.plan.warmup + ctx.plan.reps(VALUE, BATCH)):
-                t0 = time.perf_counter()
-                failures += read()
-                dt = time.perf_counter() - t0
-                if i >= ctx.plan.warmup:
-                    times.append(dt)
+            times = timed_cpu(read, ctx.plan.reps(VALUE, BATCH), meter, ctx.plan.warmup)
     finally:
         for c in clients.values():
             c.close()
     note = (f"StoreClient.get_into from this process, {len(calls)} owning nodes concurrently, "
-            "the same keys each rep (A put them)" + (f"; {failures} item failures" if failures else ""))
+            "the same keys each rep (A put them)" + (f"; {sum(failed)} item failures" if sum(failed) else ""))
     if not np.array_equal(dst, src):
         note += "; VERIFY FAILED"
-    return row_from_times(DIRECT, "get", VALUE, BATCH, times, note=note)
+    return with_cpu(row_from_times(DIRECT, "get", VALUE, BATCH, times, note=note), meter, VALUE * BATCH * len(times))
 
 
 def engine_python(engine: str) -> str | None:
@@ -203,7 +210,7 @@ def integration_row(ctx: Context, kvpool: Any, it: Integration) -> Row:
         return unavailable(it.name, f"venv-{it.engine} is not built (bash tools/engines.sh {it.engine})", OP)
     try:
         with _cluster(kvpool, ctx) as cluster:
-            out = _run_worker(ctx, py, it, cluster.sidecars[0], cluster.sidecars[1])
+            out = _run_worker(ctx, py, it, cluster)
     except Exception as e:
         return unavailable(it.name, f"{type(e).__name__}: {e}", OP)
     if "error" in out:
@@ -211,15 +218,18 @@ def integration_row(ctx: Context, kvpool: Any, it: Integration) -> Row:
     note = (f"{it.load}; {out['version']}; B's pool hits {out['pool_hits']}, local hits {out['local_hits']}"
             + (f"; {out['failures']} item failures" if out["failures"] else "")
             + (f"; VERIFY FAILED: {out['verify']}" if out["verify"] else ""))
-    return row_from_times(it.name, OP, VALUE, BATCH, out["times"], note=note)
+    row = row_from_times(it.name, OP, VALUE, BATCH, out["times"], note=note)
+    row.cpu_s_per_gb, row.cpu_split = out.get("cpu_s_per_gb"), out.get("cpu_split")  # the worker's CpuMeter
+    return row
 
 
-def _run_worker(ctx: Context, py: str, it: Integration, writer: str, reader: str) -> dict[str, Any]:
+def _run_worker(ctx: Context, py: str, it: Integration, cluster: Any) -> dict[str, Any]:
     """Run the worker in the engine's venv (its own process group, killed with the runner); its
     RESULT line."""
     env = {"PYTHONPATH": _source_root(), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [py, str(WORKER), it.bench, "--writer", writer, "--reader", reader,
-            "--reps", str(ctx.plan.reps(VALUE, BATCH)), "--warmup", str(ctx.plan.warmup)]
+    roles = {"sidecar": list(cluster.sidecar_pids), "store": list(cluster.store_pids)}
+    argv = [py, str(WORKER), it.bench, "--writer", cluster.sidecars[0], "--reader", cluster.sidecars[1],
+            "--reps", str(ctx.plan.reps(VALUE, BATCH)), "--warmup", str(ctx.plan.warmup), "--roles", json.dumps(roles)]
     # The venvs hold no kvpool of their own: this checkout's (PYTHONPATH replaced, not extended).
     proc = ctx.procs.start(f"integration-{it.name}", argv, env=env, cwd=REPO_ROOT)
     try:
