@@ -100,6 +100,10 @@ def load_node_config(args: argparse.Namespace) -> NodeConfig:
         setattr(cfg, attr, float(v))
     cfg.fault_tier_delay_file = str(getattr(args, "fault_tier_delay_file", None) or doc.get("faultTierDelayFile", ""))
     cfg.rdma = str(getattr(args, "rdma", None) or doc.get("rdma", ""))
+    shared = bool(getattr(args, "rdma_shared_tenants", False)) or doc.get("rdmaSharedTenants", False)
+    if not isinstance(shared, bool):
+        raise ConfigError(f"rdmaSharedTenants must be true or false, got {shared!r}")
+    cfg.rdma_shared_tenants = shared
     if "shmDir" in doc:
         cfg.shm_dir = str(doc["shmDir"])
     return cfg

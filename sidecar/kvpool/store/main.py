@@ -65,7 +65,7 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     transfer = TransferServer(SegmentRegistry(), host=host, port=tport,
                               sessions={DataSessionHandler.magic: DataSessionHandler(node)})
     transfer.start()
-    rdma = StoreRdma.open(node, cfg.rdma)  # None: no device, TCP only
+    rdma = StoreRdma.open(node, cfg.rdma, cfg.rdma_shared_tenants)  # None: no device, TCP only
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
                          interceptors=[AdminGate(admin_token)],
                          options=[("grpc.max_receive_message_length", 64 << 20),
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--rdma", default=None,
                      help="RDMA device serving one-sided reads of the DRAM arena: auto (default, also "
                           "$KVPOOL_RDMA), off, device:NAME, or sim:DIR (a simulated fabric, for tests)")
+    cap.add_argument("--rdma-shared-tenants", action="store_true", default=None,
+                     help="serve RDMA although several tenants share the node (one rkey reads the whole "
+                          "arena: only for tenants that trust each other)")
 
     sec = ap.add_argument_group("security")
     sec.add_argument("--tenants", default=None, help="JSON file of tenants (id, token, salt, quota, ttl)")

@@ -19,9 +19,13 @@ each reserved slot as that PUT's guard does while its payload arrives
 releases them first, then commits with the writer's checksums (verified by the node when it
 verifies commits); a writer whose WRITE failed revokes instead.
 
-Tenancy: the rkey covers the whole arena, so any tenant that may connect can read any extent of
-it (as with Mooncake's transfer engine); a pool whose tenants must not see each other's bytes
-runs its nodes with ``--rdma off``.
+Tenancy: the rkey covers the whole arena, so a reader that holds it can read any extent of it
+(as with Mooncake's transfer engine), whatever its tenant.  A node therefore serves RDMA only
+while at most one tenant holds a token on it (open tenancy, or a single-tenant pool); on a node
+shared by several tenants ``ConnectRdma``, holds and reservations are refused (PermissionDenied:
+the sidecars read and write over TCP, counted as a fallback) unless the node is told its
+tenants trust each other (``--rdma-shared-tenants`` / ``rdmaSharedTenants``).  The check is made
+on every hold and reservation, so tenants added after a reader connected end its RDMA reads.
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ class StoreRdma:
     """See the module docstring; thread-safe."""
 
     def __init__(self, node: StoreNode, context: Any, max_queue_pairs: int = 256,
-                 sweep_seconds: float = 1.0) -> None:
+                 sweep_seconds: float = 1.0, shared_tenants: bool = False) -> None:
         self.node = node
+        self.shared_tenants = shared_tenants
         self.context = context
         self.device: str = str(context.device)
         self.arena_key = context.register(ARENA_SEGMENT, node.dram.view)
@@ -76,7 +81,7 @@ class StoreRdma:
         self._sweeper.start()
 
     @classmethod
-    def open(cls, node: StoreNode, spec: str) -> StoreRdma | None:
+    def open(cls, node: StoreNode, spec: str, shared_tenants: bool = False) -> StoreRdma | None:
         """The node's RDMA side for ``spec`` (:func:`~kvpool.transfer.rdma.open_context`); None,
         with the reason logged, when there is no device: the node serves TCP only."""
         context, reason = open_context(spec)
@@ -84,14 +89,23 @@ class StoreRdma:
             log.info("RDMA: TCP only (%s)", reason)
             return None
         try:
-            return cls(node, context)
+            return cls(node, context, shared_tenants=shared_tenants)
         except Exception as exc:  # registration refused (locked-memory limit, a device error)
             log.warning("RDMA: TCP only, the arena could not be registered: %s", exc)
             context.close()
             return None
 
+    def check_tenancy(self) -> None:
+        """Refuse one-sided access on a node several tenants share (module docstring)."""
+        holders = self.node.tenants.token_holders()
+        if holders > 1 and not self.shared_tenants:
+            raise errors.PermissionDenied(
+                f"RDMA is refused on this node: {holders} tenants share it and one-sided access reads the "
+                "whole arena (set rdmaSharedTenants where the tenants trust each other); use TCP")
+
     def connect(self, endpoint: bytes) -> tuple[bytes, bytes]:
         """A queue pair connected to the caller's ``endpoint``: its endpoint and the arena's key."""
+        self.check_tenancy()
         remote = RdmaEndpoint.decode(endpoint)
         try:
             qp = self.context.accept(remote)
@@ -110,6 +124,7 @@ class StoreRdma:
              drop_lease_id: int = 0) -> tuple[int, list[pb.Code], list[Entry | None]]:
         """The objects of ``keys`` held in place for a one-sided read: ``(hold id, codes,
         entries)``; the id is 0 when none was found."""
+        self.check_tenancy()
         self.sweep()
         codes, found = self.node.read_pin(tenant, keys, kind, drop_lease_id)
         if not any(e is not None for e in found):
@@ -134,6 +149,7 @@ class StoreRdma:
                 timeout_ms: int, epoch: int) -> tuple[list[pb.Code], list[int], int]:
         """Reserve slots for one-sided writes and hold them until :meth:`commit`: ``(codes,
         offsets, reservation id)``."""
+        self.check_tenancy()
         self.sweep()
         node = self.node
         codes, offsets, tokens, rid = node.put_start(tenant, keys, sizes, traffic_class, kind, timeout_ms, epoch)

@@ -78,3 +78,6 @@ class NodeConfig:
     ``sim:<dir>`` (:func:`kvpool.transfer.rdma.open_context`; "" = ``$KVPOOL_RDMA``, else
     ``auto``).  With one, the DRAM arena is registered and sidecars read it one-sided
     (:mod:`kvpool.store.rdma`)."""
+    rdma_shared_tenants: bool = False
+    """Serve RDMA on a node several tenants share (``--rdma-shared-tenants``): one rkey spans the
+    whole arena, so only for tenants that trust each other."""

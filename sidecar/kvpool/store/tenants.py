@@ -73,6 +73,10 @@ class Tenants:
         """Whether any tenant has a token (a multi-tenant node)."""
         return bool(self._by_token)
 
+    def token_holders(self) -> int:
+        """How many tenants hold a token on this node (0 under open tenancy)."""
+        return len(self._by_token)
+
     def any_ttl_overrides(self) -> bool:
         return any(t.ttl_seconds for t in self._by_id.values())
 

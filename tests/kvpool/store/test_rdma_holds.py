@@ -30,7 +30,9 @@ MiB = 1 << 20
 def node_rdma(tmp_path: Path) -> Iterator[tuple[StoreNode, StoreRdma]]:
     node = StoreNode(NodeConfig(dram_bytes=8 * MiB, lease_ms_max=60_000))
     node.set_tenants([Tenant("a", "tok-a"), Tenant("b", "tok-b")])
-    rdma = StoreRdma(node, FabricContext(str(tmp_path)), max_queue_pairs=2, sweep_seconds=3600)
+    # Two tenants that trust each other: the holds' tenant checks are what is tested here.
+    rdma = StoreRdma(node, FabricContext(str(tmp_path)), max_queue_pairs=2, sweep_seconds=3600,
+                     shared_tenants=True)
     try:
         yield node, rdma
     finally:
@@ -113,6 +115,34 @@ def test_connect_checks_the_endpoint_and_bounds_the_queue_pairs(node_rdma: tuple
         assert rdma.connected() == 2  # the oldest was closed
     finally:
         peer.close()
+
+
+def test_a_node_several_tenants_share_refuses_one_sided_access(tmp_path: Path) -> None:
+    """One rkey reads the whole arena: with two tenants on the node (and no word that they trust
+    each other) connect, holds and reservations are refused; with one tenant they are served."""
+    node = StoreNode(NodeConfig(dram_bytes=8 * MiB))
+    rdma = StoreRdma(node, FabricContext(str(tmp_path)), sweep_seconds=3600)
+    peer = FabricContext(str(tmp_path))
+    try:
+        node.set_tenants([Tenant("a", "tok-a")])
+        key = os.urandom(32)
+        _put(node, "a", key, os.urandom(4096))
+        rdma.connect(peer.create_queue_pair().endpoint.encode())
+        hold_id, codes, _ = rdma.hold("a", [key], pb.BLOCK, 5000)
+        assert hold_id and codes == [pb.OK]
+        rdma.release("a", [hold_id])
+        node.set_tenants([Tenant("a", "tok-a"), Tenant("b", "tok-b")])
+        with pytest.raises(errors.PermissionDenied, match="2 tenants share it"):
+            rdma.connect(peer.create_queue_pair().endpoint.encode())
+        with pytest.raises(errors.PermissionDenied):
+            rdma.hold("a", [key], pb.BLOCK, 5000)  # a reader connected before loses RDMA too
+        with pytest.raises(errors.PermissionDenied):
+            rdma.reserve("a", [os.urandom(32)], [4096], "default", pb.BLOCK, 0, 0)
+        assert rdma.held() == 0
+    finally:
+        peer.close()
+        rdma.close()
+        node.close()
 
 
 @pytest.fixture
