@@ -61,6 +61,22 @@ class ExistsReply(NamedTuple):
     epoch: int
 
 
+class PendingExists:
+    """An EXISTS on its way (:meth:`DataSession.exists_begin`): :meth:`flush` sends what the
+    kernel did not take at once (a failure is kept for the answer to raise); calling it waits
+    for the answer, at most its argument in seconds."""
+
+    __slots__ = ("_finish", "flush")
+
+    def __init__(self, finish: Callable[[float | None], ExistsReply],
+                 flush: Callable[[], None] = lambda: None) -> None:
+        self._finish = finish
+        self.flush = flush
+
+    def __call__(self, left: float | None = None) -> ExistsReply:
+        return self._finish(left)
+
+
 class DataSession(StreamPool):
     """Connections to one node's data session; see the module docstring."""
 
@@ -111,12 +127,16 @@ class DataSession(StreamPool):
 
     def exists_begin(self, keys: bytes, kind: int = pb.BLOCK, prefix_only: bool = True, pin: bool = False,
                      lease_ms: int = 0, epoch: int = 0, drop_lease: int = 0,
-                     timeout: float | None = None) -> Callable[[float | None], ExistsReply]:
-        """:meth:`exists` in two halves: the request is sent now, the returned function waits
-        for the answer (its argument: how long, default ``timeout``).  A caller asking several
-        nodes sends to all of them first and then collects, on one thread (no thread handoff per
-        node), each with what is left of one deadline.  A connection that fails before the node
-        answered is retried once with the whole call (not after a stall)."""
+                     timeout: float | None = None) -> PendingExists:
+        """:meth:`exists` in parts: the request is started now (what the kernel takes without
+        blocking), :meth:`PendingExists.flush` sends the rest, and calling the result waits for
+        the answer (its argument: how long, default ``timeout``).  A caller asking several nodes
+        starts all of them, flushes all, then collects, on one thread (no thread handoff per
+        node), each with what is left of one deadline: a request over a node's receive window
+        (2048 keys are 64 KiB, about the window of a fresh loopback connection) then waits for
+        that node to read it without holding back the requests to the others.  A connection
+        that fails before the node answered is retried once with the whole call (not after a
+        stall)."""
         flags = (dp.FLAG_PREFIX_ONLY if prefix_only else 0) | (dp.FLAG_PIN if pin else 0)
         n = len(keys) // KEY_BYTES
 
@@ -127,16 +147,28 @@ class DataSession(StreamPool):
         rid = next(self._ids) & 0xFFFFFFFF
         mark = stream.received
         try:
-            stream.send(dp.encode_request(dp.OP_EXISTS, rid, self._token, keys, kind=kind, flags=flags,
-                                          lease_ms=lease_ms, epoch=epoch, lease_id=drop_lease))
+            rest = stream.send_nowait(dp.encode_request(dp.OP_EXISTS, rid, self._token, keys, kind=kind, flags=flags,
+                                                        lease_ms=lease_ms, epoch=epoch, lease_id=drop_lease))
         except OSError as exc:
             stream.close()
             if reused and not isinstance(exc, STALL_ERRORS):
-                return again
+                return PendingExists(again)
             raise self._failure(exc) from None
+        failed: list[OSError] = []
+
+        def flush() -> None:
+            if rest and not failed:
+                try:
+                    stream.send(rest)
+                except OSError as exc:
+                    failed.append(exc)
+                rest.clear()
 
         def finish(left: float | None = None) -> ExistsReply:
             try:
+                flush()
+                if failed:
+                    raise failed[0]
                 if left is not None and left < 0.9 * stream.timeout:
                     stream.set_timeout(left)  # (a syscall pair: skipped while the deadline is fresh)
                 resp, body = self._response(stream, rid, dp.OP_EXISTS)
@@ -157,7 +189,7 @@ class DataSession(StreamPool):
                 raise
             self._give(stream)
             return out
-        return finish
+        return PendingExists(finish, flush)
 
     def read(self, keys: bytes, dest: Dest, kind: int = pb.BLOCK, lease_id: int = 0, verify: bool = True,
              epoch: int = 0, streams: int | None = None, timeout: float | None = None,

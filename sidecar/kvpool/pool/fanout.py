@@ -42,7 +42,7 @@ from kvpool.core.deadlines import Deadlines, remaining
 from kvpool.core.retry import UNREACHABLE
 from kvpool.core.ring import Member, Ring
 from kvpool.pool import lookup
-from kvpool.pool.data_client import Dest, ExistsReply, ReadResult
+from kvpool.pool.data_client import Dest, ExistsReply, PendingExists, ReadResult
 from kvpool.pool.leases import MatchLeases
 from kvpool.pool.lookup import PoolMatch
 from kvpool.pool.node_client import StoreClient
@@ -308,7 +308,7 @@ class Pool:
         # Each call keeps the handle it was sent to: a ring refresh meanwhile (``_note_epoch`` below)
         # may drop or replace the node's entry in ``self.nodes``.
         pending: list[tuple[str, npt.NDArray[np.intp], NodeHandle | None,
-                            Callable[[float | None], ExistsReply] | None]] = []
+                            PendingExists | None]] = []
         for nid, idx, pin in calls:
             node = self._up(nid)
             if node is None:
@@ -322,6 +322,11 @@ class Pool:
                 pending.append((nid, idx, None, None))
                 continue
             pending.append((nid, idx, node, finish))
+        # What a node's receive window did not take goes now, once every node has its request
+        # started: a node slow to read holds back only its own answer.
+        for _, _, _, started in pending:
+            if started is not None:
+                started.flush()
         out: list[tuple[str, npt.NDArray[np.intp], ExistsReply | None]] = []
         for nid, idx, node, collect in pending:
             reply = None

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,7 +37,7 @@ from kvpool.core import errors, ranges
 from kvpool.core.buffers import Buffer, as_bytes_view
 from kvpool.core.keys import KEY_BYTES, pack_keys
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
-from kvpool.pool.data_client import DataSession, Dest, ExistsReply, ReadResult
+from kvpool.pool.data_client import DataSession, Dest, ExistsReply, PendingExists, ReadResult
 from kvpool.pool.rdma_path import LocalRdma, RdmaPath, RdmaReadResult, merge
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
@@ -175,21 +175,22 @@ class StoreClient:
 
     def exists_array_begin(self, keys: bytes, pin: bool = False, lease_ms: int = 0, prefix_only: bool = True,
                            kind: int = pb.BLOCK, epoch: int = 0, drop_lease: int = 0, timeout: float | None = None
-                           ) -> Callable[[float | None], ExistsReply]:
-        """:meth:`exists_array` in two halves (the request sent now, the answer collected by the
-        returned function, waiting at most its argument in seconds, default ``timeout``).
+                           ) -> PendingExists:
+        """:meth:`exists_array` in parts (:meth:`DataSession.exists_begin`: the request started
+        now, ``flush()`` sends its rest, calling the result collects the answer, waiting at most
+        its argument in seconds, default ``timeout``).
         ``drop_lease``: a lease of this node dropped before the lookup, in the same frame."""
         ds = self.session(timeout)
         with self._session_call(ds):
-            finish = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, drop_lease,
-                                     timeout)
+            pending = ds.exists_begin(keys, kind, prefix_only, pin, lease_ms if pin else 0, epoch, drop_lease,
+                                      timeout)
 
         def done(left: float | None = None) -> ExistsReply:
             with self._session_call(ds):
-                r = finish(left)
+                r = pending(left)
             self._seen(r.epoch)
             return r
-        return done
+        return PendingExists(done, pending.flush)
 
     def release(self, lease_ids: Sequence[int], timeout: float | None = None) -> None:
         ids = [i for i in lease_ids if i]

@@ -127,14 +127,39 @@ def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None
     views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + MAX_IOV])
-        while sent:
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
-        while i < len(views) and views[i].nbytes == 0:
+        i = _advance(views, i, sock.sendmsg(views[i : i + MAX_IOV]))
+
+
+def send_buffers_nowait(sock: socket.socket, buffers: list[bytes | memoryview]) -> list[memoryview]:
+    """Send what the kernel takes now without blocking (``MSG_DONTWAIT``); the rest, in order
+    (empty when all went).  A caller sending to several peers starts every one of them this
+    way, so none waits for another to read (a frame over the peer's receive window blocks
+    until the peer is scheduled and reads), then sends the rests with :func:`send_buffers`."""
+    views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
+    i = 0
+    while i < len(views):
+        want = sum(v.nbytes for v in views[i : i + MAX_IOV])
+        try:
+            sent = sock.sendmsg(views[i : i + MAX_IOV], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            break
+        i = _advance(views, i, sent)
+        if sent < want:
+            break
+    return views[i:]
+
+
+def _advance(views: list[memoryview], i: int, sent: int) -> int:
+    """Past ``sent`` bytes of ``views`` from index ``i`` (the view cut in the middle is trimmed in
+    place; empty views skipped): the index of the first view with bytes left."""
+    while sent:
+        n = views[i].nbytes
+        if sent >= n:
+            sent -= n
             i += 1
+        else:
+            views[i] = views[i][sent:]
+            sent = 0
+    while i < len(views) and views[i].nbytes == 0:
+        i += 1
+    return i

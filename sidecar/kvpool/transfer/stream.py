@@ -89,6 +89,10 @@ class Stream:
         """Send every buffer in order (gathered into as few ``sendmsg`` calls as possible)."""
         _sockio.send_buffers(self._sock, [b for b in buffers if len(b)])
 
+    def send_nowait(self, buffers: Sequence[bytes | memoryview]) -> list[memoryview]:
+        """Send what the kernel takes now, without blocking; the rest (for :meth:`send`)."""
+        return _sockio.send_buffers_nowait(self._sock, [b for b in buffers if len(b)])
+
     def close(self) -> None:
         if self.closed:
             return
