@@ -49,6 +49,25 @@ def test_remote_reads_and_matches(shared: LocalCluster, h: Any, rng: random.Rand
         assert b.match(gap) == 4
 
 
+def test_a_match_over_each_node_s_receive_window_answers_and_pins(shared: LocalCluster, h: Any,
+                                                                   rng: random.Random) -> None:
+    """Thousands of keys per node: each EXISTS is over the node's receive window (the sidecar
+    starts every node's request, then sends the rests, then collects); the prefix stops at a
+    miss deep in the batch and the matched keys are pinned at their nodes."""
+    n = 12000
+    keys = _pooled_keys(shared, h, rng, n)
+    with shared.connect(1) as b:
+        assert b.match(keys) == n
+        assert b.match(keys[:9000] + h.keys(rng, 1) + keys[9000:]) == 9000
+        n_pinned, lease = b.match_lease(keys)
+        assert n_pinned == n and lease
+        groups = _by_node(shared, keys)
+        address = next(iter(groups))
+        with StoreClient(address) as node:
+            assert set(node.remove(groups[address][:50])) == {pb.IN_FLIGHT}
+        b.release(lease)
+
+
 def test_a_read_after_a_match_drops_its_pins_at_the_nodes(shared: LocalCluster, h: Any, rng: random.Random) -> None:
     with shared.connect(0) as a, shared.connect(1) as b:
         keys = h.keys(rng, 12)
