@@ -301,10 +301,10 @@ def decode_response(data: bytes | bytearray | memoryview) -> Response:
     return Response(op, status, flags, rid, count, msg_len, prefix, lease_id, epoch, payload)
 
 
-def encode_get_table(codes: npt.NDArray[np.uint8], sizes: npt.NDArray[np.uint64],
-                     checksums: npt.NDArray[np.uint64]) -> bytes:
+def encode_get_table(codes: Sequence[int], sizes: Sequence[int], checksums: Sequence[int]) -> bytes:
     """The GET table: codes u8 × n, sizes u64 × n, checksums u64 × n (the GET_RANGES layout)."""
-    return encode_range_table(codes, sizes, checksums)
+    n = len(codes)
+    return bytes(codes) + struct.pack(f"<{n}Q{n}Q", *sizes, *checksums)
 
 
 class GetTable(NamedTuple):
