@@ -10,6 +10,7 @@ import array
 import os
 import socket
 import struct
+from collections.abc import Sequence
 
 #: What a stalled peer raises: the kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket
 #: surfaces as EAGAIN (``BlockingIOError``); a Python-level timeout as ``TimeoutError``.
@@ -122,10 +123,21 @@ def send_all(sock: socket.socket, header: bytes, payload: memoryview | None = No
 MAX_IOV = 512
 
 
-def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
-    """Send every buffer in order, gathering them into ``sendmsg`` calls (partial sends resumed)."""
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send every buffer in order, gathering them into ``sendmsg`` calls (partial sends resumed;
+    empty buffers are fine)."""
+    sent = 0
+    if len(buffers) <= MAX_IOV:
+        # The usual frame: one sendmsg of the buffers as given moves it all (a blocking socket
+        # returns short only on a stall timeout or a signal), no per-buffer Python before it.
+        sent = sock.sendmsg(buffers)
+        total = 0
+        for b in buffers:
+            total += b.nbytes if isinstance(b, memoryview) else len(b)
+        if sent == total:
+            return
     views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
-    i = 0
+    i = _advance(views, 0, sent)
     while i < len(views):
         i = _advance(views, i, sock.sendmsg(views[i : i + MAX_IOV]))
 

@@ -87,7 +87,7 @@ class Stream:
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
         """Send every buffer in order (gathered into as few ``sendmsg`` calls as possible)."""
-        _sockio.send_buffers(self._sock, [b for b in buffers if len(b)])
+        _sockio.send_buffers(self._sock, buffers)
 
     def send_nowait(self, buffers: Sequence[bytes | memoryview]) -> list[memoryview]:
         """Send what the kernel takes now, without blocking; the rest (for :meth:`send`)."""
