@@ -96,7 +96,7 @@ class _Conn:
         frame = fp.encode_request(op, rid, **kw)
         try:
             if fd is None:
-                send_buffers(self.sock, frame)  # type: ignore[arg-type]
+                send_buffers(self.sock, frame)
             else:
                 send_with_fd(self.sock, frame, fd)
         except (BrokenPipeError, ConnectionResetError) as exc:
