@@ -84,9 +84,13 @@ log = logging.getLogger(__name__)
 DEFAULT_STAGING_MIB = 64
 DEFAULT_STAGING_WAIT_MS = 50
 PIPELINE_OBJECTS = 4
-"""Objects per part of a pipelined read (:meth:`FastPath.read_parts`): the next part lands while
-the engine checks and copies this one.  Smaller parts overlap more but cost a round trip each and
-give the sidecar fewer objects to fan out over the store nodes at once."""
+"""Objects per part of a pipelined read (:meth:`FastPath.read_parts`) when its caller asks for
+small parts: the next part lands while the engine checks and copies this one.  Not the default of
+:meth:`FastPath.read_each`: on the 2 shared cores of the CI machine, 16 × 1 MiB read in parts of 4
+(or 8) took as long or longer than one read (SGLang: 26.7 vs 14.8 ms, in the worker of
+bench/integrations.py) and cost the sidecar and the store nodes more CPU per byte (0.78 vs 0.45
+and 0.44 vs 0.27 s/GB): each part is a round trip and a smaller fan-out, and the overlap has no
+idle core to run on.  Where cores are free, parts overlap the landing with the copies."""
 PART_DEADLINE_S = 60.0
 """How long a pipelined read waits for a part in flight (the client's own calls have deadlines;
 this bounds the hand-over between threads)."""
@@ -338,12 +342,14 @@ class FastPath:
                 self._helpers = ThreadPoolExecutor(2, thread_name_prefix="kvpool-read-ahead")
             return self._helpers
 
-    def read_each(self, keys: Sequence[bytes], use: Callable[[int, memoryview], bool]) -> int:
-        """Read ``keys`` pipelined in parts (:meth:`read_parts`: the next part lands while this
-        one is used), handing each object in order to ``use(index, view)`` (its check and copy
+    def read_each(self, keys: Sequence[bytes], use: Callable[[int, memoryview], bool],
+                  part: int | None = None) -> int:
+        """Read ``keys`` in parts of ``part`` objects (default: half the staging slots, so a
+        batch that fits is one read) pipelined (:meth:`read_parts`: the next part lands while
+        this one is used), handing each object in order to ``use(index, view)`` (its check and copy
         into the engine's memory), so a batch of any size stays within staging.  Stops at the
         first miss or when ``use`` returns False; how many were used."""
-        parts = self.read_parts(keys)
+        parts = self.read_parts(keys, part or self.pool.slots // 2 or self.pool.slots or len(keys))
         try:
             for at, land in parts:
                 with land:
