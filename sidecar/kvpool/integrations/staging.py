@@ -110,6 +110,9 @@ class PathStat(enum.StrEnum):
     """Reads or writes that waited for a staging slot."""
     ARENA_WRITES = "arena_writes"
     """Objects written in place into reserved arena extents (one copy)."""
+    RUN_COPIES = "run_copies"
+    """Objects copied into the engine's memory with one call for a run of them (:meth:`Landing.rows`),
+    not one call per object."""
     STAGED_WRITES = "staged_writes"
     """Objects put from staging or a temporary buffer (the local tier had no room: ``put``
     streams them to the pool)."""
@@ -346,19 +349,28 @@ class FastPath:
                   part: int | None = None) -> int:
         """Read ``keys`` in parts of ``part`` objects (default: half the staging slots, so a
         batch that fits is one read) pipelined (:meth:`read_parts`: the next part lands while
-        this one is used), handing each object in order to ``use(index, view)`` (its check and copy
-        into the engine's memory), so a batch of any size stays within staging.  Stops at the
-        first miss or when ``use`` returns False; how many were used."""
+        this one is used), handing each object in order to ``use(index, view)`` (its check and
+        copy into the engine's memory), so a batch of any size stays within staging.  Stops at
+        the first miss or when ``use`` returns False; how many were used."""
+        return self.read_runs(keys, use, None, part)
+
+    def read_runs(self, keys: Sequence[bytes], check: Callable[[int, memoryview], bool],
+                  copy: Callable[[int, Landing, int], int] | None, part: int | None = None) -> int:
+        """:meth:`read_each` with the copy split off: ``check(index, view)`` each object, then
+        ``copy(offset, landing, n)`` once per part for its leading run of ``n`` checked objects
+        (keys ``offset .. offset+n-1``; it returns how many it copied, fewer stops the read),
+        before the part is released, so an engine can copy a
+        run with one call over :meth:`Landing.rows` instead of one per object."""
         parts = self.read_parts(keys, part or self.pool.slots // 2 or self.pool.slots or len(keys))
         try:
             for at, land in parts:
                 with land:
-                    for j, v in enumerate(land.views[:land.prefix]):
-                        assert v is not None
-                        if not use(at + j, v):
-                            return at + j
-                    if land.prefix < len(land.views):
-                        return at + land.prefix
+                    n = next((j for j, v in enumerate(land.views[:land.prefix])
+                              if not check(at + j, v)), land.prefix)  # type: ignore[arg-type]
+                    if n and copy is not None:
+                        n = copy(at, land, n)
+                    if n < len(land.views):
+                        return at + n
             return len(keys)
         finally:
             parts.close()

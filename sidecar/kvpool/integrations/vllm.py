@@ -64,7 +64,7 @@ from kvpool.integrations.common import (
     sidecar_address,
 )
 from kvpool.integrations.common import write_header as _write_header
-from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, Landing, staging_settings
+from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, Landing, PathStat, staging_settings
 from kvpool.integrations.tensors import copy_tensor, host_array
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -591,8 +591,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             for ly in self._layers:
                 if ly.name not in self._layers_loaded:
                     self._copy_in(ly)
-            for _, land, good, _rows in self._loading:
+            for _, land, good, rows in self._loading:
                 self.stats["loaded_blocks"] += good
+                self.stats[PathStat.RUN_COPIES] += good if rows is not None and self._layers[0].host is not None else 0
                 land.release()
         self._loading = []
         self._layers_loaded = set()
