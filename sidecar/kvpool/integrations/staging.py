@@ -63,7 +63,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Generator, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
@@ -300,7 +300,7 @@ class FastPath:
         return land
 
     def read_parts(self, keys: Sequence[bytes], part: int = PIPELINE_OBJECTS,
-                   wait_s: float | None = None) -> Iterator[tuple[int, Landing]]:
+                   wait_s: float | None = None) -> Generator[tuple[int, Landing], None, None]:
         """:meth:`read` of ``keys`` in parts of at most ``part`` objects (and at most half the
         staging slots, so two parts fit), yielding ``(offset, landing)`` in order.  Before a part
         is yielded the next one's read is issued on a helper thread: it lands while the caller
