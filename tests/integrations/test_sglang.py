@@ -116,6 +116,8 @@ def test_v1_pages_round_trip_between_two_engines(cluster: LocalCluster) -> None:
         # The fast path: fetched from the pool into registered staging, nothing landed in the arena.
         assert (b.stats[PathStat.REGISTERED_LANDINGS], b.stats[PathStat.ARENA_LANDINGS],
                 b.stats[PathStat.LOCAL_VIEWS]) == (5, 0, 0)
+        # Consecutive pages from evenly spaced staging slots: one copy for the run, not one per page.
+        assert b.stats[PathStat.RUN_COPIES] == 5
         assert s1.counters[SidecarCounter.READ_HITS_POOL] - s0.counters[SidecarCounter.READ_HITS_POOL] == 5
         assert s1.local_objects == s0.local_objects
         # Misses: unknown pages are not found and leave the host pool alone.

@@ -201,6 +201,7 @@ def test_engine_b_loads_what_engine_a_saved_and_computes_only_the_tail(model_dir
         # The fast path: every remote block landed in registered staging, none in the arena; the
         # sidecar fetched them from the pool and its local tier took only B's own saves.
         st = b.worker.stats
+        assert st[PathStat.RUN_COPIES] == 6  # one numpy copy per layer for the six blocks, not one per block
         assert (st[PathStat.REGISTERED_LANDINGS], st[PathStat.ARENA_LANDINGS], st[PathStat.LOCAL_VIEWS]) == (6, 0, 0)
         assert after.counters[SidecarCounter.READ_HITS_POOL] - before.counters[SidecarCounter.READ_HITS_POOL] == 6
         assert after.local_objects - before.local_objects == st["saved_blocks"]

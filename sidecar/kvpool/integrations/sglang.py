@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
@@ -39,8 +40,8 @@ from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations import crossover
 from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
 from kvpool.integrations.common import write_header as _write_header
-from kvpool.integrations.staging import FastPath, staging_settings
-from kvpool.integrations.tensors import copy_tensor
+from kvpool.integrations.staging import FastPath, Landing, PathStat, staging_settings
+from kvpool.integrations.tensors import copy_tensor, host_array
 from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -113,25 +114,43 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def pool_key(self, key: str) -> bytes:
         return hashlib.sha256(self._seed + key.encode()).digest()
 
-    def _load(self, keys: list[str], put: Callable[[int, memoryview], bool]) -> list[bool]:
+    def _load(self, keys: list[str], put: Callable[[int, memoryview], bool],
+              put_run: Callable[[int, Landing, int], bool] | None = None) -> list[bool]:
         """Read ``keys`` through the fast path, checking each object before ``put(i, view)``
-        copies it into the engine's memory; which were loaded (the leading run)."""
+        copies it into the engine's memory (or, given ``put_run``, before ``put_run(offset,
+        landing, n)`` copies a part's run of checked objects at once, falling back to ``put``
+        per object where it cannot); which were loaded (the leading run)."""
         out = [False] * len(keys)
 
-        def use(i: int, view: memoryview) -> bool:
+        def check(i: int, view: memoryview) -> bool:
             why = check_object(view, self.layout)
             if why is not None:
                 log.warning("kvpool page %d not loaded: %s", i, why)
                 self.stats["rejected"] += 1
                 return False
+            if put_run is not None:
+                return True  # copied with its run
             out[i] = put(i, view)
             return out[i]
 
-        self._data_path().read_each([self.pool_key(k) for k in keys], use)
-        hits = sum(out)
+        def copy(at: int, land: Landing, n: int) -> int:
+            assert put_run is not None
+            if put_run(at, land, n):
+                out[at:at + n] = [True] * n
+                return n
+            for j in range(n):  # copy one by one, up to the first that does not fit
+                view = land.views[j]
+                assert view is not None
+                if not put(at + j, view):
+                    return j
+                out[at + j] = True
+            return n
+
+        self._data_path().read_runs([self.pool_key(k) for k in keys], check, None if put_run is None else copy)
+        hits = next((i for i, ok in enumerate(out) if not ok), len(out))
         self.stats["hits"] += hits
         self.stats["misses"] += len(keys) - hits
-        return out
+        return out[:hits] + [False] * (len(keys) - hits)
 
     @staticmethod
     def _copy(view: memoryview, dst: torch.Tensor) -> bool:
@@ -236,8 +255,35 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         starts = self._pages(keys, host_indices)
-        return self._load(list(keys), lambda i, view: self._copy(view, self.mem_pool_host.get_data_page(starts[i],
-                                                                                                       flat=False)))
+        return self._load(list(keys), lambda i, view: self._copy(view, self._page(starts[i])),
+                          lambda at, land, n: self._copy_run(land, starts[at:at + n]))
+
+    def _page(self, start: int) -> torch.Tensor:
+        page: torch.Tensor = self.mem_pool_host.get_data_page(start, flat=False)
+        return page
+
+    def _copy_run(self, land: Landing, starts: list[int]) -> bool:
+        """Copy the landing's first ``len(starts)`` objects into the host pages at ``starts`` with
+        one numpy call, when they sit in evenly spaced staging slots and the pages evenly spaced
+        in the host pool (consecutive pages of one buffer, whatever its layout); False (nothing
+        copied) otherwise.  The pages' addresses are each checked, so the strided view over them
+        covers exactly their elements."""
+        rows = land.rows(0, len(starts))
+        if rows is None or len(starts) < 2:
+            return False
+        pages = [self._page(s) for s in starts]
+        first, size = pages[0], pages[0].numel() * pages[0].element_size()
+        host = host_array(first)
+        step = pages[1].data_ptr() - first.data_ptr()
+        if (host is None or rows.shape[1] != HEADER_BYTES + size or step <= 0
+                or any(p.data_ptr() != first.data_ptr() + k * step or p.stride() != first.stride()
+                       for k, p in enumerate(pages))):
+            return False
+        dst = np.lib.stride_tricks.as_strided(host, (len(pages),) + host.shape, (step,) + host.strides)
+        src = rows[:, HEADER_BYTES:].view(host.dtype).reshape((len(pages),) + host.shape)
+        np.copyto(dst, src)
+        self.stats[PathStat.RUN_COPIES] += len(pages)
+        return True
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:

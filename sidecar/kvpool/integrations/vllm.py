@@ -64,7 +64,7 @@ from kvpool.integrations.common import (
     sidecar_address,
 )
 from kvpool.integrations.common import write_header as _write_header
-from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, Landing, staging_settings
+from kvpool.integrations.staging import DEFAULT_STAGING_MIB, FastPath, Landing, PathStat, staging_settings
 from kvpool.integrations.tensors import copy_tensor, host_array
 from kvpool.wire.proto import store_pb2 as pb
 
@@ -238,6 +238,23 @@ class _Layer:
             copy_tensor(dst, src.view(self.tensor.dtype).view(self.block_shape))
 
 
+    def load_rows(self, block_ids: Sequence[int], rows: np.ndarray) -> bool:
+        """Copy this layer's place in each row of ``rows`` (uint8, an object per row) into blocks
+        ``block_ids`` with one numpy call (a slice assignment for consecutive blocks, a fancy-index
+        one otherwise) instead of one per block; False (nothing copied) where the cache is not
+        host memory."""
+        if self.host is None:
+            return False
+        seg = rows[:, HEADER_BYTES + self.offset:HEADER_BYTES + self.offset + self.nbytes]
+        src = np.moveaxis(seg.view(self.host.dtype).reshape((len(block_ids),) + self.block_shape), 0, self.block_dim)
+        first = block_ids[0]
+        if all(b == first + k for k, b in enumerate(block_ids)):
+            np.copyto(self.host[(slice(None),) * self.block_dim + (slice(first, first + len(block_ids)),)], src)
+        else:
+            self.host[(slice(None),) * self.block_dim + (np.asarray(block_ids),)] = src
+        return True
+
+
 def _block_dim(name: str, shape: Sequence[int], num_blocks: int) -> int:
     dims = [d for d, s in enumerate(shape) if s == num_blocks]
     if len(dims) > 1 and shape[0] == 2:
@@ -288,7 +305,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._staging = staging_settings(dict(self._kv_transfer_config.kv_connector_extra_config or {}),
                                          "kv_connector_extra_config")
         self._path: FastPath | None = None  # the worker's data path, made with the caches' layout
-        self._loading: list[tuple[tuple[int, ...], Landing, int]] = []  # (block ids, landed objects, count)
+        # (block ids, landed objects, count, their rows in staging when they are evenly spaced there)
+        self._loading: list[tuple[tuple[int, ...], Landing, int, np.ndarray | None]] = []
         self._layers_loaded: set[str] = set()
         self._load_errors: set[int] = set()
         self._step_saves: list[BlockRange] = []
@@ -537,7 +555,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                     break
                 good += 1
             if good:
-                self._loading.append((rng.block_ids[done:done + good], land, good))
+                self._loading.append((rng.block_ids[done:done + good], land, good, land.rows(0, good)))
             else:
                 land.release()
             done += good
@@ -559,7 +577,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._finish_loads()
 
     def _copy_in(self, ly: _Layer) -> None:
-        for ids, land, good in self._loading:
+        for ids, land, good, rows in self._loading:
+            if rows is not None and ly.load_rows(ids[:good], rows):
+                continue  # one copy for all the blocks of this landing (16 × 32 KiB: ~12x fewer calls)
             for i in range(good):
                 view = land.views[i]
                 assert view is not None
@@ -571,8 +591,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             for ly in self._layers:
                 if ly.name not in self._layers_loaded:
                     self._copy_in(ly)
-            for _, land, good in self._loading:
+            for _, land, good, rows in self._loading:
                 self.stats["loaded_blocks"] += good
+                self.stats[PathStat.RUN_COPIES] += good if rows is not None and self._layers[0].host is not None else 0
                 land.release()
         self._loading = []
         self._layers_loaded = set()
