@@ -261,12 +261,11 @@ class FastPath:
     ``stats``: the integration's stats, where :class:`PathStat` counts go."""
 
     def __init__(self, client: Client, object_bytes: int, staging_bytes: int, wait_s: float,
-                 stats: MutableMapping[str, int], lease_ms: int = 10000) -> None:
+                 stats: MutableMapping[str, int]) -> None:
         self.client = client
         self.pool = StagingPool(client, object_bytes, staging_bytes)
         self.wait_s = wait_s
         self.stats = stats
-        self.lease_ms = lease_ms
         self._helpers: ThreadPoolExecutor | None = None
         self._helpers_lock = threading.Lock()
         for s in PathStat:

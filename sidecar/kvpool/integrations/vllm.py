@@ -510,8 +510,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._path is not None:
             self._path.close()
         staging = self._staging[0] if self.settings.load else 0  # only loads land in staging
-        self._path = FastPath(self.client, HEADER_BYTES + self._payload, staging, 0.0, self.stats,
-                              self.settings.lease_ms)
+        self._path = FastPath(self.client, HEADER_BYTES + self._payload, staging, 0.0, self.stats)
 
     def _require_caches(self) -> None:
         if not self._layers:

@@ -249,8 +249,7 @@ class _Pool:
         c: Client | None = None
         try:
             c = connect(s.address, block_tokens=self._block_tokens, timeout=bound, deadlines=deadlines)
-            self._path = FastPath(c, self.object_bytes, s.staging_bytes, s.staging_wait_s, self.path_stats,
-                                  s.lease_ms)
+            self._path = FastPath(c, self.object_bytes, s.staging_bytes, s.staging_wait_s, self.path_stats)
         except (errors.KvpoolError, OSError) as exc:
             if c is not None:
                 c.close()
