@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -281,6 +281,47 @@ def layout_of(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list
     return layers, off, fp
 
 
+class _SaveQueue:
+    """The worker's background saves and which finished requests they still hold: vLLM keeps a
+    finished request's blocks until ``get_finished`` reports it, since a save still reads them."""
+
+    def __init__(self) -> None:
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[Future[None]]] = {}
+        self._had_saves: set[str] = set()
+        self._finished_waiting: set[str] = set()
+
+    def submit(self, save: Callable[[BlockRange], None], rng: BlockRange) -> None:
+        fut = self._saver.submit(save, rng)
+        with self._lock:
+            self._pending.setdefault(rng.req_id, []).append(fut)
+            self._had_saves.add(rng.req_id)
+
+    def wait(self, rid: str | None = None) -> None:
+        """Block until the saves of ``rid`` (of every request: None) are done."""
+        with self._lock:
+            futs = [f for r, fs in self._pending.items() if rid is None or r == rid for f in fs]
+        for f in futs:
+            f.result()
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests finished now or before, those whose saves are all done (reported once)."""
+        with self._lock:
+            self._finished_waiting |= {r for r in finished_req_ids if r in self._had_saves}
+            for rid, futs in list(self._pending.items()):
+                futs[:] = [f for f in futs if not f.done()]
+                if not futs:
+                    del self._pending[rid]
+            done = {r for r in self._finished_waiting if r not in self._pending}
+            self._finished_waiting -= done
+            self._had_saves -= done
+        return done
+
+    def shutdown(self) -> None:
+        self._saver.shutdown(wait=True)
+
+
 class KVPoolConnector(KVConnectorBase_V1):
     """A vLLM KV connector backed by the kvpool sidecar (both roles: scheduler and worker)."""
 
@@ -309,12 +350,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._loading: list[tuple[tuple[int, ...], Landing, int, np.ndarray | None]] = []
         self._layers_loaded: set[str] = set()
         self._load_errors: set[int] = set()
-        self._step_saves: list[BlockRange] = []
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save")
-        self._save_lock = threading.Lock()
-        self._pending: dict[str, list[Future[None]]] = {}
-        self._had_saves: set[str] = set()
-        self._finished_waiting: set[str] = set()
+        self._saves = _SaveQueue()
         self.stats = {"loaded_blocks": 0, "load_errors": 0, "saved_blocks": 0, "save_refused": 0}
         self._scheduler_side(vllm_config, kv_cache_config, role)
 
@@ -610,10 +646,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             return
         self._require_caches()
         for rng in meta.saves:
-            fut = self._saver.submit(self._save, rng)
-            with self._save_lock:
-                self._pending.setdefault(rng.req_id, []).append(fut)
-                self._had_saves.add(rng.req_id)
+            self._saves.submit(self._save, rng)
 
     def _save(self, rng: BlockRange) -> None:
         """Gather the range's blocks from the paged cache straight into reserved arena extents
@@ -643,25 +676,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         # A preempted request's blocks are reused after this call: its saves must be done.
         if isinstance(kv_connector_metadata, KVPoolConnectorMetadata):
             for rid in kv_connector_metadata.preempted:
-                self._wait_saves(rid)
-
-    def _wait_saves(self, rid: str) -> None:
-        with self._save_lock:
-            futs = list(self._pending.get(rid, ()))
-        for f in futs:
-            f.result()
+                self._saves.wait(rid)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self._save_lock:
-            self._finished_waiting |= {r for r in finished_req_ids if r in self._had_saves}
-            for rid, futs in list(self._pending.items()):
-                futs[:] = [f for f in futs if not f.done()]
-                if not futs:
-                    del self._pending[rid]
-            done = {r for r in self._finished_waiting if r not in self._pending}
-            self._finished_waiting -= done
-            self._had_saves -= done
-        return (done or None), None
+        return (self._saves.finished(finished_req_ids) or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -669,13 +687,10 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def wait_for_all_saves(self) -> None:
         """Block until every submitted save is stored (tests, shutdown)."""
-        with self._save_lock:
-            futs = [f for fs in self._pending.values() for f in fs]
-        for f in futs:
-            f.result()
+        self._saves.wait()
 
     def shutdown(self) -> None:
-        self._saver.shutdown(wait=True)
+        self._saves.shutdown()
         self._finish_loads()
         if self._path is not None:
             self._path.close()
