@@ -28,6 +28,8 @@ MAGIC = b"KVPB"
 VERSION = 1
 DEFAULT_ADDRESS = "unix:///run/kvpool/kvpool.sock"
 ADDRESS_ENV = "KVPOOL_ADDRESS"
+ADDRESS_HELP = f"the sidecar's unix:// address (default ${ADDRESS_ENV}, then {DEFAULT_ADDRESS})"
+"""The description of the ``address`` setting every integration takes."""
 
 
 class IntegrationConfigError(errors.InvalidArgument):
@@ -49,6 +51,16 @@ def check_keys(config: Mapping[str, Any], allowed: Iterable[str], where: str) ->
     if unknown:
         raise IntegrationConfigError(f"{where}: unknown kvpool setting(s) {', '.join(unknown)}; "
                                      f"known: {', '.join(sorted(allowed))}")
+
+
+def positive(config: Mapping[str, Any], name: str, default: float, where: str, integer: bool = False) -> float:
+    """Setting ``name`` of ``config`` (else ``default``), checked to be a positive number (an
+    integer when ``integer``; never a bool)."""
+    v = config.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or not v > 0:
+        raise IntegrationConfigError(f"{where}.{name} must be a positive {'integer' if integer else 'number'}, "
+                                     f"got {v!r}")
+    return float(v)
 
 
 def fingerprint(parts: Iterable[object]) -> int:

@@ -38,7 +38,15 @@ from kvpool.core import errors
 from kvpool.core.keys import KeySpace
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations import crossover
-from kvpool.integrations.common import HEADER_BYTES, IntegrationConfigError, check_object, fingerprint, sidecar_address
+from kvpool.integrations.common import (
+    ADDRESS_HELP,
+    HEADER_BYTES,
+    IntegrationConfigError,
+    check_keys,
+    check_object,
+    fingerprint,
+    sidecar_address,
+)
 from kvpool.integrations.common import write_header as _write_header
 from kvpool.integrations.staging import FastPath, Landing, PathStat, staging_settings
 from kvpool.integrations.tensors import copy_tensor, host_array
@@ -47,7 +55,7 @@ from kvpool.wire.proto import store_pb2 as pb
 log = logging.getLogger(__name__)
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 SETTINGS = {
-    "address": "the sidecar's unix:// address (default $KVPOOL_ADDRESS, then unix:///run/kvpool/kvpool.sock)",
+    "address": ADDRESS_HELP,
     "traffic_class": f"the traffic class of stored pages (default {DEFAULT_TRAFFIC_CLASS})",
     "staging_mib": "registered memory (MiB, allocated once) pages from the pool land in (staging)",
     "staging_wait_ms": "how long a read waits for a free staging slot before going through the arena",
@@ -65,10 +73,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         for k, v in extra.items():
             if k in TEXT_KEYS and not isinstance(v, str):
                 raise IntegrationConfigError(f"hicache extra config {k} must be a string, got {v!r}")
-        unknown = sorted(set(extra) - set(SGLANG_KEYS) - set(OUR_KEYS))
-        if unknown:
-            raise IntegrationConfigError(f"hicache extra config: unknown kvpool setting(s) {', '.join(unknown)}; "
-                                         f"known: {', '.join(OUR_KEYS)}")
+        check_keys({k: v for k, v in extra.items() if k not in SGLANG_KEYS}, OUR_KEYS, "hicache extra config")
         self.config = storage_config
         self.address = sidecar_address(extra)
         self.traffic_class = str(extra.get("traffic_class", DEFAULT_TRAFFIC_CLASS))

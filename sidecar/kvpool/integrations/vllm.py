@@ -56,11 +56,13 @@ from kvpool.core.planning import kv_bytes_per_token
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations import crossover
 from kvpool.integrations.common import (
+    ADDRESS_HELP,
     HEADER_BYTES,
     IntegrationConfigError,
     check_keys,
     check_object,
     fingerprint,
+    positive,
     sidecar_address,
 )
 from kvpool.integrations.common import write_header as _write_header
@@ -78,7 +80,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SETTINGS = {
-    "address": "the sidecar's unix:// address (default $KVPOOL_ADDRESS, then unix:///run/kvpool/kvpool.sock)",
+    "address": ADDRESS_HELP,
     "traffic_class": "the traffic class of saved blocks (TTL class of the pool; default "
                      f"{DEFAULT_TRAFFIC_CLASS})",
     "lease_ms": "how long a match pins the matched blocks for the load that follows (default 10000)",
@@ -110,10 +112,7 @@ class Settings:
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> Settings:
         check_keys(extra, SETTINGS, "kv_connector_extra_config")
-        lease = extra.get("lease_ms", 10000)
-        if not isinstance(lease, int) or isinstance(lease, bool) or lease <= 0:
-            raise IntegrationConfigError(
-                f"kv_connector_extra_config.lease_ms must be a positive integer, got {lease!r}")
+        lease = int(positive(extra, "lease_ms", 10000, "kv_connector_extra_config", integer=True))
         for k in ("save", "load"):
             if not isinstance(extra.get(k, True), bool):
                 raise IntegrationConfigError(f"kv_connector_extra_config.{k} must be true or false, got {extra[k]!r}")

@@ -79,11 +79,13 @@ from kvpool.core.deadlines import ClientDeadlines
 from kvpool.core.keys import KeySpace
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 from kvpool.integrations.common import (
+    ADDRESS_HELP,
     HEADER_BYTES,
     IntegrationConfigError,
     check_keys,
     check_object,
     fingerprint,
+    positive,
     sidecar_address,
     write_header,
 )
@@ -96,7 +98,7 @@ TIER_TYPE = "kvpool"
 """The short ``"type"`` this module registers with vLLM's ``SecondaryTierFactory``."""
 
 SETTINGS = {
-    "address": "the sidecar's unix:// address (default $KVPOOL_ADDRESS, then unix:///run/kvpool/kvpool.sock)",
+    "address": ADDRESS_HELP,
     "traffic_class": f"the traffic class of stored chunks (TTL class of the pool; default {DEFAULT_TRAFFIC_CLASS})",
     "staging_mib": "registered memory (MiB, allocated once and reused) chunks from the pool land in before their copy "
                    "into the CPU tier's rows; a job larger than it goes in several batches (default "
@@ -119,10 +121,7 @@ data path's :class:`~kvpool.integrations.staging.PathStat` counters are there to
 
 
 def _positive(cfg: dict[str, Any], name: str, default: float) -> float:
-    v = cfg.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise IntegrationConfigError(f"kvpool tier setting {name} must be a positive number, got {v!r}")
-    return float(v)
+    return positive(cfg, name, default, "secondary_tiers[kvpool]")
 
 
 @dataclass(frozen=True)
