@@ -24,6 +24,8 @@ def test_framing_round_trip_and_damage() -> None:
     buf[HEADER_BYTES:] = bytes(range(100))
     write_header(memoryview(buf), layout)
     assert check_object(memoryview(buf), layout) is None
+    assert check_object(memoryview(buf), layout, HEADER_BYTES + 100) is None
+    assert check_object(memoryview(buf), layout, HEADER_BYTES + 64) == "object of 132 bytes, this layout's are 96"
     assert "layout" in (check_object(memoryview(buf), layout + 1) or "")
     assert check_object(memoryview(buf)[:HEADER_BYTES + 99], layout) == "payload of 99 bytes, header says 100"
     buf[-1] ^= 1

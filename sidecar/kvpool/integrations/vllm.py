@@ -580,9 +580,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             good = 0
             for v in land.views[:land.prefix]:
                 assert v is not None
-                why = check_object(v, self._layout)
-                if why is None and len(v) != HEADER_BYTES + self._payload:
-                    why = f"object of {len(v)} bytes, this layout's is {HEADER_BYTES + self._payload}"
+                why = check_object(v, self._layout, HEADER_BYTES + self._payload)
                 if why is not None:
                     log.warning("kvpool block %d of request %s not loaded: %s", rng.first + done + good, rng.req_id,
                                 why)

@@ -513,9 +513,7 @@ class KVPoolSecondaryTier(SecondaryTierManager):
         """Why ``obj`` cannot go into a primary row (None when it can)."""
         if obj is None:
             return "gone from the pool"
-        if len(obj) != self._obj:
-            return f"object of {len(obj)} bytes, this tier's chunks are {self._obj}"
-        return check_object(obj, self.layout)
+        return check_object(obj, self.layout, self._obj)
 
     def _store(self, job: Any) -> JobResult:
         """Write the job's rows behind their headers straight into reserved arena extents (one
