@@ -99,7 +99,6 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         page = mem_pool_host.get_dummy_flat_data_page()
         self.page_size = int(mem_pool_host.page_size)
         self.page_bytes = page.numel() * page.element_size()
-        self.page_dtype = page.dtype
         self.layout = fingerprint([type(mem_pool_host).__name__, str(mem_pool_host.layout), self.page_size,
                                    tuple(mem_pool_host.get_data_page(0, flat=False).shape), str(page.dtype)])
         self._seed = KeySpace(self._space_fields[0], layout=self._space_fields[1],
