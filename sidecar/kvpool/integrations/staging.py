@@ -310,7 +310,7 @@ class FastPath:
         if not keys:
             return
         slots = self.pool.slots
-        step = max(1, min(part, slots // 2) if slots != 1 else 1) if slots else max(1, part)
+        step = max(1, min(part, slots // 2) if slots else part)  # one slot: parts of one
         ahead = slots != 1  # one slot holds one part: the next could only land in the arena
         at, land = 0, self.read(keys[:step], wait_s)
         nxt: Future[Landing] | None = None
