@@ -486,13 +486,16 @@ def test_the_prefill_rate_is_measured_from_the_scheduler_steps(model_dir: Path, 
 def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is_recomputed_from_a_slow_one(
         model_dir: Path, tmp_path: Path) -> None:
     """A really slow pool: the store node's blocks sit on its SSD tier, whose every read is made to
-    sleep (the store's fault hook, ``faultTierDelayFile``).  The same engine, the same 40-block
+    sleep 100 ms (the store's fault hook, ``faultTierDelayFile``).  The same engine, the same 40-block
     prefix length: loaded while the pool is fast, recomputed once the sidecar has measured it slow.
     The prefill rate is configured at a quarter of the fast pool's load rate (the load wins by 4×)."""
     delay = tmp_path / "delay"
     long1, long2, fast, slow_a, slow_b = (prompt(160 + i, n * BS + 1) for i, n in enumerate((40, 40, 32, 40, 40)))
+    # The sidecars' store-read deadline is 2 s (default 100 ms), so a read of the slow pool is a
+    # slow sample on busy cores, never a timed-out miss.
     with LocalCluster(stores=1, sidecars=2, block_tokens=BS, store_bytes=1 << 20, ssd_bytes=32 << 20,
-                      store_config={"faultTierDelayFile": str(delay), "tierReadSeconds": 10.0}) as lc:
+                      store_config={"faultTierDelayFile": str(delay), "tierReadSeconds": 10.0},
+                      sidecar_args=["--read-deadline-ms", "2000"]) as lc:
         a = Engine(model_dir, lc.sidecars[0])
         try:
             for i, p in enumerate((long1, long2, fast, slow_a, slow_b)):
@@ -533,7 +536,7 @@ def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is
             b.run_to_end()
             assert b.worker.stats["loaded_blocks"] == 40
 
-            delay.write_text("0.025")  # every SSD read of the node now sleeps 25 ms
+            delay.write_text("0.1")  # every SSD read of the node now sleeps 100 ms
             with lc.connect(1) as c:  # sidecar 1 measures it: one block per read (each within its deadline)
                 for k in slow_keys:
                     assert c.match([k]) == 1

@@ -137,7 +137,7 @@ class LocalCluster:
                  local_bytes: int = 64 << 20, ssd_bytes: int = 0, tenants: Sequence[str] | None = None,
                  block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
                  quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None,
-                 handoff: bool = True, replication: int = 1) -> None:
+                 handoff: bool = True, replication: int = 1, sidecar_args: Sequence[str] = ()) -> None:
         if tenants is not None and len(tenants) != sidecars:
             raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
         self.n_stores, self.n_sidecars = stores, sidecars
@@ -150,6 +150,7 @@ class LocalCluster:
         self.store_config = store_config or {}
         self.handoff = handoff
         self.replication = replication
+        self.sidecar_args = tuple(sidecar_args)  # flags every sidecar starts with (a test's deadlines)
         """Copies of each block (the ring's ``replicas``, as ``spec.storage.replication``)."""
         self.admin_token = secrets.token_hex(16)
         self.tokens = {t: secrets.token_hex(16) for t in sorted(set(self.tenant_ids)) if t != "default"}
@@ -179,7 +180,8 @@ class LocalCluster:
                 self._register_store(proc, node_id)
             if self.n_stores:
                 self.publish_ring()
-            sidecars = [self._launch_sidecar(self.tenant_ids[i]) for i in range(self.n_sidecars)]
+            sidecars = [self._launch_sidecar(self.tenant_ids[i], extra_args=self.sidecar_args)
+                        for i in range(self.n_sidecars)]
             for proc, addr in sidecars:
                 self._register_sidecar(proc, addr)
         except BaseException:
