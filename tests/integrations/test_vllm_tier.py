@@ -508,6 +508,8 @@ def test_the_tier_registers_with_vllm_and_refuses_bad_settings(model_dir: Path, 
         Engine(model_dir, tier_entry(cluster.sidecars[0], staging_wait_ms=-1))
     with pytest.raises(IntegrationConfigError, match="lookup_timeout_s"):
         Engine(model_dir, tier_entry(cluster.sidecars[0], lookup_timeout_s=0))
+    with pytest.raises(IntegrationConfigError, match="lease_ms must be a positive integer"):
+        Engine(model_dir, tier_entry(cluster.sidecars[0], lease_ms=0.5))  # not silently 0: no pin
 
 
 def test_keys_and_layout_come_from_the_offloading_configuration(model_dir: Path, cluster: LocalCluster) -> None:

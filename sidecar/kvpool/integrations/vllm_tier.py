@@ -163,7 +163,7 @@ class TierSettings:
         return cls(sidecar_address(cfg), str(cfg.get("traffic_class", DEFAULT_TRAFFIC_CLASS)), staging_bytes, wait_s,
                    _positive(cfg, "lookup_timeout_s", 0.5), _positive(cfg, "load_timeout_s", 2.0),
                    _positive(cfg, "store_timeout_s", 2.0), _positive(cfg, "retry_after_s", 2.0),
-                   int(_positive(cfg, "lease_ms", 10000)), loc)
+                   int(positive(cfg, "lease_ms", 10000, "secondary_tiers[kvpool]", integer=True)), loc)
 
 
 # -- pure: keys, layout, lookup order ----------------------------------------------------------------
