@@ -155,7 +155,7 @@ def _direct_row(ctx: Context, kvpool: Any, cluster: Any) -> Row:
     a = kvpool.connect(cluster.sidecars[0])
     try:
         a.put(keys, [src[j * VALUE:(j + 1) * VALUE].data for j in range(BATCH)])
-        if not kvpool_sidecar._wait_written_through(a):  # the sidecar rows' own wait
+        if not kvpool_sidecar.wait_written_through(a):  # the sidecar rows' own wait
             raise TimeoutError("sidecar A's write-through of the batch did not drain")
     finally:
         a.close()

@@ -160,7 +160,7 @@ def _wait_match(client: Any, keys: list[bytes], timeout: float = 30.0) -> None:
         time.sleep(0.002)
 
 
-def _wait_written_through(client: Any, timeout: float = 60.0) -> bool:
+def wait_written_through(client: Any, timeout: float = 60.0) -> bool:
     """Wait until the sidecar's write-through backlog is empty (False if it cannot tell)."""
     if not hasattr(client, "stats"):
         return False
@@ -293,7 +293,7 @@ def _put_rows(plan: Any, a: Any, vals: list[Any], v: int, nb: int, roles: Roles)
         for i in range(plan.warmup + plan.reps(v, nb)):
             keys = keys32(f"sc-{op}-{v}-{nb}-{i}", nb)
             if op == "put_drained":
-                drained = _wait_written_through(a) and drained
+                drained = wait_written_through(a) and drained
             timed = i >= plan.warmup
             # Back to back: one window over all the timed puts (reading /proc between them, a
             # few ms, would leave gaps in which the write-through runs alone).
@@ -304,7 +304,7 @@ def _put_rows(plan: Any, a: Any, vals: list[Any], v: int, nb: int, roles: Roles)
             dt = time.perf_counter() - t0
             if timed:
                 if op == "put_drained":
-                    drained = _wait_written_through(a) and drained
+                    drained = wait_written_through(a) and drained
                     meter.stop()
                 times.append(dt)
         if op == "put":
@@ -335,7 +335,7 @@ def _measure(ctx: Context, a: Any, b: Any, roles: Roles) -> list[Row]:
         # A.put returns once the objects are in A's local tier; their write-through to the
         # store nodes goes on in the background.  Wait (untimed) for that backlog, so that it
         # does not run into the local_get timings below (Mooncake's put pays it inside put).
-        drained = _wait_written_through(a)
+        drained = wait_written_through(a)
 
         rows.append(_local_get(plan, a, keys, src, dst, v, nb, drained))
 
@@ -427,6 +427,6 @@ def hot_path_rows(ctx: Context) -> list[Row]:
         vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
         keys = keys32(f"sc-hot-{v}-{nb}", nb)
         a.put(keys, vals)
-        drained = _wait_written_through(a)
+        drained = wait_written_through(a)
         return [_match_row(plan, a, b, src), _local_get(plan, a, keys, src, dst, v, nb, drained),
                 _remote_get(plan, a, b, vals, src, registered(b, v * nb), v, nb, "remote_get")]
