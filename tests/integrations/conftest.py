@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,3 +59,19 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     """Two store nodes and three sidecars, kvpool blocks of the module's vLLM block size."""
     with LocalCluster(stores=2, sidecars=3, block_tokens=request.module.BS) as lc:
         yield lc
+
+
+@pytest.fixture
+def read_from_pool() -> Callable[[LocalCluster, Sequence[bytes], int], Any]:
+    """``read(lc, keys, batch)``: sidecar 1 of ``lc`` matches and reads ``keys`` from its pool,
+    ``batch`` at a time (remote reads of objects it never held), and returns its stats — the
+    measured pool bandwidth and lookup time that the fetch-or-recompute tests start from."""
+    def read(lc: LocalCluster, keys: Sequence[bytes], batch: int) -> Any:
+        with lc.connect(1) as c:
+            for i in range(0, len(keys), batch):
+                part = keys[i:i + batch]
+                assert c.match(part) == len(part)
+                with c.get(part) as got:
+                    assert len(got) == len(part)
+            return c.stats()
+    return read

@@ -294,7 +294,8 @@ def test_bad_plugin_configuration_is_refused(cluster: LocalCluster) -> None:
         e.close()
 
 
-def test_lookup_fetch_or_recompute_short_recomputed_long_loaded(cluster: LocalCluster) -> None:
+def test_lookup_fetch_or_recompute_short_recomputed_long_loaded(cluster: LocalCluster,
+                                                                read_from_pool: Any) -> None:
     """LMCache's lookup asks the connector; below the crossover it hears 0 chunks and retrieves
     nothing (the engine prefills them).  The pool's read bandwidth and lookup time are what
     sidecar 1 measured; the prefill rate is configured to put the crossover between 1 and 24
@@ -315,12 +316,7 @@ def test_lookup_fetch_or_recompute_short_recomputed_long_loaded(cluster: LocalCl
         bytes_per_token = conn.bytes_per_token
     finally:
         a.close()
-    with cluster.connect(1) as client:  # sidecar 1 measures its pool: remote reads of chunks it never held
-        for i in range(0, 16, 4):
-            assert client.match(warm_keys[i:i + 4]) == 4
-            with client.get(warm_keys[i:i + 4]) as got:
-                assert len(got) == 4
-        s = client.stats()
+    s = read_from_pool(cluster, warm_keys[:16], 4)  # sidecar 1 measures its pool: chunks it never held
     assert s.pool_read_samples >= 4
     rate = 1.0 / (bytes_per_token / s.pool_read_bytes_per_s + s.lookup_seconds / (CHUNK * 24 * CHUNK) ** 0.5)
     b = Engine(cluster.sidecars[1], prefill_tokens_per_s=rate, estimate_refresh_ms=3_600_000)

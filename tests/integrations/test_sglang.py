@@ -368,7 +368,8 @@ def test_controller_detects_a_corrupted_page_and_loads_only_the_run_before_it(cl
         assert all(bool((g == 3.0).all()) for g in got[1:])  # nothing damaged reached the host pool
 
 
-def test_controller_prefetch_fetch_or_recompute_short_recomputed_long_loaded(cluster: LocalCluster) -> None:
+def test_controller_prefetch_fetch_or_recompute_short_recomputed_long_loaded(cluster: LocalCluster,
+                                                                             read_from_pool: Any) -> None:
     """SGLang's prefetch thread asks batch_exists; below the crossover it hears 0 pages and starts no
     prefetch (SGLang prefills them).  The pool's read bandwidth and lookup time are what sidecar 1
     measured; the prefill rate is configured to put the crossover between 1 and 24 pages (their
@@ -382,12 +383,7 @@ def test_controller_prefetch_fetch_or_recompute_short_recomputed_long_loaded(clu
             assert backup(a, hi, t) == len(t)
             ha.free(hi)
         warm_keys = [a.storage_backend.pool_key(h) for h in get_storage_hash_str(warm, None, page_size=PAGE)]
-    with cluster.connect(1) as client:  # sidecar 1 measures its pool: remote reads of pages it never held
-        for i in range(0, 16, 4):
-            assert client.match(warm_keys[i:i + 4]) == 4
-            with client.get(warm_keys[i:i + 4]) as got:
-                assert len(got) == 4
-        s = client.stats()
+    s = read_from_pool(cluster, warm_keys[:16], 4)  # sidecar 1 measures its pool: pages it never held
     assert s.pool_read_samples >= 4
     page_bytes = 2 * LAYERS * PAGE * HEADS * DIM * 2
     rate = 1.0 / (page_bytes / PAGE / s.pool_read_bytes_per_s + s.lookup_seconds / (PAGE * 24 * PAGE) ** 0.5)

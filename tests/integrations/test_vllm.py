@@ -373,7 +373,7 @@ def test_copy_tensor_copies_strided_views_of_any_dtype_exactly(dtype: torch.dtyp
     assert torch.equal(dst.select(1, 2), src.select(1, 4)) and not dst.select(1, 3).any()
 
 
-def test_fetch_or_recompute_a_short_prefix_is_recomputed_and_a_long_one_loaded(model_dir: Path,
+def test_fetch_or_recompute_a_short_prefix_is_recomputed_and_a_long_one_loaded(read_from_pool: Any, model_dir: Path,
                                                                              cluster: LocalCluster) -> None:
     """On vLLM's real scheduler.  The pool's read bandwidth and lookup time are what sidecar 1
     measured of its remote reads; the prefill rate is configured so that the crossover falls
@@ -390,12 +390,7 @@ def test_fetch_or_recompute_a_short_prefix_is_recomputed_and_a_long_one_loaded(m
         warm_keys = a.worker._my_space(()).block_keys(warm[:40 * BS])
     finally:
         a.close()
-    with cluster.connect(1) as c:  # sidecar 1 measures its pool: remote reads of blocks it never held
-        for i in range(0, 40, 8):
-            assert c.match(warm_keys[i:i + 8]) == 8
-            with c.get(warm_keys[i:i + 8]) as got:
-                assert len(got) == 8
-        s = c.stats()
+    s = read_from_pool(cluster, warm_keys[:40], 8)  # sidecar 1 measures its pool: blocks it never held
     assert s.pool_read_samples >= 4 and s.lookup_samples >= 4  # measured, not the priors
     bytes_per_token = len(LAYERS) * kv_cache_config().kv_cache_groups[0].kv_cache_spec.page_size_bytes // BS
     crossover = (2 * BS * 40 * BS) ** 0.5
