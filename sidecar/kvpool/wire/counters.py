@@ -313,6 +313,41 @@ class FetchDecisionCounter(enum.StrEnum):
     RECOMPUTED_MISSING = "recomputed_missing"
     """Lookups that found nothing to load (not in the pool beyond what the engine had)."""
 
+class MissReason(enum.StrEnum):
+    """Why a block asked for was not loaded: the ``reason`` label of the miss counters (the store
+    node's ``kvpool_store_miss_blocks``, the sidecar's ``kvpool_miss_blocks``; the engine's
+    recomputed-because-cheaper is ``FetchDecisionCounter.RECOMPUTED_CHEAPER``).  Each process counts
+    the reasons it knows, each miss once: a store node the ones of its lookups, a sidecar the ones
+    the store never sees."""
+
+    ABSENT = "absent"
+    """Never written here, or gone for a reason no longer remembered (store)."""
+    EXPIRED = "expired"
+    """Dropped because its TTL passed (store: a recently dropped key)."""
+    EVICTED = "evicted"
+    """Evicted to make room (store: a recently evicted key)."""
+    QUOTA = "quota"
+    """Its write was refused, or it was evicted, for its tenant's quota (store)."""
+    CHECKSUM = "checksum"
+    """Its bytes failed their checksum or at-rest authentication (store: read back from a lower
+    tier; sidecar: fetched over the wire)."""
+    NODE_DOWN = "node_down"
+    """Its node (sidecar) or lower tier (store) did not answer in time, or was down."""
+    NO_ROOM = "no_room"
+    """Found in the pool, but the sidecar's local tier had no room to land it (sidecar)."""
+    RECOMPUTED_CHEAPER = "recomputed_cheaper"
+    """Matched, but the engine recomputed it: cheaper than loading (engine integration)."""
+
+
+def miss_reason(reason: MissReason) -> str:
+    """The Stats counter of blocks missed for ``reason`` (store and sidecar: ``miss_<reason>``)."""
+    return MISS_PREFIX + MissReason(reason).value
+
+
+MISS_PREFIX = "miss_"
+"""``miss_<reason>``: blocks missed, by :class:`MissReason` (in ``StoreStats``/``TenantStats`` and
+``SidecarStats`` counters)."""
+
 # ------------------------------------------------------------------------------ groups
 
 TENANT_COUNTERS: frozenset[StoreCounter] = frozenset({
