@@ -63,6 +63,9 @@ class StoreCounter(enum.StrEnum):
     """Blocks asked for by reads."""
     GET_HITS = "get_hits"
     """Of those, blocks served."""
+    BYTES_SENT = "bytes_sent"
+    """Payload bytes of the objects handed to readers (gets; per tenant too).  Ranged reads count
+    what they moved in ``range_bytes_sent``."""
     LEASES_EXPIRED = "leases_expired"
     """Read leases (pins) that ran out before their reader released them."""
     RANGE_READS = "range_reads"
@@ -97,6 +100,8 @@ class StoreCounter(enum.StrEnum):
     """Objects moved down a tier (DRAM to SSD, SSD to shared fs)."""
     PROMOTED = "promoted"
     """Objects moved up into DRAM for a read."""
+    DEMOTIONS_REQUESTED = "demotions_requested"
+    """Demotions started because a Demote call asked (the rest of ``demoted`` made room)."""
     DEMOTIONS_ABANDONED = "demotions_abandoned"
     """Demotions given up (the object changed or the tier failed while it was moving)."""
     DEMOTE_WAITS_TIMED_OUT = "demote_waits_timed_out"
@@ -137,6 +142,10 @@ class SidecarCounter(enum.StrEnum):
     """Of those, fetched from the pool."""
     READ_MISSES = "read_misses"
     """Of those, found nowhere."""
+    RESTORED_BYTES_LOCAL = "restored_bytes_local"
+    """Bytes handed to the engine by reads from the local tier (restored, not recomputed)."""
+    RESTORED_BYTES_POOL = "restored_bytes_pool"
+    """Bytes handed to the engine by reads fetched from the pool."""
     READ_NO_ROOM = "read_no_room"
     """Blocks found in the pool that a read could not land: the local tier had no room."""
     READ_STASH_HITS = "read_stash_hits"
@@ -339,22 +348,25 @@ class MissReason(enum.StrEnum):
     """Matched, but the engine recomputed it: cheaper than loading (engine integration)."""
 
 
+MISS_PREFIX = "miss_"
+"""``miss_<reason>``: blocks a store node's lookups missed, by :class:`MissReason` (in
+``StoreStats.counters`` and ``TenantStats.counters``)."""
+
+
 def miss_reason(reason: MissReason) -> str:
-    """The Stats counter of blocks missed for ``reason`` (store and sidecar: ``miss_<reason>``)."""
+    """The store counter of blocks missed for ``reason`` (``miss_<reason>``)."""
     return MISS_PREFIX + MissReason(reason).value
 
-
-MISS_PREFIX = "miss_"
-"""``miss_<reason>``: blocks missed, by :class:`MissReason` (in ``StoreStats``/``TenantStats`` and
-``SidecarStats`` counters)."""
 
 # ------------------------------------------------------------------------------ groups
 
 TENANT_COUNTERS: frozenset[StoreCounter] = frozenset({
-    StoreCounter.STORED, StoreCounter.REFUSED_SPACE, StoreCounter.REFUSED_QUOTA, StoreCounter.EVICTED,
+    StoreCounter.STORED, StoreCounter.STORED_BYTES, StoreCounter.BYTES_SENT, StoreCounter.LOOKUP_BLOCKS,
+    StoreCounter.HIT_BLOCKS, StoreCounter.REFUSED_SPACE, StoreCounter.REFUSED_QUOTA, StoreCounter.EVICTED,
     StoreCounter.EVICTED_QUOTA, StoreCounter.EXPIRED, StoreCounter.CHECKSUM_FAILURES,
     StoreCounter.AT_REST_AUTH_FAILURES})
-"""The store counters also kept per tenant (``TenantStats.counters``)."""
+"""The store counters also kept per tenant (``TenantStats.counters``), besides the families
+:func:`tier_hits` and :func:`miss_reason`."""
 
 REFUSALS: tuple[StoreCounter, ...] = (StoreCounter.REFUSED_QUOTA,)
 """What the operator sums into a tenant's ``refusals`` (TenantNamespace status)."""
@@ -385,6 +397,27 @@ HANDOFF_REFUSED_CODES: frozenset[str] = frozenset(_code_name(c) for c in Code if
 HANDOFF_STATE_PREFIX = "handoff_state_"
 """``handoff_state_<outcome>``: accepted handoffs by where their state object came from."""
 HANDOFF_STATES: frozenset[str] = frozenset(o.name.lower() for o in StateOutcome)
+
+
+TIER_HITS_PREFIX = "hits_"
+"""``hits_<tier>``: store blocks found by lookups, by the tier they were found in (per tenant too)."""
+TIER_NAMES: frozenset[str] = frozenset({"dram", "ssd", "sharedfs"})
+
+STORE_MISS_REASONS: frozenset[MissReason] = frozenset({
+    MissReason.ABSENT, MissReason.EXPIRED, MissReason.EVICTED, MissReason.QUOTA, MissReason.CHECKSUM,
+    MissReason.NODE_DOWN})
+"""The miss reasons a store node counts (``miss_<reason>``, per tenant too)."""
+SIDECAR_MISS_REASONS: frozenset[MissReason] = frozenset({MissReason.NODE_DOWN, MissReason.CHECKSUM,
+                                                         MissReason.NO_ROOM})
+"""The miss reasons a sidecar counts (the ones its store nodes never see), from its counters at
+scrape time (``kvpool.sidecar.metrics.misses``)."""
+
+
+def tier_hits(tier: str) -> str:
+    """The store counter of blocks found in ``tier`` (a name of :data:`TIER_NAMES`)."""
+    if tier not in TIER_NAMES:
+        raise ValueError(f"unknown tier {tier!r}")
+    return TIER_HITS_PREFIX + tier
 
 
 def pool_write_failed(code: int) -> str:
@@ -419,7 +452,11 @@ _SIDECAR_NAMES = frozenset(c.value for c in SidecarCounter)
 
 def is_store_counter(name: str) -> bool:
     """Whether a store node may send ``name``."""
-    return name in _STORE_NAMES
+    if name in _STORE_NAMES:
+        return True
+    if name.startswith(TIER_HITS_PREFIX):
+        return name[len(TIER_HITS_PREFIX):] in TIER_NAMES
+    return name.startswith(MISS_PREFIX) and name[len(MISS_PREFIX):] in STORE_MISS_REASONS
 
 
 def is_sidecar_counter(name: str) -> bool:
