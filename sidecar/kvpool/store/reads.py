@@ -38,8 +38,9 @@ _SIZE_OF = attrgetter("size")
 
 def promotion_miss(code: int) -> MissReason:
     """Why an object found below DRAM is a read's miss, from its promotion's code (pure): its
-    bytes failed their check, or it did not come up in time (NOT_FOUND: still on its way)."""
-    if code in (pb.CHECKSUM, pb.UNAUTHENTICATED):
+    bytes failed their check (a checksum or an at-rest tag), or it did not come up in time
+    (NOT_FOUND: still on its way)."""
+    if code == pb.CHECKSUM:
         return MissReason.CHECKSUM
     if code == pb.NOT_FOUND:
         return MissReason.NODE_DOWN
@@ -231,8 +232,12 @@ class Reads:
                 levels[lv] += 1
             levels[ARENA] = max(0, hits - len(came_up))
             self._count_lookup(tenant, len(keys), levels, None)
+            # A promotion that failed its check dropped the object: its key's failure says why.
+            dropped = {e.key: promotion_miss(failed[id(e)]) for e in held if id(e) in failed} if failed else {}
             for i, why in missed:
-                t.count(self.counters, _MISS[why if why is not None else self.gone.reason(tenant, keys[i])])
+                if why is None:
+                    why = dropped.get(keys[i]) or self.gone.reason(tenant, keys[i])
+                t.count(self.counters, _MISS[why])
         return codes, found
 
     def _levels(self, hits: list[Entry]) -> list[int]:

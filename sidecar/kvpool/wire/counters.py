@@ -459,6 +459,12 @@ def is_store_counter(name: str) -> bool:
     return name.startswith(MISS_PREFIX) and name[len(MISS_PREFIX):] in STORE_MISS_REASONS
 
 
+def is_tenant_counter(name: str) -> bool:
+    """Whether a store node may send ``name`` in a tenant's counters (``TenantStats.counters``):
+    :data:`TENANT_COUNTERS` and the families :func:`tier_hits`, :func:`miss_reason`."""
+    return name in TENANT_COUNTERS or (name not in _STORE_NAMES and is_store_counter(name))
+
+
 def is_sidecar_counter(name: str) -> bool:
     """Whether a sidecar may send ``name``."""
     if name in _SIDECAR_NAMES:
