@@ -7,10 +7,16 @@ the :class:`~kvpool.wire.counters.FetchDecisionCounter` counts of every live
 own lock, so the decision path pays nothing more).  ``recomputed_cheaper`` is the miss reason
 "recomputed because cheaper" (:class:`~kvpool.wire.counters.MissReason`), in lookups and tokens.
 Names: :class:`~kvpool.wire.metric_names.EngineMetric`.
+
+An engine whose ``/metrics`` is served by another process than the one deciding (vLLM v1: the
+API server aggregates only its multiprocess files, the decision runs in the engine core) does not
+show them there: ``KVPOOL_ENGINE_METRICS_PORT`` then makes the deciding process serve its own
+registry on that port (``KVPOOL_ENGINE_METRICS_ADDR``, default 0.0.0.0).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -24,6 +30,11 @@ DECISIONS = {"loaded": C.LOADED, "recomputed_cheaper": C.RECOMPUTED_CHEAPER,
 """``decision`` label → the counter of lookups."""
 TOKENS = {"loaded": C.LOADED_TOKENS, "recomputed_cheaper": C.RECOMPUTED_CHEAPER_TOKENS}
 """``decision`` label → the counter of tokens."""
+
+
+PORT_ENV = "KVPOOL_ENGINE_METRICS_PORT"
+"""A port on which the deciding process serves its registry itself (unset: the engine's own /metrics)."""
+ADDR_ENV = "KVPOOL_ENGINE_METRICS_ADDR"
 
 
 class Counted(Protocol):
@@ -72,3 +83,8 @@ def track(decider: Counted) -> None:
             return
         REGISTRY.register(_Collector())  # type: ignore[arg-type]
         _registered = True
+        port = os.environ.get(PORT_ENV, "")
+        if port:
+            from kvpool.wire import metrics_http
+
+            metrics_http.serve(metrics_http.parse_port(port), os.environ.get(ADDR_ENV, "0.0.0.0"), REGISTRY)
