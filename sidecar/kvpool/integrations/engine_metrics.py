@@ -38,7 +38,8 @@ ADDR_ENV = "KVPOOL_ENGINE_METRICS_ADDR"
 
 
 class Counted(Protocol):
-    counts: Mapping[str, int]
+    @property
+    def counts(self) -> Mapping[str, int]: ...
 
 
 _deciders: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -81,7 +82,7 @@ def track(decider: Counted) -> None:
             from prometheus_client import REGISTRY
         except ImportError:  # an engine environment without it: the counts stay in the stats dict
             return
-        REGISTRY.register(_Collector())  # type: ignore[arg-type]
+        REGISTRY.register(_Collector())
         _registered = True
         port = os.environ.get(PORT_ENV, "")
         if port:

@@ -109,8 +109,8 @@ def _tenant_families(per_tenant: Mapping[str, Counter[str]], tiers: list[str]) -
         bytes_in.add_metric([tenant], c[StoreCounter.STORED_BYTES])
         bytes_out.add_metric([tenant], c[StoreCounter.BYTES_SENT] + c[StoreCounter.RANGE_BYTES_SENT])
         stored.add_metric([tenant], c[StoreCounter.STORED])
-        for reason, counter in EVICTIONS.items():
-            evictions.add_metric([tenant, reason], c[counter])
+        for why, counter in EVICTIONS.items():
+            evictions.add_metric([tenant, why], c[counter])
         quota.add_metric([tenant], c[StoreCounter.REFUSED_QUOTA])
     yield from (lookups, hits, misses, bytes_in, bytes_out, stored, evictions, quota)
 
@@ -164,8 +164,8 @@ def _node_families(c: Mapping[str, int]) -> Iterator[Metric]:
         refusals.add_metric([reason], c.get(counter, 0))
     yield refusals
     events = _counter(M.EVENTS, "Every counter of StoreStats.counters", ["event"])
-    for name in StoreCounter:
-        events.add_metric([name], c.get(name, 0))
+    for counter in StoreCounter:
+        events.add_metric([counter], c.get(counter, 0))
     for name in sorted(n for n in c if n.startswith((TIER_HITS_PREFIX, MISS_PREFIX)) and is_store_counter(n)):
         events.add_metric([name], c[name])
     yield events

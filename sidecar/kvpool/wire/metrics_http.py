@@ -51,4 +51,6 @@ def serve(port: int, host: str, registry: CollectorRegistry) -> MetricsServer | 
         return None
     server, _ = start_http_server(0 if port == EPHEMERAL else port, addr=host, registry=registry)
     bound_host, bound_port = server.server_address[:2]
+    if isinstance(bound_host, bytes):
+        bound_host = bound_host.decode()
     return MetricsServer(f"{bound_host}:{bound_port}", server)
