@@ -32,7 +32,7 @@ class StoreCounter(enum.StrEnum):
     STORED = "stored"
     """Objects committed (per tenant too)."""
     STORED_BYTES = "stored_bytes"
-    """Payload bytes committed."""
+    """Payload bytes committed (per tenant too)."""
     DUPLICATES = "duplicates"
     """Reservations answered ALREADY_EXISTS: the key was committed already."""
     REVOKED = "revoked"
@@ -56,9 +56,10 @@ class StoreCounter(enum.StrEnum):
 
     # -- reads
     LOOKUP_BLOCKS = "lookup_blocks"
-    """Blocks asked for by match/exists/read (a match-then-read counts each block once)."""
+    """Blocks asked for by match/exists/read (a match-then-read counts each block once; per tenant
+    too)."""
     HIT_BLOCKS = "hit_blocks"
-    """Of those, blocks found (the prefix that matched)."""
+    """Of those, blocks found (the prefix that matched; per tenant too, and by tier: :func:`tier_hits`)."""
     GET_BLOCKS = "get_blocks"
     """Blocks asked for by reads."""
     GET_HITS = "get_hits"
@@ -73,7 +74,7 @@ class StoreCounter(enum.StrEnum):
     RANGE_HITS = "range_hits"
     """Of those, keys served."""
     RANGE_BYTES_SENT = "range_bytes_sent"
-    """Bytes of the ranges sent (what a sparse read moved, against the objects' sizes)."""
+    """Bytes of the ranges sent (what a sparse read moved, against the objects' sizes; per tenant too)."""
 
     # -- RDMA (kvpool.store.rdma): one-sided reads by sidecars
     RDMA_CONNECTS = "rdma_connects"
@@ -361,7 +362,8 @@ def miss_reason(reason: MissReason) -> str:
 # ------------------------------------------------------------------------------ groups
 
 TENANT_COUNTERS: frozenset[StoreCounter] = frozenset({
-    StoreCounter.STORED, StoreCounter.STORED_BYTES, StoreCounter.BYTES_SENT, StoreCounter.LOOKUP_BLOCKS,
+    StoreCounter.STORED, StoreCounter.STORED_BYTES, StoreCounter.BYTES_SENT, StoreCounter.RANGE_BYTES_SENT,
+    StoreCounter.LOOKUP_BLOCKS,
     StoreCounter.HIT_BLOCKS, StoreCounter.REFUSED_SPACE, StoreCounter.REFUSED_QUOTA, StoreCounter.EVICTED,
     StoreCounter.EVICTED_QUOTA, StoreCounter.EXPIRED, StoreCounter.CHECKSUM_FAILURES,
     StoreCounter.AT_REST_AUTH_FAILURES})
