@@ -1,7 +1,8 @@
 """Prometheus metrics of a real pool (``LocalCluster`` processes, their ``/metrics`` scraped over
 HTTP and parsed with prometheus-client's own text parser): after puts, gets, misses, a quota
-refusal and evictions the right store series move, with the right miss reasons; the ``tenant``
-label stays bounded by the configured tenants; sidecars serve their metrics by default.
+refusal and evictions the right store series move, with the right miss reasons; a drain's progress
+shows; the ``tenant`` label stays bounded by the configured tenants; sidecars serve their metrics
+by default.
 
 Names: ``kvpool.wire.metric_names`` (``docs/metrics.md``).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import time
 import urllib.request
 from typing import Any
 
@@ -20,7 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.apps.cluster import LocalCluster
 from kvpool.pool.node_client import StoreClient
 from kvpool.wire.counters import MissReason
-from kvpool.wire.metric_names import OTHER_TENANT, EvictionReason, RefusalReason, SidecarMetric, StoreMetric
+from kvpool.wire.metric_names import (
+    OTHER_TENANT,
+    EvictionReason,
+    PushState,
+    RefusalReason,
+    SidecarMetric,
+    StoreMetric,
+)
 from kvpool.wire.proto import store_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -165,3 +174,29 @@ def test_sidecars_serve_metrics_by_default(lc: LocalCluster, h: Any, rng: random
     assert label_values(s1, SidecarMetric.MISS_BLOCKS + "_total", "reason") == {"node_down", "checksum", "no_room"}
     assert value(s1, SidecarMetric.LOCAL_CAPACITY_BYTES) > 0
     assert value(s1, SidecarMetric.EVENTS + "_total", event="put_blocks") >= 3
+
+
+def test_drain_progress_is_scraped(h: Any, rng: random.Random) -> None:
+    """A leaving node's drain shows on its /metrics: draining, the objects moved, its deadline; the
+    node that takes them counts the bytes in."""
+    with LocalCluster(stores=2, sidecars=0, store_bytes=16 * MiB) as lc2:
+        leaving = StoreClient(lc2.stores[1])
+        try:
+            keys = h.keys(rng, 12)
+            assert leaving.put(keys, h.values(rng, [16 * KiB] * 12)) == [pb.OK] * 12
+            before = value(scrape(lc2.metrics_url("store", 0)), StoreMetric.BYTES_IN + "_total", tenant="default")
+            lc2.publish_ring(draining=["store-1"])
+            deadline_ms = int((time.time() + 60) * 1000)
+            with lc2.admin(lc2.stores[1]) as admin:
+                admin.drain(leaving.get_ring(), deadline_ms)
+                h.wait_for(lambda: admin.drain_status().state == "done", 60, "the drain to finish")
+            s = scrape(lc2.metrics_url("store", 1))
+            assert value(s, StoreMetric.DRAINING) == 1 and value(s, StoreMetric.DRAIN_RUNNING) == 0
+            assert value(s, StoreMetric.DRAIN_OBJECTS, state=PushState.MOVED) == 12
+            assert value(s, StoreMetric.DRAIN_OBJECTS, state=PushState.REMAINING) == 0
+            assert value(s, StoreMetric.DRAIN_BYTES, state=PushState.MOVED) == 12 * 16 * KiB
+            assert value(s, StoreMetric.DRAIN_DEADLINE) == deadline_ms / 1000
+            taken = value(scrape(lc2.metrics_url("store", 0)), StoreMetric.BYTES_IN + "_total", tenant="default")
+            assert taken - before == 12 * 16 * KiB
+        finally:
+            leaving.close()
