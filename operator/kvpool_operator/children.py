@@ -154,6 +154,16 @@ def events_args(pool: PoolSpec) -> list[str]:
             "--events-tenant", pool.events_tenant, "--events-block-size", str(pool.block_tokens)]
 
 
+def metrics_args(pool: PoolSpec) -> list[str]:
+    """The store's /metrics flag (served on the pod IP, as the control port)."""
+    return ["--metrics-port", str(pool.metrics_port)] if pool.metrics_port else []
+
+
+def metrics_ports(pool: PoolSpec) -> list[dict[str, Any]]:
+    """The store container's ``metrics`` port (the PodMonitor scrapes it by name)."""
+    return [{"name": "metrics", "containerPort": pool.metrics_port, "protocol": "TCP"}] if pool.metrics_port else []
+
+
 def event_ports(pool: PoolSpec, container: bool) -> list[dict[str, Any]]:
     if pool.events_tenant is None:
         return []
@@ -183,14 +193,14 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         # The pod IP, not 0.0.0.0: the harness runs pods as processes sharing one host.
         "args": ["--listen", f"$(POD_IP):{pool.port}", "--transfer-port", str(pool.transfer_port),
                  "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--node-id", "$(POD_NAME)",
-                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool)],
+                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool), *metrics_args(pool)],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                 {"name": "KVPOOL_NODE_ID", "value": "$(POD_NAME)"}],
         "ports": [{"name": "control", "containerPort": pool.port, "protocol": "TCP"},
                   {"name": "transfer", "containerPort": pool.transfer_port, "protocol": "TCP"},
-                  *event_ports(pool, container=True)],
+                  *event_ports(pool, container=True), *metrics_ports(pool)],
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**probe, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
         "resources": store_resources(pool, layout, settings),

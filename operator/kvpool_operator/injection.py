@@ -179,7 +179,8 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
         args += ["--tenant", tenant.tenant_id, "--credentials", f"{settings.credentials_dir}/credentials.json"]
         mounts.append({"name": TENANT_VOLUME, "mountPath": settings.credentials_dir, "readOnly": True})
     if settings.sidecar_metrics_port:
-        args += ["--metrics-port", str(settings.sidecar_metrics_port)]
+        # On the pod IP, not 0.0.0.0 (the harness runs pods as processes sharing one host).
+        args += ["--metrics-port", str(settings.sidecar_metrics_port), "--metrics-addr", "$(POD_IP)"]
     args += deadline_args(pool.deadlines)
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
@@ -187,6 +188,7 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
         # Prefill → decode handoff: the state object is read point to point from this pod.
         addr = f"$(POD_IP):{settings.sidecar_handoff_port}"
         args += ["--handoff-listen", addr, "--handoff-advertise", addr]
+    if settings.sidecar_handoff_port or settings.sidecar_metrics_port:
         env.insert(0, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     c: dict[str, Any] = {
         "name": SIDECAR_NAME,

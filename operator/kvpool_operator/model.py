@@ -232,6 +232,8 @@ class PoolSpec:
     tiers: tuple[str, ...] = ()
     replication: int = 1
     port: int = 7400
+    metrics_port: int = 7404
+    """Port of the store nodes' /metrics (``spec.storage.metricsPort``; 0: off)."""
     image: str | None = None
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -351,6 +353,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         hash=str(_get(spec, "hash", default="sha256")),
         replicas=replicas, tiers=tuple(str(t) for t in tiers), replication=replication,
         port=_int(_get(st, "port", default=7400), "spec.storage.port", 1024, 65534),
+        metrics_port=_int(_get(st, "metricsPort", default=7404), "spec.storage.metricsPort", 0, 65535),
         image=_get(st, "image"), resources=_get(st, "resources", default={}),
         node_selector=_get(st, "nodeSelector", default={}), tolerations=tuple(_get(st, "tolerations", default=[])),
         local_bytes=_bytes(_get(sc, "localBytes", default="256Mi"), "spec.sidecar.localBytes"),

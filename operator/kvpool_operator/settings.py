@@ -31,7 +31,7 @@ class Settings:
     """The sidecar's unix socket inside :attr:`socket_dir`."""
     credentials_dir: str = "/etc/kvpool/tenant"
     """Mount path of the tenant credential Secret in the sidecar."""
-    sidecar_metrics_port: int = 0
+    sidecar_metrics_port: int = 7461
     """Prometheus port of injected sidecars; 0 leaves metrics off."""
     sidecar_handoff_port: int = 7460
     """Port on the pod IP where injected sidecars export state objects to decode sidecars (the

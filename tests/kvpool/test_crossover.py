@@ -96,6 +96,7 @@ def test_decider_counts_and_records_the_last_inputs() -> None:
                                "last_pool_read_bytes_per_s": 2_000_000_000, "last_prefill_tokens_per_s": 10_000,
                                "last_loaded": 1}
     assert counts["last_fetch_us"] == round(2048 * 26_000 / 2e9 * 1e6)
+    _the_engine_metrics_count_it(d)
     # always: the short one loads too.
     always = FetchDecider(CrossoverSettings(FetchMode.ALWAYS, 10_000), lambda: reply(lookup=0.02), {})
     assert always.decide(32, 0, 26_000).fetch and always.counts["loaded"] == 1
@@ -111,3 +112,20 @@ def test_prefill_rate_is_the_setting_else_measured_else_the_prior() -> None:
     for _ in range(4):
         configured.observe_prefill(4096, 0.1)
     assert configured.prefill_rate() == 123.0
+
+
+def _the_engine_metrics_count_it(d: FetchDecider) -> None:
+    """The process's default registry (what an engine's own /metrics serves) sums the live
+    deciders' counts at scrape time: this one's are in it (others of the test process may add)."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpool.wire.metric_names import EngineMetric
+
+    samples = {(s.name, s.labels.get("decision")): s.value
+               for f in text_string_to_metric_families(generate_latest(REGISTRY).decode()) for s in f.samples}
+    for label, mine in (("loaded", 1), ("recomputed_cheaper", 1), ("recomputed_missing", 1)):
+        assert samples[(EngineMetric.FETCH_DECISIONS + "_total", label)] >= mine
+    assert samples[(EngineMetric.FETCH_DECISION_TOKENS + "_total", "recomputed_cheaper")] >= 32
+    assert samples[(EngineMetric.FETCH_DECISION_TOKENS + "_total", "loaded")] >= 2048
+    assert d.counts["loaded"] == 1

@@ -230,3 +230,38 @@ def test_schema_refuses_bad_values(tmp_path: Path, setting: str, message: str) -
                tmp=tmp_path)
     assert out.returncode != 0, f"{setting} was accepted"
     assert "schema" in out.stderr and message in out.stderr, out.stderr
+
+
+@needs_helm
+def test_pod_monitors_scrape_the_ports_the_operator_names(tmp_path: Path) -> None:
+    """The monitoring switch adds PodMonitors of the store nodes and of the injected sidecars,
+    scraping the container ports the operator renders (by name); injected sidecars serve their
+    metrics by default."""
+    from kvpool_operator.children import store_container
+    from kvpool_operator.injection import PoolView, sidecar_container
+    from kvpool_operator.model import parse_pool, resolve_layout
+    from kvpool_operator.settings import Settings
+    from kvpool_operator.testing import pool_body
+
+    assert not by_kind(render(tmp_path), "PodMonitor")  # off unless asked
+    docs = render(tmp_path, "metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=prom")
+    monitors = {d["metadata"]["name"]: d for d in by_kind(docs, "PodMonitor")}
+    assert set(monitors) == {"kv-kvpool-stores", "kv-kvpool-sidecars"}
+    stores, sidecars = monitors["kv-kvpool-stores"], monitors["kv-kvpool-sidecars"]
+    assert all(m["metadata"]["labels"]["release"] == "prom" for m in monitors.values())
+    assert stores["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvpool",
+                                                         "app.kubernetes.io/component": "store"}
+    assert sidecars["spec"]["selector"]["matchExpressions"] == [{"key": "kvpool.io/pool", "operator": "Exists"}]
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    port = int(args[args.index("--sidecar-metrics-port") + 1])
+    assert port > 0  # on by default
+
+    settings = Settings()
+    pool = parse_pool(pool_body())
+    layout = resolve_layout(pool, {}, settings.default_dram_bytes, settings.store_memory_overhead_bytes)
+    store_ports = {p["name"]: p["containerPort"] for p in store_container(pool, layout, settings)["ports"]}
+    (store_ep,) = stores["spec"]["podMetricsEndpoints"]
+    assert store_ports[store_ep["port"]] == pool.metrics_port == 7404
+    sc = sidecar_container(PoolView("ns", "p", local_bytes=1 << 20, drain_seconds=0), None, settings)
+    (sidecar_ep,) = sidecars["spec"]["podMetricsEndpoints"]
+    assert {p["name"]: p["containerPort"] for p in sc["ports"]}[sidecar_ep["port"]] == port

@@ -46,11 +46,13 @@ def test_injects_everything_for_the_default_tenant() -> None:
     assert side["command"] == ["kvpool", "sidecar"]
     assert side["args"] == ["--socket", "/run/kvpool/kvpool.sock", "--pool",
                             "127.0.0.10:7400,shared-store.pools.svc:7400", "--local", str(64 << 20),
-                            "--drain-seconds", "20", "--handoff-listen", "$(POD_IP):7460",
-                            "--handoff-advertise", "$(POD_IP):7460"]
-    # The prefill → decode handoff exports state objects on the pod IP.
+                            "--drain-seconds", "20", "--metrics-port", "7461", "--metrics-addr", "$(POD_IP)",
+                            "--handoff-listen", "$(POD_IP):7460", "--handoff-advertise", "$(POD_IP):7460"]
+    # The prefill → decode handoff exports state objects on the pod IP, and the metrics (on by
+    # default) are served there too.
     assert side["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    assert side["ports"] == [{"name": "kvpool-handoff", "containerPort": 7460}]
+    assert side["ports"] == [{"name": "kvpool-metrics", "containerPort": 7461},
+                             {"name": "kvpool-handoff", "containerPort": 7460}]
     assert side["startupProbe"]["exec"]["command"] == ["test", "-S", "/run/kvpool/kvpool.sock"]
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
     # The arena (64Mi below the 0.95 watermark: 67.4Mi) + its journal (1.6Mi) + 16Mi slack, in MiB.
@@ -157,10 +159,14 @@ def test_pool_view_from_a_pool_body() -> None:
     assert v.seeds == ("1.2.3.4:7400", "shared-store.pools.svc:7400")
 
 
-def test_handoff_export_can_be_switched_off() -> None:
+def test_handoff_export_and_metrics_can_be_switched_off() -> None:
     r = _plan(_pod(), settings=dataclasses.replace(S, sidecar_handoff_port=0))
     side = apply_merge_patch(_pod(), r.patch)["spec"]["initContainers"][0]
-    assert "--handoff-listen" not in side["args"] and "ports" not in side
+    assert "--handoff-listen" not in side["args"] and side["ports"] == [{"name": "kvpool-metrics",
+                                                                         "containerPort": 7461}]
+    r = _plan(_pod(), settings=dataclasses.replace(S, sidecar_handoff_port=0, sidecar_metrics_port=0))
+    side = apply_merge_patch(_pod(), r.patch)["spec"]["initContainers"][0]
+    assert "--handoff-listen" not in side["args"] and "--metrics-port" not in side["args"] and "ports" not in side
     assert all(e["name"] != "POD_IP" for e in side["env"])
 
 

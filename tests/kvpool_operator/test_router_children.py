@@ -69,7 +69,7 @@ def test_events_of_one_tenant_on_the_store_nodes() -> None:
     assert args[args.index("--events-tenant") + 1] == "team-a"
     assert args[args.index("--events-block-size") + 1] == "128"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
-        "control": 7400, "transfer": 7401, "events": 7402, "events-replay": 7403}
+        "control": 7400, "transfer": 7401, "events": 7402, "events-replay": 7403, "metrics": 7404}
     headless = next(m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "p-store")
     assert {p["name"] for p in headless["spec"]["ports"]} == {"control", "transfer", "events", "events-replay"}
     assert children.router_status(pool) == {"enabled": False, "grpc": None, "http": None,

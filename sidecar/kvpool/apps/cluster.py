@@ -130,7 +130,8 @@ class LocalCluster:
 
     ``store_bytes`` and ``local_bytes`` are payload capacities.  ``tenants`` names the tenant of
     each sidecar (default: one tenant for all).  Attributes: ``sidecars`` (addresses for
-    ``kvpool.connect``), ``stores``, ``store_pids``, ``sidecar_pids``.
+    ``kvpool.connect``), ``stores``, ``store_pids``, ``sidecar_pids``, and the ``/metrics``
+    endpoints every process serves on an ephemeral 127.0.0.1 port: :meth:`metrics_url`.
     """
 
     def __init__(self, stores: int = 2, sidecars: int = 1, store_bytes: int = 256 << 20,
@@ -222,7 +223,7 @@ class LocalCluster:
         os.makedirs(d)
         argv = ["store", "--listen", "127.0.0.1:0", "--transfer-port", "0", "--dram", str(self.store_bytes),
                 "--node-id", node_id, "--admin-token", self.admin_token, "--tenants", self.tenants_file,
-                "--config", self.config_file]
+                "--config", self.config_file, "--metrics-port", "auto"]
         if self.ssd_bytes:
             argv += ["--ssd-path", os.path.join(d, "ssd"), "--ssd", str(self.ssd_bytes)]
         if self.tokens and "default" not in self.tenant_ids:
@@ -276,7 +277,8 @@ class LocalCluster:
         sock = os.path.join(d, "kvpool.sock")
         local = self.local_bytes if local_bytes is None else local_bytes
         argv = ["sidecar", "--socket", sock, "--pool", ",".join(self.stores), "--local", str(local),
-                "--drain-seconds", str(self.drain_seconds), "--log-level", "WARNING"]
+                "--drain-seconds", str(self.drain_seconds), "--log-level", "WARNING",
+                "--metrics-port", "auto", "--metrics-addr", "127.0.0.1"]
         if tenant != "default":
             cred = os.path.join(d, "credentials.json")
             with open(cred, "w") as f:
@@ -361,6 +363,15 @@ class LocalCluster:
                 with self.admin(addr) as c:
                     out[nid] = c.warm_status()
         return out
+
+    def metrics_url(self, kind: str, i: int) -> str:
+        """The ``/metrics`` URL of store node or sidecar ``i`` (``kind`` "store" or "sidecar"; its
+        current life: the address is on its READY line)."""
+        procs = {"store": self.store_procs, "sidecar": self.sidecar_procs}[kind]
+        addr = next((w.split("=", 1)[1] for w in procs[i].ready_line.split() if w.startswith("metrics=")), "")
+        if not addr:
+            raise RuntimeError(f"{kind} {i} serves no metrics")
+        return f"http://{addr}/metrics"
 
     def admin(self, address: str) -> AdminClient:
         return AdminClient(address, self.admin_token)

@@ -390,6 +390,14 @@ class ArenaIndex:
 
     # ------------------------------------------------------------------ leases
 
+    def lease_count(self) -> int:
+        """Leases alive (not yet released, dropped or swept)."""
+        return len(self._leases)
+
+    def reservation_count(self) -> int:
+        """Reservations open (reserved, not yet committed, revoked or expired)."""
+        return len(self._reservations)
+
     def new_lease(self, entries: list[E], expires: float, tenant: str = "", lazy: bool = False) -> Lease[E]:
         """Pin ``entries`` until ``expires``.  ``lazy``: the pins are counted only when something
         asks (:meth:`settle_pins`) — a match pins thousands of objects and is usually released

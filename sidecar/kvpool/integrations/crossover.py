@@ -32,6 +32,7 @@ from typing import Any
 from kvpool.core import planning
 from kvpool.core.planning import CrossoverInputs, FetchDecision, FetchMode
 from kvpool.core.rates import DecayingRate
+from kvpool.integrations import engine_metrics
 from kvpool.integrations.common import IntegrationConfigError
 from kvpool.wire.counters import FetchDecisionCounter as C
 
@@ -161,6 +162,7 @@ class FetchDecider:
         # The engine's measured prefill rate: token-weighted over recent steps (half-life 64k
         # tokens), the prior until 4 steps were timed.
         self._prefill = DecayingRate(planning.PRIOR_PREFILL_TOKENS_PER_S, half_life=65536)
+        engine_metrics.track(self)  # the engine's /metrics: kvpool_engine_fetch_decisions
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` in ``seconds`` (a measured step)."""

@@ -39,7 +39,9 @@ class SidecarConfig:
     max_pending_bytes: int = 0
     """Write-through backlog above which new pool writes are shed (0: a quarter of the local tier)."""
     metrics_port: int = 0
-    """Port of the Prometheus endpoint (0: none)."""
+    """Port of the Prometheus endpoint (0: none; ``kvpool.wire.metrics_http.EPHEMERAL``: any free one)."""
+    metrics_addr: str = "0.0.0.0"
+    """Address the Prometheus endpoint listens on."""
     arena_dir: str = ""
     """Directory of the shared-memory arena ("" : beside the socket); it must be memory-backed
     (tmpfs), else every write to the arena dirties disk pages."""

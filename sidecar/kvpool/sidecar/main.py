@@ -21,6 +21,7 @@ from kvpool.core.units import parse_bytes
 from kvpool.sidecar.config import DEFAULTS as D
 from kvpool.sidecar.config import SidecarConfig
 from kvpool.sidecar.server import Sidecar
+from kvpool.wire import metrics_http
 from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.kv_events import add_event_args, events_config
 
@@ -124,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="secret that signs handoff records (default: the tenant token)")
 
     obs = ap.add_argument_group("observability")
-    obs.add_argument("--metrics-port", type=int, default=D.metrics_port,
-                     help="port of the Prometheus endpoint (0: none)")
+    obs.add_argument("--metrics-port", type=metrics_http.parse_port, default=D.metrics_port,
+                     help="port of the Prometheus /metrics endpoint (0: none; auto: any free port, printed on "
+                          "the READY line); injected sidecars serve it on 7461")
+    obs.add_argument("--metrics-addr", default=D.metrics_addr, help="address the /metrics endpoint listens on")
     add_event_args(obs)
     return ap
 
@@ -142,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
     return SidecarConfig(socket=args.socket, pool=[a.strip() for a in args.pool.split(",") if a.strip()],
                          local_bytes=args.local, tenant_id=tenant, token=token, write_back=args.write_back,
                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
+                         metrics_addr=args.metrics_addr,
                          events=events_config(args), handoff_listen=args.handoff_listen,
                          handoff_advertise=args.handoff_advertise, handoff_key=key,
                          transition_seconds=args.transition_seconds, copy_over_bytes=args.copy_over_bytes,
@@ -161,7 +165,8 @@ def _ready_line(sidecar: Sidecar) -> str:
             f"dropped={adopted.get(SidecarCounter.RESTART_DROPPED_OBJECTS, 0)}"
             + (" reset=1" if sidecar.counters[SidecarCounter.RESTART_ARENA_RESET] else "")
             + (f" events={sidecar.events.endpoint} replay={sidecar.events.replay_endpoint}" if sidecar.events else "")
-            + (f" handoff={sidecar.handoff.address}" if sidecar.handoff.address else ""))
+            + (f" handoff={sidecar.handoff.address}" if sidecar.handoff.address else "")
+            + (f" metrics={sidecar.metrics.address}" if sidecar.metrics is not None else ""))
 
 
 def serve(cfg: SidecarConfig) -> int:

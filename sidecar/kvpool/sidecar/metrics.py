@@ -1,18 +1,23 @@
-"""Prometheus metrics of the sidecar (prometheus-client).
+"""Prometheus metrics of the sidecar (prometheus-client), served on ``--metrics-port``.
 
-Labels are per tenant and tier, never per key.  Gauges are computed at scrape time from the
+Labels are per tenant and tier, never per key (a sidecar serves one tenant).  Gauges, the
+miss reasons, the restored bytes and every Stats counter are computed at scrape time from the
 sidecar's state (a collector), so the hot path only bumps counters and observes histograms.
+Names: :class:`~kvpool.wire.metric_names.SidecarMetric` (``docs/metrics.md``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.wire.counters import SidecarCounter
+from kvpool.wire import metrics_http
+from kvpool.wire.counters import SIDECAR_MISS_REASONS, MissReason, SidecarCounter, is_sidecar_counter
+from kvpool.wire.metric_names import SidecarMetric as M
 
 LOOKUP_BLOCKS = Counter("kvpool_lookup_blocks_total", "Blocks asked for by match calls", ["tenant"])
 HIT_BLOCKS = Counter("kvpool_hit_blocks_total", "Blocks matched (block-weighted hits)", ["tenant", "tier"])
@@ -46,12 +51,40 @@ def record_read(tenant: str, n: int, local: int, pool: int, nbytes: int, seconds
     LATENCY.labels("read").observe(seconds)
 
 
+def misses(counters: Mapping[str, int]) -> dict[MissReason, int]:
+    """The blocks a sidecar missed for the reasons only it knows (pure; the store nodes count
+    theirs): a fetch of a matched block that failed its checksum, or failed otherwise (the node
+    went down or missed its deadline), and blocks found with no room to land them."""
+    checksum = counters.get(SidecarCounter.POOL_CHECKSUM_FAILURES, 0)
+    out = {MissReason.CHECKSUM: checksum,
+           MissReason.NODE_DOWN: max(0, counters.get(SidecarCounter.POOL_FETCH_FAILURES, 0) - checksum),
+           MissReason.NO_ROOM: counters.get(SidecarCounter.READ_NO_ROOM, 0)}
+    assert set(out) == SIDECAR_MISS_REASONS
+    return out
+
+
 class _StateCollector(Collector):
     def __init__(self, sidecar: Any) -> None:
         self.sidecar = sidecar
 
     def collect(self) -> Any:
         s = self.sidecar
+        tenant = s.cfg.tenant_id
+        c: Mapping[str, int] = dict(s.counters)
+        missed = CounterMetricFamily(M.MISS_BLOCKS, "Blocks asked for and not loaded, by the reasons a sidecar knows",
+                                     labels=["tenant", "reason"])
+        for reason, n in sorted(misses(c).items()):
+            missed.add_metric([tenant, reason], n)
+        yield missed
+        restored = CounterMetricFamily(M.RESTORED_BYTES, "Bytes loaded into the engine by reads",
+                                       labels=["tenant", "source"])
+        restored.add_metric([tenant, "local"], c.get(SidecarCounter.RESTORED_BYTES_LOCAL, 0))
+        restored.add_metric([tenant, "pool"], c.get(SidecarCounter.RESTORED_BYTES_POOL, 0))
+        yield restored
+        events = CounterMetricFamily(M.EVENTS, "Every counter of SidecarStats.counters", labels=["event"])
+        for name in sorted(n for n in c if is_sidecar_counter(n)):
+            events.add_metric([name], c[name])
+        yield events
         yield GaugeMetricFamily("kvpool_local_used_bytes", "Local tier bytes in use", value=s.local.used)
         yield GaugeMetricFamily("kvpool_local_capacity_bytes", "Local tier capacity", value=s.local.capacity)
         yield GaugeMetricFamily("kvpool_pool_nodes_up", "Store nodes reachable", value=s.pool.nodes_up())
@@ -83,6 +116,10 @@ def record_put(tenant: str, nbytes: int, seconds: float) -> None:
     LATENCY.labels("put").observe(seconds)
 
 
-def serve(port: int, sidecar: Any, addr: str = "0.0.0.0") -> None:
+def serve(port: int, sidecar: Any, addr: str = "0.0.0.0") -> metrics_http.MetricsServer | None:
+    """Serve the process's registry on ``addr:port`` (``metrics_http.EPHEMERAL``: any free port;
+    0: none), with ``sidecar``'s collector in it (one sidecar per process)."""
+    if port == 0:
+        return None
     REGISTRY.register(_StateCollector(sidecar))
-    start_http_server(port, addr=addr)
+    return metrics_http.serve(port, addr, REGISTRY)

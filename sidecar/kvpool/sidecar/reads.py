@@ -322,6 +322,8 @@ class Reads:
         self.counters[SidecarCounter.READ_HITS_LOCAL] += local_hits
         self.counters[SidecarCounter.READ_HITS_POOL] += pool_hits
         self.counters[SidecarCounter.READ_MISSES] += n - local_hits - pool_hits
+        self.counters[SidecarCounter.RESTORED_BYTES_LOCAL] += moved - from_pool
+        self.counters[SidecarCounter.RESTORED_BYTES_POOL] += from_pool
 
     # -- ranged read --------------------------------------------------------------------------
 

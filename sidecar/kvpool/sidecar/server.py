@@ -47,6 +47,7 @@ from kvpool.sidecar.status import Greeting, Stats
 from kvpool.sidecar.writer import PIN_MS, Writer
 from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.kv_events import MEDIUM_LOCAL, EventPublisher
+from kvpool.wire.metrics_http import MetricsServer
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.sidecar_frames import socket_path as fast_socket_path
 
@@ -92,6 +93,8 @@ class Sidecar:
         self.handoff = HandoffService(cfg, self.local, self.pool, self.reads, self.writer, self.counters, secret)
         self.adopted = self._adopt()
         self._grpc: grpc.Server | None = None
+        self.metrics: MetricsServer | None = None
+        """The ``/metrics`` endpoint once served (None: ``metrics_port`` 0)."""
         self._session: FastSessionServer | None = None
 
     @property
@@ -210,8 +213,7 @@ class Sidecar:
         self._session = FastSessionServer(fast_socket_path(self.cfg.socket), self.cfg, self.reads, self.puts,
                                           self.greeting)
         self._session.start()
-        if self.cfg.metrics_port:
-            metrics.serve(self.cfg.metrics_port, self)
+        self.metrics = metrics.serve(self.cfg.metrics_port, self, self.cfg.metrics_addr)
 
     def stop_serving(self) -> None:
         """Stop accepting calls; in-flight gRPC calls finish (briefly)."""
@@ -224,6 +226,8 @@ class Sidecar:
         if self.events is not None:
             self.events.close()
         self._stop.set()
+        if self.metrics is not None:
+            self.metrics.close()
         self.writer.close()
         self.fetcher.close()
         self.reads.close()

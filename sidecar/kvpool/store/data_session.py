@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,15 +33,21 @@ from kvpool.wire.proto import store_pb2 as pb
 
 log = logging.getLogger("kvpool.store.session")
 
+_OP_NAMES = {dp.OP_EXISTS: "exists", dp.OP_GET: "get", dp.OP_GET_RANGES: "get_ranges", dp.OP_PUT: "put"}
+"""The ``op`` label of ``kvpool_store_op_seconds`` of each request."""
+
 
 class DataSessionHandler:
     """Serves data-session connections for one node (a ``TransferServer`` session handler)."""
 
     magic = dp.REQUEST_MAGIC
 
-    def __init__(self, node: StoreNode, order: PutOrder | None = None) -> None:
+    def __init__(self, node: StoreNode, order: PutOrder | None = None,
+                 observe: Callable[[str, float], None] | None = None) -> None:
         self.node = node
         self.order = order if order is not None else PutOrder()
+        self.observe = observe
+        """Where each request's latency goes (op name, seconds: the node's metrics), or None."""
 
     def __call__(self, stream: Stream, stopping: threading.Event) -> None:
         header = bytearray(dp.REQUEST_SIZE)
@@ -76,6 +84,7 @@ class DataSessionHandler:
             stream.send([dp.encode_response(dp.OP_HELLO, req.request_id, lease_id=self.node.incarnation,
                                             epoch=self.node.ring.epoch)])
             return
+        t0 = time.perf_counter()
         try:
             tenant = self.node.authenticate(body.token)
             if tenant is None:
@@ -96,6 +105,8 @@ class DataSessionHandler:
             stream.send([dp.encode_response(reply_op, req.request_id, req.items,
                                             status=errors.session_status_for(exc), message=str(exc),
                                             epoch=self.node.ring.epoch)])
+        if self.observe is not None:  # one observation per request, never per key or byte
+            self.observe(_OP_NAMES.get(req.op, "other"), time.perf_counter() - t0)
 
     def _exists(self, stream: Stream, req: dp.Request, tenant: str, keys: list[bytes]) -> None:
         if req.lease_id:
@@ -134,7 +145,7 @@ class DataSessionHandler:
         """Only the asked byte ranges of each object, straight from the arena; each range hashed
         as it is queued (the client verifies it), the objects held in flight for the send."""
         node = self.node
-        pinned, found = node.read_pin(tenant, keys, req.kind, req.lease_id)
+        pinned, found = node.read_pin(tenant, keys, req.kind, req.lease_id, whole=False)
         try:
             n = len(keys)
             sizes = [e.size if e is not None else 0 for e in found]
@@ -161,7 +172,7 @@ class DataSessionHandler:
                 at += len(pairs)
             head = dp.encode_response(dp.OP_GET_RANGES, req.request_id, n, epoch=node.ring.epoch, payload_len=sent)
             # Counted before the first byte leaves: a client that has its bytes sees the count.
-            node.note_range_read(n, sum(1 for c in codes if c == Code.OK), sent)
+            node.note_range_read(n, sum(1 for c in codes if c == Code.OK), sent, tenant)
             stream.send([head, dp.encode_range_table(codes, sizes, sums), *views])
         finally:
             node.read_unpin(found)

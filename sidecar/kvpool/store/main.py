@@ -27,9 +27,11 @@ from kvpool.core.units import parse_bytes
 from kvpool.store.admin_service import AdminGate, StoreAdminService
 from kvpool.store.data_service import StoreDataService
 from kvpool.store.data_session import DataSessionHandler
+from kvpool.store.metrics import StoreMetrics
 from kvpool.store.node import NodeConfig, StoreNode, Tenant
 from kvpool.store.rdma import StoreRdma
 from kvpool.transfer import SegmentRegistry, TransferServer
+from kvpool.wire import metrics_http
 from kvpool.wire.kv_events import add_event_args
 from kvpool.wire.proto import store_pb2_grpc as pbg
 
@@ -44,8 +46,12 @@ class RunningStore:
     address: str
     transfer_address: str
     rdma: StoreRdma | None = None
+    metrics: metrics_http.MetricsServer | None = None
+    """The ``/metrics`` endpoint (None: ``--metrics-port 0``)."""
 
     def stop(self, grace: float = 1.0) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         self.server.stop(grace).wait()
         self.transfer.stop()
         if self.rdma is not None:
@@ -54,7 +60,9 @@ class RunningStore:
 
 
 def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, admin_token: str = "",
-                workers: int = 8) -> RunningStore:
+                workers: int = 8, metrics_port: int = 0) -> RunningStore:
+    """Start a node and its services on ``listen``; ``metrics_port``: its ``/metrics`` on the same
+    host (0: none, :data:`~kvpool.wire.metrics_http.EPHEMERAL`: any free port)."""
     host, _, port_s = listen.rpartition(":")
     host = host or "127.0.0.1"
     node = StoreNode(cfg)
@@ -62,8 +70,10 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
         from kvpool.wire.kv_events import MEDIUM_POOL, EventPublisher
         node.events = EventPublisher(cfg.events, MEDIUM_POOL, node.events_snapshot)
     tport = transfer_port if transfer_port is not None else (int(port_s) + 1 if int(port_s) else 0)
-    transfer = TransferServer(SegmentRegistry(), host=host, port=tport,
-                              sessions={DataSessionHandler.magic: DataSessionHandler(node)})
+    admin = StoreAdminService(node)
+    metrics = StoreMetrics(node.stats, admin.drain.status, admin.warm.status) if metrics_port else None
+    handler = DataSessionHandler(node, observe=metrics.observe if metrics is not None else None)
+    transfer = TransferServer(SegmentRegistry(), host=host, port=tport, sessions={DataSessionHandler.magic: handler})
     transfer.start()
     rdma = StoreRdma.open(node, cfg.rdma, cfg.rdma_shared_tenants)  # None: no device, TCP only
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
@@ -72,7 +82,7 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
                                   ("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.so_reuseport", 0)])
     pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token, rdma), server)
-    pbg.add_StoreAdminServicer_to_server(StoreAdminService(node), server)
+    pbg.add_StoreAdminServicer_to_server(admin, server)
     bound = server.add_insecure_port(f"{host}:{port_s}")
     if bound == 0:
         transfer.stop()
@@ -81,13 +91,20 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
         node.close()
         raise OSError(f"cannot listen on {listen}")
     server.start()
-    return RunningStore(node, server, transfer, f"{host}:{bound}", transfer.address, rdma)
+    running = RunningStore(node, server, transfer, f"{host}:{bound}", transfer.address, rdma)
+    if metrics is not None:
+        try:
+            running.metrics = metrics_http.serve(metrics_port, host, metrics.registry)
+        except OSError:
+            running.stop(0)
+            raise
+    return running
 
 
 def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin_token: str,
-                  tenants: list[Tenant] | None = None, expire_interval: float = 30.0) -> int:
+                  tenants: list[Tenant] | None = None, expire_interval: float = 30.0, metrics_port: int = 0) -> int:
     try:
-        running = start_store(cfg, listen, transfer_port, admin_token)
+        running = start_store(cfg, listen, transfer_port, admin_token, metrics_port=metrics_port)
     except (RuntimeError, OSError) as exc:  # a clear line, not a traceback, for a config problem
         print(f"kvpool store: cannot start: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -101,7 +118,8 @@ def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"READY {running.address} transfer={running.transfer_address} node={cfg.node_id}", flush=True)
+    print(f"READY {running.address} transfer={running.transfer_address} node={cfg.node_id}"
+          + (f" metrics={running.metrics.address}" if running.metrics is not None else ""), flush=True)
     while not stop.wait(expire_interval):
         try:
             running.node.expire_sweep()
@@ -150,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="file of earlier master keys, one per line, still opened but never used to seal "
                           "(key rotation; a missing file holds none); both files are re-read when they change")
 
-    obs = ap.add_argument_group("observability (KV events)")
+    obs = ap.add_argument_group("observability (metrics, KV events)")
+    obs.add_argument("--metrics-port", type=metrics_http.parse_port, default=0,
+                     help="port of the Prometheus /metrics endpoint, on the host of --listen (0: none; "
+                          "auto: any free port, printed on the READY line)")
     add_event_args(obs)
     obs.add_argument("--events-tenant", default="default", help="the tenant whose block events are published")
 
@@ -171,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.admin_token_file:
         with open(args.admin_token_file) as f:
             admin = f.read().strip()
-    return serve_forever(cfg, args.listen, args.transfer_port, admin, tenants)
+    return serve_forever(cfg, args.listen, args.transfer_port, admin, tenants, metrics_port=args.metrics_port)
 
 
 if __name__ == "__main__":

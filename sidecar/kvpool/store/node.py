@@ -29,6 +29,7 @@ from kvpool.arena.index import ARENA, COMMITTED, RESERVED, ArenaIndex, Lease
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.ring import Ring, stale_wrong_owner
 from kvpool.core.sizing import payload_arena_bytes
+from kvpool.store.gone import Gone
 from kvpool.store.reads import Reads, check_kind
 from kvpool.store.settings import NodeConfig as NodeConfig
 from kvpool.store.space import Space
@@ -83,9 +84,10 @@ class StoreNode:
         self.incarnation = 1 + secrets.randbits(62)
         # Moves between tiers, outside the lock; None without a tier below DRAM (evictions drop).
         self.chain = TierChain(self, self._index, self._lock, self.dram, levels) if below else None
-        self._space = Space(cfg, self._index, self.tenants, self.chain, self.counters, self.discard)
+        gone = Gone(cfg.gone_keys)  # why a key is not here (the miss reasons of lookups)
+        self._space = Space(cfg, self._index, self.tenants, self.chain, self.counters, self.discard, gone)
         self._reads = Reads(cfg, self._lock, self._index, self.tenants, self.chain, self.dram,
-                            self.counters, self._sweep)
+                            self.counters, self._sweep, gone)
         self._writes = Writes(cfg, self._lock, self._index, self.tenants, self._space, self.chain, self.dram,
                               self.counters, self.discard, self._published, self._sweep)
 
@@ -216,22 +218,26 @@ class StoreNode:
     # ------------------------------------------------------------------ reads
 
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
-                 drop_lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None]]:
+                 drop_lease_id: int = 0, whole: bool = True) -> tuple[list[pb.Code], list[Entry | None]]:
         """Committed objects of ``keys``, promoted to DRAM and held in flight for a transfer on the
         caller's own connection, until :meth:`read_unpin`
-        (:meth:`Reads.read_pin <kvpool.store.reads.Reads.read_pin>`)."""
-        return self._reads.read_pin(tenant, keys, kind, drop_lease_id)
+        (:meth:`Reads.read_pin <kvpool.store.reads.Reads.read_pin>`; ``whole``: the objects are
+        sent whole, counted in ``bytes_sent``; a ranged read counts what it sends itself)."""
+        return self._reads.read_pin(tenant, keys, kind, drop_lease_id, whole)
 
     def read_unpin(self, found: Sequence[Entry | None]) -> None:
         self._reads.read_unpin(found)
 
-    def note_range_read(self, keys: int, served: int, nbytes: int) -> None:
+    def note_range_read(self, keys: int, served: int, nbytes: int, tenant: str = "") -> None:
         """Count a ranged read: keys asked, keys served, bytes of ranges sent (``range_bytes_sent``:
-        what a sparse read moved, to compare with the objects' sizes)."""
+        what a sparse read moved, to compare with the objects' sizes; ``tenant``'s too)."""
         with self._lock:
             self.counters[StoreCounter.RANGE_READS] += keys
             self.counters[StoreCounter.RANGE_HITS] += served
-            self.counters[StoreCounter.RANGE_BYTES_SENT] += nbytes
+            if tenant:
+                self.tenants[tenant].count(self.counters, StoreCounter.RANGE_BYTES_SENT, nbytes)
+            else:
+                self.counters[StoreCounter.RANGE_BYTES_SENT] += nbytes
 
     def release(self, lease_ids: Sequence[int], tenant: str | None = None, incarnation: int = 0) -> None:
         """Drop leases of ``tenant``; ``incarnation``: the life that issued them (0: unchecked),
@@ -295,8 +301,10 @@ class StoreNode:
         """Start moving these DRAM blocks one tier down now (as eviction would); how many started."""
         with self._lock:
             found = [self._index.committed(tenant, k, pb.BLOCK) for k in keys]
-            return sum(1 for e in found if isinstance(e, Entry) and e.tier == ARENA and not e.moving
-                       and self.chain is not None and self.chain.plan_demotion(e))
+            started = sum(1 for e in found if isinstance(e, Entry) and e.tier == ARENA and not e.moving
+                          and self.chain is not None and self.chain.plan_demotion(e))
+            self.counters[StoreCounter.DEMOTIONS_REQUESTED] += started
+            return started
 
     def tier(self, name: str) -> Any:
         """The tier called ``name`` ("dram", "ssd", "sharedfs"), None when this node has none."""
@@ -343,6 +351,9 @@ class StoreNode:
                           for i, t in enumerate(levels) if not t.named],
                 "tenants": self.tenants.rows(),
                 "counters": self._counters(),
+                "configured": self.tenants.configured(),
+                "leases": self._index.lease_count(),
+                "reservations": self._index.reservation_count(),
             }
 
     def _counters(self) -> dict[str, int]:

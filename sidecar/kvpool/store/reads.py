@@ -12,21 +12,39 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from kvpool.arena.dram import DramTier
 from kvpool.arena.index import ARENA, COMMITTED, ArenaIndex, Lease
 from kvpool.core.errors import InvalidArgument
+from kvpool.store.gone import Gone
 from kvpool.store.settings import NodeConfig
 from kvpool.store.tenants import Tenants
 from kvpool.tiers.base import Location
 from kvpool.tiers.chain import TierChain
 from kvpool.tiers.chain import TieredEntry as Entry
 from kvpool.tiers.ledger import FsView
-from kvpool.wire.counters import StoreCounter
+from kvpool.wire.counters import MissReason, StoreCounter, miss_reason, tier_hits
 from kvpool.wire.proto import store_pb2 as pb
 
-Promoted = tuple[dict[int, int], list[Entry]]
-"""What a read's promotion left: id(entry) → code of the failed ones, and the entries it pinned."""
+Promoted = tuple[dict[int, int], list[Entry], dict[int, int]]
+"""What a read's promotion left: id(entry) → code of the failed ones, the entries it pinned, and
+id(entry) → the level each one below DRAM was found in (the hit-by-tier counters)."""
+
+_MISS = {r: miss_reason(r) for r in MissReason}
+_TIER_OF = attrgetter("tier")
+_SIZE_OF = attrgetter("size")
+
+
+def promotion_miss(code: int) -> MissReason:
+    """Why an object found below DRAM is a read's miss, from its promotion's code (pure): its
+    bytes failed their check (a checksum or an at-rest tag), or it did not come up in time
+    (NOT_FOUND: still on its way)."""
+    if code == pb.CHECKSUM:
+        return MissReason.CHECKSUM
+    if code == pb.NOT_FOUND:
+        return MissReason.NODE_DOWN
+    return MissReason.EVICTED if code == pb.NO_SPACE else MissReason.ABSENT
 
 
 def check_kind(kind: int) -> int:
@@ -40,8 +58,9 @@ class Reads:
 
     def __init__(self, cfg: NodeConfig, lock: threading.RLock, index: ArenaIndex, tenants: Tenants,
                  chain: TierChain | None, dram: DramTier, counters: Counter[str],
-                 sweep: Callable[[float], None]) -> None:
+                 sweep: Callable[[float], None], gone: Gone) -> None:
         self.cfg = cfg
+        self.gone = gone
         self._lock = lock
         self._index = index
         self.tenants = tenants
@@ -50,6 +69,9 @@ class Reads:
         self.dram = dram
         self.counters = counters
         self._sweep = sweep
+        self._tier_names = ([tier_hits(chain.name(lv)) for lv in range(len(chain.levels))] if chain is not None
+                            else [tier_hits(dram.name)])
+        """The hit counter of each level (0: DRAM)."""
 
     def _lookup(self, tenant: str, key: bytes, kind: int, fs: FsView | None = None) -> Entry | None:
         """The committed object of ``key``, or one adopted from ``fs``: the headers of the
@@ -129,7 +151,9 @@ class Reads:
                         prefix += 1
                     hits.append(e)
                 self._index.touch_all(hits, now)
-            self._count_lookup(len(keys), prefix)  # the matched prefix are the hits
+            # The matched prefix are the hits; the misses are counted for the first key missing.
+            self._count_lookup(tenant, len(keys), self._levels(hits[:prefix]),
+                               keys[prefix] if prefix < len(keys) else None)
             lease = (self._index.new_lease(hits[:prefix], self._lease_expiry(lease_ms, now), tenant, lazy=True)
                      if pin and prefix else None)
             return prefix, bytes(present), lease
@@ -143,7 +167,7 @@ class Reads:
         and the read's objects, pinned meanwhile (making room for one must not demote
         another); :meth:`_hold_found` unpins them."""
         if self.chain is None:
-            return {}, []
+            return {}, [], {}
         fs = self._locate_sharedfs(tenant, keys, kind, prefix_only=False)
         with self._lock:
             found = [e for e in (self._lookup(tenant, k, kind, fs) for k in keys) if e is not None]
@@ -151,8 +175,9 @@ class Reads:
             # before the read's own pass marks it (then a miss).
             self._index.pin(found)
             if all(e.tier == ARENA for e in found):
-                return {}, found
-        return self._promote_pinned(found, self.cfg.tier_read_seconds), found
+                return {}, found, {}
+            below = {id(e): e.tier for e in found if e.tier != ARENA}
+        return self._promote_pinned(found, self.cfg.tier_read_seconds), found, below
 
     def _promote_pinned(self, pinned: list[Entry], timeout: float) -> dict[int, int]:
         """``TierChain.promote`` of objects the caller pinned (unpinned here if it raises)."""
@@ -165,22 +190,25 @@ class Reads:
             raise
 
     def _hold_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
-                    now: float, promoted: Promoted) -> tuple[list[pb.Code], list[Entry | None]]:
+                    now: float, promoted: Promoted, whole: bool = True) -> tuple[list[pb.Code], list[Entry | None]]:
         """Look up each object of a read and mark it in flight (``inflight`` + 1, until
         :meth:`read_unpin`); drop the caller's ``drop_lease_id`` (a match lease the read
         supersedes).  An object below DRAM (its promotion, :meth:`_promote_for_read`, failed or
         is still on its way) is a miss: no tier I/O here.  Caller holds the lock."""
-        failed, held = promoted
+        failed, held, below = promoted
         self._sweep(now)
         codes = [pb.OK] * len(keys)
         found: list[Entry | None] = self._index.lookup(tenant, keys, kind)  # type: ignore[assignment]
         hit: list[Entry] = []
+        missed: list[tuple[int, MissReason | None]] = []  # None: not held here (its reason is Gone's)
         for i, e in enumerate(found):
             if e is None:
                 codes[i] = pb.NOT_FOUND
+                missed.append((i, None))
             elif e.tier != ARENA:
                 codes[i] = pb.Code.ValueType(failed.get(id(e), pb.NOT_FOUND))
                 found[i] = None
+                missed.append((i, promotion_miss(codes[i])))
             else:
                 e.inflight += 1
                 hit.append(e)
@@ -189,26 +217,56 @@ class Reads:
         self._index.unpin_all(held)  # the promotion's hold: the read's own marks are taken
         self.counters[StoreCounter.GET_BLOCKS] += len(keys)
         self.counters[StoreCounter.GET_HITS] += hits
+        t = self.tenants[tenant]
+        if hit and whole:
+            t.count(self.counters, StoreCounter.BYTES_SENT, sum(map(_SIZE_OF, hit)))
         old = self._index.lease(drop_lease_id) if drop_lease_id else None
         if old is not None and old.tenant == tenant:
             self._index.drop_lease(old)
         else:
             # Not the read of a match made here (whose Exists counted these blocks): the read
-            # is the lookup.
-            self._count_lookup(len(keys), hits)
+            # is the lookup.  Hits by the level they were found in (promoted ones: before).
+            levels = [0] * len(self._tier_names)
+            came_up = [lv for eid, lv in below.items() if eid not in failed]
+            for lv in came_up:
+                levels[lv] += 1
+            levels[ARENA] = max(0, hits - len(came_up))
+            self._count_lookup(tenant, len(keys), levels, None)
+            # A promotion that failed its check dropped the object: its key's failure says why.
+            dropped = {e.key: promotion_miss(failed[id(e)]) for e in held if id(e) in failed} if failed else {}
+            for i, why in missed:
+                if why is None:
+                    why = dropped.get(keys[i]) or self.gone.reason(tenant, keys[i])
+                t.count(self.counters, _MISS[why])
         return codes, found
 
-    def _count_lookup(self, asked: int, hits: int) -> None:
+    def _levels(self, hits: list[Entry]) -> list[int]:
+        """How many of ``hits`` are in each level (C-level counts: no per-key Python)."""
+        if len(self._tier_names) == 1:
+            return [len(hits)]
+        tiers = list(map(_TIER_OF, hits))
+        return [tiers.count(lv) for lv in range(len(self._tier_names))]
+
+    def _count_lookup(self, tenant: str, asked: int, levels: list[int], first_missing: bytes | None) -> None:
         """Count a lookup in the hit rate the node reports (``hit_blocks`` / ``lookup_blocks`` of
-        Stats, summed into the pool's ``hitRate`` by the operator).  Block-weighted: every key
-        asked counts once per request, hits are the keys found.  An Exists counts (its matched
-        prefix are the hits), and so does a read, except the read of a match's lease: the match
-        counted those blocks already, so a match-then-read counts each block once.  Lock held."""
-        self.counters[StoreCounter.LOOKUP_BLOCKS] += asked
-        self.counters[StoreCounter.HIT_BLOCKS] += hits
+        Stats, summed into the pool's ``hitRate`` by the operator), for the node and ``tenant``,
+        with the hits by the level they were found in (``levels``) and, given ``first_missing``,
+        the misses under that key's reason (:class:`~kvpool.store.gone.Gone`).  Block-weighted:
+        every key asked counts once per request, hits are the keys found.  An Exists counts (its
+        matched prefix are the hits), and so does a read, except the read of a match's lease: the
+        match counted those blocks already, so a match-then-read counts each block once.  Lock held."""
+        hits = sum(levels)
+        t = self.tenants[tenant]
+        t.count(self.counters, StoreCounter.LOOKUP_BLOCKS, asked)
+        t.count(self.counters, StoreCounter.HIT_BLOCKS, hits)
+        for lv, n in enumerate(levels):
+            if n:
+                t.count(self.counters, self._tier_names[lv], n)
+        if first_missing is not None and asked > hits:
+            t.count(self.counters, _MISS[self.gone.reason(tenant, first_missing)], asked - hits)
 
     def read_pin(self, tenant: str, keys: list[bytes], kind: int = pb.BLOCK,
-                 drop_lease_id: int = 0) -> tuple[list[pb.Code], list[Entry | None]]:
+                 drop_lease_id: int = 0, whole: bool = True) -> tuple[list[pb.Code], list[Entry | None]]:
         """The committed objects of ``keys``, promoted to DRAM, for a transfer that happens right
         now on the caller's own connection (the data session): objects below DRAM are promoted
         first, without the lock and for at most ``tier_read_seconds`` (the rest are misses);
@@ -221,7 +279,7 @@ class Reads:
         check_kind(kind)
         promoted = self._promote_for_read(tenant, keys, kind)
         with self._lock:
-            return self._hold_found(tenant, keys, kind, drop_lease_id, time.time(), promoted)
+            return self._hold_found(tenant, keys, kind, drop_lease_id, time.time(), promoted, whole)
 
     def read_objects(self, entries: Sequence[Entry], sink: Callable[[list[Entry], list[memoryview]], None]) -> int:
         """Hand several objects' bytes to ``sink`` at once (``StoreNode.read_objects``); how many."""

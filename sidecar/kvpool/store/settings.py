@@ -67,6 +67,9 @@ class NodeConfig:
     tier_read_seconds: float = 0.25
     """Bound of the SSD/shared-fs reads a read call waits for (promotion to DRAM): what has not
     arrived by then is a miss of that call, so a slow or hung disk never stalls a reader."""
+    gone_keys: int = 65536
+    """Keys whose drop or refusal the node remembers, to tell a lookup's miss reason (evicted,
+    expired, quota) from "absent" (:mod:`kvpool.store.gone`; 0: every miss is absent)."""
     demote_wait_seconds: float = 0.5
     """How long a write that needs DRAM waits for demotions to the SSD (with the index lock
     released); then what does not fit is NO_SPACE: a slow disk sheds writes, never blocks reads."""

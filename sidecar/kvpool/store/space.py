@@ -15,25 +15,37 @@ from kvpool.arena.allocator import ExtentAllocator, OutOfSpace
 from kvpool.arena.eviction import choose_victims, is_expired
 from kvpool.arena.index import ARENA, BLOCK, COMMITTED, STATE, ArenaIndex
 from kvpool.core.ring import Ring
+from kvpool.store.gone import Gone
 from kvpool.store.quota import Held, trim_to_share
 from kvpool.store.settings import NodeConfig
 from kvpool.store.tenants import Tenant, Tenants
 from kvpool.tiers.chain import TierChain, TieredEntry
-from kvpool.wire.counters import StoreCounter
+from kvpool.wire.counters import MissReason, StoreCounter
+
+_WHY = {StoreCounter.EXPIRED: MissReason.EXPIRED, StoreCounter.EVICTED: MissReason.EVICTED,
+        StoreCounter.EVICTED_QUOTA: MissReason.QUOTA}
+"""The miss reason a later lookup of an object dropped for each counter gets."""
 
 
 class Space:
     """Eviction and expiry of one node's objects (see the module docstring)."""
 
     def __init__(self, cfg: NodeConfig, index: ArenaIndex, tenants: Tenants, chain: TierChain | None,
-                 counters: Counter[str], discard: Callable[[TieredEntry], None]) -> None:
+                 counters: Counter[str], discard: Callable[[TieredEntry], None], gone: Gone) -> None:
         self.cfg = cfg
+        self.gone = gone
         self.index = index
         self.tenants = tenants
         self.chain = chain
         self.counters = counters
         self._discard = discard
         self.dram: ExtentAllocator = index.alloc(ARENA)
+
+    def _drop(self, e: TieredEntry, why: StoreCounter) -> None:
+        """Forget ``e``, count it under ``why`` (its tenant's too) and remember why it went."""
+        self._discard(e)
+        self.tenants[e.tenant].count(self.counters, why)
+        self.gone.note(e.tenant, e.key, _WHY[why])
 
     def ttl(self, e: TieredEntry) -> float:
         return self.tenants.ttl(e.tenant, e.traffic_class, self.cfg.ttl_seconds, self.cfg.default_ttl)
@@ -75,13 +87,11 @@ class Space:
         freed = 0
         for e in self.dram_victims(need, now, expire_all):
             if self.expired(e, now):
-                self._discard(e)
-                self.tenants[e.tenant].count(self.counters, StoreCounter.EXPIRED)
+                self._drop(e, StoreCounter.EXPIRED)
             elif e.kind == BLOCK and self.chain is not None and self.chain.plan_demotion(e):
                 continue
             else:
-                self._discard(e)
-                self.tenants[e.tenant].count(self.counters, StoreCounter.EVICTED)
+                self._drop(e, StoreCounter.EVICTED)
             freed += e.size
         return freed
 
@@ -120,8 +130,7 @@ class Space:
         own.sort(key=lambda e: e.last_access)
         plan = choose_victims(own, need, now, {}, 0.0, expire_all=False)
         for c in plan.victims:
-            self._discard(c)  # type: ignore[arg-type]
-            self.tenants[t.tenant_id].count(self.counters, StoreCounter.EVICTED_QUOTA)
+            self._drop(c, StoreCounter.EVICTED_QUOTA)  # type: ignore[arg-type]
         return plan.freed_bytes
 
     def fit_shares(self, ring: Ring, node_id: str) -> None:
@@ -146,15 +155,13 @@ class Space:
                         owned[i] = o
             held = [Held(e.size, e.last_access, o) for e, o in zip(mine, owned, strict=True)]
             for i in trim_to_share(t.used_bytes, t.share_bytes, held, t.evict_own_on_quota):
-                self._discard(mine[i])
-                self.tenants[t.tenant_id].count(self.counters, StoreCounter.EVICTED_QUOTA)
+                self._drop(mine[i], StoreCounter.EVICTED_QUOTA)
 
     def expire(self, now: float) -> int:
         """Drop every expired object with an extent; how many."""
         n = 0
         for e in self._held():
             if not e.pins and not e.inflight and self.expired(e, now):
-                self._discard(e)
-                self.tenants[e.tenant].count(self.counters, StoreCounter.EXPIRED)
+                self._drop(e, StoreCounter.EXPIRED)
                 n += 1
         return n

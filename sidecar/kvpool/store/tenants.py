@@ -35,10 +35,11 @@ class Tenant:
     objects: int = 0
     counters: Counter[str] = field(default_factory=Counter)
 
-    def count(self, node: Counter[str], what: StoreCounter) -> None:
-        """Add one to ``what`` in the node's counters and in this tenant's."""
-        node[what] += 1
-        self.counters[what] += 1
+    def count(self, node: Counter[str], what: str, n: int = 1) -> None:
+        """Add ``n`` to ``what`` (a :class:`StoreCounter` or a name of its families) in the node's
+        counters and in this tenant's."""
+        node[what] += n
+        self.counters[what] += n
 
 
 class Tenants:
@@ -72,6 +73,11 @@ class Tenants:
     def with_tokens(self) -> bool:
         """Whether any tenant has a token (a multi-tenant node)."""
         return bool(self._by_token)
+
+    def configured(self) -> frozenset[str]:
+        """The tenants configured here: the ones holding a token, and the default tenant (the
+        metrics' ``tenant`` label takes only these; any other id is folded into one value)."""
+        return frozenset({DEFAULT_TENANT, *self._by_token.values()})
 
     def token_holders(self) -> int:
         """How many tenants hold a token on this node (0 under open tenancy)."""

@@ -26,7 +26,7 @@ from kvpool.store.settings import NodeConfig
 from kvpool.store.space import Space
 from kvpool.store.tenants import Tenants
 from kvpool.tiers.chain import TierChain, TieredEntry
-from kvpool.wire.counters import StoreCounter
+from kvpool.wire.counters import MissReason, StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
 
 
@@ -92,6 +92,9 @@ class Writes:
                     seen.add(k)
             self.tenants.admit(t, sizes, codes, self.counters,
                                lambda tt, need: self.space.evict_tenant(tt, need, now))
+            if pb.QUOTA_EXCEEDED in codes:  # a later lookup of these misses for the quota
+                for i in (i for i, c in enumerate(codes) if c == pb.QUOTA_EXCEEDED):
+                    self.space.gone.note(tenant, keys[i], MissReason.QUOTA)
             # Batch admission: make room once for the whole batch (watermarks), then allocate.
             incoming = sum(alloc.rounded(s) for s, c in zip(sizes, codes, strict=True) if c == pb.OK)
             need = watermark_need(alloc.used - self.space.pending(), incoming, self.dram.capacity,
@@ -112,6 +115,7 @@ class Writes:
                     evictable = False
                     codes[i] = pb.NO_SPACE
                     t.count(self.counters, StoreCounter.REFUSED_SPACE)
+                    self.space.gone.note(tenant, k, MissReason.EVICTED)  # no room, as an eviction
                     continue
                 e = TieredEntry(k, tenant, kind, traffic_class, size)
                 e.offset = off
@@ -229,7 +233,7 @@ class Writes:
             t = self.tenants[e.tenant]
             t.objects += 1
             t.count(self.counters, StoreCounter.STORED)
-            self.counters[StoreCounter.STORED_BYTES] += e.size
+            t.count(self.counters, StoreCounter.STORED_BYTES, e.size)
 
     def revoke(self, tenant: str, reservation_id: int) -> None:
         with self._lock:

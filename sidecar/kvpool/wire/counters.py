@@ -32,7 +32,7 @@ class StoreCounter(enum.StrEnum):
     STORED = "stored"
     """Objects committed (per tenant too)."""
     STORED_BYTES = "stored_bytes"
-    """Payload bytes committed."""
+    """Payload bytes committed (per tenant too)."""
     DUPLICATES = "duplicates"
     """Reservations answered ALREADY_EXISTS: the key was committed already."""
     REVOKED = "revoked"
@@ -56,13 +56,17 @@ class StoreCounter(enum.StrEnum):
 
     # -- reads
     LOOKUP_BLOCKS = "lookup_blocks"
-    """Blocks asked for by match/exists/read (a match-then-read counts each block once)."""
+    """Blocks asked for by match/exists/read (a match-then-read counts each block once; per tenant
+    too)."""
     HIT_BLOCKS = "hit_blocks"
-    """Of those, blocks found (the prefix that matched)."""
+    """Of those, blocks found (the prefix that matched; per tenant too, and by tier: :func:`tier_hits`)."""
     GET_BLOCKS = "get_blocks"
     """Blocks asked for by reads."""
     GET_HITS = "get_hits"
     """Of those, blocks served."""
+    BYTES_SENT = "bytes_sent"
+    """Payload bytes of the objects handed to readers (gets; per tenant too).  Ranged reads count
+    what they moved in ``range_bytes_sent``."""
     LEASES_EXPIRED = "leases_expired"
     """Read leases (pins) that ran out before their reader released them."""
     RANGE_READS = "range_reads"
@@ -70,7 +74,7 @@ class StoreCounter(enum.StrEnum):
     RANGE_HITS = "range_hits"
     """Of those, keys served."""
     RANGE_BYTES_SENT = "range_bytes_sent"
-    """Bytes of the ranges sent (what a sparse read moved, against the objects' sizes)."""
+    """Bytes of the ranges sent (what a sparse read moved, against the objects' sizes; per tenant too)."""
 
     # -- RDMA (kvpool.store.rdma): one-sided reads by sidecars
     RDMA_CONNECTS = "rdma_connects"
@@ -97,6 +101,8 @@ class StoreCounter(enum.StrEnum):
     """Objects moved down a tier (DRAM to SSD, SSD to shared fs)."""
     PROMOTED = "promoted"
     """Objects moved up into DRAM for a read."""
+    DEMOTIONS_REQUESTED = "demotions_requested"
+    """Demotions started because a Demote call asked (the rest of ``demoted`` made room)."""
     DEMOTIONS_ABANDONED = "demotions_abandoned"
     """Demotions given up (the object changed or the tier failed while it was moving)."""
     DEMOTE_WAITS_TIMED_OUT = "demote_waits_timed_out"
@@ -137,6 +143,10 @@ class SidecarCounter(enum.StrEnum):
     """Of those, fetched from the pool."""
     READ_MISSES = "read_misses"
     """Of those, found nowhere."""
+    RESTORED_BYTES_LOCAL = "restored_bytes_local"
+    """Bytes handed to the engine by reads from the local tier (restored, not recomputed)."""
+    RESTORED_BYTES_POOL = "restored_bytes_pool"
+    """Bytes handed to the engine by reads fetched from the pool."""
     READ_NO_ROOM = "read_no_room"
     """Blocks found in the pool that a read could not land: the local tier had no room."""
     READ_STASH_HITS = "read_stash_hits"
@@ -313,13 +323,52 @@ class FetchDecisionCounter(enum.StrEnum):
     RECOMPUTED_MISSING = "recomputed_missing"
     """Lookups that found nothing to load (not in the pool beyond what the engine had)."""
 
+class MissReason(enum.StrEnum):
+    """Why a block asked for was not loaded: the ``reason`` label of the miss counters (the store
+    node's ``kvpool_store_miss_blocks``, the sidecar's ``kvpool_miss_blocks``; the engine's
+    recomputed-because-cheaper is ``FetchDecisionCounter.RECOMPUTED_CHEAPER``).  Each process counts
+    the reasons it knows, each miss once: a store node the ones of its lookups, a sidecar the ones
+    the store never sees."""
+
+    ABSENT = "absent"
+    """Never written here, or gone for a reason no longer remembered (store)."""
+    EXPIRED = "expired"
+    """Dropped because its TTL passed (store: a recently dropped key)."""
+    EVICTED = "evicted"
+    """Evicted to make room (store: a recently evicted key)."""
+    QUOTA = "quota"
+    """Its write was refused, or it was evicted, for its tenant's quota (store)."""
+    CHECKSUM = "checksum"
+    """Its bytes failed their checksum or at-rest authentication (store: read back from a lower
+    tier; sidecar: fetched over the wire)."""
+    NODE_DOWN = "node_down"
+    """Its node (sidecar) or lower tier (store) did not answer in time, or was down."""
+    NO_ROOM = "no_room"
+    """Found in the pool, but the sidecar's local tier had no room to land it (sidecar)."""
+    RECOMPUTED_CHEAPER = "recomputed_cheaper"
+    """Matched, but the engine recomputed it: cheaper than loading (engine integration)."""
+
+
+MISS_PREFIX = "miss_"
+"""``miss_<reason>``: blocks a store node's lookups missed, by :class:`MissReason` (in
+``StoreStats.counters`` and ``TenantStats.counters``)."""
+
+
+def miss_reason(reason: MissReason) -> str:
+    """The store counter of blocks missed for ``reason`` (``miss_<reason>``)."""
+    return MISS_PREFIX + MissReason(reason).value
+
+
 # ------------------------------------------------------------------------------ groups
 
 TENANT_COUNTERS: frozenset[StoreCounter] = frozenset({
-    StoreCounter.STORED, StoreCounter.REFUSED_SPACE, StoreCounter.REFUSED_QUOTA, StoreCounter.EVICTED,
+    StoreCounter.STORED, StoreCounter.STORED_BYTES, StoreCounter.BYTES_SENT, StoreCounter.RANGE_BYTES_SENT,
+    StoreCounter.LOOKUP_BLOCKS,
+    StoreCounter.HIT_BLOCKS, StoreCounter.REFUSED_SPACE, StoreCounter.REFUSED_QUOTA, StoreCounter.EVICTED,
     StoreCounter.EVICTED_QUOTA, StoreCounter.EXPIRED, StoreCounter.CHECKSUM_FAILURES,
     StoreCounter.AT_REST_AUTH_FAILURES})
-"""The store counters also kept per tenant (``TenantStats.counters``)."""
+"""The store counters also kept per tenant (``TenantStats.counters``), besides the families
+:func:`tier_hits` and :func:`miss_reason`."""
 
 REFUSALS: tuple[StoreCounter, ...] = (StoreCounter.REFUSED_QUOTA,)
 """What the operator sums into a tenant's ``refusals`` (TenantNamespace status)."""
@@ -350,6 +399,27 @@ HANDOFF_REFUSED_CODES: frozenset[str] = frozenset(_code_name(c) for c in Code if
 HANDOFF_STATE_PREFIX = "handoff_state_"
 """``handoff_state_<outcome>``: accepted handoffs by where their state object came from."""
 HANDOFF_STATES: frozenset[str] = frozenset(o.name.lower() for o in StateOutcome)
+
+
+TIER_HITS_PREFIX = "hits_"
+"""``hits_<tier>``: store blocks found by lookups, by the tier they were found in (per tenant too)."""
+TIER_NAMES: frozenset[str] = frozenset({"dram", "ssd", "sharedfs"})
+
+STORE_MISS_REASONS: frozenset[MissReason] = frozenset({
+    MissReason.ABSENT, MissReason.EXPIRED, MissReason.EVICTED, MissReason.QUOTA, MissReason.CHECKSUM,
+    MissReason.NODE_DOWN})
+"""The miss reasons a store node counts (``miss_<reason>``, per tenant too)."""
+SIDECAR_MISS_REASONS: frozenset[MissReason] = frozenset({MissReason.NODE_DOWN, MissReason.CHECKSUM,
+                                                         MissReason.NO_ROOM})
+"""The miss reasons a sidecar counts (the ones its store nodes never see), from its counters at
+scrape time (``kvpool.sidecar.metrics.misses``)."""
+
+
+def tier_hits(tier: str) -> str:
+    """The store counter of blocks found in ``tier`` (a name of :data:`TIER_NAMES`)."""
+    if tier not in TIER_NAMES:
+        raise ValueError(f"unknown tier {tier!r}")
+    return TIER_HITS_PREFIX + tier
 
 
 def pool_write_failed(code: int) -> str:
@@ -384,7 +454,17 @@ _SIDECAR_NAMES = frozenset(c.value for c in SidecarCounter)
 
 def is_store_counter(name: str) -> bool:
     """Whether a store node may send ``name``."""
-    return name in _STORE_NAMES
+    if name in _STORE_NAMES:
+        return True
+    if name.startswith(TIER_HITS_PREFIX):
+        return name[len(TIER_HITS_PREFIX):] in TIER_NAMES
+    return name.startswith(MISS_PREFIX) and name[len(MISS_PREFIX):] in STORE_MISS_REASONS
+
+
+def is_tenant_counter(name: str) -> bool:
+    """Whether a store node may send ``name`` in a tenant's counters (``TenantStats.counters``):
+    :data:`TENANT_COUNTERS` and the families :func:`tier_hits`, :func:`miss_reason`."""
+    return name in TENANT_COUNTERS or (name not in _STORE_NAMES and is_store_counter(name))
 
 
 def is_sidecar_counter(name: str) -> bool:

@@ -46,7 +46,8 @@ def test_a_small_workload_sends_only_counters_of_the_schema(h: Any) -> None:
     assert {StoreCounter.STORED, StoreCounter.DEMOTED} <= store_names, store_names
     assert counters.unknown(sidecar, SidecarCounter) == []
     assert counters.unknown(store_names | tenant_names, StoreCounter) == []
-    assert tenant_names <= counters.TENANT_COUNTERS, tenant_names - counters.TENANT_COUNTERS
+    # Per tenant: the TENANT_COUNTERS and the hit-by-tier and miss-reason families.
+    assert all(counters.is_tenant_counter(n) for n in tenant_names), tenant_names - counters.TENANT_COUNTERS
 
 
 def test_built_names_are_in_the_schema() -> None:
@@ -57,6 +58,11 @@ def test_built_names_are_in_the_schema() -> None:
             assert counters.is_sidecar_counter(counters.handoff_refused(code))
         if code != UNREACHABLE:
             assert counters.copyover_result(code) in SidecarCounter
+    for tier in counters.TIER_NAMES:
+        assert counters.is_tenant_counter(counters.tier_hits(tier))
+    for reason in counters.STORE_MISS_REASONS:
+        assert counters.is_tenant_counter(counters.miss_reason(reason))
+    assert not counters.is_tenant_counter(counters.miss_reason(counters.MissReason.NO_ROOM))
     for outcome in StateOutcome:
         assert counters.is_sidecar_counter(counters.handoff_state(outcome))
     assert counters.handoff_state(StateOutcome.PEER) == "handoff_state_peer"
