@@ -91,6 +91,12 @@ def test_hit_blocks_is_what_every_rank_covers_within_the_limit() -> None:
     assert vllm_pd.hit_blocks([plan_hit(4 * B, 4 * B, (), B, 0, 0)], 4) == 3  # the last token is computed
 
 
+def test_only_a_whole_prefill_is_published() -> None:
+    assert vllm_pd.publishable(4, 4 * B + 5, B) and vllm_pd.publishable(4, 4 * B, B)
+    assert not vllm_pd.publishable(3, 4 * B + 5, B)  # aborted before its prefill ended
+    assert not vllm_pd.publishable(0, B - 1, B)  # no full block
+
+
 def test_publish_backoff_is_bounded() -> None:
     assert [vllm_pd.publish_backoff(a) for a in range(7)] == [0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05]
 
@@ -155,3 +161,18 @@ def test_an_expired_record_is_refused(lc: LocalCluster) -> None:
         stats: dict[str, int] = {}
         assert Handoffs(d, HandoffSettings(), stats).take(params, lambda: [keys], 2 * B + 1, B, 2) == 0
         assert stats[HandoffStat.REFUSED] == 1
+
+
+def test_blocks_the_pool_lost_shorten_the_load_to_the_blocks_before_them(lc: LocalCluster) -> None:
+    from kvpool.pool.node_client import StoreClient
+    keys = keys_of(7, 5)
+    with lc.connect(0) as p, lc.connect(1) as d:
+        assert p.put(keys, [b"y" * 2048] * 5) == [pb.OK] * 5
+        params = Handoffs(p, HandoffSettings(), {}).publish([keys], 5 * B + 3)
+        assert params is not None
+        for addr in lc.stores:  # the pool loses blocks 2.. after the publish (evicted, say)
+            with StoreClient(addr, lc.tokens.get("default")) as s:
+                s.remove(keys[2:])
+        stats: dict[str, int] = {}
+        assert Handoffs(d, HandoffSettings(), stats).take(params, lambda: [keys], 5 * B + 3, B, 5) == 2
+        assert (stats[HandoffStat.ACCEPTED], stats[HandoffStat.BLOCKS], stats[HandoffStat.MISSING]) == (1, 2, 3)

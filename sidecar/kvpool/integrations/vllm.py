@@ -441,11 +441,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         if not self.settings.load:
             return 0, False
         limit = (len(tokens) - 1) // self.block_size  # the last prompt token is always computed
+        if limit <= st.local_blocks:
+            return 0, False
         handoff = self._handoff_blocks(request, st, limit)
         if handoff is not None:
             limit = handoff  # a record refused (0) recomputes; an accepted one caps the load at its plan
-        if limit <= st.local_blocks:
-            return 0, False
+            if limit <= st.local_blocks:
+                return 0, False
         matched = local = limit
         self._release(st)  # called again for the same request: the new match replaces the old pins
         try:
@@ -549,7 +551,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             return False, None
         self._release(st)
         params = None
-        if self.handoffs is not None and self.kv_role.publishes and st.saved:
+        if self.handoffs is not None and self.kv_role.publishes and \
+                vllm_pd.publishable(st.saved, len(st.tokens), self.block_size):
             # The workers' saves of the last blocks may still run: publish waits for them (bounded).
             full = st.tokens[:st.saved * self.block_size]
             params = self.handoffs.publish([ks.block_keys(full) for ks in self._key_spaces(st.space)], len(st.tokens))

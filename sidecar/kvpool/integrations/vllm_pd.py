@@ -176,6 +176,14 @@ def hit_blocks(plans: Sequence[HitPlan], limit: int) -> int:
     return max(0, min([limit] + [p.hit_tokens // p.block_tokens for p in plans]))
 
 
+def publishable(saved_blocks: int, prompt_tokens: int, block_tokens: int) -> bool:
+    """Whether a finished producer request is published: every full block of its prompt saved
+    (or known in the pool), so not one aborted before its prefill ended, nor a prompt shorter
+    than a block (the decode side computes it all anyway)."""
+    full = prompt_tokens // block_tokens
+    return full > 0 and saved_blocks >= full
+
+
 def publish_backoff(attempt: int) -> float:
     """Seconds before the next publish attempt (the blocks' save still under way): 2 ms doubling to 50 ms."""
     return float(min(0.002 * (2 ** attempt), 0.05))
