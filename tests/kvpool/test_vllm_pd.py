@@ -123,11 +123,13 @@ def test_publish_waits_for_a_late_save_then_the_decode_side_takes_it(lc: LocalCl
         late.join()
         assert params is not None and time.monotonic() - t0 >= 0.15
         assert stats[HandoffStat.PUBLISHED] == 1 and stats[HandoffStat.PUBLISH_FAILED] == 0
+        assert stats[HandoffStat.LAST_PUBLISH_US] >= 150_000  # it waited for the late save
 
         dstats: dict[str, int] = {}
         h = Handoffs(d, HandoffSettings(), dstats)
         assert h.take(params, lambda: [keys], 4 * B + 5, B, 4) == 4
         assert (dstats[HandoffStat.ACCEPTED], dstats[HandoffStat.BLOCKS], dstats[HandoffStat.MISSING]) == (1, 4, 0)
+        assert dstats[HandoffStat.LAST_ACCEPT_US] > 0
         n, n_local, lease = d.match_local(keys)  # landed in the decode sidecar by the accept
         d.release(lease)
         assert (n, n_local) == (4, 4)

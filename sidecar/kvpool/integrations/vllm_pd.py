@@ -124,6 +124,10 @@ class HandoffStat(enum.StrEnum):
     """Consumer: blocks the accepted records landed in the sidecar (every rank)."""
     MISSING = "handoff_missing_blocks"
     """Consumer: blocks of accepted records the pool no longer had (recomputed)."""
+    LAST_PUBLISH_US = "last_handoff_publish_us"
+    """Producer: how long the last publish held the scheduler (waiting for the saves, the pool's commits)."""
+    LAST_ACCEPT_US = "last_handoff_accept_us"
+    """Consumer: how long the last accept held the scheduler (landing the blocks from the pool)."""
 
 
 # -- pure ------------------------------------------------------------------------------------------
@@ -207,7 +211,8 @@ class Handoffs:
         """``kv_transfer_params`` for a finished request whose blocks ``keys_per_rank`` were saved
         (by the workers' background saves, which may still run: a block not yet in the sidecar is
         waited for, within ``wait_ms``); None when they are not in the pool by then."""
-        deadline = time.monotonic() + self.settings.wait_ms / 1000
+        t0 = time.monotonic()
+        deadline = t0 + self.settings.wait_ms / 1000
         records = []
         try:
             for keys in keys_per_rank:
@@ -216,6 +221,8 @@ class Handoffs:
             log.warning("kvpool handoff of a %d-token prefill not published: %s", prompt_tokens, exc)
             self.stats[HandoffStat.PUBLISH_FAILED] += 1
             return None
+        finally:
+            self.stats[HandoffStat.LAST_PUBLISH_US] = int((time.monotonic() - t0) * 1e6)
         self.stats[HandoffStat.PUBLISHED] += 1
         return encode_params(records)
 
@@ -261,10 +268,12 @@ class Handoffs:
         """Have the sidecar accept every rank's record (blocks landed and pinned until the results
         are released); None (counted) when it refuses one or fails."""
         got: list[HandoffResult] = []
+        t0 = time.monotonic()
         try:
             for rec in records:
                 # Attention-only KV: no window state, so no replay (window 0, rollback 0).
                 got.append(self.client.accept_handoff(rec, window_tokens=0, rollback_tokens=0))
+            self.stats[HandoffStat.LAST_ACCEPT_US] = int((time.monotonic() - t0) * 1e6)
         except (errors.HandoffInvalid, errors.HandoffExpired, errors.WrongTenant) as exc:
             self.refuse(str(exc), got)
             return None
