@@ -453,7 +453,9 @@ def test_a_stopped_sidecar_gives_misses_within_the_bound_and_the_tier_recovers(m
                 e.step_end()
                 time.sleep(0.02)
             assert got is LookupResult.MISS
-            assert slowest < 0.1, f"a lookup call blocked for {slowest:.3f}s"
+            # A call that waited on the stopped sidecar would take the whole bound (0.4 s); half of it
+            # leaves room for a scheduling stall on loaded shared cores (0.1 failed once at load 9).
+            assert slowest < bound / 2, f"a lookup call blocked for {slowest:.3f}s"
             assert e.tier.stats["fallbacks"] >= 3
         finally:
             os.kill(pid, signal.SIGCONT)
