@@ -66,8 +66,11 @@ def test_policies_created_admitted_and_following_tenants(operator: Operator, kub
         create(kube, {"apiVersion": API, "kind": "TenantNamespace", "metadata": {"name": tenants[1]},
                       "spec": {"tenantId": tenants[1], "namespaces": [extra[1]],
                                "pools": [{"pool": f"{namespace}.guarded"}]}})
-        updated = wait_for(lambda: (p := _policy(kube, namespace, "guarded-store-ingress")) is not None
-                           and _tenant_namespaces(p) == sorted(extra) and p, 60, "both tenants in the policy")
+        def with_both() -> dict[str, Any] | None:
+            p = _policy(kube, namespace, "guarded-store-ingress")
+            return p if p is not None and _tenant_namespaces(p) == sorted(extra) else None
+
+        updated = wait_for(with_both, 60, "both tenants in the policy")
         assert updated["metadata"]["uid"] == store["metadata"]["uid"]
         st = wait_for(lambda: (kube.get(API, "KVPool", "guarded", namespace) or {}).get("status", {}).get(
             "networkPolicies"), 30, "status.networkPolicies")
