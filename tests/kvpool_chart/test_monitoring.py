@@ -9,12 +9,14 @@ Prometheus and promtool are Debian's 2.42 package, which tools/setup.sh unpacks 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -204,11 +206,11 @@ def prometheus_for(tmp_path: Path) -> Iterator[Any]:
                "rule_files": [str(rules_path)],
                "scrape_configs": [{"job_name": "kvpool", "static_configs": targets}]}
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-        log = (tmp_path / "prometheus.log").open("wb")
-        procs.append(subprocess.Popen(
-            [str(PROMETHEUS), f"--config.file={tmp_path / 'prometheus.yml'}", f"--web.listen-address=127.0.0.1:{port}",
-             f"--storage.tsdb.path={tmp_path / 'data'}", "--storage.tsdb.retention.time=1h"],
-            stdout=log, stderr=subprocess.STDOUT))
+        with (tmp_path / "prometheus.log").open("wb") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen(
+                [str(PROMETHEUS), f"--config.file={tmp_path / 'prometheus.yml'}",
+                 f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                 "--storage.tsdb.retention.time=1h"], stdout=log, stderr=subprocess.STDOUT))
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -233,6 +235,19 @@ def prometheus_for(tmp_path: Path) -> Iterator[Any]:
             p.wait()
 
 
+def scrape_targets(lc: Any) -> list[dict[str, Any]]:
+    """Static targets with the labels the chart's PodMonitor gives a pod's endpoint (namespace,
+    pod, container, endpoint = the port's name, pool from the pod's pool label)."""
+    out = []
+    for kind, n, container, port in (("store", len(lc.stores), "store", "metrics"),
+                                     ("sidecar", len(lc.sidecars), "kvpool-sidecar", "kvpool-metrics")):
+        for i in range(n):
+            host = urllib.parse.urlsplit(lc.metrics_url(kind, i)).netloc
+            out.append({"targets": [host], "labels": {"namespace": "local", "pool": "local", "pod": f"{kind}-{i}",
+                                                      "container": container, "endpoint": port}})
+    return out
+
+
 def _workload(lc: Any, rng: Any) -> None:
     """One round of what the dashboard shows: tenant a writes past DRAM (demotions, evictions) and
     reads back (hits in both tiers, restores), asks for absent keys (misses); tenant b writes past
@@ -242,12 +257,12 @@ def _workload(lc: Any, rng: Any) -> None:
         c = lc.connect(i)
         try:
             n = tenant_bytes // block
-            keys = [rng.bytes(16) for _ in range(n)]
+            keys = [rng.bytes(32) for _ in range(n)]
             c.put(keys, [rng.bytes(block) for _ in range(n)])
             c.flush()
             c.match(keys)
-            c.get(keys[: n // 2])
-            c.get([rng.bytes(16) for _ in range(8)])  # absent
+            c.get_many(keys[: n // 2]).release()  # tenant b's refused keys are absent: per key
+            c.get_many([rng.bytes(32) for _ in range(8)]).release()  # absent
         finally:
             c.close()
 
@@ -257,28 +272,45 @@ def _workload(lc: Any, rng: Any) -> None:
 def test_a_real_prometheus_evaluates_every_expression(prometheus_for: Any) -> None:
     from kvpool.apps.cluster import LocalCluster
 
-    if not hasattr(LocalCluster, "metrics_urls"):
-        pytest.skip("the store and sidecar exporters (branch i2x-metrics, LocalCluster.metrics_urls) are not on "
+    if not hasattr(LocalCluster, "metrics_url"):
+        pytest.skip("the store and sidecar exporters (branch i2x-metrics, LocalCluster.metrics_url) are not on "
                     "this branch yet")
     import numpy as np
 
     mib = 1 << 20
     with LocalCluster(stores=2, sidecars=2, tenants=["a", "b"], quotas={"b": 2 * mib}, store_bytes=4 * mib,
                       local_bytes=2 * mib, ssd_bytes=16 * mib) as lc:
-        targets = [{"targets": [url.split("//", 1)[1].split("/", 1)[0]], "labels": labels}
-                   for url, labels in lc.metrics_urls(namespace="local", pool="local")]
-        base = prometheus_for(targets)
-        exprs = [*dashboard_exprs(), *(r["expr"] for r in rules())]
-        empty: dict[str, str] = {}
-        deadline = time.monotonic() + 90
-        while True:
-            _workload(lc, np.random.default_rng(len(empty)))
-            empty = {e: live_form(e) for e in exprs if not _query(base, live_form(e))}
-            waiting = {e: f for e, f in empty.items() if not any(name in e for name in PENDING)}
-            if not waiting or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert not waiting, "no series for:\n" + "\n".join(waiting.values())
+        base = prometheus_for(scrape_targets(lc))
+        exprs = {e: live_form(e) for e in [*dashboard_exprs(), *(r["expr"] for r in rules())]
+                 if not any(name in e for name in PENDING)}
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def work() -> None:
+            rng = np.random.default_rng(0)
+            try:
+                while not stop.is_set():
+                    _workload(lc, rng)
+                    stop.wait(0.5)
+            except BaseException as exc:  # shown by the test, not lost in a thread
+                failed.append(exc)
+
+        # The workload runs while Prometheus scrapes, so every rate has samples that moved.
+        worker = threading.Thread(target=work, name="workload")
+        worker.start()
+        try:
+            waiting = dict(exprs)
+            deadline = time.monotonic() + 120
+            while waiting and not failed and time.monotonic() < deadline:
+                time.sleep(2)
+                # Done with an expression once it returns a series with a number (NaN: 0/0, no traffic yet).
+                waiting = {e: f for e, f in waiting.items()
+                           if not any(math.isfinite(float(r["value"][1])) for r in _query(base, f))}
+        finally:
+            stop.set()
+            worker.join(60)
+        assert not failed, failed
+        assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
         for name, why in PENDING.items():
             # Still pending: nothing exports it. Once something does, take it off PENDING.
             assert not _query(base, f"count({name})"), f"{name} is exported now: remove it from PENDING ({why})"
