@@ -144,3 +144,20 @@ def test_reconcile_applies_updates_and_prunes_the_policies() -> None:
     assert "networkPolicies" not in after["status"]
     assert not any(p[1] == "NetworkPolicy" for p in plan_pool(
         PoolObserved(body=after, now_ms=4, now_iso="t"), Settings(network_policy=False)).prune)
+
+
+def test_drift_of_a_policy_is_watched_only_with_the_switch_on() -> None:
+    import kopf
+
+    from kvpool_operator.handlers import register_all
+    from kvpool_operator.kube import Kube
+    from kvpool_operator.nodes import Nodes
+    from kvpool_operator.runtime import Runtime
+
+    def watched(settings: Settings) -> set[str]:
+        reg = kopf.OperatorRegistry()
+        register_all(reg, Runtime(settings, Kube(None), Nodes()), with_webhook=False)
+        return {str(h.id) for h in reg._watching.get_all_handlers()}
+
+    assert "network_policy" in watched(Settings())
+    assert "network_policy" not in watched(Settings(network_policy=False))  # no RBAC to watch them then
