@@ -161,3 +161,18 @@ def test_drift_of_a_policy_is_watched_only_with_the_switch_on() -> None:
 
     assert "network_policy" in watched(Settings())
     assert "network_policy" not in watched(Settings(network_policy=False))  # no RBAC to watch them then
+
+
+def test_the_policy_ports_are_the_names_the_pods_declare() -> None:
+    """Policies name ports (a port a pod does not declare matches nothing, silently): the names
+    must be those of the store and router containers that children.py builds."""
+    from kvpool_operator import children
+    from kvpool_operator.model import resolve_layout
+
+    pool = parse_pool(pool_body(router={"enabled": True, "events": {"enabled": True, "tenant": "t"}}))
+    layout = resolve_layout(pool, {}, S.default_dram_bytes, S.store_memory_overhead_bytes)
+    store = {p["name"] for p in children.store_container(pool, layout, S)["ports"]}
+    router = {p["name"] for p in children.router_deployment(pool, S)["spec"]["template"]["spec"]["containers"][0][
+        "ports"]}
+    assert {*netpolicy.STORE_CLIENT_PORTS, *netpolicy.EVENT_PORTS} <= store
+    assert set(netpolicy.ROUTER_PORTS) <= router
