@@ -12,7 +12,8 @@ Two ingress policies per pool, both owned by the pool (deleted with it):
 
 Ports are named (``control``, ``transfer``, ``metrics``...): a policy then follows the pod spec
 without repeating its numbers, and a port a pod does not declare simply matches nothing.
-Only ingress: egress stays open (store nodes reach each other and DNS). The policies select
+Only ingress: egress stays open (store nodes reach each other and DNS). The kubelet's probes
+come from the node itself, which network plugins admit to its pods whatever the policies say. The policies select
 store and router pods only, never the tenants' pods (a policy selecting a pod denies every
 other ingress to it, the application's own ports included).
 """
