@@ -99,10 +99,11 @@ def test_dashboard_panels_cover_what_the_issue_asks() -> None:
 
 def test_expressions_name_only_documented_metrics() -> None:
     """The names the PromQL uses are the exporters' (kvpool.wire.metric_names, docs/metrics.md)."""
-    names = pytest.importorskip("kvpool.wire.metric_names",
-                                reason="the exporters' names (branch i2x-metrics) are not on this branch yet")
-    known = {m.value for enum in (names.StoreMetric, names.SidecarMetric, names.EngineMetric) for m in enum}
-    known.add(CERT_EXPIRY)
+    from kvpool.wire import metric_names as names
+
+    known = {m.value for enum in (names.StoreMetric, names.SidecarMetric, names.EngineMetric, names.TlsMetric)
+             for m in enum}
+    assert CERT_EXPIRY == names.TlsMetric.CERTIFICATE_EXPIRY
     used = {m for e in [*dashboard_exprs(), *(r["expr"] for r in rules())]
             for m in re.findall(r"\b(kvpool_[a-z0-9_]+)", e)}
     stripped = {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in used}
@@ -270,12 +271,9 @@ def _workload(lc: Any, rng: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not PROMETHEUS.exists(), reason="prometheus is not here: run tools/setup.sh")
 def test_a_real_prometheus_evaluates_every_expression(prometheus_for: Any) -> None:
-    from kvpool.apps.cluster import LocalCluster
-
-    if not hasattr(LocalCluster, "metrics_url"):
-        pytest.skip("the store and sidecar exporters (branch i2x-metrics, LocalCluster.metrics_url) are not on "
-                    "this branch yet")
     import numpy as np
+
+    from kvpool.apps.cluster import LocalCluster
 
     mib = 1 << 20
     with LocalCluster(stores=2, sidecars=2, tenants=["a", "b"], quotas={"b": 2 * mib}, store_bytes=4 * mib,
