@@ -114,6 +114,9 @@ def test_defaults_and_printer_columns(cluster: Cluster, crds: None, namespace: s
     (pool("bad-deadline2", sidecar={"deadlines": {"readBytesPerSecond": -1}}),
      "spec.sidecar.deadlines.readBytesPerSecond"),
     (pool("bad-deadline3", sidecar={"deadlines": {"probeMs": "1s"}}), "spec.sidecar.deadlines.probeMs"),
+    (pool("bad-peer", router={"allowedFrom": [{}]}), "a peer needs podSelector, namespaceSelector or ipBlock"),
+    (pool("bad-peer2", router={"allowedFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}),
+     "ipBlock cannot be combined with podSelector or namespaceSelector"),
 ])
 def test_invalid_pools_refused(cluster: Cluster, crds: None, namespace: str, doc: dict[str, Any],
                                message: str) -> None:

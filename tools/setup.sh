@@ -17,6 +17,24 @@ if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
     || echo "setup: apt-get failed; tests needing ${need_apt[*]} will skip with the reason"
 fi
 
+# Debian's Prometheus 2.42 (prometheus + promtool) for the chart's rule and dashboard tests
+# (tests/kvpool_chart/test_monitoring.py): the package is downloaded with apt and unpacked into the
+# cache, not installed, because installing it would start a prometheus service on :9090 here.
+PROM_DIR="$KVPOOL_CACHE/prometheus"
+if [ ! -x "$PROM_DIR/usr/bin/promtool" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: apt-get download prometheus (unpacked into $PROM_DIR)"
+  deb_dir="$(mktemp -d)"
+  chmod 755 "$deb_dir"  # apt's _apt user writes the download there
+  if (cd "$deb_dir" && { apt-get download -qq prometheus >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get download -qq prometheus; } >/dev/null 2>&1; } \
+      && rm -rf "$PROM_DIR.tmp" && dpkg-deb -x prometheus_*.deb "$PROM_DIR.tmp"); then
+    rm -rf "$PROM_DIR" && mv "$PROM_DIR.tmp" "$PROM_DIR"
+  else
+    echo "setup: no prometheus package; the promtool and scrape tests will skip with the reason"
+  fi
+  rm -rf "$deb_dir"
+fi
+
 # kvpool's Python packages live in a virtual environment of their own under the cache, never in
 # the machine's Python: installing into it once upgraded another package's pinned dependency
 # (pydantic under aws-sam-translator). tools/test.sh and tools/demo.sh run in this venv.

@@ -33,6 +33,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("apps/v1", "StatefulSet"): ("statefulsets", True),
     ("apps/v1", "Deployment"): ("deployments", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
     (API_VERSION, "KVPool"): ("kvpools", True),
     (API_VERSION, "KVTier"): ("kvtiers", False),
     (API_VERSION, "TenantNamespace"): ("tenantnamespaces", False),

@@ -12,6 +12,7 @@ usable here; the Helm chart or cert-manager provides them).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -70,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Prometheus port of injected sidecars (0 off)")
     pods.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
                       help="pod port of injected sidecars' prefill -> decode state exports (0 off)")
+    net = ap.add_argument_group("network policy (one per pool, kvpool_operator.netpolicy)")
+    net.add_argument("--no-network-policy", dest="network_policy", action="store_false",
+                     help="create no NetworkPolicy for the pools (and delete those made before)")
+    net.add_argument("--operator-pod-labels", default=",".join(f"{k}={v}" for k, v in d.operator_pod_labels.items()),
+                     help="labels of the operator's pods, k=v,k=v (admitted to the store nodes' control port)")
+    net.add_argument("--metrics-from", default=json.dumps(list(d.metrics_from)),
+                     help="JSON list of NetworkPolicy peers that may scrape the store nodes' metrics port")
     timing = ap.add_argument_group("reconcile timing")
     timing.add_argument("--reconcile-interval", type=float, default=d.reconcile_interval_seconds,
                         help="period of the KVPool timer: ring, stats, drain progress, drift repair")
@@ -105,18 +113,40 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_labels(text: str, flag: str) -> dict[str, str]:
+    """``k=v,k=v`` → a dict; fails fast on a pair without ``=``."""
+    pairs = [p.strip() for p in text.split(",") if p.strip()]
+    if not pairs or any("=" not in p for p in pairs):
+        raise ValueError(f"{flag} must be k=v[,k=v...], got {text!r}")
+    return dict(p.split("=", 1) for p in pairs)
+
+
+def parse_peers(text: str, flag: str) -> tuple[dict[str, Any], ...]:
+    try:
+        peers = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc}") from None
+    if not isinstance(peers, list) or not all(isinstance(p, dict) and p for p in peers):
+        raise ValueError(f"{flag} must be a JSON list of NetworkPolicy peers (objects), got {text!r}")
+    return tuple(peers)
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     from .units import parse_bytes
 
     try:
         dram = parse_bytes(args.default_dram, "--default-dram")
+        operator_labels = parse_labels(args.operator_pod_labels, "--operator-pod-labels")
+        metrics_from = parse_peers(args.metrics_from, "--metrics-from")
     except ValueError as exc:
         raise SystemExit(f"kvpool operator: {exc}") from None
     return Settings(image=args.image, image_pull_policy=args.image_pull_policy, command=tuple(args.command.split()),
                     namespace=args.namespace, default_dram_bytes=dram,
                     reconcile_interval_seconds=args.reconcile_interval, tenant_interval_seconds=args.tenant_interval,
                     member_unready_grace_seconds=args.member_unready_grace,
-                    sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port)
+                    sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port,
+                    network_policy=args.network_policy, operator_pod_labels=operator_labels,
+                    metrics_from=metrics_from)
 
 
 def peering_objects(name: str, watch_namespaces: Sequence[str]) -> list[dict[str, Any]]:

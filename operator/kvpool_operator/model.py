@@ -271,6 +271,9 @@ class PoolSpec:
     router_enabled: bool = False
     """spec.router.enabled: run ``kvpool router-api`` for the pool (Deployment + Service)."""
     router_replicas: int = 1
+    router_allowed_from: tuple[Mapping[str, Any], ...] | None = None
+    """spec.router.allowedFrom: NetworkPolicy peers that may reach the router API and the KV-event
+    ports (None: unset, pods of the pool's namespace)."""
     events_tenant: str | None = None
     """spec.router.events: the tenant whose block events the store nodes publish (None: no events).
     The pool's default tenant is the store's ``default`` partition."""
@@ -380,8 +383,18 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         encryption=enc_on, encryption_secret=_get(enc, "secretName") or None,
         router_enabled=bool(_get(rt, "enabled", default=False)),
         router_replicas=_int(_get(rt, "replicas", default=1), "spec.router.replicas", 1, 16),
+        router_allowed_from=_peers(_get(rt, "allowedFrom"), "spec.router.allowedFrom"),
         events_tenant=events_tenant,
     )
+
+
+def _peers(value: Any, where: str) -> tuple[Mapping[str, Any], ...] | None:
+    """NetworkPolicy peers as given (the CRD schema checks their shape); None when unset."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(p, Mapping) and p for p in value):
+        raise SpecError("InvalidSpec", f"{where} must be a list of NetworkPolicy peers")
+    return tuple(value)
 
 
 def wants_encryption(pool: PoolSpec, tiers: Mapping[str, TierSpec]) -> bool:

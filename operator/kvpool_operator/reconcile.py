@@ -16,7 +16,7 @@ from typing import Any
 from kvpool.core.push_status import DrainStatus, WarmStatus
 from kvpool.core.ring import Member, Ring
 
-from . import children, drain, membership, rebalance, scaling, status
+from . import children, drain, membership, netpolicy, rebalance, scaling, status
 from .drain import DrainState, Event
 from .membership import StorePod
 from .model import (
@@ -264,7 +264,11 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     if decision is not None and decision.action in ("up", "down") and obs.sts_replicas is not None:
         patch["lastScaleUnixMs"] = obs.now_ms
     layout_policy = Policy(dict(pool.ttl_seconds), layout.dram.high_watermark, layout.dram.low_watermark)
+    policies = netpolicy.network_policies(pool, (tn for tn, _ in obs.tenants), settings)
+    patch["networkPolicies"] = [m["metadata"]["name"] for m in policies] or None
     manifests = children.children(pool, layout, settings, replicas)
+    # Before the StatefulSet (which stays last): new store pods start behind their policy.
+    manifests[-1:-1] = policies
     if live_claims is not None:
         sts_spec = manifests[-1]["spec"]
         if live_claims:
@@ -277,7 +281,9 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         manifests = [m for m in manifests if m["kind"] != "StatefulSet"]
     return PoolPlan(
         pool=pool, status=patch, events=tuple(events), layout=layout,
-        children=tuple(manifests), prune=children.pruned(pool) if (st.get("router") or {}).get("enabled") else (),
+        children=tuple(manifests),
+        prune=(*(children.pruned(pool) if (st.get("router") or {}).get("enabled") else ()),
+               *netpolicy.pruned_policies(st.get("networkPolicies") or (), policies)),
         ring=ring, push_ring=push,
         drain_calls=tuple(by_id[c] for c in calls if c in by_id), drain_deadline_ms=deadline,
         policy=layout_policy, tenants=tuple(node_tenants(pool, obs.tenants)),

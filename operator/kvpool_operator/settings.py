@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class Settings:
     container restart does not move its keys twice); a deleted pod leaves at once.  0: at once."""
     autoscale_cooldown_seconds: float = 60.0
     """The autoscaler changes a pool's size at most this often (user changes are not delayed)."""
+    network_policy: bool = True
+    """Render a NetworkPolicy per pool (kvpool_operator.netpolicy); off: none, and those made before go."""
+    operator_pod_labels: dict[str, str] = field(default_factory=lambda: {
+        "app.kubernetes.io/name": "kvpool", "app.kubernetes.io/component": "operator"})
+    """Labels of the operator's own pods (in :attr:`namespace`): the pools' policies admit them to
+    the store nodes' control port (admin calls)."""
+    metrics_from: tuple[dict[str, Any], ...] = (
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},)
+    """NetworkPolicy peers that may scrape the store nodes' ``metrics`` port (empty: nobody)."""
     store_labels: dict[str, str] = field(default_factory=dict)
     """Extra labels on every store pod (e.g. for network policies)."""
 

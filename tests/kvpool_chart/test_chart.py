@@ -83,7 +83,7 @@ def test_defaults_render_the_operator_rbac_and_webhook(tmp_path: Path) -> None:
     docs = render(tmp_path)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                            "Service", "Secret", "MutatingWebhookConfiguration"])
+                            "Service", "Secret", "MutatingWebhookConfiguration", "NetworkPolicy"])
     dep = one(docs, "Deployment")
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -210,6 +210,33 @@ def test_two_replicas_peer_with_a_pdb_and_listen_where_told(tmp_path: Path) -> N
     (role,) = by_kind(docs, "Role")
     granted = {(g, res, v) for r in role["rules"] for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
     assert {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "create", "patch")} <= granted
+
+
+@needs_helm
+def test_network_policies_on_by_default_and_off_with_the_switch(tmp_path: Path) -> None:
+    """The operator's pods get their own policy (webhook from anywhere: the API server is no pod;
+    metrics from the monitoring namespace); the operator renders the pools' (issue 23)."""
+    docs = render(tmp_path)
+    dep = one(docs, "Deployment")
+    pol = one(docs, "NetworkPolicy")
+    assert pol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    rules = {r["ports"][0]["port"]: r.get("from") for r in pol["spec"]["ingress"]}
+    assert rules == {"health": None, "webhook": None, "metrics": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    labels = dict(kv.split("=") for kv in args[args.index("--operator-pod-labels") + 1].split(","))
+    assert labels == dep["spec"]["selector"]["matchLabels"]
+    assert yaml.safe_load(args[args.index("--metrics-from") + 1]) == rules["metrics"]
+    granted = {(g, res, v) for r in one(docs, "ClusterRole")["rules"] for g in r["apiGroups"]
+               for res in r["resources"] for v in r["verbs"]}
+    assert ("networking.k8s.io", "networkpolicies", "create") in granted
+
+    docs = render(tmp_path, "networkPolicy.enabled=false")
+    assert not by_kind(docs, "NetworkPolicy")
+    assert "--no-network-policy" in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    # Off, the operator may still delete the policies it made while on (and nothing else).
+    assert [r["verbs"] for r in one(docs, "ClusterRole")["rules"] if "networkpolicies" in r["resources"]] == [
+        ["delete"]]
 
 
 @needs_helm

@@ -79,6 +79,7 @@ def test_kvpool_printer_columns() -> None:
     "status.conditions.[].message", "status.ring", "status.drain", "status.hitRate", "status.phase",
     "spec.scaleUp.warmBandwidth", "spec.scaleUp.warmFraction", "spec.scaleUp.warmDeadlineSeconds",
     "status.rebalance", "status.lastRebalance", "spec.storage.memberUnreadyGraceSeconds",
+    "spec.router.allowedFrom", "spec.router.allowedFrom.[].ipBlock.cidr", "status.networkPolicies",
 ])
 def test_kvpool_fields(path: str) -> None:
     assert _at(_schema("kvpool"), path)

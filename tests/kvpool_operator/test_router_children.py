@@ -97,12 +97,13 @@ def test_switching_the_router_off_prunes_it_once() -> None:
     # Off but events on: the router fields leave the status (merge patch), the events stay.
     ev = dict(body, spec={**body["spec"], "router": {"enabled": False, "events": {"enabled": True, "tenant": "t"}}})
     plan = plan_pool(PoolObserved(body=ev, now_ms=2, now_iso="t"), S)
-    assert len(plan.prune) == 2
+    assert len(plan.prune) == 3  # the Deployment, the Service and the router's NetworkPolicy
     shown = apply_merge_patch(body["status"], plan.status)["router"]
     assert shown == {"enabled": False, "events": {"port": 7402, "replayPort": 7403, "service": "p-store.ns.svc"}}
     off = dict(body, spec={**body["spec"], "router": {"enabled": False}})
     plan = plan_pool(PoolObserved(body=off, now_ms=2, now_iso="t"), S)
-    assert set(plan.prune) == {("apps/v1", "Deployment", "p-router"), ("v1", "Service", "p-router")}
+    assert set(plan.prune) == {("apps/v1", "Deployment", "p-router"), ("v1", "Service", "p-router"),
+                               ("networking.k8s.io/v1", "NetworkPolicy", "p-router-ingress")}
     assert plan.status["router"] is None
     after = dict(off, status=apply_merge_patch(off["status"], plan.status))
     assert "router" not in after["status"]

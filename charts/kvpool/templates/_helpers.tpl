@@ -24,6 +24,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The selector labels as k=v,k=v (the operator's --operator-pod-labels). */}}
+{{- define "kvpool.selectorLabelList" -}}
+{{- $out := list -}}
+{{- range $k, $v := include "kvpool.selectorLabels" . | fromYaml -}}
+{{- $out = append $out (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+
 {{- define "kvpool.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "kvpool.fullname" .) .Values.serviceAccount.name -}}
@@ -96,4 +105,9 @@ ca: {{ $ca.Cert | b64enc }}
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
+# A NetworkPolicy per pool (created, updated and pruned with it; watched for drift). Switched
+# off, the operator only deletes those it made before.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: {{ ternary "[get, list, watch, create, patch, delete]" "[delete]" .Values.networkPolicy.enabled }}
 {{- end -}}

@@ -56,3 +56,13 @@ def register(registry: Any, rt: Runtime) -> None:
     def store_set(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
         if type in ("MODIFIED", "DELETED"):
             run(namespace, labels.get(STORE_POOL_LABEL))
+
+    if rt.settings.network_policy:
+        # Drift repair: someone edited or deleted one of a pool's NetworkPolicies (TenantNamespace
+        # changes re-reconcile the pools they name, see handlers.tenantnamespace).
+        @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", registry=registry, id="network_policy",
+                       labels={"app.kubernetes.io/managed-by": "kvpool-operator",
+                               "app.kubernetes.io/instance": kopf.PRESENT})
+        def network_policy(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
+            if type in ("MODIFIED", "DELETED"):
+                run(namespace, labels.get("app.kubernetes.io/instance"))

@@ -149,6 +149,15 @@ class EngineMetric(enum.StrEnum):
     """{decision}: counter, their tokens (loaded, recomputed_cheaper)."""
 
 
+class TlsMetric(enum.StrEnum):
+    """Families of the pool's TLS (issue 23 part 1): the chart's KVPoolCertificateNearExpiry alert
+    and the dashboard read them (charts/kvpool/files)."""
+
+    CERTIFICATE_EXPIRY = "kvpool_certificate_expiry_timestamp_seconds"
+    """{pool, kind}: gauge, unix time a certificate of the pool expires (kind: ``ca``, ``serving``,
+    ``client``...; one series per certificate in use)."""
+
+
 class EvictionReason(enum.StrEnum):
     """``reason`` of ``kvpool_store_evictions``."""
 
