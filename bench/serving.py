@@ -123,7 +123,8 @@ class EngineProc:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
                                      text=True, env=child_env(), cwd=REPO, start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -170,7 +171,10 @@ class EngineProc:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        self._err.close()
+        self._reader.join(timeout=10)  # reads to EOF: the child is gone
+        for f in (self.proc.stdin, self.proc.stdout, self._err):
+            if f is not None and not f.closed:
+                f.close()
 
 
 def make_model(python: str, size: str, path: str, seed: int = 0) -> dict[str, Any]:
