@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:  # `python bench/serving.py` puts bench/, not the 
     sys.path.insert(0, str(REPO))
 
 from bench import serving_report  # noqa: E402
+from bench.common import KVPOOL_SRC_ENV  # noqa: E402
 from bench.serving_workload import (  # noqa: E402
     ARM_E_REASON,
     ARMS,
@@ -107,8 +108,10 @@ def engine_python() -> str | None:
 
 
 def child_env() -> dict[str, str]:
+    """The engines' environment: this checkout's kvpool (or $KVPOOL_BENCH_SRC's, as bench/run.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO / "sidecar"), str(REPO)]), HF_HUB_OFFLINE="1",
+    src = os.environ.get(KVPOOL_SRC_ENV) or str(REPO / "sidecar")
+    env.update(PYTHONPATH=os.pathsep.join([src, str(REPO)]), HF_HUB_OFFLINE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in the child: 2.6 s start, not 19 s
                VLLM_CPU_KVCACHE_SPACE="1")  # the cache is sized by num_gpu_blocks_override anyway
     return env
@@ -333,6 +336,8 @@ class Outcome:
     summary: dict[str, dict[str, Any]]
     mismatches: list[str]
     probe: dict[str, float]
+    failed: dict[str, str]
+    """Arms that could not run to the end, and why (the other arms go on)."""
 
 
 def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds: int,
@@ -343,11 +348,20 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     ref = "a" if "a" in arms else arms[0]
     probed: dict[str, float] = {}
+    failed: dict[str, str] = {}
     for rnd in range(rounds):
         order = list(arms[rnd % len(arms):]) + list(arms[:rnd % len(arms)])
         for arm in order:
+            if arm in failed:
+                continue
             log(f"round {rnd + 1}/{rounds}, arm {arm} ({ARMS[arm]}) ...")
-            res = run_arm(cfg, cluster, arm, wl, salt=f"{arm}-round{rnd}", probe=probe and arm == ref and rnd == 0)
+            try:
+                res = run_arm(cfg, cluster, arm, wl, salt=f"{arm}-round{rnd}",
+                              probe=probe and arm == ref and rnd == 0)
+            except BenchError as exc:
+                failed[arm] = str(exc)
+                log(f"  FAILED: {exc}")
+                continue
             runs[arm].append(res)
             if res["probe"]:
                 probed = res["probe"]
@@ -358,7 +372,7 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
                   for m in output_mismatches(reference, res["records"])]
     floor = floor_tokens(wl.shape)
     summary = {}
-    for arm in arms:
+    for arm in runs:
         recs = [r for res in runs[arm] for r in res["records"]]
         s = summarize(recs, floor * len(runs[arm]))
         s["wall_s"] = sum(res["wall_s"] for res in runs[arm]) / len(runs[arm])
@@ -371,7 +385,7 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
                                      for res in runs[arm] for i in range(2)) // len(runs[arm])
                               for k in ("stored", "loaded")}
         summary[arm] = s
-    return Outcome(runs, summary, mismatches, probed)
+    return Outcome(runs, summary, mismatches, probed, failed)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -433,21 +447,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         cluster = stack.enter_context(LocalCluster(stores=2, sidecars=2, block_tokens=BLOCK_TOKENS,
                                                    store_bytes=a.store_mib << 20, local_bytes=a.local_mib << 20))
-        try:
-            out = run_all(cfg, cluster, wl, arms, a.rounds, probe=not a.no_probe)
-        except BenchError as exc:
-            keep = shutil.copytree(work, tempfile.mkdtemp(prefix="kvpool-serving-logs-"),
+        out = run_all(cfg, cluster, wl, arms, a.rounds, probe=not a.no_probe)
+        if out.failed:
+            keep = shutil.copytree(work, tempfile.mkdtemp(prefix="kvpool-serving-logs-"), dirs_exist_ok=True,
                                    ignore=shutil.ignore_patterns("model"))
-            print(f"FAILED: {exc}\n(engine logs kept in {keep})", file=sys.stderr)
-            return 1
-    report = serving_report.build(wl, cfg_dict(cfg, a), out.probe, out.summary, out.runs, out.mismatches)
+            print(f"engine logs kept in {keep}", file=sys.stderr)
+    report = serving_report.build(wl, cfg_dict(cfg, a), out.probe, out.summary, out.runs, out.mismatches,
+                                  out.failed)
     print(serving_report.table(report))
     if a.json:
         serving_report.write(report, Path(a.json))
     if out.mismatches:
         print("OUTPUTS DIFFER from the reference arm:\n  " + "\n  ".join(out.mismatches), file=sys.stderr)
-        return 1
-    return 0
+    for arm, why in out.failed.items():
+        print(f"ARM {arm} FAILED: {why}", file=sys.stderr)
+    return 1 if out.mismatches or out.failed else 0
 
 
 def cfg_dict(cfg: Config, a: argparse.Namespace) -> dict[str, Any]:

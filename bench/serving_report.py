@@ -22,7 +22,7 @@ def probe_line(p: dict[str, float]) -> str:
 
 
 def build(wl: Workload, config: dict[str, Any], probe: dict[str, float], summary: dict[str, dict[str, Any]],
-          runs: dict[str, list[dict[str, Any]]], mismatches: list[str]) -> dict[str, Any]:
+          runs: dict[str, list[dict[str, Any]]], mismatches: list[str], failed: dict[str, str]) -> dict[str, Any]:
     """The JSON document: configuration, workload, probe, per-arm summary and per-turn curves, the
     per-request records of every run, and the output check."""
     s = wl.shape
@@ -32,7 +32,7 @@ def build(wl: Workload, config: dict[str, Any], probe: dict[str, float], summary
         "arm_e": ARM_E_REASON,
         "per_turn": {a: per_turn([r for res in runs[a] for r in res["records"]], s.turns) for a in runs},
         "runs": {a: [{k: v for k, v in res.items() if k != "engine_counters"} for res in rs] for a, rs in runs.items()},
-        "outputs_identical": not mismatches, "mismatches": mismatches,
+        "outputs_identical": not mismatches, "mismatches": mismatches, "failed": failed,
     }
 
 
@@ -58,6 +58,8 @@ def table(report: dict[str, Any]) -> str:
             f"{_f(s['vs_floor'], '.2f'):>6} {_f(s['ttft_p50'], '.3f'):>9} {_f(s['ttft_p90'], '.3f'):>7} "
             f"{_f(s['ttft_p99'], '.3f'):>7} {s['wall_s']:>6.1f} {hits:>50} "
             f"{side['read_hits_local']:>10}/{side['read_hits_pool']:<11} {s['kvpool_cpu_s']:>12.2f}")
+    for arm, why in report["failed"].items():
+        lines.append(f"{arm:<4} FAILED: {why.splitlines()[0]}")
     lines.append(f"e    {report['arm_e']}")
     notes = []
     if base is not None:

@@ -104,7 +104,7 @@ def make_workload(shape: Shape, instances: int = 2) -> Workload:
     tok = np.random.default_rng(shape.seed)
     route = np.random.default_rng(shape.seed + 1)
     system = tuple(int(t) for t in tok.integers(1, shape.vocab, shape.system_tokens))
-    turns = []
+    turns: list[Turn] = []
     for t in range(shape.turns):
         for c in range(shape.conversations):
             user = tuple(int(x) for x in tok.integers(1, shape.vocab, shape.user_tokens))

@@ -86,7 +86,7 @@ class HostCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
         SPECS.append(self)
 
     def get_worker(self, kv_caches: Any) -> Any:
-        if not self._worker:
+        if not getattr(self, "_worker", None):
             cpu = [torch.zeros((self.num_chunks, t.page_size_bytes * self.blocks_per_chunk), dtype=torch.int8)
                    for t in kv_caches.tensors]
             self._worker = HostCopyWorker(kv_caches, cpu, self.blocks_per_chunk)
@@ -101,7 +101,7 @@ class HostTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
         SPECS.append(self)
 
     def get_worker(self, kv_caches: Any) -> Any:
-        if not self._worker:
+        if not getattr(self, "_worker", None):
             rank = 0 if self.replicated_layout else self.config.parallel.rank
             self._region = SharedOffloadRegion(
                 engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,

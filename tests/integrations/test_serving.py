@@ -53,6 +53,7 @@ def test_kvpool_connector_recomputes_less_than_the_prefix_cache_alone_and_output
     with LocalCluster(stores=2, sidecars=2, block_tokens=BLOCK_TOKENS, store_bytes=64 << 20,
                       local_bytes=16 << 20) as lc:
         out = serving.run_all(cfg, lc, wl, ["a", "b"], rounds=1, probe=False, log=lambda *_: None)
+    assert out.failed == {}
     assert out.mismatches == []  # every request's greedy output of (b) is (a)'s
     a, b = out.summary["a"], out.summary["b"]
     assert a["prompt_tokens"] == b["prompt_tokens"]
