@@ -56,7 +56,7 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"{arm:<4} {s['computed_tokens']:>8}/{s['prompt_tokens']:<8} {_f(s['recomputed_share'], '.2f'):>6} "
             f"{_f(s['vs_floor'], '.2f'):>6} {_f(s['ttft_p50'], '.3f'):>9} {_f(s['ttft_p90'], '.3f'):>7} "
-            f"{_f(s['ttft_p99'], '.3f'):>7} {s['wall_s']:>6.1f} {hits:>50} "
+            f"{_f(s['ttft_p99'], '.3f'):>7} {s['e2e_s']:>6.1f} {hits:>50} "
             f"{side['read_hits_local']:>10}/{side['read_hits_pool']:<11} {s['kvpool_cpu_s']:>12.2f}")
     for arm, why in report["failed"].items():
         lines.append(f"{arm:<4} FAILED: {why.splitlines()[0]}")
