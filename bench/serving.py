@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/serving.py` puts bench/, not the root, on sys.path
     sys.path.insert(0, str(REPO))
 
-from bench import serving_report  # noqa: E402
+from bench import kvpool_sidecar, serving_report  # noqa: E402
 from bench.common import KVPOOL_SRC_ENV  # noqa: E402
 from bench.serving_workload import (  # noqa: E402
     ARM_E_REASON,
@@ -68,6 +68,7 @@ from bench.serving_workload import (  # noqa: E402
     output_mismatches,
     summarize,
 )
+from kvpool.wire.counters import SidecarCounter as SC  # noqa: E402
 
 ENGINE = REPO / "bench" / "serving_engine.py"
 START_TIMEOUT = 600.0
@@ -90,6 +91,8 @@ class Config:
     local_blocks: int
     local_bytes: int
     """The sidecars' local tier, and the CPU tier of arms (c)/(d): the same host bytes."""
+    answer_tokens: int = 16
+    """Greedy tokens per answer (the workload's)."""
     wait_saves: bool = True
     save_deadline: float = 30.0
     request_timeout: float = 300.0
@@ -223,8 +226,8 @@ def proc_cpu_seconds(pids: Sequence[int]) -> float:
     return total / tick
 
 
-SIDECAR_COUNTERS = ("put_blocks", "pool_writes", "read_hits_local", "read_hits_pool", "read_misses",
-                    "hit_blocks_local", "hit_blocks_pool")
+SIDECAR_COUNTERS = tuple(str(c) for c in (SC.PUT_BLOCKS, SC.POOL_WRITES, SC.READ_HITS_LOCAL, SC.READ_HITS_POOL,
+                                           SC.READ_MISSES, SC.HIT_BLOCKS_LOCAL, SC.HIT_BLOCKS_POOL))
 
 
 def sidecar_counters(cluster: Any) -> dict[str, int]:
@@ -241,11 +244,7 @@ def sidecar_counters(cluster: Any) -> dict[str, int]:
 def wait_written_through(cluster: Any, i: int, deadline: float) -> bool:
     """Until sidecar i's write-through backlog to the store nodes is empty (False at the deadline)."""
     with cluster.connect(i) as c:
-        while c.stats().pending_pool_bytes > 0:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-    return True
+        return kvpool_sidecar.wait_written_through(c, max(0.0, deadline - time.monotonic()))
 
 
 def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
@@ -262,10 +261,50 @@ def _tiers(r: dict[str, Any], before: dict[str, int]) -> dict[str, int]:
             "local": max(0, int(r["cached"]) - connector - offload)}
 
 
+def _serve(cfg: Config, eng: list[EngineProc], arm: str, prompt: list[int], instance: int, salt: str,
+           counters: list[dict[str, int]]) -> tuple[dict[str, Any], list[int]]:
+    """One request on its instance (the P/D arm: prefilled on engine 0, handed to engine 1, TTFT
+    and computed tokens of both sides); returns its record's measures and the engines it used
+    (``counters``: each engine's last counters, updated)."""
+    if arm != "pd":
+        r = eng[instance].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=cfg.answer_tokens,
+                               salt=salt)
+        rec = dict(instance=instance, out=r["out"], cached=r["cached"], computed=len(prompt) - r["cached"],
+                   ttft=r["ttft"], e2e=r["e2e"], **_tiers(r, counters[instance]))
+        counters[instance] = r["counters"]
+        return rec, [instance]
+    pre = eng[0].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=1, salt=salt)
+    params = pre["kv_transfer_params"]
+    if not params:
+        raise BenchError("arm pd: the prefill engine (kv_role kv_producer) returned no kv_transfer_params: this "
+                         "KVPoolConnector does not hand requests off yet (issue 22 part 3, P/D through the connector)")
+    r = eng[1].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=cfg.answer_tokens,
+                    kv_transfer_params=params, salt=salt)
+    t_pre, t_dec = _tiers(pre, counters[0]), _tiers(r, counters[1])
+    counters[:] = [pre["counters"], r["counters"]]
+    rec = dict(instance=1, out=r["out"], cached=r["cached"],
+               computed=(len(prompt) - pre["cached"]) + (len(prompt) - r["cached"]),
+               ttft=pre["ttft"] + r["ttft"], e2e=pre["e2e"] + r["e2e"], **{k: t_pre[k] + t_dec[k] for k in t_pre})
+    return rec, [0, 1]
+
+
+def _wait_saves(cfg: Config, cluster: Any, eng: list[EngineProc], arm: str, served: list[int]) -> str:
+    """Until the engines' saves are done and their sidecars' write-through drained, within the
+    deadline; returns what was still running at it ("" when nothing)."""
+    deadline = time.monotonic() + cfg.save_deadline
+    late = []
+    for i in served:
+        d = eng[i].call(cfg.save_deadline + 30, op="drain", timeout=cfg.save_deadline)
+        if not d["ok"]:
+            late.append(d["why"])
+        elif arm not in ("a", "c") and not wait_written_through(cluster, i, deadline):
+            late.append(f"sidecar {i}'s write-through")
+    return ", ".join(late)
+
+
 def run_arm(cfg: Config, cluster: Any, arm: str, wl: Workload, salt: str, probe: bool = False) -> dict[str, Any]:
     """One arm on the workload: per-request records, the sidecars' counter deltas, CPU seconds
     (``probe``: first measure the prefill time on engine 0, before the arm's counters start)."""
-    answer = wl.shape.answer_tokens
     with engines(cfg, arm, cluster.sidecars) as eng:
         probed = probe_prefill(cfg, eng[0]) if probe else {}
         counters: list[dict[str, int]] = [p.call(cfg.request_timeout, op="counters")["counters"] for p in eng]
@@ -275,41 +314,15 @@ def run_arm(cfg: Config, cluster: Any, arm: str, wl: Workload, salt: str, probe:
         t0 = time.perf_counter()
         for turn in wl.turns:
             prompt = history[turn.conversation] + list(turn.user)
-            rec: dict[str, Any] = {"index": turn.index, "conversation": turn.conversation, "turn": turn.turn,
-                                   "prompt": len(prompt)}
-            if arm == "pd":
-                pre = eng[0].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=1, salt=salt)
-                params = pre["kv_transfer_params"]
-                if not params:
-                    raise BenchError(
-                        "arm pd: the prefill engine (kv_role kv_producer) returned no kv_transfer_params: this "
-                        "KVPoolConnector does not hand requests off yet (issue 22 part 3, P/D through the connector)")
-                r = eng[1].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=answer,
-                                kv_transfer_params=params, salt=salt)
-                t_pre, t_dec = _tiers(pre, counters[0]), _tiers(r, counters[1])
-                counters = [pre["counters"], r["counters"]]
-                rec.update(instance=1, out=r["out"], cached=r["cached"],
-                           computed=(len(prompt) - pre["cached"]) + (len(prompt) - r["cached"]),
-                           ttft=pre["ttft"] + r["ttft"], e2e=pre["e2e"] + r["e2e"],
-                           **{k: t_pre[k] + t_dec[k] for k in t_pre})
-                served = [0, 1]
-            else:
-                i = turn.instance
-                r = eng[i].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=answer, salt=salt)
-                rec.update(instance=i, out=r["out"], cached=r["cached"], computed=len(prompt) - r["cached"],
-                           ttft=r["ttft"], e2e=r["e2e"], **_tiers(r, counters[i]))
-                counters[i] = r["counters"]
-                served = [i]
-            records.append(rec)
-            history[turn.conversation] = prompt + r["out"]
+            measured, served = _serve(cfg, eng, arm, prompt, turn.instance, salt, counters)
+            records.append({"index": turn.index, "conversation": turn.conversation, "turn": turn.turn,
+                            "prompt": len(prompt), **measured})
+            history[turn.conversation] = prompt + measured["out"]
             if cfg.wait_saves:
                 w0 = time.monotonic()
-                deadline = w0 + cfg.save_deadline
-                for i in served:
-                    d = eng[i].call(cfg.save_deadline + 30, op="drain", timeout=cfg.save_deadline)
-                    ok = d["ok"] and (arm == "a" or arm == "c" or wait_written_through(cluster, i, deadline))
-                    if not ok:
-                        late.append(f"request {turn.index}: {d['why'] or 'sidecar write-through'}")
+                why = _wait_saves(cfg, cluster, eng, arm, served)
+                if why:
+                    late.append(f"request {turn.index}: {why}")
                 waits.append(time.monotonic() - w0)
         wall = time.perf_counter() - t0
         side1, cpu1 = sidecar_counters(cluster), proc_cpu_seconds(cluster.pids)
@@ -437,7 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"model {a.model_size}: {model['params'] / 1e6:.0f} M parameters, random weights (seed 0), fp32, "
               f"made in {time.perf_counter() - t:.1f} s")
         cfg = Config(python, str(Path(work) / "model"), a.model_size, mml, blocks, a.local_mib << 20,
-                     wait_saves=not a.no_wait, save_deadline=a.save_deadline, logdir=work)
+                     answer_tokens=shape.answer_tokens, wait_saves=not a.no_wait, save_deadline=a.save_deadline,
+                     logdir=work)
         print(f"engines: max_model_len {mml}, own KV cache {blocks} blocks of {BLOCK_TOKENS} tokens "
               f"({blocks * BLOCK_TOKENS} tokens; a conversation reaches {longest_request(shape)}); "
               f"sidecar local tier / CPU offload tier {a.local_mib} MiB each")

@@ -49,7 +49,8 @@ def test_kvpool_connector_recomputes_less_than_the_prefix_cache_alone_and_output
     mml, blocks = engine_sizes(SHAPE)
     model = tmp_path / "model"
     serving.make_model(py, "S", str(model))
-    cfg = serving.Config(py, str(model), "S", mml, blocks, 16 << 20, logdir=str(tmp_path))
+    cfg = serving.Config(py, str(model), "S", mml, blocks, 16 << 20, answer_tokens=SHAPE.answer_tokens,
+                         logdir=str(tmp_path))
     with LocalCluster(stores=2, sidecars=2, block_tokens=BLOCK_TOKENS, store_bytes=64 << 20,
                       local_bytes=16 << 20) as lc:
         out = serving.run_all(cfg, lc, wl, ["a", "b"], rounds=1, probe=False, log=lambda *_: None)
