@@ -276,8 +276,9 @@ def _serve(cfg: Config, eng: list[EngineProc], arm: str, prompt: list[int], inst
     pre = eng[0].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=1, salt=salt)
     params = pre["kv_transfer_params"]
     if not params:
-        raise BenchError("arm pd: the prefill engine (kv_role kv_producer) returned no kv_transfer_params: this "
-                         "KVPoolConnector does not hand requests off yet (issue 22 part 3, P/D through the connector)")
+        raise BenchError("arm pd: the prefill engine (kv_role kv_producer) returned no kv_transfer_params: a "
+                         "KVPoolConnector without P/D (kvpool.integrations.vllm_pd), or its publish did not finish "
+                         "within handoff_wait_ms")
     r = eng[1].call(cfg.request_timeout, op="generate", prompt=prompt, max_tokens=cfg.answer_tokens,
                     kv_transfer_params=params, salt=salt)
     t_pre, t_dec = _tiers(pre, counters[0]), _tiers(r, counters[1])
