@@ -34,9 +34,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import queue
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,7 @@ from bench.serving_workload import (  # noqa: E402
     longest_request,
     make_workload,
     output_mismatches,
+    ratios_to,
     summarize,
 )
 from kvpool.wire.counters import SidecarCounter as SC  # noqa: E402
@@ -317,7 +320,7 @@ def run_arm(cfg: Config, cluster: Any, arm: str, wl: Workload, salt: str, probe:
             prompt = history[turn.conversation] + list(turn.user)
             measured, served = _serve(cfg, eng, arm, prompt, turn.instance, salt, counters)
             records.append({"index": turn.index, "conversation": turn.conversation, "turn": turn.turn,
-                            "prompt": len(prompt), **measured})
+                            "instance": turn.instance, "moved": turn.moved, "prompt": len(prompt), **measured})
             history[turn.conversation] = prompt + measured["out"]
             if cfg.wait_saves:
                 w0 = time.monotonic()
@@ -396,6 +399,10 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
         s["sidecar"] = {k: sum(res["sidecar"][k] for res in runs[arm]) // len(runs[arm])
                         for k in SIDECAR_COUNTERS}
         s["late_saves"] = sum(len(res["late_saves"]) for res in runs[arm])
+        if "a" in runs and runs["a"]:
+            r = ratios_to(runs["a"], runs[arm])
+            s["ttft_p50_ratio_rounds"] = r
+            s["ttft_p50_ratio_median"] = statistics.median(r) if r else math.nan
         s["offload_bytes"] = {k: sum(_delta(res["engine_counters"][i], {}, f"host_{k}_bytes")
                                      for res in runs[arm] for i in range(2)) // len(runs[arm])
                               for k in ("stored", "loaded")}

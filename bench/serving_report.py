@@ -65,8 +65,18 @@ def table(report: dict[str, Any]) -> str:
     if base is not None:
         for arm, s in report["arms"].items():
             if arm != "a" and s["ttft_p50"]:
-                notes.append(f"arm {arm}: TTFT p50 {base['ttft_p50'] / s['ttft_p50']:.2f}x arm a's, "
+                rounds = s.get("ttft_p50_ratio_rounds", [])
+                listed = ", ".join(f"{r:.2f}" for r in rounds)
+                per = f" (median of per-round ratios {listed})" if len(rounds) > 1 else ""
+                ratio = s.get("ttft_p50_ratio_median", base["ttft_p50"] / s["ttft_p50"])
+                notes.append(f"arm {arm}: TTFT p50 {ratio:.2f}x better than arm a's{per}, "
                              f"{s['vs_floor']:.2f}x the floor of {s['floor_tokens']} tokens")
+    for arm, s in report["arms"].items():
+        if "moved" in s:
+            mv, st = s["moved"], s["stayed"]
+            notes.append(f"arm {arm}: later turns that changed instance ({mv['requests']}): recomputed "
+                         f"{_f(mv['recomputed_share'], '.2f')}, TTFT p50 {_f(mv['ttft_p50'], '.3f')} s; that stayed "
+                         f"({st['requests']}): {_f(st['recomputed_share'], '.2f')}, {_f(st['ttft_p50'], '.3f')} s")
     for arm, s in report["arms"].items():
         side = s["sidecar"]
         moved = (f"engine->sidecar {side['put_blocks'] * obj / MiB:.0f} MiB, write-through "

@@ -79,6 +79,9 @@ class Turn:
     turn: int
     user: tuple[int, ...]
     instance: int
+    moved: bool = False
+    """A later turn routed to another instance than its conversation's previous turn: what only a
+    cache shared between instances can serve."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,7 @@ def make_workload(shape: Shape, instances: int = 2) -> Workload:
     route = np.random.default_rng(shape.seed + 1)
     system = tuple(int(t) for t in tok.integers(1, shape.vocab, shape.system_tokens))
     turns: list[Turn] = []
+    last: dict[int, int] = {}
     for t in range(shape.turns):
         for c in range(shape.conversations):
             user = tuple(int(x) for x in tok.integers(1, shape.vocab, shape.user_tokens))
@@ -115,7 +119,8 @@ def make_workload(shape: Shape, instances: int = 2) -> Workload:
                 inst = home if route.random() >= shape.spill else (home + 1) % instances
             else:
                 inst = (c + t) % instances
-            turns.append(Turn(len(turns), c, t, user, inst))
+            turns.append(Turn(len(turns), c, t, user, inst, moved=t > 0 and last[c] != inst))
+            last[c] = inst
     return Workload(shape, system, tuple(turns))
 
 
@@ -157,13 +162,33 @@ def summarize(records: Sequence[dict[str, Any]], floor: int) -> dict[str, Any]:
     computed = sum(r["computed"] for r in records)
     ttft = [r["ttft"] for r in records]
     tiers = ("local", "connector", "offload", "tier")
+    by_move = {}
+    for name, moved in (("moved", True), ("stayed", False)):
+        rs = [r for r in records if r["turn"] > 0 and bool(r.get("moved")) is moved]
+        p = sum(r["prompt"] for r in rs)
+        by_move[name] = {"requests": len(rs), "recomputed_share": sum(r["computed"] for r in rs) / p if p else math.nan,
+                         "ttft_p50": percentile([r["ttft"] for r in rs], 50)}
     return {
         "requests": len(records), "prompt_tokens": prompt, "computed_tokens": computed,
         "recomputed_share": computed / prompt if prompt else math.nan,
         "floor_tokens": floor, "vs_floor": computed / floor if floor else math.nan,
         "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
         "hit_tokens": {t: sum(int(r.get(t, 0)) for r in records) for t in tiers},
+        # Later turns split by whether they changed instance: (c)'s per-instance CPU tier can serve
+        # only the ones that stayed.
+        **by_move,
     }
+
+
+def ratios_to(reference: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], key: str = "ttft") -> list[float]:
+    """Per round, the reference arm's p50 of ``key`` over this arm's, rounds paired in order (they
+    ran interleaved, so each pair saw the same machine): the benchmark reports their median."""
+    out = []
+    for ref, run in zip(reference, runs, strict=False):
+        mine = percentile([r[key] for r in run["records"]], 50)
+        if mine and not math.isnan(mine):
+            out.append(percentile([r[key] for r in ref["records"]], 50) / mine)
+    return out
 
 
 def per_turn(records: Sequence[dict[str, Any]], turns: int) -> dict[str, list[float]]:

@@ -82,3 +82,21 @@ def test_each_arm_configures_its_connector() -> None:
     assert d is not None and d["kv_connector_extra_config"]["secondary_tiers"][0]["type"] == "KVPoolSecondaryTier"
     with pytest.raises(ValueError):
         transfer_config("e", "kv_both", "", 1)
+
+
+def test_moved_turns_and_per_round_ratios() -> None:
+    from bench.serving_workload import ratios_to
+
+    alt = make_workload(Shape(conversations=2, turns=3, routing="alternate"))
+    assert [t.moved for t in alt.turns] == [False, False, True, True, True, True]
+    sticky = make_workload(Shape(conversations=2, turns=3, routing="sticky", spill=0.0))
+    assert not any(t.moved for t in sticky.turns)
+    recs = [{"turn": 1, "moved": True, "prompt": 10, "computed": 5, "ttft": 2.0},
+            {"turn": 1, "moved": False, "prompt": 10, "computed": 1, "ttft": 1.0},
+            {"turn": 0, "moved": False, "prompt": 10, "computed": 10, "ttft": 9.0}]
+    s = summarize(recs, 6)
+    assert s["moved"] == {"requests": 1, "recomputed_share": 0.5, "ttft_p50": 2.0}
+    assert s["stayed"] == {"requests": 1, "recomputed_share": 0.1, "ttft_p50": 1.0}  # turn 0 is neither
+    ref = [{"records": [{"ttft": 4.0}]}, {"records": [{"ttft": 6.0}]}]
+    run = [{"records": [{"ttft": 2.0}]}, {"records": [{"ttft": 1.0}]}]
+    assert ratios_to(ref, run) == [2.0, 6.0]
