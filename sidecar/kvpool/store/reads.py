@@ -190,7 +190,7 @@ class Reads:
             raise
 
     def _hold_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
-                    now: float, promoted: Promoted, whole: bool = True) -> tuple[list[pb.Code], list[Entry | None]]:
+                    now: float, promoted: Promoted, whole: bool) -> tuple[list[pb.Code], list[Entry | None]]:
         """Look up each object of a read and mark it in flight (``inflight`` + 1, until
         :meth:`read_unpin`); drop the caller's ``drop_lease_id`` (a match lease the read
         supersedes).  An object below DRAM (its promotion, :meth:`_promote_for_read`, failed or
