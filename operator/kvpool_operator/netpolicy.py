@@ -2,13 +2,13 @@
 
 Two ingress policies per pool, both owned by the pool (deleted with it):
 
-* ``<pool>-store`` selects the store pods. Control and transfer ports: pods injected for this
+* ``<pool>-store-ingress`` selects the store pods. Control and transfer ports: pods injected for this
   pool (label ``kvpool.io/pool``, as the webhook reads it) in the namespaces its TenantNamespaces
   bind (or, for a default tenant, the namespaces the pool admits), the pool's own store nodes
   (drain and warm-up pushes), its router API pods, and the operator (control only). KV-event
   ports: what ``spec.router.allowedFrom`` names (ZMQ authenticates nobody). The ``metrics`` port:
   the operator's ``metrics_from`` peers (the monitoring namespace by default).
-* ``<pool>-router`` (with ``spec.router.enabled``) selects the router API pods: ``spec.router.allowedFrom``.
+* ``<pool>-router-ingress`` (with ``spec.router.enabled``) selects the router API pods: ``spec.router.allowedFrom``.
 
 Ports are named (``control``, ``transfer``, ``metrics``...): a policy then follows the pod spec
 without repeating its numbers, and a port a pod does not declare simply matches nothing.

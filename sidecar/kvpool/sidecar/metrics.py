@@ -19,14 +19,14 @@ from kvpool.wire import metrics_http
 from kvpool.wire.counters import SIDECAR_MISS_REASONS, MissReason, SidecarCounter, is_sidecar_counter
 from kvpool.wire.metric_names import SidecarMetric as M
 
-LOOKUP_BLOCKS = Counter("kvpool_lookup_blocks_total", "Blocks asked for by match calls", ["tenant"])
-HIT_BLOCKS = Counter("kvpool_hit_blocks_total", "Blocks matched (block-weighted hits)", ["tenant", "tier"])
-READ_BLOCKS = Counter("kvpool_read_blocks_total", "Blocks read", ["tenant", "tier"])
-READ_BYTES = Counter("kvpool_read_bytes_total", "Bytes handed to the engine", ["tenant"])
-PUT_BYTES = Counter("kvpool_put_bytes_total", "Bytes written by the engine", ["tenant"])
-POOL_BYTES_OUT = Counter("kvpool_pool_bytes_out_total", "Bytes written to the pool", ["tenant"])
-POOL_BYTES_IN = Counter("kvpool_pool_bytes_in_total", "Bytes fetched from the pool into the local tier", ["tenant"])
-LATENCY = Histogram("kvpool_op_seconds", "Latency of sidecar operations", ["op"],
+LOOKUP_BLOCKS = Counter(M.LOOKUP_BLOCKS, "Blocks asked for by match calls", ["tenant"])
+HIT_BLOCKS = Counter(M.HIT_BLOCKS, "Blocks matched (block-weighted hits)", ["tenant", "tier"])
+READ_BLOCKS = Counter(M.READ_BLOCKS, "Blocks read", ["tenant", "tier"])
+READ_BYTES = Counter(M.READ_BYTES, "Bytes handed to the engine", ["tenant"])
+PUT_BYTES = Counter(M.PUT_BYTES, "Bytes written by the engine", ["tenant"])
+POOL_BYTES_OUT = Counter(M.POOL_BYTES_OUT, "Bytes written to the pool", ["tenant"])
+POOL_BYTES_IN = Counter(M.POOL_BYTES_IN, "Bytes fetched from the pool into the local tier", ["tenant"])
+LATENCY = Histogram(M.OP_SECONDS, "Latency of sidecar operations", ["op"],
                     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0))
 
 
@@ -85,27 +85,27 @@ class _StateCollector(Collector):
         for name in sorted(n for n in c if is_sidecar_counter(n)):
             events.add_metric([name], c[name])
         yield events
-        yield GaugeMetricFamily("kvpool_local_used_bytes", "Local tier bytes in use", value=s.local.used)
-        yield GaugeMetricFamily("kvpool_local_capacity_bytes", "Local tier capacity", value=s.local.capacity)
-        yield GaugeMetricFamily("kvpool_pool_nodes_up", "Store nodes reachable", value=s.pool.nodes_up())
-        yield GaugeMetricFamily("kvpool_local_objects", "Objects in the local tier", value=s.local.objects())
-        yield GaugeMetricFamily("kvpool_pool_pending_bytes", "Bytes waiting to be written to the pool",
+        yield GaugeMetricFamily(M.LOCAL_USED_BYTES, "Local tier bytes in use", value=s.local.used)
+        yield GaugeMetricFamily(M.LOCAL_CAPACITY_BYTES, "Local tier capacity", value=s.local.capacity)
+        yield GaugeMetricFamily(M.POOL_NODES_UP, "Store nodes reachable", value=s.pool.nodes_up())
+        yield GaugeMetricFamily(M.LOCAL_OBJECTS, "Objects in the local tier", value=s.local.objects())
+        yield GaugeMetricFamily(M.POOL_PENDING_BYTES, "Bytes waiting to be written to the pool",
                                 value=s.backlog_bytes())
-        yield GaugeMetricFamily("kvpool_ring_epoch", "Ring epoch the sidecar routes by", value=s.pool.ring.epoch)
-        yield CounterMetricFamily("kvpool_pool_errors", "Failed pool calls", value=s.pool.errors)
-        yield CounterMetricFamily("kvpool_pool_deadline_misses", "Pool calls given up at their deadline",
+        yield GaugeMetricFamily(M.RING_EPOCH, "Ring epoch the sidecar routes by", value=s.pool.ring.epoch)
+        yield CounterMetricFamily(M.POOL_ERRORS, "Failed pool calls", value=s.pool.errors)
+        yield CounterMetricFamily(M.POOL_DEADLINE_MISSES, "Pool calls given up at their deadline",
                                   value=s.pool.deadline_misses)
-        yield CounterMetricFamily("kvpool_pool_calls_skipped", "Pool calls not sent: their store node was suspect",
+        yield CounterMetricFamily(M.POOL_CALLS_SKIPPED, "Pool calls not sent: their store node was suspect",
                                   value=s.pool.calls_skipped)
-        yield CounterMetricFamily("kvpool_local_evictions", "Objects evicted from the local tier",
+        yield CounterMetricFamily(M.LOCAL_EVICTIONS, "Objects evicted from the local tier",
                                   value=s.counters[SidecarCounter.EVICTED])
-        yield CounterMetricFamily("kvpool_pool_writes_shed", "Pool writes deferred because the backlog was full",
+        yield CounterMetricFamily(M.POOL_WRITES_SHED, "Pool writes deferred because the backlog was full",
                                   value=s.counters[SidecarCounter.POOL_WRITES_SHED])
-        yield CounterMetricFamily("kvpool_pool_writes_backoff",
+        yield CounterMetricFamily(M.POOL_WRITES_BACKOFF,
                                   "Write-through blocks and evicted copies scheduled for another pool write "
                                   "after a passing failure",
                                   value=s.counters[SidecarCounter.POOL_WRITES_BACKOFF])
-        yield CounterMetricFamily("kvpool_pool_writes_dropped",
+        yield CounterMetricFamily(M.POOL_WRITES_DROPPED,
                                   "Pool writes given up after their retries or for a full backlog (write-through "
                                   "blocks stay local-only, evicted copies are lost)",
                                   value=s.counters[SidecarCounter.POOL_WRITES_DROPPED])

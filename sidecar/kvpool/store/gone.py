@@ -34,11 +34,6 @@ class Gone:
         if len(why) > self.capacity:
             del why[next(iter(why))]  # dicts keep insertion order: the oldest
 
-    def written(self, tenant: str, key: bytes) -> None:
-        """``key`` was committed again: its old fate no longer explains a miss."""
-        if self._why:
-            self._why.pop((tenant, key), None)
-
     def reason(self, tenant: str, key: bytes) -> MissReason:
         """Why ``key`` is not here: what was noted, else :attr:`MissReason.ABSENT`."""
         return self._why.get((tenant, key), MissReason.ABSENT)

@@ -228,16 +228,13 @@ class StoreNode:
     def read_unpin(self, found: Sequence[Entry | None]) -> None:
         self._reads.read_unpin(found)
 
-    def note_range_read(self, keys: int, served: int, nbytes: int, tenant: str = "") -> None:
+    def note_range_read(self, keys: int, served: int, nbytes: int, tenant: str) -> None:
         """Count a ranged read: keys asked, keys served, bytes of ranges sent (``range_bytes_sent``:
         what a sparse read moved, to compare with the objects' sizes; ``tenant``'s too)."""
         with self._lock:
             self.counters[StoreCounter.RANGE_READS] += keys
             self.counters[StoreCounter.RANGE_HITS] += served
-            if tenant:
-                self.tenants[tenant].count(self.counters, StoreCounter.RANGE_BYTES_SENT, nbytes)
-            else:
-                self.counters[StoreCounter.RANGE_BYTES_SENT] += nbytes
+            self.tenants[tenant].count(self.counters, StoreCounter.RANGE_BYTES_SENT, nbytes)
 
     def release(self, lease_ids: Sequence[int], tenant: str | None = None, incarnation: int = 0) -> None:
         """Drop leases of ``tenant``; ``incarnation``: the life that issued them (0: unchecked),

@@ -152,9 +152,9 @@ class Reads:
                     hits.append(e)
                 self._index.touch_all(hits, now)
             # The matched prefix are the hits; the misses are counted for the first key missing.
-            self._count_lookup(tenant, len(keys), self._levels(hits[:prefix]),
-                               keys[prefix] if prefix < len(keys) else None)
-            lease = (self._index.new_lease(hits[:prefix], self._lease_expiry(lease_ms, now), tenant, lazy=True)
+            matched = hits[:prefix]
+            self._count_lookup(tenant, len(keys), self._levels(matched), keys[prefix] if prefix < len(keys) else None)
+            lease = (self._index.new_lease(matched, self._lease_expiry(lease_ms, now), tenant, lazy=True)
                      if pin and prefix else None)
             return prefix, bytes(present), lease
 
@@ -190,7 +190,7 @@ class Reads:
             raise
 
     def _hold_found(self, tenant: str, keys: list[bytes], kind: int, drop_lease_id: int,
-                    now: float, promoted: Promoted, whole: bool = True) -> tuple[list[pb.Code], list[Entry | None]]:
+                    now: float, promoted: Promoted, whole: bool) -> tuple[list[pb.Code], list[Entry | None]]:
         """Look up each object of a read and mark it in flight (``inflight`` + 1, until
         :meth:`read_unpin`); drop the caller's ``drop_lease_id`` (a match lease the read
         supersedes).  An object below DRAM (its promotion, :meth:`_promote_for_read`, failed or
@@ -234,10 +234,9 @@ class Reads:
             self._count_lookup(tenant, len(keys), levels, None)
             # A promotion that failed its check dropped the object: its key's failure says why.
             dropped = {e.key: promotion_miss(failed[id(e)]) for e in held if id(e) in failed} if failed else {}
-            for i, why in missed:
-                if why is None:
-                    why = dropped.get(keys[i]) or self.gone.reason(tenant, keys[i])
-                t.count(self.counters, _MISS[why])
+            reasons = Counter(why or dropped.get(keys[i]) or self.gone.reason(tenant, keys[i]) for i, why in missed)
+            for why, n in reasons.items():  # counted once per reason, not per key
+                t.count(self.counters, _MISS[why], n)
         return codes, found
 
     def _levels(self, hits: list[Entry]) -> list[int]:

@@ -93,8 +93,9 @@ class Writes:
             self.tenants.admit(t, sizes, codes, self.counters,
                                lambda tt, need: self.space.evict_tenant(tt, need, now))
             if pb.QUOTA_EXCEEDED in codes:  # a later lookup of these misses for the quota
-                for i in (i for i, c in enumerate(codes) if c == pb.QUOTA_EXCEEDED):
-                    self.space.gone.note(tenant, keys[i], MissReason.QUOTA)
+                for k, c in zip(keys, codes, strict=True):
+                    if c == pb.QUOTA_EXCEEDED:
+                        self.space.gone.note(tenant, k, MissReason.QUOTA)
             # Batch admission: make room once for the whole batch (watermarks), then allocate.
             incoming = sum(alloc.rounded(s) for s, c in zip(sizes, codes, strict=True) if c == pb.OK)
             need = watermark_need(alloc.used - self.space.pending(), incoming, self.dram.capacity,
@@ -216,6 +217,7 @@ class Writes:
 
     def _finish(self, res: Reservation, todo: list[int], checksums: Sequence[int], codes: list[pb.Code],
                 sums: dict[int, int] | None, now: float) -> None:
+        stored = nbytes = 0  # counted once for the batch (a reservation's objects are all res.tenant's)
         for i in todo:
             e = res.entries[i]
             assert isinstance(e, TieredEntry)
@@ -230,10 +232,13 @@ class Writes:
             e.checksum = int(checksums[i])
             self.index.publish(e, now)
             self._published(e)
-            t = self.tenants[e.tenant]
-            t.objects += 1
-            t.count(self.counters, StoreCounter.STORED)
-            t.count(self.counters, StoreCounter.STORED_BYTES, e.size)
+            stored += 1
+            nbytes += e.size
+        if stored:
+            t = self.tenants[res.tenant]
+            t.objects += stored
+            t.count(self.counters, StoreCounter.STORED, stored)
+            t.count(self.counters, StoreCounter.STORED_BYTES, nbytes)
 
     def revoke(self, tenant: str, reservation_id: int) -> None:
         with self._lock:
