@@ -384,12 +384,15 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
                 probed = res["probe"]
                 log("  " + serving_report.probe_line(probed))
             log(f"  {len(res['records'])} requests in {res['wall_s']:.1f} s (+{res['wait_s']:.1f} s waiting for saves)")
-    reference = runs[ref][0]["records"]
-    mismatches = [f"arm {arm} round {i + 1}: {m}" for arm in arms for i, res in enumerate(runs[arm])
+    ran = [arm for arm in arms if runs[arm]]  # an arm that failed in every round has nothing to summarize
+    if ref not in ran and ran:
+        ref = ran[0]
+    reference = runs[ref][0]["records"] if ran else []
+    mismatches = [f"arm {arm} round {i + 1}: {m}" for arm in ran for i, res in enumerate(runs[arm])
                   for m in output_mismatches(reference, res["records"])]
     floor = floor_tokens(wl.shape)
     summary = {}
-    for arm in runs:
+    for arm in ran:
         recs = [r for res in runs[arm] for r in res["records"]]
         s = summarize(recs, floor * len(runs[arm]))
         s["e2e_s"] = sum(r["e2e"] for r in recs) / len(runs[arm])  # the requests' own time, waits left out
@@ -399,12 +402,12 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
         s["sidecar"] = {k: sum(res["sidecar"][k] for res in runs[arm]) // len(runs[arm])
                         for k in SIDECAR_COUNTERS}
         s["late_saves"] = sum(len(res["late_saves"]) for res in runs[arm])
-        if "a" in runs and runs["a"]:
+        if runs.get("a"):
             r = ratios_to(runs["a"], runs[arm])
             s["ttft_p50_ratio_rounds"] = r
             s["ttft_p50_ratio_median"] = statistics.median(r) if r else math.nan
-        s["offload_bytes"] = {k: sum(_delta(res["engine_counters"][i], {}, f"host_{k}_bytes")
-                                     for res in runs[arm] for i in range(2)) // len(runs[arm])
+        s["offload_bytes"] = {k: sum(int(c.get(f"host_{k}_bytes", 0)) for res in runs[arm]
+                                     for c in res["engine_counters"]) // len(runs[arm])
                               for k in ("stored", "loaded")}
         summary[arm] = s
     return Outcome(runs, summary, mismatches, probed, failed)
