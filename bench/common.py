@@ -508,10 +508,26 @@ KVPOOL_SRC_ENV = "KVPOOL_BENCH_SRC"
 bench/compare.py runs the same harness over two versions of kvpool."""
 
 
+def source_root() -> str:
+    """The kvpool source root the runner measures (its own checkout's, or $KVPOOL_BENCH_SRC)."""
+    return os.environ.get(KVPOOL_SRC_ENV) or str(REPO_ROOT / "sidecar")
+
+
+def engine_python(engine: str) -> str | None:
+    """The engine venv's python (tools/engines.sh --python), None when the venv is not built."""
+    try:
+        r = subprocess.run(["bash", str(REPO_ROOT / "tools" / "engines.sh"), "--python", engine],
+                           capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    py = r.stdout.strip()
+    return py if r.returncode == 0 and py and os.path.exists(py) else None
+
+
 def ensure_kvpool_importable() -> None:
     """Make `import kvpool` work from a plain checkout (sidecar/ is the source root; the
     directory in $KVPOOL_BENCH_SRC instead when set)."""
-    src = os.environ.get(KVPOOL_SRC_ENV) or str(REPO_ROOT / "sidecar")
+    src = source_root()
     # First on the path, for this process and the servers it starts (`python -m kvpool ...`):
     # a kvpool installed elsewhere (another checkout's editable install) must not be what a
     # run from this checkout measures.

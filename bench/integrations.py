@@ -40,16 +40,17 @@ import numpy as np
 
 from bench import kvpool_sidecar
 from bench.common import (
-    KVPOOL_SRC_ENV,
     REPO_ROOT,
     Context,
     CpuMeter,
     MiB,
     Row,
+    engine_python,
     ensure_kvpool_importable,
     keys32,
     pattern,
     row_from_times,
+    source_root,
     timed_cpu,
     touched,
     unavailable,
@@ -186,24 +187,8 @@ def _direct_row(ctx: Context, kvpool: Any, cluster: Any) -> Row:
     return with_cpu(row_from_times(DIRECT, "get", VALUE, BATCH, times, note=note), meter, VALUE * BATCH * len(times))
 
 
-def engine_python(engine: str) -> str | None:
-    """The engine venv's python (tools/engines.sh --python), None when the venv is not built."""
-    try:
-        r = subprocess.run(["bash", str(REPO_ROOT / "tools" / "engines.sh"), "--python", engine],
-                           capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    py = r.stdout.strip()
-    return py if r.returncode == 0 and py and os.path.exists(py) else None
-
-
-def _source_root() -> str:
-    """The kvpool source root the runner measures (its own checkout's, or $KVPOOL_BENCH_SRC)."""
-    return os.environ.get(KVPOOL_SRC_ENV) or str(REPO_ROOT / "sidecar")
-
-
 def integration_row(ctx: Context, kvpool: Any, it: Integration) -> Row:
-    if not os.path.exists(os.path.join(_source_root(), "kvpool", "integrations", f"{it.module}.py")):
+    if not os.path.exists(os.path.join(source_root(), "kvpool", "integrations", f"{it.module}.py")):
         return unavailable(it.name, f"not available yet (no kvpool.integrations.{it.module} in this checkout)", OP)
     py = engine_python(it.engine)
     if py is None:
@@ -226,7 +211,7 @@ def integration_row(ctx: Context, kvpool: Any, it: Integration) -> Row:
 def _run_worker(ctx: Context, py: str, it: Integration, cluster: Any) -> dict[str, Any]:
     """Run the worker in the engine's venv (its own process group, killed with the runner); its
     RESULT line."""
-    env = {"PYTHONPATH": _source_root(), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONPATH": source_root(), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     roles = {"sidecar": list(cluster.sidecar_pids), "store": list(cluster.store_pids)}
     argv = [py, str(WORKER), it.bench, "--writer", cluster.sidecars[0], "--reader", cluster.sidecars[1],
             "--reps", str(ctx.plan.reps(VALUE, BATCH)), "--warmup", str(ctx.plan.warmup), "--roles", json.dumps(roles)]

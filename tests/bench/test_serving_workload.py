@@ -100,3 +100,29 @@ def test_moved_turns_and_per_round_ratios() -> None:
     ref = [{"records": [{"ttft": 4.0}]}, {"records": [{"ttft": 6.0}]}]
     run = [{"records": [{"ttft": 2.0}]}, {"records": [{"ttft": 1.0}]}]
     assert ratios_to(ref, run) == [2.0, 6.0]
+
+
+def test_an_arm_that_fails_every_round_is_reported_and_the_others_are_summarized(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_all's bookkeeping (bench/serving.py) with the engines' part, run_arm, standing in: the
+    real engines are tests/integrations/test_serving.py's; a broken engine is not worth two cores."""
+    from bench import serving
+
+    wl = make_workload(Shape(conversations=1, turns=2, system_tokens=4, user_tokens=4, answer_tokens=2))
+
+    def run_arm(cfg: object, cluster: object, arm: str, wl_: object, salt: str, probe: bool = False) -> dict:
+        if arm == "a":
+            raise serving.BenchError("engine 0 exited")
+        recs = [{"index": t.index, "conversation": 0, "turn": t.turn, "moved": t.moved, "prompt": 8,
+                 "computed": 4, "out": [1, 2], "ttft": 0.5, "e2e": 1.0} for t in wl.turns]
+        return {"records": recs, "wall_s": 2.0, "wait_s": 0.0, "late_saves": [], "kvpool_cpu_s": 0.1, "probe": {},
+                "sidecar": dict.fromkeys(serving.SIDECAR_COUNTERS, 3),
+                "engine_counters": [{"host_stored_bytes": 10}, {"host_stored_bytes": 6}]}
+
+    monkeypatch.setattr(serving, "run_arm", run_arm)
+    out = serving.run_all(None, None, wl, ["a", "c"], rounds=2, probe=False, log=lambda *_: None)  # type: ignore[arg-type]
+    assert list(out.failed) == ["a"] and "engine 0 exited" in out.failed["a"]
+    assert list(out.summary) == ["c"] and out.runs["a"] == [] and len(out.runs["c"]) == 2
+    assert out.mismatches == []  # c is its own reference when a never ran
+    assert out.summary["c"]["offload_bytes"] == {"stored": 16, "loaded": 0}
+    assert out.summary["c"]["computed_tokens"] == 16 and "ttft_p50_ratio_median" not in out.summary["c"]

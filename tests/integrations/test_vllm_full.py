@@ -27,8 +27,6 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -47,27 +45,16 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::Futu
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama with random (seeded) weights, saved as a local checkpoint."""
-    d = tmp_path_factory.mktemp("tiny-llama")
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    return d
-
-
-@pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     with LocalCluster(stores=2, sidecars=1, block_tokens=BS) as lc:
         yield lc
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path, cluster: LocalCluster) -> LLM:
-    return LLM(model=str(model_dir), skip_tokenizer_init=True, block_size=BS, max_model_len=512, dtype="float32",
-               enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512, enable_prefix_caching=False,
+def llm(llama_checkpoint: Path, cluster: LocalCluster) -> LLM:
+    return LLM(model=str(llama_checkpoint), skip_tokenizer_init=True, block_size=BS, max_model_len=512,
+               dtype="float32", enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512,
+               enable_prefix_caching=False,
                kv_transfer_config={"kv_connector": "KVPoolConnector",
                                    "kv_connector_module_path": "kvpool.integrations.vllm",
                                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

@@ -117,27 +117,13 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama with random (seeded) weights, saved as a local checkpoint."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    d = tmp_path_factory.mktemp("tiny-llama")
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    return d
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+def engines(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     """The prefill engine on sidecar 0 and the decode engine on sidecar 1 (started together)."""
     from kvpool import LocalCluster
     logs = tmp_path_factory.mktemp("engine-logs")
     with LocalCluster(stores=2, sidecars=2, block_tokens=BS) as lc:
-        prefill = Engine("kv_producer", model_dir, lc.sidecars[0], logs / "prefill.log")
-        decode = Engine("kv_consumer", model_dir, lc.sidecars[1], logs / "decode.log")
+        prefill = Engine("kv_producer", llama_checkpoint, lc.sidecars[0], logs / "prefill.log")
+        decode = Engine("kv_consumer", llama_checkpoint, lc.sidecars[1], logs / "decode.log")
         try:
             for e in (prefill, decode):
                 assert e.answer(START_S).get("ready")

@@ -475,11 +475,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         request), 0 for records refused, None for none (or a role that accepts none)."""
         if self.handoffs is None or not self.kv_role.accepts or st.handoff is not None:
             return st.handoff
-        full = st.tokens[:len(st.tokens) // self.block_size * self.block_size]
         st.handoff = self.handoffs.take(getattr(request, "kv_transfer_params", None),
-                                        lambda: [ks.block_keys(full) for ks in self._key_spaces(st.space)],
+                                        lambda: self._rank_keys(st, len(st.tokens) // self.block_size),
                                         len(st.tokens), self.block_size, limit)
         return st.handoff
+
+    def _rank_keys(self, st: _Req, blocks: int) -> list[list[bytes]]:
+        """Every rank's keys of the request's first ``blocks`` blocks (what a handoff record names)."""
+        return [ks.block_keys(st.tokens[:blocks * self.block_size]) for ks in self._key_spaces(st.space)]
 
     def _load_pays(self, blocks: int, local_blocks: int) -> bool:
         """Whether loading ``blocks`` matched blocks (``local_blocks`` of them in the local tier)
@@ -554,8 +557,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self.handoffs is not None and self.kv_role.publishes and \
                 vllm_pd.publishable(st.saved, len(st.tokens), self.block_size):
             # The workers' saves of the last blocks may still run: publish waits for them (bounded).
-            full = st.tokens[:st.saved * self.block_size]
-            params = self.handoffs.publish([ks.block_keys(full) for ks in self._key_spaces(st.space)], len(st.tokens))
+            params = self.handoffs.publish(self._rank_keys(st, st.saved), len(st.tokens))
         # Saves run in the workers' background thread, reading these blocks: keep them until
         # get_finished reports the request.
         return st.has_saves, params

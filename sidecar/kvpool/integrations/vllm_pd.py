@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool.core import errors
+from kvpool.core import errors, retry
 from kvpool.core import handoff_record as _ho
 from kvpool.core.planning import HitPlan
 from kvpool.integrations.common import IntegrationConfigError, positive
@@ -177,7 +177,7 @@ def hit_blocks(plans: Sequence[HitPlan], limit: int) -> int:
     (the blocks before the prompt's last token, which vLLM always computes)."""
     if not plans:
         return 0
-    return max(0, min([limit] + [p.hit_tokens // p.block_tokens for p in plans]))
+    return max(0, min([limit] + [p.hit_blocks for p in plans]))
 
 
 def publishable(saved_blocks: int, prompt_tokens: int, block_tokens: int) -> bool:
@@ -190,7 +190,7 @@ def publishable(saved_blocks: int, prompt_tokens: int, block_tokens: int) -> boo
 
 def publish_backoff(attempt: int) -> float:
     """Seconds before the next publish attempt (the blocks' save still under way): 2 ms doubling to 50 ms."""
-    return float(min(0.002 * (2 ** attempt), 0.05))
+    return retry.delay(attempt + 1, 0.002, 0.05)
 
 
 # -- I/O -------------------------------------------------------------------------------------------
