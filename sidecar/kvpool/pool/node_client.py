@@ -42,6 +42,9 @@ from kvpool.pool.rdma_path import LocalRdma, RdmaPath, RdmaReadResult, merge
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
+from kvpool.wire.tls import TlsConfig
+from kvpool.wire.tls import channel as tls_channel
+from kvpool.wire.tls import resolve as resolve_tls
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -63,8 +66,12 @@ class StoreClient:
     """Thread-safe client of one store node."""
 
     def __init__(self, address: str, token: str = "", timeout: float = 10.0, verify: bool = True,
-                 data_connections: int = 2, rdma: LocalRdma | None = None) -> None:
+                 data_connections: int = 2, rdma: LocalRdma | None = None,
+                 tls: TlsConfig | bool | None = None) -> None:
+        """``tls``: the TLS configuration of both wires (None: this process's,
+        :func:`kvpool.wire.tls.current`; False: plaintext)."""
         self.address = address
+        self.tls = resolve_tls(tls, address)
         self.timeout = timeout
         self.verify = verify
         self._token = token
@@ -73,7 +80,7 @@ class StoreClient:
         self._closed = False
         self._session_lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = tls_channel(address, self.tls, _CHANNEL_OPTIONS)
         self.stub = pbg.StoreDataStub(self._channel)
         self.rdma = RdmaPath(rdma, self.stub, self._metadata, address, min(timeout, 5.0)) if rdma else None
         """Reads one-sided over RDMA where both sides have a device (:mod:`kvpool.pool.rdma_path`)."""
@@ -112,7 +119,7 @@ class StoreClient:
         seconds = min(timeout or self.timeout, 5.0)
         address = self.health(seconds).transfer_address
         try:
-            ds = DataSession(address, self._token, self.timeout, self._data_connections)
+            ds = DataSession(address, self._token, self.timeout, self._data_connections, tls=self.tls)
         except ValueError as exc:
             raise errors.Unavailable(f"store node {self.address}: bad transfer address {address!r}: {exc}") from None
         try:

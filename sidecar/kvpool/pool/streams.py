@@ -20,6 +20,7 @@ from kvpool.core import errors
 from kvpool.transfer.stream import STALL_ERRORS, Stream, connect
 from kvpool.transfer.tcp import parse_address
 from kvpool.wire import store_frames as dp
+from kvpool.wire.tls import TlsConfig
 
 
 def split_parts(n: int, parts: int) -> list[range]:
@@ -40,9 +41,10 @@ class StreamPool:
     """Connections to one node's transfer port; thread-safe."""
 
     def __init__(self, address: str, token: str = "", timeout: float = 10.0, connections: int = 2,
-                 max_idle: int = 8) -> None:
+                 max_idle: int = 8, tls: TlsConfig | None = None) -> None:
         self.address = address
         self._addr = parse_address(address)
+        self._tls = tls
         self._token = token.encode("utf-8")
         self.timeout = timeout
         self.connections = max(1, connections)
@@ -75,7 +77,7 @@ class StreamPool:
             else:
                 return stream, True
         try:
-            return connect(self._addr, seconds), False
+            return connect(self._addr, seconds, self._tls), False
         except STALL_ERRORS:
             raise errors.DeadlineExceeded(f"data session to {self.address}: connect timed out") from None
         except OSError as exc:
