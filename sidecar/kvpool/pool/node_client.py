@@ -117,9 +117,15 @@ class StoreClient:
 
     def _open_session(self, timeout: float | None = None) -> DataSession:
         seconds = min(timeout or self.timeout, 5.0)
-        address = self.health(seconds).transfer_address
+        health = self.health(seconds)
+        address = health.transfer_address
+        # A node whose data session is plaintext (a trusted network's opt-out) is told so over the
+        # (TLS) control channel; each data connection then opens with a ticket from it, and no
+        # frame carries the token.
+        plain = health.data_session_plaintext
         try:
-            ds = DataSession(address, self._token, self.timeout, self._data_connections, tls=self.tls)
+            ds = DataSession(address, self._token, self.timeout, self._data_connections,
+                             tls=None if plain else self.tls, ticket=self._data_ticket if plain else None)
         except ValueError as exc:
             raise errors.Unavailable(f"store node {self.address}: bad transfer address {address!r}: {exc}") from None
         try:
@@ -144,6 +150,10 @@ class StoreClient:
                     self._session = None
             ds.close()
             raise
+
+    def _data_ticket(self, timeout: float) -> bytes:
+        """A one-use ticket for one plaintext data connection (:mod:`kvpool.core.tickets`)."""
+        return bytes(self._rpc(self.stub.DataTicket, pb.Empty(), timeout).ticket)
 
     def _seen(self, epoch: int) -> None:
         if epoch > self.epoch_seen:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvpool.core.tickets import TicketBook
 from kvpool.core.units import parse_bytes
 from kvpool.store.admin_service import AdminGate, StoreAdminService
 from kvpool.store.data_service import StoreDataService
@@ -66,10 +67,13 @@ class RunningStore:
 
 
 def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, admin_token: str = "",
-                workers: int = 8, metrics_port: int = 0, tls: TlsConfig | None = None) -> RunningStore:
+                workers: int = 8, metrics_port: int = 0, tls: TlsConfig | None = None,
+                plaintext_data: bool = False) -> RunningStore:
     """Start a node and its services on ``listen``; ``metrics_port``: its ``/metrics`` on the same
     host (0: none, :data:`~kvpool.wire.metrics_http.EPHEMERAL`: any free port); ``tls``: both ports
-    mutual TLS (:mod:`kvpool.wire.tls`)."""
+    mutual TLS (:mod:`kvpool.wire.tls`); ``plaintext_data``: the data session is not encrypted (a
+    trusted network's opt-out), its connections authenticated by tickets from the (TLS) control
+    channel instead."""
     host, _, port_s = listen.rpartition(":")
     host = host or "127.0.0.1"
     node = StoreNode(cfg)
@@ -79,9 +83,10 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     tport = transfer_port if transfer_port is not None else (int(port_s) + 1 if int(port_s) else 0)
     admin = StoreAdminService(node)
     metrics = StoreMetrics(node.stats, admin.drain.status, admin.warm.status) if metrics_port else None
-    handler = DataSessionHandler(node, observe=metrics.observe if metrics is not None else None)
+    tickets = TicketBook() if plaintext_data else None
+    handler = DataSessionHandler(node, observe=metrics.observe if metrics is not None else None, tickets=tickets)
     transfer = TransferServer(SegmentRegistry(), host=host, port=tport, sessions={DataSessionHandler.magic: handler},
-                              tls=tls)
+                              tls=None if plaintext_data else tls)
     transfer.start()
     rdma = StoreRdma.open(node, cfg.rdma, cfg.rdma_shared_tenants)  # None: no device, TCP only
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
@@ -89,7 +94,7 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.so_reuseport", 0)])
-    pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token, rdma), server)
+    pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token, rdma, tickets), server)
     pbg.add_StoreAdminServicer_to_server(admin, server)
     bound = add_port(server, f"{host}:{port_s}", tls)
     if bound == 0:
@@ -111,9 +116,10 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
 
 def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin_token: str,
                   tenants: list[Tenant] | None = None, expire_interval: float = 30.0, metrics_port: int = 0,
-                  tls: TlsConfig | None = None) -> int:
+                  tls: TlsConfig | None = None, plaintext_data: bool = False) -> int:
     try:
-        running = start_store(cfg, listen, transfer_port, admin_token, metrics_port=metrics_port, tls=tls)
+        running = start_store(cfg, listen, transfer_port, admin_token, metrics_port=metrics_port, tls=tls,
+                              plaintext_data=plaintext_data)
     except (RuntimeError, OSError) as exc:  # a clear line, not a traceback, for a config problem
         print(f"kvpool store: cannot start: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -171,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--admin-token", default=None, help="token of the admin calls (SetRing, Drain, ...)")
     sec.add_argument("--admin-token-file", default=None, help="file holding the admin token (a mounted Secret)")
     add_tls_args(sec)
+    sec.add_argument("--plaintext-data-session", action="store_true",
+                     help="do not encrypt the data session (bulk bytes), for a trusted network: its connections "
+                          "are authenticated by one-use tickets from the TLS control channel, and no token "
+                          "crosses it (the KVPool's spec.security.dataSession: Plaintext)")
     sec.add_argument("--master-key-file", default=None,
                      help="file holding the master key of encryption at rest (a mounted Secret, >= 32 bytes): "
                           "objects on the SSD and shared-filesystem tiers are encrypted per tenant")
@@ -209,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.admin_token_file) as f:
             admin = f.read().strip()
     return serve_forever(cfg, args.listen, args.transfer_port, admin, tenants, metrics_port=args.metrics_port,
-                         tls=tls)
+                         tls=tls, plaintext_data=args.plaintext_data_session)
 
 
 if __name__ == "__main__":
