@@ -546,3 +546,5 @@ class Context:
     work_dir: Path
     suite: str
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
+    kvpool_tls: tuple[str, ...] = ("plain",)
+    """Transport-security modes kvpool's store rows are measured in (``bench/kvpool_store.py``)."""
