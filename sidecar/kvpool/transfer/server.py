@@ -221,14 +221,10 @@ class TransferServer:
             self._live[sock] = counts
         try:
             _sockio.tune(sock)
-            conn = sock
+            conn = self._handshake(sock, counts) if self._tls is not None else self._plain(sock)
+            if conn is None:
+                return
             head = b""
-            if self._tls is not None:
-                conn = self._handshake(sock, counts)
-                if conn is None:
-                    return
-            else:
-                _sockio.set_stall_timeout(sock, self._io_timeout)
             handler = None
             if self._sessions:
                 handler, head = self._session_for(conn)
@@ -252,6 +248,10 @@ class TransferServer:
             self._count(counts)
             _shutdown(sock)
             sock.close()
+
+    def _plain(self, sock: socket.socket) -> socket.socket:
+        _sockio.set_stall_timeout(sock, self._io_timeout)
+        return sock
 
     def _handshake(self, sock: socket.socket, counts: collections.Counter[str]) -> socket.socket | None:
         """The TLS server side of ``sock`` (None: refused, counted and logged)."""
