@@ -17,14 +17,14 @@ from typing import Any
 
 import grpc
 
-from kvpool.core import errors
+from kvpool.core import errors, pki
 from kvpool.core.keys import unpack_keys
 from kvpool.core.tickets import TicketBook
 from kvpool.core.traffic import traffic_class_or_default
 from kvpool.store.admin_service import admin_allows
 from kvpool.store.node import StoreNode
 from kvpool.store.rdma import StoreRdma
-from kvpool.wire import grpc_status
+from kvpool.wire import grpc_status, tls
 from kvpool.wire.convert import ring_to_pb
 from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
@@ -40,8 +40,11 @@ def _keys(blob: bytes) -> list[bytes]:
 
 class StoreDataService(pbg.StoreDataServicer):
     def __init__(self, node: StoreNode, transfer_address: str, admin_token: str = "",
-                 rdma: StoreRdma | None = None, tickets: TicketBook | None = None) -> None:
+                 rdma: StoreRdma | None = None, tickets: TicketBook | None = None,
+                 require_operator: bool = False) -> None:
         self.node = node
+        self.require_operator = require_operator
+        """Over TLS the admin token opens every tenant's Stats only with the operator's certificate."""
         self.tickets = tickets
         """The node's data-session tickets (None: its data session is TLS, or plain without them)."""
         self.rdma = rdma
@@ -138,7 +141,9 @@ class StoreDataService(pbg.StoreDataServicer):
         # Without an admin token (dev pools) an anonymous caller counts as the admin.
         token = grpc_status.bearer(context.invocation_metadata())
         only: str | None = None
-        if not (self.admin_token and admin_allows(self.admin_token, token)):
+        admin = self.admin_token and admin_allows(self.admin_token, token) and (
+            not self.require_operator or tls.grpc_peer_identity(context) == pki.operator())
+        if not admin:
             tid = self._tenant(context)
             if token or self.admin_token:
                 only = tid

@@ -94,7 +94,8 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.so_reuseport", 0)])
-    pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token, rdma, tickets), server)
+    data = StoreDataService(node, transfer.address, admin_token, rdma, tickets, require_operator=tls is not None)
+    pbg.add_StoreDataServicer_to_server(data, server)
     pbg.add_StoreAdminServicer_to_server(admin, server)
     bound = add_port(server, f"{host}:{port_s}", tls)
     if bound == 0:

@@ -81,10 +81,13 @@ def test_an_admin_call_needs_the_operators_certificate_and_the_token(lc: LocalCl
         with AdminClient(lc.stores[0], lc.admin_token, timeout=3.0, tls=who) as a:
             err = _quick(a.drain_status)
             assert isinstance(err, errors.PermissionDenied) and "operator's client certificate" in str(err), err
+            # Nor does the token open every tenant's Stats without the operator's certificate.
+            assert isinstance(_quick(a.stats), errors.Unauthenticated)
     with AdminClient(lc.stores[0], "not-the-token", timeout=3.0, tls=lc.client_tls) as a:
         assert isinstance(_quick(a.drain_status), errors.PermissionDenied)
     with AdminClient(lc.stores[0], lc.admin_token, timeout=3.0, tls=lc.client_tls) as a:
         a.drain_status()  # both: served
+        assert a.stats().node_id == lc.store_ids[0]
 
 
 def test_a_replayed_data_session_ticket_is_refused() -> None:
