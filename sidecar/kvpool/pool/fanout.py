@@ -474,12 +474,12 @@ class Pool:
 
 
 def _open_in_background(client: StoreClient) -> None:
-    """Open a new node's data session now, off the engine's path: over TLS a first call would
-    otherwise spend its deadline (a lookup's 100 ms) on handshakes.  A node that cannot be
+    """Open a new node's data session and its connections now, off the engine's path: over TLS a
+    first call would otherwise spend its deadline (a lookup's 100 ms) on handshakes.  A node that cannot be
     reached is left to the calls (and their breaker) as before."""
     def run() -> None:
         try:
-            client.session(5.0)
+            client.session(5.0).open_idle(5.0)
         except errors.KvpoolError:
             pass
     threading.Thread(target=run, name=f"kvpool-open-{client.address}", daemon=True).start()

@@ -83,6 +83,10 @@ class StreamPool:
                 stream = None
             else:
                 return stream, True
+        return self._open(seconds), False
+
+    def _open(self, seconds: float) -> Stream:
+        """A new connection (a TLS client, or bound by a ticket to a plaintext session)."""
         try:
             stream = connect(self._addr, seconds, self._tls)
         except STALL_ERRORS:
@@ -97,7 +101,23 @@ class StreamPool:
                 if isinstance(exc, (OSError, dp.ProtocolError)):
                     raise self._failure(exc) from None
                 raise
-        return stream, False
+        return stream
+
+    def open_idle(self, timeout: float) -> int:
+        """Open connections until :attr:`connections` are idle (a batch's parts then find theirs
+        ready: over TLS a connection opened inside a call's deadline spends part of it on the
+        handshake); how many were opened.  A failure stops it quietly (the calls will see)."""
+        with self._lock:
+            want = self.connections - len(self._idle)
+        opened = []
+        try:
+            for _ in range(max(0, want)):
+                opened.append(self._open(timeout))
+        except errors.KvpoolError:
+            pass
+        for stream in opened:
+            self._give(stream)
+        return len(opened)
 
     def _present_ticket(self, stream: Stream, ticket: bytes) -> None:
         """Bind a new plaintext connection to this session's tenant (raises the node's refusal)."""
