@@ -9,7 +9,9 @@ issues each store node a certificate (``node/<id>``, serving 127.0.0.1 and local
 sidecar its tenant's (``tenant/<id>``), and the cluster's own admin calls the operator's
 (:mod:`kvpool.core.pki`); clients of its nodes in this process use the operator's
 (:func:`kvpool.wire.tls.use_for`).  ``tls=False`` runs every channel in plaintext (the capture
-test's control, and a peer benchmark that needs the old wire).
+test's control, and a peer benchmark that needs the old wire).  The default (``tls=None``) is TLS
+wherever the ``cryptography`` package that makes the CA is importable (the project's environment;
+an engine's venv built without the ``dataplane`` extra runs its clusters in plaintext).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import importlib.util
 import json
 import os
 import secrets
@@ -148,7 +151,7 @@ class LocalCluster:
                  block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
                  quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None,
                  handoff: bool = True, replication: int = 1, sidecar_args: Sequence[str] = (),
-                 tls: bool = True, store_args: Sequence[str] = ()) -> None:
+                 tls: bool | None = None, store_args: Sequence[str] = ()) -> None:
         if tenants is not None and len(tenants) != sidecars:
             raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
         self.n_stores, self.n_sidecars = stores, sidecars
@@ -163,7 +166,7 @@ class LocalCluster:
         self.replication = replication
         self.sidecar_args = tuple(sidecar_args)  # flags every sidecar starts with (a test's deadlines)
         self.store_args = tuple(store_args)  # flags every store node starts with
-        self.tls = tls
+        self.tls = tls if tls is not None else importlib.util.find_spec("cryptography") is not None
         self.ca: pki.KeyPair | None = None
         """The cluster's throw-away CA (with ``tls``)."""
         self.client_tls: wtls.TlsConfig | None = None

@@ -10,6 +10,11 @@ tenant: its data calls, and the reads of its tenant's handoff exports), ``node/<
 node, also when it pushes to another node during a drain), ``router``.  Serving names (DNS and IP
 SANs) are separate from it: one certificate may serve and be a client.
 
+The identities (:class:`Identity`, :func:`parse_identity`) need nothing beyond the standard
+library, so a node checks a peer with what ``ssl`` and gRPC report; the builders and parsers of
+certificates import the ``cryptography`` package when called (the ``dataplane`` extra: an engine's
+venv that only runs clients may lack it).
+
 A CA *bundle* (several CA certificates back to back, :func:`bundle`) is what every peer trusts,
 so a rotation is: add the new CA to the bundle everywhere, re-issue leaf certificates from it,
 drop the old CA once no leaf it signed is left — no connection is refused at any step.
@@ -21,11 +26,11 @@ import datetime as dt
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 URI_PREFIX = "spiffe://kvpool/"
 ROLE_OPERATOR = "operator"
@@ -87,17 +92,22 @@ def _now(now: dt.datetime | None) -> dt.datetime:
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
+    from cryptography.hazmat.primitives.asymmetric import ec
     # P-256: a handshake's signature costs a fraction of RSA-2048's, and every client has it.
     return ec.generate_private_key(ec.SECP256R1())
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
 
 def make_ca(common_name: str = "kvpool pool CA", days: int = 365, now: dt.datetime | None = None) -> KeyPair:
     """A self-signed CA valid ``days`` from ``now`` (a minute earlier, for clock skew)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
     key = _key()
     start = _now(now) - dt.timedelta(minutes=1)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
@@ -118,6 +128,10 @@ def issue(ca: KeyPair, identity: Identity | None = None, *, dns: Iterable[str] =
           days: int = 90, server: bool = True, client: bool = True, now: dt.datetime | None = None) -> KeyPair:
     """A leaf certificate signed by ``ca``: serving names ``dns``/``ips`` (SANs), the
     ``identity`` URI, usable for serving and/or as a client (extended key usages)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
     ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
@@ -148,6 +162,7 @@ def issue(ca: KeyPair, identity: Identity | None = None, *, dns: Iterable[str] =
 
 
 def _load(cert: bytes) -> x509.Certificate:
+    from cryptography import x509
     if cert.lstrip().startswith(b"-----"):
         return x509.load_pem_x509_certificate(cert)
     return x509.load_der_x509_certificate(cert)
@@ -167,6 +182,7 @@ def seconds_left(cert: bytes, now: dt.datetime | None = None) -> float:
 
 def identity_of(cert: bytes) -> Identity | None:
     """The kvpool identity a certificate (PEM or DER) names in its SANs, None if none."""
+    from cryptography import x509
     try:
         san = _load(cert).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:

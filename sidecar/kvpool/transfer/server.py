@@ -26,8 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvpool.core.pki import Identity
 from kvpool.transfer import _sockio
 from kvpool.transfer.protocol import (
     OP_WRITE,
@@ -43,6 +43,9 @@ from kvpool.transfer.status import TransferCode
 from kvpool.transfer.stream import Stream
 from kvpool.wire.frames import MAGIC_BYTES
 from kvpool.wire.tls import TlsConfig, peer_identity
+
+if TYPE_CHECKING:
+    from kvpool.core.pki import Identity
 
 SessionHandler = Callable[[Stream, threading.Event], None]
 """Serves one session connection until it ends (returns, or raises ``ProtocolError`` /

@@ -198,20 +198,29 @@ def add_port(server: grpc.Server, address: str, cfg: TlsConfig | None, client_au
 
 # -- who the peer is --------------------------------------------------------------------------
 
+def _first_identity(uris: Any) -> pki.Identity | None:
+    for uri in uris:
+        found = pki.parse_identity(uri.decode() if isinstance(uri, bytes) else str(uri))
+        if found is not None:
+            return found
+    return None
+
+
 def peer_identity(sock: Any) -> pki.Identity | None:
-    """The kvpool identity of a TLS socket's peer (its verified certificate), None without one."""
+    """The kvpool identity of a TLS socket's peer (the URI SAN of its verified certificate), None
+    without one."""
     getpeercert = getattr(sock, "getpeercert", None)
-    if getpeercert is None:
+    cert = getpeercert() if getpeercert is not None else None
+    if not cert:
         return None
-    der = getpeercert(binary_form=True)
-    return pki.identity_of(der) if der else None
+    return _first_identity(v for kind, v in cert.get("subjectAltName", ()) if kind == "URI")
 
 
 def grpc_peer_identity(context: grpc.ServicerContext) -> pki.Identity | None:
-    """The kvpool identity of a gRPC call's peer (its verified client certificate)."""
+    """The kvpool identity of a gRPC call's peer (the URI SAN of its verified client certificate,
+    which gRPC lists among the peer's subject alternative names)."""
     auth = context.auth_context() or {}
-    pems = auth.get("x509_pem_cert") or []
-    return pki.identity_of(pems[0]) if pems else None
+    return _first_identity(auth.get("x509_subject_alternative_name") or ())
 
 
 # -- flags ---------------------------------------------------------------------------------------
