@@ -546,3 +546,18 @@ class Context:
     work_dir: Path
     suite: str
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
+    kvpool_tls: tuple[str, ...] = ("plain",)
+    """Transport-security modes kvpool's store rows are measured in (``bench/kvpool_store.py``);
+    the sidecar suite's clusters run in the first (:func:`cluster_security`)."""
+
+
+def cluster_security(ctx: Context) -> dict[str, Any]:
+    """``LocalCluster`` arguments of the run's first transport-security mode: ``plain`` (the
+    default of the runner, comparable with the peers and with earlier runs) is ``tls=False``;
+    ``tls`` is LocalCluster's own default; ``tls-plain-data`` opts the data session out."""
+    mode = ctx.kvpool_tls[0] if ctx.kvpool_tls else "plain"
+    if mode == "plain":
+        return {"tls": False}
+    if mode == "tls-plain-data":
+        return {"store_args": ["--plaintext-data-session"]}
+    return {}

@@ -45,6 +45,7 @@ from bench.common import (
     CpuMeter,
     MiB,
     Row,
+    cluster_security,
     engine_python,
     ensure_kvpool_importable,
     keys32,
@@ -137,7 +138,7 @@ def _cluster(kvpool: Any, ctx: Context) -> Iterator[Any]:
     need = (ctx.plan.warmup + ctx.plan.reps(VALUE, BATCH)) * VALUE * BATCH
     store = max(256 * MiB, -(-2 * need // STORES // (64 * MiB)) * 64 * MiB)
     with kvpool.LocalCluster(stores=STORES, sidecars=2, block_tokens=BLOCK_TOKENS, store_bytes=store,
-                             local_bytes=256 * MiB) as cluster:
+                             local_bytes=256 * MiB, **cluster_security(ctx)) as cluster:
         yield cluster
 
 

@@ -45,6 +45,7 @@ from bench.common import (
     GiB,
     MiB,
     Row,
+    cluster_security,
     ensure_kvpool_importable,
     keys32,
     pattern,
@@ -77,11 +78,11 @@ def measure(ctx: Context) -> list[Row]:
     local_bytes = (256 * MiB if plan.quick else GiB) + 2 * plan.max_batch_bytes
     store_bytes = 256 * MiB if plan.quick else GiB
     try:
-        with _cluster_clients(kvpool, STORES, store_bytes, local_bytes) as (a, b, roles):
+        with _cluster_clients(kvpool, STORES, store_bytes, local_bytes, cluster_security(ctx)) as (a, b, roles):
             rows = _measure(ctx, a, b, roles)
         # The same remote get from one store node: Mooncake's TCP peer has one segment owner,
         # and 4 store processes on a small machine share its cores with the sidecar.
-        with _cluster_clients(kvpool, 1, store_bytes, local_bytes) as (a, b, roles):
+        with _cluster_clients(kvpool, 1, store_bytes, local_bytes, cluster_security(ctx)) as (a, b, roles):
             v, nb = MiB, 16
             src = touched(v * nb, 1)
             pattern(src, nb + 1)
@@ -107,11 +108,12 @@ Roles = dict[str, list[int]]
 
 
 @contextlib.contextmanager
-def _cluster_clients(kvpool: Any, stores: int, store_bytes: int,
-                     local_bytes: int) -> Iterator[tuple[Any, Any, Roles]]:
-    """As :func:`_two_clients`, with the pids of every kvpool process (this one is the client)."""
+def _cluster_clients(kvpool: Any, stores: int, store_bytes: int, local_bytes: int,
+                     security: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any, Roles]]:
+    """As :func:`_two_clients`, with the pids of every kvpool process (this one is the client);
+    ``security``: the cluster's TLS arguments (:func:`bench.common.cluster_security`)."""
     with kvpool.LocalCluster(stores=stores, sidecars=2, store_bytes=store_bytes,
-                             local_bytes=local_bytes) as cluster:
+                             local_bytes=local_bytes, **(security or {})) as cluster:
         roles = {"client": [os.getpid()], "sidecar": list(cluster.sidecar_pids),
                  "store": list(cluster.store_pids)}
         a = kvpool.connect(cluster.sidecars[0])

@@ -10,6 +10,12 @@ Same treatment as Mooncake: the same capacity (common.pool_bytes), the DRAM tier
 instead and the pre-touch is skipped (the row note says so).
 
 If `kvpool.pool.node_client` cannot be imported yet, the rows say "not available yet".
+
+The transport security is a mode (`bench/run.py --kvpool-tls plain,tls,tls-plain-data`, each mode
+its own node, measured in the same run): `plain` (system `kvpool_store`: no TLS), `tls` (system
+`kvpool_store_tls`: mutual TLS on gRPC and on the data session, a throw-away CA) and
+`tls-plain-data` (system `kvpool_store_tls_plaindata`: TLS on gRPC, the data session opted out
+with `--plaintext-data-session`, its connections opened by tickets).
 """
 
 from __future__ import annotations
@@ -43,6 +49,24 @@ from bench.common import (
 )
 
 SYSTEM = "kvpool_store"
+TLS_MODES = {"plain": SYSTEM, "tls": f"{SYSTEM}_tls", "tls-plain-data": f"{SYSTEM}_tls_plaindata"}
+"""Transport-security mode -> the system name its rows carry."""
+
+
+def tls_files(ctx: Context) -> tuple[list[str], Any]:
+    """A throw-away CA's node flags and the benchmark client's TLS configuration (operator
+    identity), in the work directory; made once per run."""
+    from kvpool.core import pki
+    from kvpool.wire import tls
+
+    d = ctx.work_dir / "tls"
+    if not (d / "ca.pem").exists():
+        ca = pki.make_ca("kvpool bench CA", days=2)
+        tls.write_dir(str(d / "node"), pki.issue(ca, pki.node("bench"), dns=["localhost"], ips=["127.0.0.1"]),
+                      ca.cert_pem)
+        tls.write_dir(str(d / "client"), pki.issue(ca, pki.operator()), ca.cert_pem)
+        (d / "ca.pem").write_bytes(ca.cert_pem)
+    return ["--tls-dir", str(d / "node")], tls.TlsConfig.from_dir(str(d / "client"))
 
 
 def item_ok(status: Any) -> bool:
@@ -105,31 +129,46 @@ def dram_bytes(ctx: Context, can_remove: bool) -> int:
 
 
 def measure(ctx: Context) -> list[Row]:
+    """Every transport-security mode of ``ctx.kvpool_tls`` (default: plain), one node each."""
+    rows: list[Row] = []
+    for mode in ctx.kvpool_tls:
+        rows += measure_mode(ctx, mode)
+    return rows
+
+
+def measure_mode(ctx: Context, mode: str = "plain") -> list[Row]:
+    system = TLS_MODES[mode]
     try:
         mod = import_client()
     except Exception as e:
-        return [unavailable(SYSTEM, f"not available yet (import kvpool.pool.node_client failed: "
+        return [unavailable(system, f"not available yet (import kvpool.pool.node_client failed: "
                                     f"{type(e).__name__}: {e})")]
     try:
         with ctx.procs.scope() as procs:
             port = free_port()
             can_remove = hasattr(mod.StoreClient, "remove")
             dram = dram_bytes(ctx, can_remove)
+            flags: list[str] = []
+            client_kw: dict[str, Any] = {}
+            if mode != "plain":
+                flags, client_kw["tls"] = tls_files(ctx)
+                if mode == "tls-plain-data":
+                    flags.append("--plaintext-data-session")
             node = procs.start(
-                "kvpool-store",
+                f"kvpool-store-{mode}",
                 [sys.executable, "-m", "kvpool", "store", "--listen", f"127.0.0.1:{port}",
-                 "--transfer-port", "0", "--dram", str(dram)],
+                 "--transfer-port", "0", "--dram", str(dram), *flags],
                 env=python_env(), ready_line="READY", timeout=120)
             # "READY <address> [more fields]": the address is the first word after READY.
             words = (node.ready_line or "").split()
             address = words[1] if len(words) > 1 else f"127.0.0.1:{port}"
-            client = mod.StoreClient(address)
+            client = mod.StoreClient(address, **client_kw)
             try:
-                return _measure(ctx, client, dram, can_remove, node.pid)
+                return _measure(ctx, client, dram, can_remove, node.pid, system)
             finally:
                 client.close()
     except Exception as e:
-        return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
+        return [unavailable(system, f"{type(e).__name__}: {e}")]
 
 
 def _pretouch(ctx: Context, client: Any, dram: int, src: np.ndarray) -> None:
@@ -148,7 +187,8 @@ def _pretouch(ctx: Context, client: Any, dram: int, src: np.ndarray) -> None:
             f"{time.perf_counter() - t0:.1f}s")
 
 
-def _measure(ctx: Context, client: Any, dram: int, can_remove: bool, node_pid: int) -> list[Row]:
+def _measure(ctx: Context, client: Any, dram: int, can_remove: bool, node_pid: int,
+             system: str = SYSTEM) -> list[Row]:
     plan = ctx.plan
     rows: list[Row] = []
     src = touched(plan.max_batch_bytes, 1)
@@ -181,7 +221,7 @@ def _measure(ctx: Context, client: Any, dram: int, can_remove: bool, node_pid: i
             failures += bad_items(st, seen)
             if can_remove and i != total - 1:
                 client.remove(keys)  # untimed: keep the tier from filling up
-        rows.append(with_cpu(row_from_times(SYSTEM, "put", v, nb, times,
+        rows.append(with_cpu(row_from_times(system, "put", v, nb, times,
                                             note=note_dram + _failures_note(failures, seen)), meter, v * nb * reps))
         dst[:v * nb].fill(0)
         times = []
@@ -199,7 +239,7 @@ def _measure(ctx: Context, client: Any, dram: int, can_remove: bool, node_pid: i
                 times.append(dt)
             failures += bad_items(st, seen)
         ok = np.array_equal(dst[:v * nb], src[:v * nb])
-        rows.append(with_cpu(row_from_times(SYSTEM, "get", v, nb, times,
+        rows.append(with_cpu(row_from_times(system, "get", v, nb, times,
                                             note="get_into" + _failures_note(failures, seen)
                                             + ("" if ok else "; VERIFY FAILED")), meter, v * nb * reps))
         ctx.log(f"[kvpool_store] {size_label(v)} x {nb}: put {rows[-2].gbps:.2f} "
@@ -227,6 +267,6 @@ def _measure(ctx: Context, client: Any, dram: int, can_remove: bool, node_pid: i
         note = "exists (prefix + per-key)"
         if prefix != want or (present is not None and sum(map(bool, present)) != want):
             note += f"; WRONG ANSWER prefix={prefix}"
-        rows.append(row_from_times(SYSTEM, op, None, EXISTS_KEYS, times, note=note,
+        rows.append(row_from_times(system, op, None, EXISTS_KEYS, times, note=note,
                                    with_bytes=False))
     return rows

@@ -386,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                     help="before each step wait up to SECONDS for the CPUs to be < 25%% busy "
                          "(other work on this machine skews every number)")
+    ap.add_argument("--kvpool-tls", default="plain", metavar="MODES",
+                    help="store suite: comma-separated transport-security modes of kvpool's store rows, "
+                         "each its own node in the same run: plain (kvpool_store), tls (kvpool_store_tls: "
+                         "mutual TLS on gRPC and the data session), tls-plain-data "
+                         "(kvpool_store_tls_plaindata: TLS control, data session opted out)")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the work directory with every process's log")
     args = ap.parse_args(argv)
@@ -401,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
 
     work_dir = Path(tempfile.mkdtemp(prefix=f"kvpool-bench-{args.suite}-"))
     procs = Procs(work_dir)
-    ctx = Context(plan=plan, procs=procs, work_dir=work_dir, suite=args.suite)
+    modes = tuple(m.strip() for m in args.kvpool_tls.split(",") if m.strip())
+    bad = set(modes) - set(kvpool_store.TLS_MODES)
+    if bad or not modes:
+        ap.error(f"--kvpool-tls: unknown modes {sorted(bad)} (of {sorted(kvpool_store.TLS_MODES)})")
+    ctx = Context(plan=plan, procs=procs, work_dir=work_dir, suite=args.suite, kvpool_tls=modes)
     # SIGINT too: a runner started in the background of a script inherits SIGINT ignored.
     old = {s: signal.signal(s, _raise_interrupt)
            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}

@@ -3,6 +3,15 @@
 ``LocalCluster`` is what tests, benchmarks and the demo run against, and ``kvpool up`` runs one
 in the foreground.  Every process is started in a fresh temporary directory, dies with its parent
 (PR_SET_PDEATHSIG) and is stopped on exit, exceptions included: no orphans.
+
+TLS is on by default, as in a pool the operator runs: a throw-away CA in the cluster's directory
+issues each store node a certificate (``node/<id>``, serving 127.0.0.1 and localhost), each
+sidecar its tenant's (``tenant/<id>``), and the cluster's own admin calls the operator's
+(:mod:`kvpool.core.pki`); clients of its nodes in this process use the operator's
+(:func:`kvpool.wire.tls.use_for`).  ``tls=False`` runs every channel in plaintext (the capture
+test's control, and a peer benchmark that needs the old wire).  The default (``tls=None``) is TLS
+wherever the ``cryptography`` package that makes the CA is importable (the project's environment;
+an engine's venv built without the ``dataplane`` extra runs its clusters in plaintext).
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import importlib.util
 import json
 import os
 import secrets
@@ -23,8 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
+from kvpool.core import pki
 from kvpool.core.push_status import WarmStatus
 from kvpool.pool.admin_client import AdminClient
+from kvpool.wire import tls as wtls
 from kvpool.wire.proto import store_pb2 as pb
 
 # Children arm PR_SET_PDEATHSIG themselves (kvpool/__main__.py reads this variable) instead of
@@ -138,7 +150,8 @@ class LocalCluster:
                  local_bytes: int = 64 << 20, ssd_bytes: int = 0, tenants: Sequence[str] | None = None,
                  block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
                  quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None,
-                 handoff: bool = True, replication: int = 1, sidecar_args: Sequence[str] = ()) -> None:
+                 handoff: bool = True, replication: int = 1, sidecar_args: Sequence[str] = (),
+                 tls: bool | None = None, store_args: Sequence[str] = ()) -> None:
         if tenants is not None and len(tenants) != sidecars:
             raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
         self.n_stores, self.n_sidecars = stores, sidecars
@@ -152,6 +165,12 @@ class LocalCluster:
         self.handoff = handoff
         self.replication = replication
         self.sidecar_args = tuple(sidecar_args)  # flags every sidecar starts with (a test's deadlines)
+        self.store_args = tuple(store_args)  # flags every store node starts with
+        self.tls = tls if tls is not None else importlib.util.find_spec("cryptography") is not None
+        self.ca: pki.KeyPair | None = None
+        """The cluster's throw-away CA (with ``tls``)."""
+        self.client_tls: wtls.TlsConfig | None = None
+        """The operator's certificate: the cluster's admin calls and this process's clients."""
         """Copies of each block (the ring's ``replicas``, as ``spec.storage.replication``)."""
         self.admin_token = secrets.token_hex(16)
         self.tokens = {t: secrets.token_hex(16) for t in sorted(set(self.tenant_ids)) if t != "default"}
@@ -173,6 +192,9 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-local-")
         self.workdir = self._tmp.name
         try:
+            if self.tls:
+                self.ca = pki.make_ca("kvpool LocalCluster CA", days=7)
+                self.client_tls = self.issue("operator", pki.operator())
             self._write_tenants()
             # Start the processes of each kind concurrently: most of a start is the interpreter
             # importing numpy and grpc, which overlaps well.
@@ -193,6 +215,8 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         stop_procs(self.sidecar_procs, grace=self.drain_seconds + 5)
         stop_procs(self.store_procs)
+        for addr in self.stores:
+            wtls.use_for(addr, None)
         from kvpool.sidecar.journal import remove_files
         for addr in self.sidecars:
             # The arenas a sidecar keeps for its next life (in /dev/shm, outside the workdir).
@@ -200,6 +224,21 @@ class LocalCluster:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def issue(self, name: str, identity: pki.Identity | None, ca: pki.KeyPair | None = None) -> wtls.TlsConfig:
+        """A certificate of ``identity`` from the cluster's CA (or ``ca``), serving 127.0.0.1
+        and localhost, written as a TLS directory ``tls/<name>`` that trusts the cluster's CA."""
+        assert self.ca is not None, "a cluster started with tls=False has no CA"
+        pair = pki.issue(ca or self.ca, identity, dns=["localhost"], ips=["127.0.0.1"], days=7)
+        return wtls.write_dir(os.path.join(self.workdir, "tls", name), pair, self.ca.cert_pem)
+
+    def _tls_args(self, name: str, identity: pki.Identity) -> list[str]:
+        if not self.tls:
+            return []
+        d = os.path.join(self.workdir, "tls", name)
+        if not os.path.isdir(d):  # a restart keeps its first life's certificate
+            self.issue(name, identity)
+        return ["--tls-dir", d]
 
     def _write_tenants(self) -> None:
         doc = [{"tenantId": t, "token": tok, "salt": base64.b64encode(secrets.token_bytes(16)).decode(),
@@ -223,7 +262,8 @@ class LocalCluster:
         os.makedirs(d)
         argv = ["store", "--listen", "127.0.0.1:0", "--transfer-port", "0", "--dram", str(self.store_bytes),
                 "--node-id", node_id, "--admin-token", self.admin_token, "--tenants", self.tenants_file,
-                "--config", self.config_file, "--metrics-port", "auto"]
+                "--config", self.config_file, "--metrics-port", "auto",
+                *self._tls_args(node_id, pki.node(node_id)), *self.store_args]
         if self.ssd_bytes:
             argv += ["--ssd-path", os.path.join(d, "ssd"), "--ssd", str(self.ssd_bytes)]
         if self.tokens and "default" not in self.tenant_ids:
@@ -235,6 +275,7 @@ class LocalCluster:
     def _register_store(self, proc: Proc, node_id: str) -> str:
         wait_ready(proc)
         addr = proc.ready_line.split()[1]
+        wtls.use_for(addr, self.client_tls)
         self.stores.append(addr)
         self.store_ids.append(node_id)
         return addr
@@ -286,6 +327,7 @@ class LocalCluster:
             argv += ["--credentials", cred]
         if self.write_back:
             argv.append("--write-back")
+        argv += self._tls_args(f"sidecar-{i}", pki.tenant(tenant))
         if self.handoff:
             argv += ["--handoff-listen", "127.0.0.1:0", "--handoff-key-file", self.handoff_key_file]
         if os.path.isdir(SHM_DIR) and "--arena-dir" not in extra_args:
@@ -374,7 +416,7 @@ class LocalCluster:
         return f"http://{addr}/metrics"
 
     def admin(self, address: str) -> AdminClient:
-        return AdminClient(address, self.admin_token)
+        return AdminClient(address, self.admin_token, tls=self.client_tls or False)
 
     def connect(self, i: int = 0) -> Any:
         from kvpool.client.client import connect

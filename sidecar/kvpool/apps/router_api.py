@@ -15,6 +15,11 @@ It computes the block keys as the engines do (:class:`kvpool.KeySpace`), asks th
 for presence (metadata only, nothing pinned) and returns the leading run.  It holds no
 credentials: the caller's token goes to the store nodes, which decide the tenant (and refuse
 an unknown token before any lookup), so a router sees only its own tenant's objects.
+
+With ``--tls-dir`` (or ``--tls-cert/--tls-key/--tls-ca``) both APIs serve TLS (HTTPS) with the
+certificate the operator issues to the router, and the router reaches the store nodes with it
+(mutual TLS, :mod:`kvpool.wire.tls`).  Its callers verify it against the pool's CA bundle; they
+need no certificate of their own (their tenant token says who they are).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ from kvpool.pool.fanout import Pool
 from kvpool.wire.proto import router_pb2 as rpb
 from kvpool.wire.proto import router_pb2_grpc as rpbg
 from kvpool.wire.proto import store_pb2 as pb
+from kvpool.wire.tls import TlsError, add_port, add_tls_args
+from kvpool.wire.tls import from_args as tls_from_args
+from kvpool.wire.tls import install as install_tls
 
 log = logging.getLogger("kvpool.apps.router_api")
 
@@ -302,16 +310,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = ap.add_argument_group("listening")
     serve.add_argument("--listen", default="127.0.0.1:7450", help="HOST:PORT of the gRPC API (port 0: any)")
     serve.add_argument("--http", default="127.0.0.1:7451", help="HOST:PORT of the HTTP/JSON API (empty: none)")
+    add_tls_args(ap.add_argument_group("security"))
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        tls = tls_from_args(args)
+    except TlsError as exc:
+        print(f"kvpool router-api: {exc}", file=sys.stderr)
+        return 2
+    install_tls(tls)  # its clients of the store nodes
     service = MatchService([a.strip() for a in args.pool.split(",") if a.strip()])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="router-rpc"))
     rpbg.add_RouterServicer_to_server(RouterServicer(service), server)
     host, port = _split(args.listen)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls, client_auth=False)
     if bound == 0:
         print(f"kvpool router-api: cannot listen on {args.listen}", file=sys.stderr)
         return 2
@@ -321,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.http:
         httpd = ThreadingHTTPServer(_split(args.http), _http_handler(service))
         httpd.daemon_threads = True
+        if tls is not None:
+            # The handshake on the first read, in the request's thread, not in the accept loop.
+            httpd.socket = tls.server_context(client_auth=False).wrap_socket(
+                httpd.socket, server_side=True, do_handshake_on_connect=False)
         threading.Thread(target=httpd.serve_forever, name="router-http", daemon=True).start()
         http_addr = f"{_split(args.http)[0]}:{httpd.server_port}"
     stop = threading.Event()

@@ -21,6 +21,9 @@ from kvpool.wire import grpc_status
 from kvpool.wire.convert import drain_status_from_pb, ring_from_pb, ring_to_pb, warm_status_from_pb
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
+from kvpool.wire.tls import TlsConfig
+from kvpool.wire.tls import channel as tls_channel
+from kvpool.wire.tls import resolve as resolve_tls
 
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 16 << 20)]
 
@@ -28,13 +31,16 @@ _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_le
 class AdminClient:
     """Thread-safe admin client of one store node."""
 
-    def __init__(self, address: str, token: str = "", timeout: float = 10.0) -> None:
+    def __init__(self, address: str, token: str = "", timeout: float = 10.0,
+                 tls: TlsConfig | bool | None = None) -> None:
         """``token``: the pool's admin token ("" for a node started without one, which then
-        takes admin calls that carry no token)."""
+        takes admin calls that carry no token).  ``tls``: the channel's TLS configuration (None:
+        this process's; False: plaintext); a node serving TLS takes admin calls only from the
+        operator's certificate."""
         self.address = address
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = tls_channel(address, resolve_tls(tls, address), _CHANNEL_OPTIONS)
         self._admin = pbg.StoreAdminStub(self._channel)
         self._data = pbg.StoreDataStub(self._channel)
 

@@ -176,8 +176,10 @@ class Pool:
                 if h is None or h.member.address != m.address:
                     if h is not None:
                         h.client.close()
-                    self.nodes[m.id] = NodeHandle(m, StoreClient(m.address, self.token, timeout=self.rpc_timeout,
-                                                                 rdma=self.rdma))
+                    client = StoreClient(m.address, self.token, timeout=self.rpc_timeout, rdma=self.rdma)
+                    self.nodes[m.id] = NodeHandle(m, client)
+                    if client.tls is not None:
+                        _open_in_background(client)
                 else:
                     h.member = m
             for mid in [i for i in self.nodes if i not in keep]:
@@ -469,3 +471,15 @@ class Pool:
                 n.client.close()
             self.nodes.clear()
         self.rdma.close()
+
+
+def _open_in_background(client: StoreClient) -> None:
+    """Open a new node's data session and its connections now, off the engine's path: over TLS a
+    first call would otherwise spend its deadline (a lookup's 100 ms) on handshakes.  A node that cannot be
+    reached is left to the calls (and their breaker) as before."""
+    def run() -> None:
+        try:
+            client.session(5.0).open_idle(5.0)
+        except errors.KvpoolError:
+            pass
+    threading.Thread(target=run, name=f"kvpool-open-{client.address}", daemon=True).start()

@@ -42,6 +42,9 @@ from kvpool.pool.rdma_path import LocalRdma, RdmaPath, RdmaReadResult, merge
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
+from kvpool.wire.tls import TlsConfig
+from kvpool.wire.tls import channel as tls_channel
+from kvpool.wire.tls import resolve as resolve_tls
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -63,8 +66,12 @@ class StoreClient:
     """Thread-safe client of one store node."""
 
     def __init__(self, address: str, token: str = "", timeout: float = 10.0, verify: bool = True,
-                 data_connections: int = 2, rdma: LocalRdma | None = None) -> None:
+                 data_connections: int = 2, rdma: LocalRdma | None = None,
+                 tls: TlsConfig | bool | None = None) -> None:
+        """``tls``: the TLS configuration of both wires (None: this process's,
+        :func:`kvpool.wire.tls.current`; False: plaintext)."""
         self.address = address
+        self.tls = resolve_tls(tls, address)
         self.timeout = timeout
         self.verify = verify
         self._token = token
@@ -73,7 +80,7 @@ class StoreClient:
         self._closed = False
         self._session_lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = tls_channel(address, self.tls, _CHANNEL_OPTIONS)
         self.stub = pbg.StoreDataStub(self._channel)
         self.rdma = RdmaPath(rdma, self.stub, self._metadata, address, min(timeout, 5.0)) if rdma else None
         """Reads one-sided over RDMA where both sides have a device (:mod:`kvpool.pool.rdma_path`)."""
@@ -110,9 +117,15 @@ class StoreClient:
 
     def _open_session(self, timeout: float | None = None) -> DataSession:
         seconds = min(timeout or self.timeout, 5.0)
-        address = self.health(seconds).transfer_address
+        health = self.health(seconds)
+        address = health.transfer_address
+        # A node whose data session is plaintext (a trusted network's opt-out) is told so over the
+        # (TLS) control channel; each data connection then opens with a ticket from it, and no
+        # frame carries the token.
+        plain = health.data_session_plaintext
         try:
-            ds = DataSession(address, self._token, self.timeout, self._data_connections)
+            ds = DataSession(address, self._token, self.timeout, self._data_connections,
+                             tls=None if plain else self.tls, ticket=self._data_ticket if plain else None)
         except ValueError as exc:
             raise errors.Unavailable(f"store node {self.address}: bad transfer address {address!r}: {exc}") from None
         try:
@@ -137,6 +150,10 @@ class StoreClient:
                     self._session = None
             ds.close()
             raise
+
+    def _data_ticket(self, timeout: float) -> bytes:
+        """A one-use ticket for one plaintext data connection (:mod:`kvpool.core.tickets`)."""
+        return bytes(self._rpc(self.stub.DataTicket, pb.Empty(), timeout).ticket)
 
     def _seen(self, epoch: int) -> None:
         if epoch > self.epoch_seen:

@@ -6,10 +6,15 @@ failed is closed, never reused.  An exchange whose reused connection turned out 
 node answered (the node closed it idle) is sent once more on a fresh one — never after a stall:
 a hung node would only be waited for again.  A batch cut into parts runs them on several
 connections at once (:meth:`StreamPool.parallel`).
+
+Connections are TLS with ``tls``.  To a node whose data session is plaintext (the trusted-network
+opt-out) each new connection first presents a one-use ticket (``ticket``: fetched over the TLS
+control channel for every connection, :mod:`kvpool.core.tickets`), and frames carry no token.
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
 import threading
 from collections.abc import Callable
@@ -20,6 +25,7 @@ from kvpool.core import errors
 from kvpool.transfer.stream import STALL_ERRORS, Stream, connect
 from kvpool.transfer.tcp import parse_address
 from kvpool.wire import store_frames as dp
+from kvpool.wire.tls import TlsConfig
 
 
 def split_parts(n: int, parts: int) -> list[range]:
@@ -40,10 +46,13 @@ class StreamPool:
     """Connections to one node's transfer port; thread-safe."""
 
     def __init__(self, address: str, token: str = "", timeout: float = 10.0, connections: int = 2,
-                 max_idle: int = 8) -> None:
+                 max_idle: int = 8, tls: TlsConfig | None = None,
+                 ticket: Callable[[float], bytes] | None = None) -> None:
         self.address = address
         self._addr = parse_address(address)
-        self._token = token.encode("utf-8")
+        self._tls = tls
+        self._ticket = ticket
+        self._token = b"" if ticket is not None else token.encode("utf-8")
         self.timeout = timeout
         self.connections = max(1, connections)
         self._max_idle = max_idle
@@ -74,12 +83,53 @@ class StreamPool:
                 stream = None
             else:
                 return stream, True
+        return self._open(seconds), False
+
+    def _open(self, seconds: float) -> Stream:
+        """A new connection (a TLS client, or bound by a ticket to a plaintext session)."""
         try:
-            return connect(self._addr, seconds), False
+            stream = connect(self._addr, seconds, self._tls)
         except STALL_ERRORS:
             raise errors.DeadlineExceeded(f"data session to {self.address}: connect timed out") from None
         except OSError as exc:
             raise errors.Unavailable(f"data session to {self.address}: {exc}") from None
+        if self._ticket is not None:
+            try:
+                self._present_ticket(stream, self._ticket(seconds))
+            except BaseException as exc:
+                stream.close()
+                if isinstance(exc, (OSError, dp.ProtocolError)):
+                    raise self._failure(exc) from None
+                raise
+        return stream
+
+    def open_idle(self, timeout: float) -> int:
+        """Open connections until :attr:`connections` are idle (a batch's parts then find theirs
+        ready: over TLS a connection opened inside a call's deadline spends part of it on the
+        handshake); how many were opened.  A failure stops it quietly (the calls will see)."""
+        with self._lock:
+            want = self.connections - len(self._idle)
+        opened = []
+        try:
+            for _ in range(max(0, want)):
+                opened.append(self._open(timeout))
+        except errors.KvpoolError:
+            pass
+        for stream in opened:
+            self._give(stream)
+        return len(opened)
+
+    def _present_ticket(self, stream: Stream, ticket: bytes) -> None:
+        """Bind a new plaintext connection to this session's tenant (raises the node's refusal)."""
+        stream.send([*dp.encode_request(dp.OP_HELLO, 0, base64.b64encode(ticket), b"", flags=dp.FLAG_TICKET)])
+        head = bytearray(dp.RESPONSE_SIZE)
+        stream.recv_exact(head)
+        resp = dp.decode_response(head)
+        msg = bytearray(resp.msg_len)
+        if msg:
+            stream.recv_exact(msg)
+        if resp.status != errors.SESSION_OK:
+            raise errors.from_session_status(resp.status, msg.decode("utf-8", "replace"))
 
     def _failure(self, exc: BaseException) -> errors.KvpoolError:
         """The error a broken exchange raises: a stall is a missed deadline."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvpool.core.deadlines import Deadlines
 from kvpool.wire.kv_events import EventsConfig
+from kvpool.wire.tls import TlsConfig
 
 
 @dataclass
@@ -54,6 +55,10 @@ class SidecarConfig:
     """The address decode sidecars reach that port at (default: the bound address)."""
     handoff_key: bytes = b""
     """Secret signing handoff records, shared by the tenant's sidecars (default: the tenant token)."""
+    tls: TlsConfig | None = None
+    """This sidecar's certificate (its tenant's identity, :func:`kvpool.core.pki.tenant`), key and
+    the pool's CA bundle: the store nodes are verified against it and see the certificate; the
+    handoff port serves TLS and exports only to sidecars of this tenant.  None: plaintext."""
     max_handoff_hold_ms: int = 120_000
     """Longest a state object stays exported (the export pins local-tier space)."""
     transition_seconds: float = 600.0

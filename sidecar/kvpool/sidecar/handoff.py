@@ -5,7 +5,9 @@ only local is written now and the commits waited for), the state object, which s
 in this sidecar's host memory, is pinned and *exported* for a bounded hold, and a signed record
 is returned.  Export = a random 64-bit token admitted by the guard of this sidecar's arena segment
 on its transfer port, for exactly that object's extent and until the hold ends; nothing else of
-the arena can be read over it.
+the arena can be read over it.  With TLS the port is mutual TLS and admits only certificates of
+the export's tenant (:func:`kvpool.core.pki.tenant`), so a record that leaks to another tenant, or
+to anyone outside the pool, reads nothing.
 
 Decode side (``AcceptHandoff``): the record is verified (tenant, tag, expiry), the blocks land
 from the pool into the local tier through the sidecar's ordinary read path (one batched read per
@@ -29,6 +31,7 @@ from typing import Any, cast
 import numpy as np
 
 from kvpool.core import handoff_record as ho
+from kvpool.core import pki
 from kvpool.core.checksum import checksum
 from kvpool.core.keys import KEY_BYTES
 from kvpool.core.retry import UNREACHABLE
@@ -99,7 +102,11 @@ class HandoffService:
             host, _, port = listen.rpartition(":")
             registry = SegmentRegistry()
             registry.register(Segment(SEGMENT, local.arena.view), guard=ExportGuard(self))
-            self.server = TransferServer(registry, host=host or "127.0.0.1", port=int(port or 0)).start()
+            # Over TLS only a sidecar of this tenant (its certificate) may read an export: a
+            # stolen record's token is not enough.
+            me = pki.tenant(cfg.tenant_id)
+            self.server = TransferServer(registry, host=host or "127.0.0.1", port=int(port or 0), tls=cfg.tls,
+                                         peer_check=(lambda who: who == me) if cfg.tls else None).start()
             self.address = advertise or self.server.address
         self._engine: TransferEngine | None = None
         self._state_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-state")
@@ -108,7 +115,7 @@ class HandoffService:
     def engine(self) -> TransferEngine:
         with self._lock:
             if self._engine is None:
-                self._engine = TransferEngine(connections_per_peer=2, stall_timeout=5.0)
+                self._engine = TransferEngine(connections_per_peer=2, stall_timeout=5.0, tls=self.cfg.tls)
             return self._engine
 
     def key(self, tenant: str) -> bytes:

@@ -24,6 +24,9 @@ from kvpool.sidecar.server import Sidecar
 from kvpool.wire import metrics_http
 from kvpool.wire.counters import SidecarCounter
 from kvpool.wire.kv_events import add_event_args, events_config
+from kvpool.wire.tls import TlsConfig, TlsError, add_tls_args
+from kvpool.wire.tls import from_args as tls_from_args
+from kvpool.wire.tls import install as install_tls
 
 log = logging.getLogger("kvpool.sidecar")
 
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="mounted credentials file, JSON {tenantId, token} (default: $KVPOOL_CREDENTIALS)")
     sec.add_argument("--token", default=None, help=argparse.SUPPRESS)
 
+    add_tls_args(sec)
     hand = ap.add_argument_group("prefill -> decode handoff")
     hand.add_argument("--handoff-listen", default=os.environ.get("KVPOOL_HANDOFF_LISTEN", D.handoff_listen),
                       help="host:port exporting state objects to decode sidecars (prefill -> decode handoff)")
@@ -153,7 +157,15 @@ def config_from_args(args: argparse.Namespace) -> SidecarConfig:
                          pool_write_yield_ms=args.pool_write_yield_ms,
                          max_registered_bytes=args.max_registered_bytes, match_deadline_ms=args.match_deadline_ms,
                          read_deadline_ms=args.read_deadline_ms, read_bytes_per_second=args.read_bytes_per_second,
-                         probe_deadline_ms=args.probe_deadline_ms, suspect_backoff_ms=args.suspect_backoff_ms)
+                         probe_deadline_ms=args.probe_deadline_ms, suspect_backoff_ms=args.suspect_backoff_ms,
+                         tls=_tls(args))
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    try:
+        return tls_from_args(args)
+    except TlsError as exc:
+        raise SystemExit(f"kvpool sidecar: {exc}") from None
 
 
 def _ready_line(sidecar: Sidecar) -> str:
@@ -197,7 +209,9 @@ def serve(cfg: SidecarConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return serve(config_from_args(args))
+    cfg = config_from_args(args)
+    install_tls(cfg.tls)  # every client of the store nodes uses it
+    return serve(cfg)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ node serves, and its push jobs (drain, warm-up).  Protobuf in, calls of :class:`
 
 The admin credential is checked once for the whole service, by :class:`AdminGate` in front of it,
 not method by method: a method added to the service is guarded without a line here, and a
-tenant's token reaches none of them.
+tenant's token reaches none of them.  On a node that serves TLS the credential is two things: the
+admin token *and* the operator's client certificate (:func:`kvpool.core.pki.operator`), so a
+leaked token alone opens nothing, and neither does a tenant's or a node's certificate.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from typing import Any
 
 import grpc
 
+from kvpool.core import pki
 from kvpool.core.ring import Ring
 from kvpool.store.drain import DrainJob
 from kvpool.store.node import StoreNode, Tenant
 from kvpool.store.warm import WarmJob
-from kvpool.wire import grpc_status
+from kvpool.wire import grpc_status, tls
 from kvpool.wire.convert import drain_status_to_pb, ring_from_pb, ring_to_pb, warm_status_to_pb
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
@@ -38,10 +41,13 @@ def admin_allows(admin_token: str, presented: str) -> bool:
 
 class AdminGate(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped here (Any)
     """Refuses (PERMISSION_DENIED) every ``StoreAdmin`` call that :func:`admin_allows` refuses,
-    before the request is even read; other services' calls pass untouched."""
+    before the request is even read; other services' calls pass untouched.  With
+    ``require_operator`` (a node serving TLS) the call must also come from the operator's client
+    certificate: checked when the call starts, before the method runs."""
 
-    def __init__(self, admin_token: str) -> None:
+    def __init__(self, admin_token: str, require_operator: bool = False) -> None:
         self._admin_token = admin_token
+        self._require_operator = require_operator
         self._prefix = f"/{SERVICE}/"
         self._refuse = grpc.unary_unary_rpc_method_handler(self._refused)
 
@@ -55,7 +61,26 @@ class AdminGate(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
             token = grpc_status.bearer(handler_call_details.invocation_metadata)
             if not admin_allows(self._admin_token, token):
                 return self._refuse
+            if self._require_operator:
+                return _operator_only(continuation(handler_call_details))
         return continuation(handler_call_details)
+
+
+def _operator_only(handler: Any) -> Any:
+    """``handler`` (unary-unary, as every admin method) behind a check of the peer's certificate:
+    the interceptor sees no peer, the call's context does."""
+    if handler is None or handler.unary_unary is None:
+        return handler
+    inner = handler.unary_unary
+
+    def guarded(request: Any, context: grpc.ServicerContext) -> Any:
+        who = tls.grpc_peer_identity(context)
+        if who != pki.operator():
+            grpc_status.abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                              f"admin calls need the operator's client certificate (the peer is {who or 'anonymous'})")
+        return inner(request, context)
+    return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
 
 
 class StoreAdminService(pbg.StoreAdminServicer):

@@ -5,22 +5,26 @@ The tenant comes from the token in the call's metadata, never from the message; 
 missing token is UNAUTHENTICATED (the admin token names no tenant either).  ``Health`` and
 ``GetRing`` are open (probes, a sidecar catching up with the ring); ``Stats`` shows a tenant its own
 usage and the admin (the operator) every tenant's.  These are the cold calls only: exists, reads and
-writes have no gRPC form, they go over the data session (:mod:`.data_session`).
+writes have no gRPC form, they go over the data session (:mod:`.data_session`).  ``DataTicket``
+hands a tenant the one-use ticket that opens a plaintext data connection (:mod:`kvpool.core.tickets`)
+on a node whose data session is not encrypted.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
 
-from kvpool.core import errors
+from kvpool.core import errors, pki
 from kvpool.core.keys import unpack_keys
+from kvpool.core.tickets import TicketBook
 from kvpool.core.traffic import traffic_class_or_default
 from kvpool.store.admin_service import admin_allows
 from kvpool.store.node import StoreNode
 from kvpool.store.rdma import StoreRdma
-from kvpool.wire import grpc_status
+from kvpool.wire import grpc_status, tls
 from kvpool.wire.convert import ring_to_pb
 from kvpool.wire.counters import StoreCounter
 from kvpool.wire.proto import store_pb2 as pb
@@ -36,8 +40,13 @@ def _keys(blob: bytes) -> list[bytes]:
 
 class StoreDataService(pbg.StoreDataServicer):
     def __init__(self, node: StoreNode, transfer_address: str, admin_token: str = "",
-                 rdma: StoreRdma | None = None) -> None:
+                 rdma: StoreRdma | None = None, tickets: TicketBook | None = None,
+                 require_operator: bool = False) -> None:
         self.node = node
+        self.require_operator = require_operator
+        """Over TLS the admin token opens every tenant's Stats only with the operator's certificate."""
+        self.tickets = tickets
+        """The node's data-session tickets (None: its data session is TLS, or plain without them)."""
         self.rdma = rdma
         """The node's RDMA side (None: no device; the RDMA calls are then UNIMPLEMENTED)."""
         self.transfer_address = transfer_address
@@ -64,7 +73,16 @@ class StoreDataService(pbg.StoreDataServicer):
     def Health(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.HealthReply:
         return pb.HealthReply(ok=True, node_id=self.node.node_id, epoch=self.node.ring.epoch,
                               transfer_address=self.transfer_address, incarnation=self.node.incarnation,
-                              rdma_device=self.rdma.device if self.rdma is not None else "")
+                              rdma_device=self.rdma.device if self.rdma is not None else "",
+                              data_session_plaintext=self.tickets is not None)
+
+    def DataTicket(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DataTicketReply:
+        tenant = self._tenant(context)
+        if self.tickets is None:
+            grpc_status.abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                              "this node's data session is TLS: it takes no tickets")
+        ticket, expires = self.tickets.issue(tenant, int(time.time() * 1000))
+        return pb.DataTicketReply(ticket=ticket, expires_unix_ms=expires)
 
     def GetRing(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Ring:
         ring = ring_to_pb(self.node.ring)
@@ -123,7 +141,9 @@ class StoreDataService(pbg.StoreDataServicer):
         # Without an admin token (dev pools) an anonymous caller counts as the admin.
         token = grpc_status.bearer(context.invocation_metadata())
         only: str | None = None
-        if not (self.admin_token and admin_allows(self.admin_token, token)):
+        admin = self.admin_token and admin_allows(self.admin_token, token) and (
+            not self.require_operator or tls.grpc_peer_identity(context) == pki.operator())
+        if not admin:
             tid = self._tenant(context)
             if token or self.admin_token:
                 only = tid

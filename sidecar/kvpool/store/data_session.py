@@ -8,10 +8,16 @@ moves with ``sendmsg`` from arena views (GET; GET_RANGES sends only the asked ra
 ``recvmsg_into`` into reserved arena extents (PUT), never through Python per byte.  A PUT whose
 payload does not arrive whole is revoked, so a writer killed mid-put leaves nothing visible; a
 frame that does not parse closes this connection only.
+
+On a node whose data session is plaintext (``tickets``: the trusted-network opt-out) no frame's
+token is taken: a connection opens with a HELLO carrying a one-use ticket from the TLS control
+channel (:mod:`kvpool.core.tickets`), which binds it to the ticket's tenant, and its frames carry
+no token at all — nothing on the wire names a tenant's secret.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -24,6 +30,7 @@ from kvpool.core.checksum import checksum
 from kvpool.core.errors import Code
 from kvpool.core.keys import unpack_keys
 from kvpool.core.put_order import PutOrder
+from kvpool.core.tickets import TicketBook
 from kvpool.core.traffic import traffic_class_or_default
 from kvpool.store.node import Entry, StoreNode
 from kvpool.transfer.stream import STALL_ERRORS, Stream
@@ -43,15 +50,18 @@ class DataSessionHandler:
     magic = dp.REQUEST_MAGIC
 
     def __init__(self, node: StoreNode, order: PutOrder | None = None,
-                 observe: Callable[[str, float], None] | None = None) -> None:
+                 observe: Callable[[str, float], None] | None = None, tickets: TicketBook | None = None) -> None:
         self.node = node
         self.order = order if order is not None else PutOrder()
         self.observe = observe
         """Where each request's latency goes (op name, seconds: the node's metrics), or None."""
+        self.tickets = tickets
+        """The node's data-session tickets: set when its data session is plaintext (no token taken)."""
 
     def __call__(self, stream: Stream, stopping: threading.Event) -> None:
         header = bytearray(dp.REQUEST_SIZE)
         view = memoryview(header)
+        bound: str | None = None  # the tenant a ticket bound this connection to
         while not stopping.is_set():
             try:
                 got = stream.recv_some(view)
@@ -72,12 +82,33 @@ class DataSessionHandler:
                 if blob:
                     stream.recv_exact(blob)
                 pairs = ranges.decode(parsed.counts if parsed.counts is not None else [], blob)
-            self._serve(stream, req, parsed, pairs)
+            if req.op == dp.OP_HELLO and req.flags & dp.FLAG_TICKET:
+                bound = self._ticket(stream, req, parsed.token) or bound
+                continue
+            self._serve(stream, req, parsed, pairs, bound)
+
+    def _ticket(self, stream: Stream, req: dp.Request, ticket: str) -> str | None:
+        """Admit a ticket (its tenant) or answer why not (None)."""
+        tenant = None
+        if self.tickets is not None:
+            try:
+                tenant = self.tickets.admit(base64.b64decode(ticket, validate=True), int(time.time() * 1000))
+            except ValueError:
+                tenant = None
+        if tenant is None:
+            exc = errors.Unauthenticated("data-session ticket refused (forged, expired or used)"
+                                         if self.tickets is not None else "this node takes no tickets")
+            stream.send([dp.encode_response(dp.OP_HELLO, req.request_id, status=errors.session_status_for(exc),
+                                            message=str(exc), epoch=self.node.ring.epoch)])
+            return None
+        stream.send([dp.encode_response(dp.OP_HELLO, req.request_id, lease_id=self.node.incarnation,
+                                        epoch=self.node.ring.epoch)])
+        return tenant
 
     # -- one frame ---------------------------------------------------------------------------
 
     def _serve(self, stream: Stream, req: dp.Request, body: dp.RequestBody,
-               pairs: ranges.Pairs | None = None) -> None:
+               pairs: ranges.Pairs | None = None, bound: str | None = None) -> None:
         reply_op = dp.OP_PUT_READY if req.op == dp.OP_PUT else req.op
         if req.op == dp.OP_HELLO:
             # The node's incarnation rides in the HELLO reply's lease id (unused by HELLO).
@@ -86,7 +117,12 @@ class DataSessionHandler:
             return
         t0 = time.perf_counter()
         try:
-            tenant = self.node.authenticate(body.token)
+            if bound is not None and not body.token:
+                tenant: str | None = bound
+            elif self.tickets is not None:
+                raise errors.Unauthenticated("a plaintext data session opens with a ticket (DataTicket)")
+            else:
+                tenant = self.node.authenticate(body.token)
             if tenant is None:
                 raise errors.Unauthenticated("unknown or missing tenant token")
             keys = unpack_keys(body.keys)

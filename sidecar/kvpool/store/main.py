@@ -4,7 +4,10 @@
 services (:mod:`.data_service`, :mod:`.admin_service`) on one gRPC port, the admin one behind its
 credential check; the one-round-trip data session (:mod:`.data_session`), the node's only wire for
 bytes, served on the transfer port by a :class:`~kvpool.transfer.TransferServer` that exposes no
-segment (no peer reaches the DRAM arena by offset).  :func:`serve_forever` runs it until SIGTERM,
+segment (no peer reaches the DRAM arena by offset).  With a TLS configuration (``--tls-dir`` or
+``--tls-cert/--tls-key/--tls-ca``) both ports are mutual TLS against the pool's CA bundle
+(:mod:`kvpool.wire.tls`) and the admin service also wants the operator's certificate; the node's
+own clients (a drain's pushes) use the same files.  :func:`serve_forever` runs it until SIGTERM,
 with the housekeeping (expiry sweep, master-key reload).  :func:`build_parser` and :func:`main` are
 the command line (``kvpool store``; its flags in groups).
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvpool.core.tickets import TicketBook
 from kvpool.core.units import parse_bytes
 from kvpool.store.admin_service import AdminGate, StoreAdminService
 from kvpool.store.data_service import StoreDataService
@@ -34,6 +38,9 @@ from kvpool.transfer import SegmentRegistry, TransferServer
 from kvpool.wire import metrics_http
 from kvpool.wire.kv_events import add_event_args
 from kvpool.wire.proto import store_pb2_grpc as pbg
+from kvpool.wire.tls import TlsConfig, TlsError, add_port, add_tls_args
+from kvpool.wire.tls import from_args as tls_from_args
+from kvpool.wire.tls import install as install_tls
 
 log = logging.getLogger("kvpool.store")
 
@@ -60,9 +67,13 @@ class RunningStore:
 
 
 def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, admin_token: str = "",
-                workers: int = 8, metrics_port: int = 0) -> RunningStore:
+                workers: int = 8, metrics_port: int = 0, tls: TlsConfig | None = None,
+                plaintext_data: bool = False) -> RunningStore:
     """Start a node and its services on ``listen``; ``metrics_port``: its ``/metrics`` on the same
-    host (0: none, :data:`~kvpool.wire.metrics_http.EPHEMERAL`: any free port)."""
+    host (0: none, :data:`~kvpool.wire.metrics_http.EPHEMERAL`: any free port); ``tls``: both ports
+    mutual TLS (:mod:`kvpool.wire.tls`); ``plaintext_data``: the data session is not encrypted (a
+    trusted network's opt-out), its connections authenticated by tickets from the (TLS) control
+    channel instead."""
     host, _, port_s = listen.rpartition(":")
     host = host or "127.0.0.1"
     node = StoreNode(cfg)
@@ -72,18 +83,21 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
     tport = transfer_port if transfer_port is not None else (int(port_s) + 1 if int(port_s) else 0)
     admin = StoreAdminService(node)
     metrics = StoreMetrics(node.stats, admin.drain.status, admin.warm.status) if metrics_port else None
-    handler = DataSessionHandler(node, observe=metrics.observe if metrics is not None else None)
-    transfer = TransferServer(SegmentRegistry(), host=host, port=tport, sessions={DataSessionHandler.magic: handler})
+    tickets = TicketBook() if plaintext_data else None
+    handler = DataSessionHandler(node, observe=metrics.observe if metrics is not None else None, tickets=tickets)
+    transfer = TransferServer(SegmentRegistry(), host=host, port=tport, sessions={DataSessionHandler.magic: handler},
+                              tls=None if plaintext_data else tls)
     transfer.start()
     rdma = StoreRdma.open(node, cfg.rdma, cfg.rdma_shared_tenants)  # None: no device, TCP only
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
-                         interceptors=[AdminGate(admin_token)],
+                         interceptors=[AdminGate(admin_token, require_operator=tls is not None)],
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.so_reuseport", 0)])
-    pbg.add_StoreDataServicer_to_server(StoreDataService(node, transfer.address, admin_token, rdma), server)
+    data = StoreDataService(node, transfer.address, admin_token, rdma, tickets, require_operator=tls is not None)
+    pbg.add_StoreDataServicer_to_server(data, server)
     pbg.add_StoreAdminServicer_to_server(admin, server)
-    bound = server.add_insecure_port(f"{host}:{port_s}")
+    bound = add_port(server, f"{host}:{port_s}", tls)
     if bound == 0:
         transfer.stop()
         if rdma is not None:
@@ -102,9 +116,11 @@ def start_store(cfg: NodeConfig, listen: str, transfer_port: int | None = None, 
 
 
 def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin_token: str,
-                  tenants: list[Tenant] | None = None, expire_interval: float = 30.0, metrics_port: int = 0) -> int:
+                  tenants: list[Tenant] | None = None, expire_interval: float = 30.0, metrics_port: int = 0,
+                  tls: TlsConfig | None = None, plaintext_data: bool = False) -> int:
     try:
-        running = start_store(cfg, listen, transfer_port, admin_token, metrics_port=metrics_port)
+        running = start_store(cfg, listen, transfer_port, admin_token, metrics_port=metrics_port, tls=tls,
+                              plaintext_data=plaintext_data)
     except (RuntimeError, OSError) as exc:  # a clear line, not a traceback, for a config problem
         print(f"kvpool store: cannot start: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -161,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--closed", action="store_true", help="refuse calls without a tenant token")
     sec.add_argument("--admin-token", default=None, help="token of the admin calls (SetRing, Drain, ...)")
     sec.add_argument("--admin-token-file", default=None, help="file holding the admin token (a mounted Secret)")
+    add_tls_args(sec)
+    sec.add_argument("--plaintext-data-session", action="store_true",
+                     help="do not encrypt the data session (bulk bytes), for a trusted network: its connections "
+                          "are authenticated by one-use tickets from the TLS control channel, and no token "
+                          "crosses it (the KVPool's spec.security.dataSession: Plaintext)")
     sec.add_argument("--master-key-file", default=None,
                      help="file holding the master key of encryption at rest (a mounted Secret, >= 32 bytes): "
                           "objects on the SSD and shared-filesystem tiers are encrypted per tenant")
@@ -186,13 +207,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvpool.store.config import load_node_config, load_tenants
 
     args = build_parser().parse_args(argv)
+    try:
+        tls = tls_from_args(args)
+    except TlsError as exc:
+        print(f"kvpool store: {exc}", file=sys.stderr, flush=True)
+        return 2
+    install_tls(tls)  # the node's own clients (drain and warm-up pushes) use it too
     cfg = load_node_config(args)
     tenants = load_tenants(args.tenants) if args.tenants else []
     admin = args.admin_token or ""
     if args.admin_token_file:
         with open(args.admin_token_file) as f:
             admin = f.read().strip()
-    return serve_forever(cfg, args.listen, args.transfer_port, admin, tenants, metrics_port=args.metrics_port)
+    return serve_forever(cfg, args.listen, args.transfer_port, admin, tenants, metrics_port=args.metrics_port,
+                         tls=tls, plaintext_data=args.plaintext_data_session)
 
 
 if __name__ == "__main__":

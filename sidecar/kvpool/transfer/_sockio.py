@@ -2,6 +2,12 @@
 
 The GIL is released inside every ``recv_into``/``sendmsg`` call, so K connection threads move
 bytes in parallel; the Python work per call is constant, never per byte.
+
+A TLS socket (``ssl.SSLSocket``, :mod:`kvpool.wire.tls`) has no ``sendmsg``/``recvmsg_into`` and
+takes no flags: it gets the same helpers through ``sendall``/``recv_into`` of each caller buffer
+(OpenSSL encrypts from and decrypts into that memory: no copy in Python), and a Python timeout
+instead of the kernel's (OpenSSL retries a read that the kernel timed out, so a stalled peer would
+never surface).
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 
@@ -40,6 +47,9 @@ def set_stall_timeout(sock: socket.socket, seconds: float) -> None:
     mode, which costs a ``poll`` per call and defeats ``MSG_WAITALL``, so a 1 MiB receive would
     take dozens of syscalls instead of one.
     """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds or None)
+        return
     sock.settimeout(None)
     whole = int(seconds)
     packed = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
@@ -51,8 +61,9 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` completely or raise ``ConnectionError`` (EOF) / ``TimeoutError``."""
     got = 0
     total = view.nbytes
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < total:
-        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+        n = sock.recv_into(view[got:], total - got, flags)
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {total} bytes")
         got += n
@@ -109,6 +120,9 @@ def send_all(sock: socket.socket, header: bytes, payload: memoryview | None = No
     if payload is None or payload.nbytes == 0:
         sock.sendall(header)
         return
+    if isinstance(sock, ssl.SSLSocket):
+        send_buffers(sock, [header, payload])
+        return
     total = len(header) + payload.nbytes
     sent = sock.sendmsg([header, payload])
     if sent == total:
@@ -126,6 +140,9 @@ MAX_IOV = 512
 def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Send every buffer in order, gathering them into ``sendmsg`` calls (partial sends resumed;
     empty buffers are fine)."""
+    if isinstance(sock, ssl.SSLSocket):
+        _send_tls(sock, buffers)
+        return
     sent = 0
     if len(buffers) <= MAX_IOV:
         # The usual frame: one sendmsg of the buffers as given moves it all (a blocking socket
@@ -148,6 +165,8 @@ def send_buffers_nowait(sock: socket.socket, buffers: list[bytes | memoryview]) 
     way, so none waits for another to read (a frame over the peer's receive window blocks
     until the peer is scheduled and reads), then sends the rests with :func:`send_buffers`."""
     views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
+    if isinstance(sock, ssl.SSLSocket):
+        return views  # no non-blocking TLS write: the caller sends it all with send_buffers
     i = 0
     while i < len(views):
         want = sum(v.nbytes for v in views[i : i + MAX_IOV])
@@ -159,6 +178,36 @@ def send_buffers_nowait(sock: socket.socket, buffers: list[bytes | memoryview]) 
         if sent < want:
             break
     return views[i:]
+
+
+#: Buffers under this many bytes are joined before a TLS write (a record each would cost more
+#: than the copy of a frame header); larger ones are encrypted from the caller's memory.
+_TLS_JOIN_BYTES = 16 << 10
+
+
+def _send_tls(sock: ssl.SSLSocket, buffers: Sequence[bytes | memoryview]) -> None:
+    small: list[bytes | memoryview] = []
+    for b in buffers:
+        n = b.nbytes if isinstance(b, memoryview) else len(b)
+        if n < _TLS_JOIN_BYTES:
+            small.append(b)
+            continue
+        if small:
+            sock.sendall(b"".join(small))
+            small = []
+        sock.sendall(b)
+    if small:
+        sock.sendall(b"".join(small))
+
+
+def recv_buffers_tls(sock: ssl.SSLSocket, views: Sequence[memoryview]) -> int:
+    """Fill each view in order (TLS: no scatter receive); the bytes received."""
+    total = 0
+    for v in views:
+        if v.nbytes:
+            recv_exact(sock, v)
+            total += v.nbytes
+    return total
 
 
 def _advance(views: list[memoryview], i: int, sent: int) -> int:

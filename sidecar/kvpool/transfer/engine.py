@@ -24,6 +24,7 @@ from kvpool.transfer.shm import ShmPeer
 from kvpool.transfer.status import TransferStatus
 from kvpool.transfer.tcp import TcpPeer, TcpSettings, parse_address
 from kvpool.transfer.transport import Item, Transport
+from kvpool.wire.tls import TlsConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,10 @@ class TransferEngine:
         min_slice_bytes: int = 64 << 10,
         max_inflight: int = 64,
         window_bytes: int = 4 << 20,
+        tls: TlsConfig | None = None,
     ) -> None:
+        """``tls``: every TCP connection is a TLS client with this process's certificate (the
+        peer's transfer server verifies it, and may refuse the identity it names)."""
         if connections_per_peer < 1:
             raise ValueError("connections_per_peer must be at least 1")
         if slice_bytes < 4096:
@@ -73,6 +77,7 @@ class TransferEngine:
             stall_timeout=stall_timeout,
             max_inflight=max_inflight,
             window_bytes=window_bytes,
+            tls=tls,
         )
         self._lock = threading.Lock()
         self._peers: dict[str, TcpPeer] = {}

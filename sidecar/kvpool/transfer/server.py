@@ -9,6 +9,12 @@ and a write whose request is refused still has its payload consumed so the strea
 A connection whose first four bytes are the magic of a registered *session* (``sessions=``) is
 handed to that session's handler for its whole life instead, as a :class:`~kvpool.transfer.stream.Stream`
 (the store's one-round-trip data calls use this; see :mod:`kvpool.wire.store_frames`).
+
+With ``tls`` every connection is a TLS server first (the handshake within ``io_timeout``), the
+client's certificate required and verified against the pool's CA bundle; ``peer_check`` (the
+peer's :class:`~kvpool.core.pki.Identity`) can refuse a verified peer before it sends a byte
+(a handoff export serves only its tenant's sidecars).  A TLS connection cannot be peeked at, so
+the session magic is read off it and handed to the session as its first bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.transfer import _sockio
 from kvpool.transfer.protocol import (
@@ -35,6 +42,10 @@ from kvpool.transfer.segment import Guard, Op, SegmentRegistry
 from kvpool.transfer.status import TransferCode
 from kvpool.transfer.stream import Stream
 from kvpool.wire.frames import MAGIC_BYTES
+from kvpool.wire.tls import TlsConfig, peer_identity
+
+if TYPE_CHECKING:
+    from kvpool.core.pki import Identity
 
 SessionHandler = Callable[[Stream, threading.Event], None]
 """Serves one session connection until it ends (returns, or raises ``ProtocolError`` /
@@ -66,8 +77,12 @@ class TransferServer:
         max_connections: int = 1024,
         max_request_bytes: int = 1 << 30,
         sessions: Mapping[bytes, SessionHandler] | None = None,
+        tls: TlsConfig | None = None,
+        peer_check: Callable[[Identity | None], bool] | None = None,
     ) -> None:
         self.registry = registry
+        self._tls = tls
+        self._peer_check = peer_check
         self._host = host
         self._port = port
         self._io_timeout = io_timeout
@@ -209,13 +224,18 @@ class TransferServer:
             self._live[sock] = counts
         try:
             _sockio.tune(sock)
-            _sockio.set_stall_timeout(sock, self._io_timeout)
-            handler = self._session_for(sock) if self._sessions else None
+            conn = self._handshake(sock, counts) if self._tls is not None else self._plain(sock)
+            if conn is None:
+                return
+            head = b""
+            handler = None
+            if self._sessions:
+                handler, head = self._session_for(conn)
             if handler is not None:
                 counts["sessions"] += 1
-                handler(Stream(sock), self._stopping)
+                handler(Stream(conn, head), self._stopping)
             else:
-                self._serve_stream(sock, counts)
+                self._serve_stream(conn, counts, head)
         except (ConnectionError, TimeoutError, OSError) as exc:
             if not self._stopping.is_set():
                 log.debug("transfer connection closed: %s", exc)
@@ -232,26 +252,61 @@ class TransferServer:
             _shutdown(sock)
             sock.close()
 
-    def _session_for(self, sock: socket.socket) -> SessionHandler | None:
-        """Peek at the first bytes of a connection: a registered session's magic, or the
-        transfer protocol (``None``; it validates its own magic)."""
+    def _plain(self, sock: socket.socket) -> socket.socket:
+        _sockio.set_stall_timeout(sock, self._io_timeout)
+        return sock
+
+    def _handshake(self, sock: socket.socket, counts: collections.Counter[str]) -> socket.socket | None:
+        """The TLS server side of ``sock`` (None: refused, counted and logged)."""
+        assert self._tls is not None
+        sock.settimeout(self._io_timeout)  # the handshake's deadline (a Python one: see _sockio)
+        try:
+            conn = self._tls.server_context().wrap_socket(sock, server_side=True)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: no or a bad certificate
+            counts["tls_refused"] += 1
+            log.info("transfer server %s: TLS handshake refused: %s", self.address, exc)
+            return None
+        if self._peer_check is not None and not self._peer_check(peer_identity(conn)):
+            counts["peers_refused"] += 1
+            log.info("transfer server %s: peer %s refused", self.address, peer_identity(conn))
+            return None
+        _sockio.set_stall_timeout(conn, self._io_timeout)
+        return conn
+
+    def _session_for(self, sock: socket.socket) -> tuple[SessionHandler | None, bytes]:
+        """The first bytes of a connection: a registered session's magic, or the transfer
+        protocol (``None``; it validates its own magic).  Peeked at on plain TCP; read off a TLS
+        connection (returned, for the reader of the stream to see first)."""
+        tls = self._tls is not None
         while not self._stopping.is_set():
             try:
-                head = sock.recv(MAGIC_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
+                if tls:
+                    buf = bytearray(MAGIC_BYTES)
+                    got = sock.recv_into(buf)
+                    if got and got < MAGIC_BYTES:
+                        _sockio.recv_exact(sock, memoryview(buf)[got:])
+                        got = MAGIC_BYTES
+                    head = bytes(buf[:got])
+                else:
+                    head = sock.recv(MAGIC_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
             except _sockio.STALL_ERRORS:
                 continue  # idle before the first request is fine
             if len(head) < MAGIC_BYTES:
-                return None  # EOF (or a short stream): the transfer loop ends it
-            return self._sessions.get(head)
-        return None
+                return None, b""  # EOF (or a short stream): the transfer loop ends it
+            return self._sessions.get(head), head if tls else b""
+        return None, b""
 
-    def _serve_stream(self, sock: socket.socket, counts: collections.Counter[str]) -> None:
+    def _serve_stream(self, sock: socket.socket, counts: collections.Counter[str], head: bytes = b"") -> None:
         header = bytearray(REQUEST_SIZE)
         header_view = memoryview(header)
         scratch: memoryview | None = None
         while not self._stopping.is_set():
             try:
-                got = sock.recv_into(header_view)
+                if head:  # a TLS connection's first bytes, read while looking for a session
+                    header_view[:len(head)] = head
+                    got, head = len(head), b""
+                else:
+                    got = sock.recv_into(header_view)
             except _sockio.STALL_ERRORS:
                 continue  # idle between requests is fine; re-check the stop flag
             if got == 0:

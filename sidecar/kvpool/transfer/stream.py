@@ -5,16 +5,22 @@ The transfer server hands a connection whose first bytes name a registered sessi
 one with :func:`connect`.  Only this package touches the socket: handlers and clients see
 ``recv_exact`` / ``recv_buffers`` (scatter into caller memory) / ``send`` (gather from caller
 memory), each a few syscalls per frame whatever the number of objects, with the GIL released
-inside every call.
+inside every call.  Over TLS (``connect(tls=...)``, a server's ``TransferServer(tls=...)``) the
+same calls encrypt from and decrypt into the caller's memory (:mod:`kvpool.transfer._sockio`).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvpool.transfer import _sockio
+
+if TYPE_CHECKING:
+    from kvpool.wire.tls import TlsConfig
 
 #: Buffers per ``recvmsg_into``/``sendmsg`` call (Linux IOV_MAX is 1024).
 MAX_IOV = _sockio.MAX_IOV
@@ -25,8 +31,11 @@ STALL_ERRORS = _sockio.STALL_ERRORS
 class Stream:
     """One connection; not thread-safe (one caller at a time, e.g. from a pool of streams)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, head: bytes = b"") -> None:
         self._sock = sock
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._head = head
+        """Bytes already read off the connection (a TLS server's session magic), served first."""
         self.closed = False
         self.received = 0
         """Bytes received so far (a caller can tell whether a peer answered at all)."""
@@ -42,11 +51,29 @@ class Stream:
 
     def recv_exact(self, view: memoryview | bytearray) -> None:
         """Fill ``view`` or raise ``ConnectionError`` (EOF) / ``TimeoutError`` (stall)."""
-        _sockio.recv_exact(self._sock, memoryview(view))
+        mv = memoryview(view)
+        if self._head:
+            n = self._take_head(mv)
+            mv = mv[n:]
+        _sockio.recv_exact(self._sock, mv)
         self.received += len(view)
+
+    def _take_head(self, view: memoryview) -> int:
+        n = min(len(self._head), view.nbytes)
+        view[:n] = self._head[:n]
+        self._head = self._head[n:]
+        return n
+
+    def peer(self) -> socket.socket:
+        """The connection's socket (a TLS server asks it who the peer is)."""
+        return self._sock
 
     def recv_some(self, view: memoryview | bytearray) -> int:
         """One ``recv_into`` (0 at a clean EOF)."""
+        if self._head:
+            n = self._take_head(memoryview(view))
+            self.received += n
+            return n
         n = self._sock.recv_into(view)
         self.received += n
         return n
@@ -57,6 +84,13 @@ class Stream:
         sending after it raises ``TimeoutError`` (the stall timeout bounds each syscall; this
         bounds the whole, against a peer that trickles)."""
         pending = [v for v in views if v.nbytes]
+        if self._tls:
+            for v in pending:
+                _sockio.recv_exact(self._sock, v)
+                self.received += v.nbytes
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("payload not received by its deadline")
+            return
         i = 0
         while i < len(pending):
             batch = pending[i:i + MAX_IOV]
@@ -104,13 +138,16 @@ class Stream:
         self._sock.close()
 
 
-def connect(address: tuple[str, int], timeout: float) -> Stream:
-    """A tuned connection (no Nagle, kernel stall timeouts of ``timeout`` seconds)."""
+def connect(address: tuple[str, int], timeout: float, tls: TlsConfig | None = None) -> Stream:
+    """A tuned connection (no Nagle, kernel stall timeouts of ``timeout`` seconds); with ``tls``,
+    a TLS client of the server's certificate (the handshake within ``timeout``)."""
     sock = socket.create_connection(address, timeout=timeout)
     try:
         _sockio.tune(sock)
+        if tls is not None:
+            sock = tls.wrap_client(sock, address[0])
         _sockio.set_stall_timeout(sock, timeout)
-    except OSError:
+    except BaseException:
         sock.close()
         raise
     stream = Stream(sock)

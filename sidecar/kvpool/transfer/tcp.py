@@ -34,6 +34,7 @@ from kvpool.transfer.protocol import (
     encode_request,
 )
 from kvpool.transfer.status import STATUS_OK, TransferCode, TransferStatus
+from kvpool.wire.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class TcpSettings:
     """Payload bytes outstanding per connection; a slice larger than this still goes alone."""
     read_burst: int = 32
     """Reads a connection sends ahead of a waiting write before it lets the write through."""
+    tls: TlsConfig | None = None
+    """TLS client configuration of every connection (None: plain TCP)."""
 
 
 def parse_address(peer: str) -> tuple[str, int]:
@@ -248,8 +251,15 @@ class _Worker(threading.Thread):
         timeout = self.peer.settings.stall_timeout
         sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
         self.stats["connects"] += 1
-        _sockio.tune(sock)
-        _sockio.set_stall_timeout(sock, timeout)
+        try:
+            _sockio.tune(sock)
+            tls = self.peer.settings.tls
+            if tls is not None:
+                sock = tls.wrap_client(sock, self.peer.host)
+            _sockio.set_stall_timeout(sock, timeout)
+        except BaseException:
+            sock.close()
+            raise
         self.sock = sock
 
     def _disconnect(self) -> None:

@@ -24,6 +24,7 @@ from kvpool.transfer.rdma import RdmaSegmentKey, WorkRequestPlan, buffer_address
 from kvpool.transfer.segment import Guard, Op, Segment, SegmentRegistry
 from kvpool.transfer.server import TransferServer
 from kvpool.transfer.status import TransferCode, TransferStatus
+from kvpool.wire.tls import TlsConfig
 
 
 def random_bytes(n: int, seed: int) -> npt.NDArray[np.uint8]:
@@ -31,10 +32,17 @@ def random_bytes(n: int, seed: int) -> npt.NDArray[np.uint8]:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def tcp_socket(address: str, timeout: float = 10.0) -> socket.socket:
-    """A connected TCP socket to ``host:port``."""
+def tcp_socket(address: str, timeout: float = 10.0, tls: TlsConfig | None = None) -> socket.socket:
+    """A connected TCP socket to ``host:port`` (a TLS client of it with ``tls``)."""
     host, _, port = address.rpartition(":")
-    return socket.create_connection((host, int(port)), timeout=timeout)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    if tls is None:
+        return sock
+    try:
+        return tls.wrap_client(sock, host)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def unix_socket(path: str, timeout: float = 10.0) -> socket.socket:

@@ -21,9 +21,11 @@ Response header (48 bytes), then ``msg_len`` bytes of UTF-8 message, then the bo
 ``status`` is the whole call (``kvpool.core.errors.SESSION_STATUS``; 0 = OK, then the body follows);
 per-item results are ``kvpool.wire.proto.store_pb2.Code`` bytes.  Bodies when the status is OK:
 
-* HELLO: none (the session is supported).  A HELLO request carries ``HELLO_PADDING`` zero bytes
-  as its token, so that it is as long as a transfer-protocol header: a node without the session
-  reads one whole header, finds a bad magic and closes the connection instead of waiting.
+* HELLO: none (the session is supported).  With ``FLAG_TICKET`` the token is a ticket: an OK
+  status binds the connection to its tenant (a node whose session is plaintext serves no other).
+  A HELLO request carries ``HELLO_PADDING`` zero bytes as its token, so that it is as long as a
+  transfer-protocol header: a node without the session reads one whole header, finds a bad magic
+  and closes the connection instead of waiting.
 * GET: codes u8 × n, sizes u64 × n, checksums u64 × n, then ``payload_len`` bytes: the objects
   whose code is OK, in order, back to back.
 * GET_RANGES (sparse reads, :mod:`kvpool.core.ranges`): the request's keys are followed by counts
@@ -91,6 +93,9 @@ FLAG_PREFIX_ONLY = 1
 FLAG_PIN = 2
 FLAG_VERIFY_OBJECT = 4
 """GET_RANGES: verify the whole object against its stored checksum before sending parts."""
+FLAG_TICKET = 8
+"""HELLO: the token is a data-session ticket (base64, :mod:`kvpool.core.tickets`) binding this
+connection to its tenant; the frames after it carry no token (a plaintext data session)."""
 
 REQUEST = struct.Struct("<4sBBBBIIIHHQQ")
 RESPONSE = struct.Struct("<4sBBBBIIIIQQQ")

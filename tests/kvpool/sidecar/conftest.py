@@ -115,7 +115,7 @@ class HeldReservation:
 
     def __init__(self, address: str, key: bytes, size: int, timeout_ms: int = 120_000) -> None:
         self._node = StoreClient(address)
-        self.raw = RawConnection(tcp_socket(self._node.health().transfer_address))
+        self.raw = RawConnection(tcp_socket(self._node.health().transfer_address, tls=self._node.tls))
         self._revoked = self._node.stats().counters.get("revoked", 0)
         self.raw.send(dp.encode_request(dp.OP_PUT, 1, b"", key, lease_ms=timeout_ms,
                                         sizes=np.array([size], np.uint64)))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvpool.apps.cluster import LocalCluster
-from kvpool.core import errors
+from kvpool.core import errors, pki
 from kvpool.core import handoff_record as ho
 from kvpool.core.handoff_record import StateOutcome
 from kvpool.core.keys import KeySpace
@@ -199,6 +199,41 @@ class LocalClient:
         self.c.close()
 
 
+def test_a_stolen_record_read_with_another_tenants_identity_is_refused(lc: LocalCluster,
+                                                                       rng: random.Random) -> None:
+    """A record that leaks carries the export's token; the export port still wants a certificate
+    of the record's tenant (from the pool's CA): another tenant's, or none the pool issued, reads
+    nothing, and the export stays readable by its own tenant."""
+    from kvpool.transfer import TransferCode, TransferEngine, TransferRequest
+
+    with lc.connect(0) as p:
+        keys, values, state, prompt, pos = prefill(p, rng, blocks=2)
+        rec = p.publish_prefill(keys, prompt, hold_ms=20_000)
+    assert rec.has_peer and rec.tenant == "acme"
+    stranger_ca = pki.make_ca("not the pool's CA")
+
+    def read(tls: Any) -> tuple[TransferCode, str, bytes]:
+        eng = TransferEngine(tls=tls, stall_timeout=5.0)
+        try:
+            buf = bytearray(rec.state_size)
+            t0 = time.monotonic()
+            st = eng.submit(rec.peer, [TransferRequest("read", memoryview(buf), rec.segment, rec.state_offset,
+                                                       rec.state_size, token=rec.export_id)]).wait()[0]
+            assert time.monotonic() - t0 < 5.0  # refused at once, not timed out
+            return st.code, st.message, bytes(buf)
+        finally:
+            eng.close()
+
+    code, why, got = read(lc.issue("globex-thief", pki.tenant("globex")))
+    assert code == TransferCode.CONNECTION and got != state, why
+    code, why, got = read(lc.issue("forged-acme", pki.tenant("acme"), ca=stranger_ca))
+    assert code == TransferCode.CONNECTION and got != state, why
+    code, why, got = read(None)  # plaintext: no TLS at all
+    assert code == TransferCode.CONNECTION and got != state, why
+    code, why, got = read(lc.issue("acme-reader-2", pki.tenant("acme")))
+    assert (code, got) == (TransferCode.OK, state), why
+
+
 def test_the_export_port_serves_only_the_exported_extent_while_it_holds(lc: LocalCluster,
                                                                        rng: random.Random) -> None:
     from kvpool.transfer import TransferCode, TransferEngine, TransferRequest
@@ -207,7 +242,8 @@ def test_the_export_port_serves_only_the_exported_extent_while_it_holds(lc: Loca
         keys, values, state, prompt, pos = prefill(p, rng, blocks=2)
         rec = p.publish_prefill(keys, prompt, hold_ms=2000)
         assert rec.peer and rec.peer == p.handoff_address and rec.instance == p.instance_id
-    eng = TransferEngine()
+    # The port is mutual TLS and serves sidecars of the export's tenant: read as one of acme's.
+    eng = TransferEngine(tls=lc.issue("acme-reader", pki.tenant("acme")))
     try:
         def read(offset: int, length: int, token: int) -> tuple[TransferCode, bytes]:
             buf = bytearray(length)

@@ -112,6 +112,8 @@ def test_data_calls_with_the_admin_token_are_handled_as_before(nodes: Any, h: An
     requests: dict[str, Any] = {
         "Release": pb.ReleaseRequest(lease_ids=[1]), "Remove": pb.RemoveRequest(keys=key),
         "Stats": pb.Empty(), "GetRing": pb.Empty(), "Health": pb.Empty(),
+        # A data-session ticket is a tenant's (its tenant comes from the token).
+        "DataTicket": pb.Empty(),
         # RDMA's out-of-band calls are a tenant's too (this node has no device: the tenant check
         # comes first, so the admin token is refused before the device is asked for).
         "ConnectRdma": pb.ConnectRdmaRequest(), "HoldExtents": pb.HoldExtentsRequest(keys=key),

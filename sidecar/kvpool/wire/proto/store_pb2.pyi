@@ -244,20 +244,30 @@ class PolicyRequest(_message.Message):
     def __init__(self, ttl_seconds: _Optional[_Mapping[str, int]] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ok", "node_id", "epoch", "transfer_address", "incarnation", "rdma_device")
+    __slots__ = ("ok", "node_id", "epoch", "transfer_address", "incarnation", "rdma_device", "data_session_plaintext")
     OK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RDMA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DATA_SESSION_PLAINTEXT_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     node_id: str
     epoch: int
     transfer_address: str
     incarnation: int
     rdma_device: str
-    def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., rdma_device: _Optional[str] = ...) -> None: ...
+    data_session_plaintext: bool
+    def __init__(self, ok: bool = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., transfer_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., rdma_device: _Optional[str] = ..., data_session_plaintext: bool = ...) -> None: ...
+
+class DataTicketReply(_message.Message):
+    __slots__ = ("ticket", "expires_unix_ms")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    expires_unix_ms: int
+    def __init__(self, ticket: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ConnectRdmaRequest(_message.Message):
     __slots__ = ("endpoint",)

@@ -61,6 +61,11 @@ class StoreDataStub(object):
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
                 response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.DataTicket = channel.unary_unary(
+                '/kvpool.v1.StoreData/DataTicket',
+                request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+                response_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DataTicketReply.FromString,
+                _registered_method=True)
         self.ConnectRdma = channel.unary_unary(
                 '/kvpool.v1.StoreData/ConnectRdma',
                 request_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.ConnectRdmaRequest.SerializeToString,
@@ -118,6 +123,12 @@ class StoreDataServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DataTicket(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +193,11 @@ def add_StoreDataServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
                     response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.SerializeToString,
+            ),
+            'DataTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataTicket,
+                    request_deserializer=kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.FromString,
+                    response_serializer=kvpool_dot_wire_dot_proto_dot_store__pb2.DataTicketReply.SerializeToString,
             ),
             'ConnectRdma': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectRdma,
@@ -346,6 +362,33 @@ class StoreData(object):
             '/kvpool.v1.StoreData/Health',
             kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
             kvpool_dot_wire_dot_proto_dot_store__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.StoreData/DataTicket',
+            kvpool_dot_wire_dot_proto_dot_store__pb2.Empty.SerializeToString,
+            kvpool_dot_wire_dot_proto_dot_store__pb2.DataTicketReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,268 @@
+"""TLS of the pool's TCP channels: where a process's certificate, key and CA bundle are, and the
+contexts and gRPC credentials built from them.
+
+A :class:`TlsConfig` names three PEM files (a mounted Kubernetes TLS Secret's ``tls.crt``,
+``tls.key`` and ``ca.crt``; :func:`add_tls_args` / :func:`from_args` are the flags).  Every
+channel of the pool uses it: gRPC (store nodes, router), the data session and the handoff export
+port (the transfer server, :mod:`kvpool.transfer.server`), the router's HTTP API.  The CA file
+may hold several CAs (old + new during a rotation, :func:`kvpool.core.pki.bundle`), and files
+are re-read when they change: a server picks a rotated certificate up at its next handshake
+(gRPC through its dynamic credentials, ``ssl`` by a fresh context), with no restart.
+
+Servers of the pool's own channels require a client certificate from the pool CA (mutual TLS);
+who the peer is comes from its certificate (:func:`peer_identity`,
+:func:`grpc_peer_identity`): the admin API takes only the operator's, an export only its
+tenant's.  A process installs its configuration once (:func:`install`); clients created
+without an explicit one use it (:func:`current`), so every StoreClient of a sidecar or of a
+store node's drain speaks TLS without being told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvpool.core import pki
+
+CERT_NAME, KEY_NAME, CA_NAME = "tls.crt", "tls.key", "ca.crt"
+"""File names in a TLS directory: a Kubernetes ``kubernetes.io/tls`` Secret plus its CA."""
+
+
+class TlsError(Exception):
+    """A TLS configuration that cannot be used (a missing or unreadable file)."""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """A process's certificate, key and trusted CA bundle (paths; read when used)."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str = ""
+    """The name a client checks in a server's certificate instead of the address's host (one
+    name for every store node of a pool, say); "" checks the host (its IP or DNS SAN)."""
+    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    @classmethod
+    def from_dir(cls, directory: str, server_name: str = "") -> TlsConfig:
+        return cls(os.path.join(directory, CERT_NAME), os.path.join(directory, KEY_NAME),
+                   os.path.join(directory, CA_NAME), server_name)
+
+    def _stamp(self) -> tuple[float, ...]:
+        try:
+            return tuple(os.stat(p).st_mtime_ns for p in (self.cert_file, self.key_file, self.ca_file))
+        except OSError as exc:
+            raise TlsError(f"TLS files unreadable: {exc}") from None
+
+    def _cached(self, what: str, build: Callable[[], Any]) -> Any:
+        """``build()``'s result, built again when a file changed (a rotation)."""
+        stamp = self._stamp()
+        with self._lock:
+            hit = self._cache.get(what)
+            if hit is not None and hit[0] == stamp:
+                return hit[1]
+        value = build()
+        with self._lock:
+            self._cache[what] = (stamp, value)
+        return value
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate chain, key, CA bundle), PEM."""
+        def load() -> tuple[bytes, bytes, bytes]:
+            try:
+                out = []
+                for p in (self.cert_file, self.key_file, self.ca_file):
+                    with open(p, "rb") as f:
+                        out.append(f.read())
+            except OSError as exc:
+                raise TlsError(f"TLS files unreadable: {exc}") from None
+            return out[0], out[1], out[2]
+        return self._cached("pem", load)  # type: ignore[no-any-return]
+
+    def identity(self) -> pki.Identity | None:
+        """The kvpool identity this process's own certificate names."""
+        return pki.identity_of(self.read()[0])
+
+    # -- ssl (the transfer server and its clients, the router's HTTP API) ---------------------
+
+    def server_context(self, client_auth: bool = True) -> ssl.SSLContext:
+        """A server context (TLS 1.2+); with ``client_auth`` a certificate from the bundle's CAs
+        is required of every client."""
+        def build() -> ssl.SSLContext:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+            ctx.load_verify_locations(cafile=self.ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED if client_auth else ssl.CERT_NONE
+            return ctx
+        return self._cached(f"server-{client_auth}", build)  # type: ignore[no-any-return]
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client context: the server verified against the bundle (and its name), this
+        process's certificate presented."""
+        def build() -> ssl.SSLContext:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_verify_locations(cafile=self.ca_file)
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+            return ctx
+        return self._cached("client", build)  # type: ignore[no-any-return]
+
+    def wrap_client(self, sock: Any, host: str) -> ssl.SSLSocket:
+        """``sock`` (connected) as a TLS client of ``host``; the handshake done."""
+        return self.client_context().wrap_socket(sock, server_hostname=self.server_name or host)
+
+    # -- gRPC --------------------------------------------------------------------------------
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        cert, key, ca = self.read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def server_credentials(self, client_auth: bool = True) -> grpc.ServerCredentials:
+        """Credentials that re-read the files when they change (picked up at the next handshake)."""
+        def config() -> Any:
+            cert, key, ca = self.read()
+            return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+        seen = [self._stamp()]
+
+        def fetch() -> Any:
+            stamp = self._stamp()
+            if stamp == seen[0]:
+                return None  # unchanged: keep the current one
+            seen[0] = stamp
+            return config()
+        return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=client_auth)
+
+
+# -- a process's configuration -------------------------------------------------------------------
+
+_installed: TlsConfig | None = None
+_by_address: dict[str, TlsConfig] = {}
+
+
+def install(cfg: TlsConfig | None) -> None:
+    """This process's TLS configuration: what clients created without one use."""
+    global _installed
+    _installed = cfg
+
+
+def current() -> TlsConfig | None:
+    return _installed
+
+
+def use_for(address: str, cfg: TlsConfig | None) -> None:
+    """Clients of ``address`` created without a configuration use ``cfg`` (None: forget it).
+    For a process that talks to pools it did not start in (``LocalCluster`` in a test): its
+    nodes speak TLS, other servers of the same process may not."""
+    if cfg is None:
+        _by_address.pop(address, None)
+    else:
+        _by_address[address] = cfg
+
+
+def resolve(cfg: TlsConfig | None | bool, address: str = "") -> TlsConfig | None:
+    """A client's configuration: the one given, else the one for ``address``
+    (:func:`use_for`), else the process's (``None``, :func:`install`); plaintext for ``False``."""
+    if cfg is False:
+        return None
+    if cfg is None or cfg is True:
+        return _by_address.get(address, _installed)
+    return cfg
+
+
+def channel(address: str, cfg: TlsConfig | None, options: list[tuple[str, Any]]) -> grpc.Channel:
+    """A gRPC channel to ``address``: TLS with ``cfg``, plaintext without."""
+    if cfg is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, cfg.channel_credentials(), options=[*options, *cfg.channel_options()])
+
+
+def add_port(server: grpc.Server, address: str, cfg: TlsConfig | None, client_auth: bool = True) -> int:
+    """Bind ``address`` on ``server`` (TLS with ``cfg``); the port bound, 0 when it failed."""
+    if cfg is None:
+        return int(server.add_insecure_port(address))
+    return int(server.add_secure_port(address, cfg.server_credentials(client_auth)))
+
+
+# -- who the peer is --------------------------------------------------------------------------
+
+def _first_identity(uris: Any) -> pki.Identity | None:
+    for uri in uris:
+        found = pki.parse_identity(uri.decode() if isinstance(uri, bytes) else str(uri))
+        if found is not None:
+            return found
+    return None
+
+
+def peer_identity(sock: Any) -> pki.Identity | None:
+    """The kvpool identity of a TLS socket's peer (the URI SAN of its verified certificate), None
+    without one."""
+    getpeercert = getattr(sock, "getpeercert", None)
+    cert = getpeercert() if getpeercert is not None else None
+    if not cert:
+        return None
+    return _first_identity(v for kind, v in cert.get("subjectAltName", ()) if kind == "URI")
+
+
+def grpc_peer_identity(context: grpc.ServicerContext) -> pki.Identity | None:
+    """The kvpool identity of a gRPC call's peer (the URI SAN of its verified client certificate,
+    which gRPC lists among the peer's subject alternative names)."""
+    auth = context.auth_context() or {}
+    return _first_identity(auth.get("x509_subject_alternative_name") or ())
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+def add_tls_args(group: Any) -> None:
+    """The TLS flags of a kvpool process (a mounted Secret's files, or its directory)."""
+    group.add_argument("--tls-dir", default=None,
+                       help=f"directory of this process's TLS files ({CERT_NAME}, {KEY_NAME}, {CA_NAME}: a "
+                            "mounted Secret); every TCP channel of the pool then uses TLS")
+    group.add_argument("--tls-cert", default=None, help="this process's certificate chain (PEM)")
+    group.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    group.add_argument("--tls-ca", default=None,
+                       help="the pool's CA bundle (PEM; old and new CA during a rotation)")
+    group.add_argument("--tls-server-name", default="",
+                       help="name checked in servers' certificates instead of their address's host")
+
+
+def from_args(args: argparse.Namespace) -> TlsConfig | None:
+    """The configuration the flags name (None: plaintext); fails fast on a partial set."""
+    files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if args.tls_dir:
+        if any(files):
+            raise TlsError("--tls-dir or --tls-cert/--tls-key/--tls-ca, not both")
+        cfg = TlsConfig.from_dir(args.tls_dir, args.tls_server_name)
+    elif any(files):
+        if not all(files):
+            raise TlsError("--tls-cert, --tls-key and --tls-ca go together")
+        cfg = TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    else:
+        return None
+    cfg.read()  # unreadable files fail here, at start, not at the first connection
+    return cfg
+
+
+def write_dir(directory: str, pair: pki.KeyPair, ca_bundle: bytes) -> TlsConfig:
+    """Write a key pair and a CA bundle as a TLS directory (what a mounted Secret looks like)."""
+    os.makedirs(directory, exist_ok=True)
+    for name, data, mode in ((CERT_NAME, pair.cert_pem, 0o644), (KEY_NAME, pair.key_pem, 0o600),
+                             (CA_NAME, ca_bundle, 0o644)):
+        path = os.path.join(directory, name)
+        tmp = path + ".tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # atomic, as a Secret update's symlink swap
+    return TlsConfig.from_dir(directory)
