@@ -18,6 +18,10 @@ import socket
 import ssl
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.wire.tls import TlsConfig
 
 #: What a stalled peer raises: the kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) on a blocking socket
 #: surfaces as EAGAIN (``BlockingIOError``); a Python-level timeout as ``TimeoutError``.
@@ -38,6 +42,21 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         except OSError:
             pass  # capped by net.core.*mem_max; the default still works
+
+
+def connect(address: tuple[str, int], timeout: float, tls: TlsConfig | None = None) -> socket.socket:
+    """A tuned connection (no Nagle, stall timeouts of ``timeout`` seconds); with ``tls``, a TLS
+    client of the server's certificate (the handshake within ``timeout``).  Closed on failure."""
+    sock = socket.create_connection(address, timeout=timeout)
+    try:
+        tune(sock)
+        if tls is not None:
+            sock = tls.wrap_client(sock, address[0])
+        set_stall_timeout(sock, timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def set_stall_timeout(sock: socket.socket, seconds: float) -> None:
@@ -198,16 +217,6 @@ def _send_tls(sock: ssl.SSLSocket, buffers: Sequence[bytes | memoryview]) -> Non
         sock.sendall(b)
     if small:
         sock.sendall(b"".join(small))
-
-
-def recv_buffers_tls(sock: ssl.SSLSocket, views: Sequence[memoryview]) -> int:
-    """Fill each view in order (TLS: no scatter receive); the bytes received."""
-    total = 0
-    for v in views:
-        if v.nbytes:
-            recv_exact(sock, v)
-            total += v.nbytes
-    return total
 
 
 def _advance(views: list[memoryview], i: int, sent: int) -> int:

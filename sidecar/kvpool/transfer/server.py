@@ -266,10 +266,12 @@ class TransferServer:
             counts["tls_refused"] += 1
             log.info("transfer server %s: TLS handshake refused: %s", self.address, exc)
             return None
-        if self._peer_check is not None and not self._peer_check(peer_identity(conn)):
-            counts["peers_refused"] += 1
-            log.info("transfer server %s: peer %s refused", self.address, peer_identity(conn))
-            return None
+        if self._peer_check is not None:
+            peer = peer_identity(conn)
+            if not self._peer_check(peer):
+                counts["peers_refused"] += 1
+                log.info("transfer server %s: peer %s refused", self.address, peer)
+                return None
         _sockio.set_stall_timeout(conn, self._io_timeout)
         return conn
 

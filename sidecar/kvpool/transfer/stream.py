@@ -141,15 +141,6 @@ class Stream:
 def connect(address: tuple[str, int], timeout: float, tls: TlsConfig | None = None) -> Stream:
     """A tuned connection (no Nagle, kernel stall timeouts of ``timeout`` seconds); with ``tls``,
     a TLS client of the server's certificate (the handshake within ``timeout``)."""
-    sock = socket.create_connection(address, timeout=timeout)
-    try:
-        _sockio.tune(sock)
-        if tls is not None:
-            sock = tls.wrap_client(sock, address[0])
-        _sockio.set_stall_timeout(sock, timeout)
-    except BaseException:
-        sock.close()
-        raise
-    stream = Stream(sock)
+    stream = Stream(_sockio.connect(address, timeout, tls))
     stream.timeout = timeout
     return stream

@@ -249,18 +249,8 @@ class _Worker(threading.Thread):
 
     def _connect(self) -> None:
         timeout = self.peer.settings.stall_timeout
-        sock = socket.create_connection((self.peer.host, self.peer.port), timeout=timeout)
+        self.sock = _sockio.connect((self.peer.host, self.peer.port), timeout, self.peer.settings.tls)
         self.stats["connects"] += 1
-        try:
-            _sockio.tune(sock)
-            tls = self.peer.settings.tls
-            if tls is not None:
-                sock = tls.wrap_client(sock, self.peer.host)
-            _sockio.set_stall_timeout(sock, timeout)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
 
     def _disconnect(self) -> None:
         sock, self.sock = self.sock, None

@@ -98,10 +98,7 @@ class TlsConfig:
         """A server context (TLS 1.2+); with ``client_auth`` a certificate from the bundle's CAs
         is required of every client."""
         def build() -> ssl.SSLContext:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-            ctx.load_verify_locations(cafile=self.ca_file)
+            ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
             ctx.verify_mode = ssl.CERT_REQUIRED if client_auth else ssl.CERT_NONE
             return ctx
         return self._cached(f"server-{client_auth}", build)  # type: ignore[no-any-return]
@@ -109,13 +106,15 @@ class TlsConfig:
     def client_context(self) -> ssl.SSLContext:
         """A client context: the server verified against the bundle (and its name), this
         process's certificate presented."""
-        def build() -> ssl.SSLContext:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.load_verify_locations(cafile=self.ca_file)
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-            return ctx
-        return self._cached("client", build)  # type: ignore[no-any-return]
+        return self._cached("client", lambda: self._context(ssl.PROTOCOL_TLS_CLIENT))  # type: ignore[no-any-return]
+
+    def _context(self, protocol: ssl._SSLMethod) -> ssl.SSLContext:
+        """A TLS 1.2+ context of ``protocol`` presenting this certificate, trusting the bundle."""
+        ctx = ssl.SSLContext(protocol)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        ctx.load_verify_locations(cafile=self.ca_file)
+        return ctx
 
     def wrap_client(self, sock: Any, host: str) -> ssl.SSLSocket:
         """``sock`` (connected) as a TLS client of ``host``; the handshake done."""
