@@ -180,14 +180,14 @@ def summarize(records: Sequence[dict[str, Any]], floor: int) -> dict[str, Any]:
     }
 
 
-def ratios_to(reference: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], key: str = "ttft") -> list[float]:
-    """Per round, the reference arm's p50 of ``key`` over this arm's, rounds paired in order (they
+def ratios_to(reference: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]]) -> list[float]:
+    """Per round, the reference arm's TTFT p50 over this arm's, rounds paired in order (they
     ran interleaved, so each pair saw the same machine): the benchmark reports their median."""
     out = []
     for ref, run in zip(reference, runs, strict=False):
-        mine = percentile([r[key] for r in run["records"]], 50)
+        mine = percentile([r["ttft"] for r in run["records"]], 50)
         if mine and not math.isnan(mine):
-            out.append(percentile([r[key] for r in ref["records"]], 50) / mine)
+            out.append(percentile([r["ttft"] for r in ref["records"]], 50) / mine)
     return out
 
 
