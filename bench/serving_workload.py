@@ -153,6 +153,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
 
 
+def recomputed_share(records: Sequence[dict[str, Any]]) -> float:
+    """Computed over prompt tokens of ``records`` (NaN for none)."""
+    prompt = sum(r["prompt"] for r in records)
+    return sum(r["computed"] for r in records) / prompt if prompt else math.nan
+
+
 def summarize(records: Sequence[dict[str, Any]], floor: int) -> dict[str, Any]:
     """One arm's figures from its per-request records (``prompt``, ``computed``, ``ttft``, and the
     cached tokens by where they came from: ``local`` (vLLM's own prefix cache), ``connector`` (the
@@ -165,8 +171,7 @@ def summarize(records: Sequence[dict[str, Any]], floor: int) -> dict[str, Any]:
     by_move = {}
     for name, moved in (("moved", True), ("stayed", False)):
         rs = [r for r in records if r["turn"] > 0 and bool(r.get("moved")) is moved]
-        p = sum(r["prompt"] for r in rs)
-        by_move[name] = {"requests": len(rs), "recomputed_share": sum(r["computed"] for r in rs) / p if p else math.nan,
+        by_move[name] = {"requests": len(rs), "recomputed_share": recomputed_share(rs),
                          "ttft_p50": percentile([r["ttft"] for r in rs], 50)}
     return {
         "requests": len(records), "prompt_tokens": prompt, "computed_tokens": computed,
@@ -180,14 +185,14 @@ def summarize(records: Sequence[dict[str, Any]], floor: int) -> dict[str, Any]:
     }
 
 
-def ratios_to(reference: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], key: str = "ttft") -> list[float]:
-    """Per round, the reference arm's p50 of ``key`` over this arm's, rounds paired in order (they
+def ratios_to(reference: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]]) -> list[float]:
+    """Per round, the reference arm's TTFT p50 over this arm's, rounds paired in order (they
     ran interleaved, so each pair saw the same machine): the benchmark reports their median."""
     out = []
     for ref, run in zip(reference, runs, strict=False):
-        mine = percentile([r[key] for r in run["records"]], 50)
+        mine = percentile([r["ttft"] for r in run["records"]], 50)
         if mine and not math.isnan(mine):
-            out.append(percentile([r[key] for r in ref["records"]], 50) / mine)
+            out.append(percentile([r["ttft"] for r in ref["records"]], 50) / mine)
     return out
 
 
@@ -196,8 +201,7 @@ def per_turn(records: Sequence[dict[str, Any]], turns: int) -> dict[str, list[fl
     share, ttft = [], []
     for t in range(turns):
         rs = [r for r in records if r["turn"] == t]
-        p = sum(r["prompt"] for r in rs)
-        share.append(sum(r["computed"] for r in rs) / p if p else math.nan)
+        share.append(recomputed_share(rs))
         ttft.append(percentile([r["ttft"] for r in rs], 50))
     return {"recomputed_share": share, "ttft_p50": ttft}
 

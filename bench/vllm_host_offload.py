@@ -78,38 +78,43 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
         return  # every job finished inside its submit
 
 
-class HostCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
+class _HostWorkerSpec:
+    """Registers the spec in SPECS and builds its host-copy worker once, over the host views the
+    concrete spec gives (_host_views)."""
+
+    blocks_per_chunk: int
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)  # type: ignore[call-arg]  # the vLLM spec after this mixin in the MRO
+        SPECS.append(self)
+
+    def _host_views(self, kv_caches: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        if not getattr(self, "_worker", None):
+            self._worker = HostCopyWorker(kv_caches, self._host_views(kv_caches), self.blocks_per_chunk)
+        return self._worker
+
+
+class HostCPUOffloadingSpec(_HostWorkerSpec, CPUOffloadingSpec):  # type: ignore[misc]
     """vLLM's CPU offloading spec with the host-copy worker (arm c)."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        SPECS.append(self)
-
-    def get_worker(self, kv_caches: Any) -> Any:
-        if not getattr(self, "_worker", None):
-            cpu = [torch.zeros((self.num_chunks, t.page_size_bytes * self.blocks_per_chunk), dtype=torch.int8)
-                   for t in kv_caches.tensors]
-            self._worker = HostCopyWorker(kv_caches, cpu, self.blocks_per_chunk)
-        return self._worker
+    def _host_views(self, kv_caches: Any) -> list[Any]:
+        return [torch.zeros((self.num_chunks, t.page_size_bytes * self.blocks_per_chunk), dtype=torch.int8)
+                for t in kv_caches.tensors]
 
 
-class HostTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
+class HostTieringOffloadingSpec(_HostWorkerSpec, TieringOffloadingSpec):  # type: ignore[misc]
     """vLLM's tiering spec (CPU primary tier + secondary tiers) with the host-copy worker (arm d)."""
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        SPECS.append(self)
-
-    def get_worker(self, kv_caches: Any) -> Any:
-        if not getattr(self, "_worker", None):
-            rank = 0 if self.replicated_layout else self.config.parallel.rank
-            self._region = SharedOffloadRegion(
-                engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
-                kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker)
-            cpu = [self._region.create_next_worker_view(t.page_size_bytes * self.blocks_per_chunk)
-                   for t in kv_caches.tensors]
-            self._worker = HostCopyWorker(kv_caches, cpu, self.blocks_per_chunk)
-        return self._worker
+    def _host_views(self, kv_caches: Any) -> list[Any]:
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        self._region = SharedOffloadRegion(
+            engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk, cpu_page_size=self.cpu_page_size_per_worker)
+        return [self._region.create_next_worker_view(t.page_size_bytes * self.blocks_per_chunk)
+                for t in kv_caches.tensors]
 
 
 def secondary_tiers() -> list[Any]:

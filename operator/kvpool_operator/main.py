@@ -23,6 +23,7 @@ from typing import Any
 
 from . import metrics
 from .kube import Kube, KubeError
+from .model import is_peer_list
 from .nodes import Nodes
 from .runtime import Runtime
 from .settings import Settings
@@ -126,7 +127,7 @@ def parse_peers(text: str, flag: str) -> tuple[dict[str, Any], ...]:
         peers = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{flag} is not JSON: {exc}") from None
-    if not isinstance(peers, list) or not all(isinstance(p, dict) and p for p in peers):
+    if not is_peer_list(peers):
         raise ValueError(f"{flag} must be a JSON list of NetworkPolicy peers (objects), got {text!r}")
     return tuple(peers)
 

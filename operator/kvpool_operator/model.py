@@ -388,11 +388,16 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     )
 
 
+def is_peer_list(value: Any) -> bool:
+    """A list of NetworkPolicy peers: non-empty objects (their inside is the API server's to check)."""
+    return isinstance(value, list) and all(isinstance(p, Mapping) and p for p in value)
+
+
 def _peers(value: Any, where: str) -> tuple[Mapping[str, Any], ...] | None:
     """NetworkPolicy peers as given (the CRD schema checks their shape); None when unset."""
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(p, Mapping) and p for p in value):
+    if not is_peer_list(value):
         raise SpecError("InvalidSpec", f"{where} must be a list of NetworkPolicy peers")
     return tuple(value)
 

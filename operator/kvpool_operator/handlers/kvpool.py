@@ -23,6 +23,11 @@ def register(registry: Any, rt: Runtime) -> None:
             # Conflicts and API hiccups are not failures: re-read and retry shortly.
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=2 if exc.conflict else 5) from exc
 
+    def repair(namespace: str | None, pool: str | None, type: str | None) -> None:
+        # Drift repair of a child: an edit or a deletion re-reconciles its pool (not the listing, not an add).
+        if type in ("MODIFIED", "DELETED"):
+            run(namespace, pool)
+
     @kopf.on.resume(GROUP, VERSION, "kvpools", registry=registry, id="changed")
     @kopf.on.create(GROUP, VERSION, "kvpools", registry=registry, id="changed")
     @kopf.on.update(GROUP, VERSION, "kvpools", registry=registry, id="changed")
@@ -54,8 +59,7 @@ def register(registry: Any, rt: Runtime) -> None:
     @kopf.on.event("apps", "v1", "statefulsets", labels={STORE_POOL_LABEL: kopf.PRESENT}, registry=registry,
                    id="store_set")
     def store_set(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
-        if type in ("MODIFIED", "DELETED"):
-            run(namespace, labels.get(STORE_POOL_LABEL))
+        repair(namespace, labels.get(STORE_POOL_LABEL), type)
 
     if rt.settings.network_policy:
         # Drift repair: someone edited or deleted one of a pool's NetworkPolicies (TenantNamespace
@@ -64,5 +68,4 @@ def register(registry: Any, rt: Runtime) -> None:
                        labels={"app.kubernetes.io/managed-by": "kvpool-operator",
                                "app.kubernetes.io/instance": kopf.PRESENT})
         def network_policy(namespace: str | None, labels: Any, type: str | None, **_: Any) -> None:
-            if type in ("MODIFIED", "DELETED"):
-                run(namespace, labels.get("app.kubernetes.io/instance"))
+            repair(namespace, labels.get("app.kubernetes.io/instance"), type)

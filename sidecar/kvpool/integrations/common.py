@@ -78,11 +78,11 @@ def write_header(buf: memoryview, layout: int) -> None:
     HEADER.pack_into(buf, 0, MAGIC, VERSION, 0, layout, xxhash.xxh3_64_intdigest(payload), len(payload))
 
 
-def check_object(obj: memoryview, layout: int, size: int | None = None) -> str | None:
-    """Why ``obj`` cannot be loaded into ``layout`` (None when it can): its ``size`` (header
-    included) where the engine's objects have one, framing, layout, checksum."""
-    if size is not None and len(obj) != size:
-        return f"object of {len(obj)} bytes, this layout's are {size}"
+def check_object(obj: memoryview, layout: int, object_bytes: int | None = None) -> str | None:
+    """Why ``obj`` cannot be loaded into ``layout`` (None when it can): its size (``object_bytes``,
+    header included) where the engine's objects have one, framing, layout, checksum."""
+    if object_bytes is not None and len(obj) != object_bytes:
+        return f"object of {len(obj)} bytes, this layout's are {object_bytes}"
     if len(obj) < HEADER_BYTES:
         return f"object of {len(obj)} bytes is shorter than its header"
     magic, version, _, lay, digest, size = HEADER.unpack_from(obj, 0)
