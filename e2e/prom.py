@@ -68,19 +68,20 @@ def rules() -> list[dict[str, Any]]:
     return [r for g in rule_groups() for r in g["rules"]]
 
 
-def live_form(expr: str) -> str:
-    """An expression as the live tests evaluate it: the dashboard's variables filled in, every range
-    shortened, and each comparison turned into a ``bool`` one, so an alert's expression (which
-    returns nothing on a healthy pool) returns its series whether or not it would fire."""
-    e = expr.replace("$__rate_interval", SHORT_WINDOW).replace('"$namespace"', '".*"').replace('"$pool"', '".*"')
+def live_form(expr: str, namespace: str = ".*", pool: str = ".*") -> str:
+    """An expression as the live tests evaluate it: the dashboard's variables filled in (regexes),
+    every range shortened, and each comparison turned into a ``bool`` one, so an alert's expression
+    (which returns nothing on a healthy pool) returns its series whether or not it would fire."""
+    e = expr.replace("$__rate_interval", SHORT_WINDOW)
+    e = e.replace('"$namespace"', json.dumps(namespace)).replace('"$pool"', json.dumps(pool))
     e = re.sub(r"\[\d+[smhd]\]", f"[{SHORT_WINDOW}]", e)
     return re.sub(r"\s(>=|<=|==|!=|>|<)\s(?!\s*bool\b)", r" \1 bool ", e)
 
 
-def live_expressions() -> dict[str, str]:
+def live_expressions(namespace: str = ".*", pool: str = ".*") -> dict[str, str]:
     """Every expression of the dashboard and the rules (but those over :data:`PENDING` families),
     mapped to its :func:`live_form`."""
-    return {e: live_form(e) for e in [*dashboard_exprs(), *(r["expr"] for r in rules())]
+    return {e: live_form(e, namespace, pool) for e in [*dashboard_exprs(), *(r["expr"] for r in rules())]
             if not any(name in e for name in PENDING)}
 
 
