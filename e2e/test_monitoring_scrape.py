@@ -27,6 +27,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import subprocess
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,7 @@ from e2e.prom import (
     Prometheus,
     api_get,
     live_expressions,
+    query,
     still_pending,
     wait_for_series,
 )
@@ -57,6 +59,7 @@ from e2e.test_operator_pool import (  # noqa: F401 (fixtures)
     wait_status,
 )
 from e2e.testutil import python_cmd, wait_for
+from kvpool.wire.metric_names import SidecarMetric, StoreMetric
 from kvpool_operator.kube import Kube
 from tests.kvpool_chart.test_chart import needs_helm, render
 
@@ -66,6 +69,12 @@ POOL = "mon"
 SCRAPE = ("metrics.podMonitor.enabled=true", "metrics.podMonitor.interval=1s",
           "metrics.podMonitor.scrapeTimeout=900ms")
 """The chart's values for the test: its PodMonitors on, scraping every second (a short test)."""
+MOVED = [f"{StoreMetric.LOOKUP_BLOCKS}_total", f"{StoreMetric.HIT_BLOCKS}_total", f"{StoreMetric.MISS_BLOCKS}_total",
+         f"{StoreMetric.BYTES_IN}_total", f"{StoreMetric.BYTES_OUT}_total", f"{StoreMetric.OP_SECONDS}_count",
+         f"{SidecarMetric.LOOKUP_BLOCKS}_total", f"{SidecarMetric.HIT_BLOCKS}_total",
+         f"{SidecarMetric.RESTORED_BYTES}_total", f"{SidecarMetric.POOL_BYTES_OUT}_total",
+         f"{SidecarMetric.OP_SECONDS}_count"]
+"""Counters the workload must have moved in the scraped series (hits, misses, bytes, restores)."""
 
 WORKLOAD = """
     import os, time
@@ -219,6 +228,7 @@ def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
         cluster: Cluster, operator: Operator, kube: Kube, namespace: str, prometheus: Prometheus,  # noqa: F811
         tmp_path: Path) -> None:
     assert cluster.pki is not None
+    start = time.monotonic()
     create(kube, kvpool(POOL, storage={"replicas": 2}, sidecar={"localBytes": "2Mi"},
                         tenancy={"defaultTenant": "public"}), namespace)
     wait_status(kube, namespace, POOL, lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
@@ -232,6 +242,7 @@ def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
     try:
         configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, sd)]
         base = prometheus.start(configs)
+        ready = time.monotonic()
 
         # Every store node and the injected sidecar is a target, up, labelled as the dashboard expects.
         def scraped() -> list[dict[str, Any]] | None:
@@ -254,7 +265,12 @@ def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
             kube, namespace)))
         assert not _engine_exited(kube, namespace), _engine_exited(kube, namespace)
         assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
+        still = [m for m in MOVED if not any(float(r["value"][1]) > 0 for r in query(
+            base, f'sum(increase({m}{{namespace="{namespace}", pool="{POOL}"}}[5m]))'))]
+        assert not still, f"the workload did not move {still}"
         assert not still_pending(base)
-        assert not discovery.errors or len(discovery.errors) < 5, discovery.errors
+        print(f"pool and engine up: {ready - start:.1f}s, every expression with series {time.monotonic() - ready:.1f}s"
+              f" later ({len(live_expressions())} expressions)")
+        assert len(discovery.errors) < 5, discovery.errors  # a busy API server may miss a round or two
     finally:
         discovery.stop()
