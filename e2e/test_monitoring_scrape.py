@@ -165,6 +165,8 @@ def test_a_pod_monitor_becomes_the_operators_scrape_config() -> None:
     assert (cfg["metrics_path"], cfg["scrape_interval"]) == ("/metrics", "5s")
     assert cfg["file_sd_configs"] == [{"files": ["/sd.json"], "refresh_interval": "1s"}]
     rules = cfg["relabel_configs"]
+    assert rules[0] == {"source_labels": ["job"], "target_label": "__tmp_prometheus_job_name"}
+    assert {"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"} in rules
     assert {"action": "keep", "source_labels": ["__meta_kubernetes_namespace"], "regex": "apps"} in rules
     assert {"action": "keep", "regex": "(x);true", "source_labels": [
         "__meta_kubernetes_pod_label_a_b_c", "__meta_kubernetes_pod_labelpresent_a_b_c"]} in rules
