@@ -3,23 +3,20 @@ rendered from their files, `promtool check rules` and `promtool test rules` (a u
 alert, tests/kvpool_chart/promtool/rules_test.yaml), and every PromQL expression of both evaluated
 by a real Prometheus scraping a LocalCluster's store nodes and sidecars during a workload.
 
-Prometheus and promtool are Debian's 2.42 package, which tools/setup.sh unpacks into the cache.
+Prometheus and promtool are Debian's 2.42 package, which tools/setup.sh unpacks into the cache; the
+helpers that find, run and query it are e2e.prom's (e2e/test_monitoring_scrape.py scrapes a pool on
+the harness cluster with them).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,33 +28,27 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kvpool_chart.test_chart import CHART, needs_helm, one, render  # noqa: E402
+from e2e.prom import (  # noqa: E402
+    CERT_EXPIRY,
+    PROMETHEUS,
+    PROMTOOL,
+    SHORT_WINDOW,
+    Prometheus,
+    dashboard,
+    dashboard_exprs,
+    live_expressions,
+    live_form,
+    rule_groups,
+    rules,
+    still_pending,
+    wait_for_series,
+    workload_round,
+)
+from tests.kvpool_chart.test_chart import needs_helm, one, render  # noqa: E402
 
-PROM_BIN = Path(os.environ.get("KVPOOL_CACHE", Path.home() / ".cache" / "kvpool")) / "prometheus" / "usr" / "bin"
-PROMTOOL = PROM_BIN / "promtool" if (PROM_BIN / "promtool").exists() else Path(shutil.which("promtool") or "/none")
-PROMETHEUS = PROM_BIN / "prometheus" if (PROM_BIN / "prometheus").exists() else Path(
-    shutil.which("prometheus") or "/none")
 needs_promtool = pytest.mark.skipif(not PROMTOOL.exists(), reason="promtool is not here: run tools/setup.sh "
                                                                   "(it unpacks Debian's prometheus package)")
 RULES_TEST = Path(__file__).parent / "promtool" / "rules_test.yaml"
-CERT_EXPIRY = "kvpool_certificate_expiry_timestamp_seconds"
-"""Served with the pool's TLS (issue 23 part 1): a gauge, labels pool and kind."""
-
-
-def dashboard() -> dict[str, Any]:
-    return dict(json.loads((CHART / "files" / "dashboard.json").read_text()))
-
-
-def rule_groups() -> list[dict[str, Any]]:
-    return list(yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())["groups"])
-
-
-def dashboard_exprs() -> list[str]:
-    return [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
-
-
-def rules() -> list[dict[str, Any]]:
-    return [r for g in rule_groups() for r in g["rules"]]
 
 
 def _rendered(tmp: Path) -> list[dict[str, Any]]:
@@ -155,85 +146,19 @@ def test_promtool_unit_tests_every_alert(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- a real scrape
 
 
-SHORT_WINDOW = "20s"
-"""Every range of the PromQL in the live test: a few scrapes (1 s apart) of a short workload."""
-PENDING: dict[str, str] = {
-    CERT_EXPIRY: "exported by the pool's TLS (issue 23 part 1), which LocalCluster does not serve yet",
-}
-"""Families an expression may use that the scraped processes do not export yet, with why. An
-expression over one of them must return nothing (so the entry is removed when it lands)."""
-
-
-def live_form(expr: str) -> str:
-    """An expression as the live test evaluates it: the dashboard's variables filled in, every range
-    shortened, and each comparison turned into a ``bool`` one, so an alert's expression returns its
-    series whether or not it would fire."""
-    e = expr.replace("$__rate_interval", SHORT_WINDOW).replace('"$namespace"', '".*"').replace('"$pool"', '".*"')
-    e = re.sub(r"\[\d+[smhd]\]", f"[{SHORT_WINDOW}]", e)
-    return re.sub(r"\s(>=|<=|==|!=|>|<)\s(?!\s*bool\b)", r" \1 bool ", e)
-
-
 def test_live_form() -> None:
     assert live_form('sum(rate(x{pool=~"$pool"}[$__rate_interval]))') == f'sum(rate(x{{pool=~".*"}}[{SHORT_WINDOW}]))'
     assert live_form("a[2h] > 2 * b and c > bool 1") == f"a[{SHORT_WINDOW}] > bool 2 * b and c > bool 1"
     assert live_form('up{reason!="x"} == 0') == 'up{reason!="x"} == bool 0'
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _query(base: str, expr: str) -> list[dict[str, Any]]:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        doc = json.load(resp)
-    assert doc["status"] == "success", doc
-    return list(doc["data"]["result"])
-
-
 @pytest.fixture
-def prometheus_for(tmp_path: Path) -> Iterator[Any]:
-    """Start ``prometheus`` on 127.0.0.1 scraping the given targets every second, with the chart's
-    rules loaded; yields a function (targets by job) -> base URL."""
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(targets: list[dict[str, Any]]) -> str:
-        rules_path = tmp_path / "rules.yaml"
-        shutil.copy(CHART / "files" / "prometheus-rules.yaml", rules_path)
-        port = _free_port()
-        cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
-               "rule_files": [str(rules_path)],
-               "scrape_configs": [{"job_name": "kvpool", "static_configs": targets}]}
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-        with (tmp_path / "prometheus.log").open("wb") as log:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen(
-                [str(PROMETHEUS), f"--config.file={tmp_path / 'prometheus.yml'}",
-                 f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                 "--storage.tsdb.retention.time=1h"], stdout=log, stderr=subprocess.STDOUT))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return base
-            except OSError:
-                pass
-            if procs[-1].poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("prometheus did not become ready: "
-                                     + (tmp_path / "prometheus.log").read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
-
-    yield start
-    for p in procs:
-        p.terminate()
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
+    prom = Prometheus(tmp_path)
+    try:
+        yield prom
+    finally:
+        prom.stop()
 
 
 def scrape_targets(lc: Any) -> list[dict[str, Any]]:
@@ -249,28 +174,9 @@ def scrape_targets(lc: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _workload(lc: Any, rng: Any) -> None:
-    """One round of what the dashboard shows: tenant a writes past DRAM (demotions, evictions) and
-    reads back (hits in both tiers, restores), asks for absent keys (misses); tenant b writes past
-    its quota (refusals)."""
-    block = 64 << 10
-    for i, tenant_bytes in ((0, 4 << 20), (1, 3 << 20)):
-        c = lc.connect(i)
-        try:
-            n = tenant_bytes // block
-            keys = [rng.bytes(32) for _ in range(n)]
-            c.put(keys, [rng.bytes(block) for _ in range(n)])
-            c.flush()
-            c.match(keys)
-            c.get_many(keys[: n // 2]).release()  # tenant b's refused keys are absent: per key
-            c.get_many([rng.bytes(32) for _ in range(8)]).release()  # absent
-        finally:
-            c.close()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not PROMETHEUS.exists(), reason="prometheus is not here: run tools/setup.sh")
-def test_a_real_prometheus_evaluates_every_expression(prometheus_for: Any) -> None:
+def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus) -> None:
     import numpy as np
 
     from kvpool.apps.cluster import LocalCluster
@@ -278,17 +184,21 @@ def test_a_real_prometheus_evaluates_every_expression(prometheus_for: Any) -> No
     mib = 1 << 20
     with LocalCluster(stores=2, sidecars=2, tenants=["a", "b"], quotas={"b": 2 * mib}, store_bytes=4 * mib,
                       local_bytes=2 * mib, ssd_bytes=16 * mib) as lc:
-        base = prometheus_for(scrape_targets(lc))
-        exprs = {e: live_form(e) for e in [*dashboard_exprs(), *(r["expr"] for r in rules())]
-                 if not any(name in e for name in PENDING)}
+        base = prometheus.start([{"job_name": "kvpool", "static_configs": scrape_targets(lc)}])
         stop = threading.Event()
         failed: list[BaseException] = []
 
         def work() -> None:
+            """Tenant a writes past DRAM and its sidecar's local tier; tenant b past its quota."""
             rng = np.random.default_rng(0)
             try:
                 while not stop.is_set():
-                    _workload(lc, rng)
+                    for i, nbytes in ((0, 4 * mib), (1, 3 * mib)):
+                        c = lc.connect(i)
+                        try:
+                            workload_round(c, rng, nbytes)
+                        finally:
+                            c.close()
                     stop.wait(0.5)
             except BaseException as exc:  # shown by the test, not lost in a thread
                 failed.append(exc)
@@ -297,18 +207,10 @@ def test_a_real_prometheus_evaluates_every_expression(prometheus_for: Any) -> No
         worker = threading.Thread(target=work, name="workload")
         worker.start()
         try:
-            waiting = dict(exprs)
-            deadline = time.monotonic() + 120
-            while waiting and not failed and time.monotonic() < deadline:
-                time.sleep(2)
-                # Done with an expression once it returns a series with a number (NaN: 0/0, no traffic yet).
-                waiting = {e: f for e, f in waiting.items()
-                           if not any(math.isfinite(float(r["value"][1])) for r in _query(base, f))}
+            waiting = wait_for_series(base, live_expressions(), 120, lambda: bool(failed))
         finally:
             stop.set()
             worker.join(60)
         assert not failed, failed
         assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
-        for name, why in PENDING.items():
-            # Still pending: nothing exports it. Once something does, take it off PENDING.
-            assert not _query(base, f"count({name})"), f"{name} is exported now: remove it from PENDING ({why})"
+        assert not still_pending(base)
