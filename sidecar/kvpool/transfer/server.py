@@ -227,6 +227,7 @@ class TransferServer:
             conn = self._handshake(sock, counts) if self._tls is not None else self._plain(sock)
             if conn is None:
                 return
+            sock = conn  # a TLS socket took the descriptor over (the plain one is detached)
             head = b""
             handler = None
             if self._sessions:
@@ -252,6 +253,13 @@ class TransferServer:
             _shutdown(sock)
             sock.close()
 
+    def _rekey(self, old: socket.socket, new: socket.socket) -> None:
+        """``new`` (a TLS socket over ``old``'s descriptor) is the connection from now on: what
+        :meth:`drop_connections` and :meth:`stop` shut down (the detached ``old`` shuts nothing)."""
+        with self._lock:
+            self._connections[new] = self._connections.pop(old)
+            self._live[new] = self._live.pop(old)
+
     def _plain(self, sock: socket.socket) -> socket.socket:
         _sockio.set_stall_timeout(sock, self._io_timeout)
         return sock
@@ -261,19 +269,36 @@ class TransferServer:
         assert self._tls is not None
         sock.settimeout(self._io_timeout)  # the handshake's deadline (a Python one: see _sockio)
         try:
-            conn = self._tls.server_context().wrap_socket(sock, server_side=True)
+            conn = self._tls.server_context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            counts["tls_refused"] += 1
+            log.info("transfer server %s: TLS refused: %s", self.address, exc)
+            return None
+        self._rekey(sock, conn)
+        try:
+            conn.do_handshake()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: no or a bad certificate
             counts["tls_refused"] += 1
             log.info("transfer server %s: TLS handshake refused: %s", self.address, exc)
+            self._refuse(conn)
             return None
         if self._peer_check is not None:
             peer = peer_identity(conn)
             if not self._peer_check(peer):
                 counts["peers_refused"] += 1
                 log.info("transfer server %s: peer %s refused", self.address, peer)
+                self._refuse(conn)
                 return None
         _sockio.set_stall_timeout(conn, self._io_timeout)
         return conn
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Close a refused TLS connection (it holds the descriptor; :meth:`_serve` forgets it)."""
+        with self._lock:
+            self._connections.pop(conn, None)
+            self._live.pop(conn, None)
+        _shutdown(conn)
+        conn.close()
 
     def _session_for(self, sock: socket.socket) -> tuple[SessionHandler | None, bytes]:
         """The first bytes of a connection: a registered session's magic, or the transfer
@@ -387,8 +412,4 @@ def _release(guard: Guard, handle: object | None) -> None:
         log.exception("guard release raised")
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+_shutdown = _sockio.shutdown

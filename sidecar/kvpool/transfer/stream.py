@@ -131,10 +131,7 @@ class Stream:
         if self.closed:
             return
         self.closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _sockio.shutdown(self._sock)
         self._sock.close()
 
 
