@@ -2,12 +2,15 @@
 
 A client that expects an identity checks the server's certificate by it (and by nothing else):
 a certificate that names no address serves, one of another identity is refused before a request
-goes out.  The server's connections are TLS sockets that own their descriptors: cutting them
+goes out.  The first bytes of a session, however slowly they come, are never lost.  The
+server's connections are TLS sockets that own their descriptors: cutting them
 (``drop_connections``, ``stop``) has to reach them.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +19,8 @@ import pytest
 
 from kvpool.core import pki
 from kvpool.transfer import Segment, SegmentRegistry, TransferCode, TransferEngine, TransferRequest, TransferServer
+from kvpool.transfer.stream import Stream
+from kvpool.transfer.testing import tcp_socket
 from kvpool.wire import tls as wtls
 
 pytest.importorskip("cryptography", reason="the certificates are made with the cryptography package")
@@ -102,3 +107,56 @@ def test_drop_connections_and_stop_reach_tls_connections(issue: Issue, serve: Ca
         server.stop()  # an idle TLS connection is cut, not waited for (its thread joined at once)
         assert time.monotonic() - t0 < 3.0
         assert server.connection_count == 0
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_session_magic_sent_in_pieces_with_stalls_reaches_its_handler(issue: Issue, tls: bool) -> None:
+    """A client whose first bytes come one at a time, each after a stall longer than the
+    server's io_timeout: the server keeps what came before each stall (it used to start over
+    and lose them: the rest was misread as the transfer protocol), and the session's handler
+    sees its magic and the frame whole."""
+    magic, body = b"TEST", b"hello"
+    seen: list[bytes] = []
+
+    def echo(stream: Stream, stop: threading.Event) -> None:
+        got = bytearray(len(magic) + len(body))
+        stream.recv_exact(got)
+        seen.append(bytes(got))
+        stream.send([bytes(got)])
+
+    cfg = issue("server", pki.node("n"), ips=("127.0.0.1",)) if tls else None
+    server = TransferServer(SegmentRegistry(), io_timeout=0.2, sessions={magic: echo}, tls=cfg).start()
+    try:
+        client = tcp_socket(server.address, timeout=10.0, tls=issue("client", pki.tenant("a")) if tls else None)
+        with client:
+            for b in magic[:-1]:
+                client.sendall(bytes([b]))  # over TLS: a record each
+                time.sleep(0.5)
+            client.sendall(magic[-1:] + body)  # the frame's rest at once: a stall inside it is not idle
+            answer = bytearray()
+            while len(answer) < len(magic) + len(body):
+                chunk = client.recv(64)
+                assert chunk, f"closed by the server after {bytes(answer)!r}"
+                answer += chunk
+        assert bytes(answer) == magic + body and seen == [magic + body]
+        assert server.stats().get("protocol_errors", 0) == 0
+    finally:
+        server.stop()
+
+
+def test_every_read_of_a_stream_serves_the_bytes_read_ahead_first() -> None:
+    """A server hands a session its first bytes (the magic, read off the connection): a handler
+    that scatters or discards first sees them in order too, not the bytes after them."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(b"EFGHIJ")
+        stream = Stream(a, head=b"ABCD")
+        two, four = memoryview(bytearray(2)), memoryview(bytearray(4))
+        stream.recv_buffers([two, four])
+        assert (bytes(two), bytes(four)) == (b"AB", b"CDEF")
+        b.sendall(b"KL")
+        again = Stream(a, head=b"xyz")
+        again.discard(4)  # the three read ahead, then one off the socket (G)
+        rest = bytearray(5)
+        again.recv_exact(rest)
+        assert bytes(rest) == b"HIJKL" and again.received == 9
