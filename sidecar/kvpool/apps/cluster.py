@@ -9,7 +9,11 @@ issues each store node a certificate (``node/<id>``, serving 127.0.0.1 and local
 sidecar its tenant's (``tenant/<id>``), and the cluster's own admin calls the operator's
 (:mod:`kvpool.core.pki`); clients of its nodes in this process use the operator's
 (:func:`kvpool.wire.tls.use_for`).  ``tls=False`` runs every channel in plaintext (the capture
-test's control, and a peer benchmark that needs the old wire).  The default (``tls=None``) is TLS
+test's control, and a peer benchmark that needs the old wire).  ``kube_certs`` issues them in the
+shapes the operator gives them in Kubernetes instead, where no certificate names the address a
+client dials: the store nodes one certificate named by the pool's Service
+(:data:`KUBE_SERVER_NAME`, which clients check with ``--tls-server-name``), sidecars and the
+operator an identity and no serving name.  The default (``tls=None``) is TLS
 wherever the ``cryptography`` package that makes the CA is importable (the project's environment;
 an engine's venv built without the ``dataplane`` extra runs its clusters in plaintext).
 """
@@ -38,6 +42,11 @@ from kvpool.core.push_status import WarmStatus
 from kvpool.pool.admin_client import AdminClient
 from kvpool.wire import tls as wtls
 from kvpool.wire.proto import store_pb2 as pb
+
+KUBE_POOL, KUBE_NAMESPACE = "local", "kvpool"
+"""The pool and namespace ``LocalCluster(kube_certs=True)`` names its certificates after."""
+KUBE_SERVER_NAME = f"{KUBE_POOL}-store.{KUBE_NAMESPACE}.svc"
+"""The store nodes' name clients check with ``kube_certs`` (the operator's ``--tls-server-name``)."""
 
 # Children arm PR_SET_PDEATHSIG themselves (kvpool/__main__.py reads this variable) instead of
 # through preexec_fn: preexec_fn forces a full fork() that runs gRPC's fork handlers, which abort
@@ -151,7 +160,7 @@ class LocalCluster:
                  block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
                  quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None,
                  handoff: bool = True, replication: int = 1, sidecar_args: Sequence[str] = (),
-                 tls: bool | None = None, store_args: Sequence[str] = ()) -> None:
+                 tls: bool | None = None, store_args: Sequence[str] = (), kube_certs: bool = False) -> None:
         if tenants is not None and len(tenants) != sidecars:
             raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
         self.n_stores, self.n_sidecars = stores, sidecars
@@ -167,6 +176,11 @@ class LocalCluster:
         self.sidecar_args = tuple(sidecar_args)  # flags every sidecar starts with (a test's deadlines)
         self.store_args = tuple(store_args)  # flags every store node starts with
         self.tls = tls if tls is not None else importlib.util.find_spec("cryptography") is not None
+        self.kube_certs = kube_certs
+        if kube_certs and not self.tls:
+            raise ValueError("kube_certs shapes TLS certificates: it needs tls")
+        self.server_name = KUBE_SERVER_NAME if kube_certs else ""
+        """The name clients check in store nodes' certificates ("": their address)."""
         self.ca: pki.KeyPair | None = None
         """The cluster's throw-away CA (with ``tls``)."""
         self.client_tls: wtls.TlsConfig | None = None
@@ -194,7 +208,8 @@ class LocalCluster:
         try:
             if self.tls:
                 self.ca = pki.make_ca("kvpool LocalCluster CA", days=7)
-                self.client_tls = self.issue("operator", pki.operator())
+                self.client_tls = (self.issue("operator", pki.operator(), dns=(), ips=(), server=False)
+                                   if self.kube_certs else self.issue("operator", pki.operator()))
             self._write_tenants()
             # Start the processes of each kind concurrently: most of a start is the interpreter
             # importing numpy and grpc, which overlaps well.
@@ -225,20 +240,30 @@ class LocalCluster:
             self._tmp.cleanup()
             self._tmp = None
 
-    def issue(self, name: str, identity: pki.Identity | None, ca: pki.KeyPair | None = None) -> wtls.TlsConfig:
-        """A certificate of ``identity`` from the cluster's CA (or ``ca``), serving 127.0.0.1
-        and localhost, written as a TLS directory ``tls/<name>`` that trusts the cluster's CA."""
+    def issue(self, name: str, identity: pki.Identity | None, ca: pki.KeyPair | None = None, *,
+              dns: Sequence[str] = ("localhost",), ips: Sequence[str] = ("127.0.0.1",),
+              server: bool = True) -> wtls.TlsConfig:
+        """A certificate of ``identity`` from the cluster's CA (or ``ca``), serving ``dns`` and
+        ``ips`` (default 127.0.0.1 and localhost), written as a TLS directory ``tls/<name>`` that
+        trusts the cluster's CA; its clients check store nodes by :attr:`server_name`."""
         assert self.ca is not None, "a cluster started with tls=False has no CA"
-        pair = pki.issue(ca or self.ca, identity, dns=["localhost"], ips=["127.0.0.1"], days=7)
-        return wtls.write_dir(os.path.join(self.workdir, "tls", name), pair, self.ca.cert_pem)
+        pair = pki.issue(ca or self.ca, identity, dns=dns, ips=ips, days=7, server=server)
+        cfg = wtls.write_dir(os.path.join(self.workdir, "tls", name), pair, self.ca.cert_pem)
+        return wtls.TlsConfig.from_dir(os.path.dirname(cfg.cert_file), self.server_name)
 
     def _tls_args(self, name: str, identity: pki.Identity) -> list[str]:
         if not self.tls:
             return []
         d = os.path.join(self.workdir, "tls", name)
         if not os.path.isdir(d):  # a restart keeps its first life's certificate
-            self.issue(name, identity)
-        return ["--tls-dir", d]
+            if not self.kube_certs:
+                self.issue(name, identity)
+            elif identity.role == pki.ROLE_NODE:  # every node the pool's one, named by its Service
+                self.issue(name, pki.node(f"{KUBE_POOL}-store"), ips=(),
+                           dns=(KUBE_SERVER_NAME, f"*.{KUBE_SERVER_NAME}"))
+            else:
+                self.issue(name, identity, dns=(), ips=())
+        return ["--tls-dir", d, *(["--tls-server-name", self.server_name] if self.server_name else [])]
 
     def _write_tenants(self) -> None:
         doc = [{"tenantId": t, "token": tok, "salt": base64.b64encode(secrets.token_bytes(16)).decode(),

@@ -169,23 +169,35 @@ class Pool:
         with self.lock:
             if ring.epoch < self.view.ring.epoch:
                 return
+            # The ring's nodes first, then the ring: whoever routes by it the moment it is
+            # accepted (a writer that catch_up wakes, without this lock) finds a client for every
+            # member; before, a new member had none yet and its share of the write failed as
+            # UNREACHABLE, waiting for a backoff (more often over TLS, whose clients take longer
+            # to make and start their connections in a thread).
+            for m in ring.members:
+                self._node_for(m)
             changed = self.view.accept(ring)
             keep = self.view.members_to_keep()
             for m in keep.values():
-                h = self.nodes.get(m.id)
-                if h is None or h.member.address != m.address:
-                    if h is not None:
-                        h.client.close()
-                    client = StoreClient(m.address, self.token, timeout=self.rpc_timeout, rdma=self.rdma)
-                    self.nodes[m.id] = NodeHandle(m, client)
-                    if client.tls is not None:
-                        _open_in_background(client)
-                else:
-                    h.member = m
+                self._node_for(m)
             for mid in [i for i in self.nodes if i not in keep]:
                 self.nodes.pop(mid).client.close()
         if changed and self.on_ring_change is not None:
             self.on_ring_change(ring)
+
+    def _node_for(self, m: Member) -> None:
+        """A handle of member ``m`` (under the lock): the one known, or a new client when ``m``
+        is new or moved to another address (over TLS its connections start opening now)."""
+        h = self.nodes.get(m.id)
+        if h is not None and h.member.address == m.address:
+            h.member = m
+            return
+        if h is not None:
+            h.client.close()
+        client = StoreClient(m.address, self.token, timeout=self.rpc_timeout, rdma=self.rdma)
+        self.nodes[m.id] = NodeHandle(m, client)
+        if client.tls is not None:
+            _open_in_background(client)
 
     def _note_epoch(self, epoch: int) -> None:
         self.view.note_epoch(epoch)

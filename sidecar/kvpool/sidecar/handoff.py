@@ -7,7 +7,9 @@ is returned.  Export = a random 64-bit token admitted by the guard of this sidec
 on its transfer port, for exactly that object's extent and until the hold ends; nothing else of
 the arena can be read over it.  With TLS the port is mutual TLS and admits only certificates of
 the export's tenant (:func:`kvpool.core.pki.tenant`), so a record that leaks to another tenant, or
-to anyone outside the pool, reads nothing.
+to anyone outside the pool, reads nothing; the reader, in turn, accepts only a server of that
+identity (not a name: a tenant's certificate has none), so neither a store node nor another
+tenant's sidecar can pose as the prefill sidecar.
 
 Decode side (``AcceptHandoff``): the record is verified (tenant, tag, expiry), the blocks land
 from the pool into the local tier through the sidecar's ordinary read path (one batched read per
@@ -115,7 +117,11 @@ class HandoffService:
     def engine(self) -> TransferEngine:
         with self._lock:
             if self._engine is None:
-                self._engine = TransferEngine(connections_per_peer=2, stall_timeout=5.0, tls=self.cfg.tls)
+                # The prefill sidecar is checked by its certificate's identity (this tenant's, as
+                # it checks this reader), not by a name: a tenant's certificate serves none, and
+                # cfg.tls's server_name is the store nodes' (which a store node would pass).
+                tls = self.cfg.tls.expecting(pki.tenant(self.cfg.tenant_id)) if self.cfg.tls else None
+                self._engine = TransferEngine(connections_per_peer=2, stall_timeout=5.0, tls=tls)
             return self._engine
 
     def key(self, tenant: str) -> bytes:

@@ -59,6 +59,16 @@ def connect(address: tuple[str, int], timeout: float, tls: TlsConfig | None = No
     return sock
 
 
+def shutdown(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways, from any thread (a thread blocked on it wakes to an EOF);
+    never raises.  Done on the descriptor: ``SSLSocket.shutdown`` also drops the socket's SSL
+    object under a thread that may be reading through it (an ``AttributeError`` there)."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def set_stall_timeout(sock: socket.socket, seconds: float) -> None:
     """Make ``sock`` blocking with kernel send/receive timeouts of ``seconds``.
 

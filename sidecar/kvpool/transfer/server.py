@@ -14,7 +14,8 @@ With ``tls`` every connection is a TLS server first (the handshake within ``io_t
 client's certificate required and verified against the pool's CA bundle; ``peer_check`` (the
 peer's :class:`~kvpool.core.pki.Identity`) can refuse a verified peer before it sends a byte
 (a handoff export serves only its tenant's sidecars).  A TLS connection cannot be peeked at, so
-the session magic is read off it and handed to the session as its first bytes.
+the session magic is read off every connection and handed to the session (or the transfer
+loop) as its first bytes.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class TransferServer:
 
     ``io_timeout`` bounds how long a peer may stall *inside* a request (a half-sent header or
     payload, an unread response) before its connection is dropped — so a stalled peer cannot pin
-    a guarded slot forever. Idle connections between requests are kept indefinitely.
+    a guarded slot forever. Idle connections between requests are kept indefinitely, and so is
+    one whose first four bytes (the magic that picks its protocol) are not all there yet: nothing
+    is held for it.
     ``max_connections`` caps open connections (one thread each); beyond it new ones are closed at
     once. ``max_request_bytes`` is the largest refused write whose payload is still drained to
     keep the stream usable; a longer one means a broken or hostile peer and closes the connection.
@@ -227,6 +230,7 @@ class TransferServer:
             conn = self._handshake(sock, counts) if self._tls is not None else self._plain(sock)
             if conn is None:
                 return
+            sock = conn  # a TLS socket took the descriptor over (the plain one is detached)
             head = b""
             handler = None
             if self._sessions:
@@ -252,6 +256,13 @@ class TransferServer:
             _shutdown(sock)
             sock.close()
 
+    def _rekey(self, old: socket.socket, new: socket.socket) -> None:
+        """``new`` (a TLS socket over ``old``'s descriptor) is the connection from now on: what
+        :meth:`drop_connections` and :meth:`stop` shut down (the detached ``old`` shuts nothing)."""
+        with self._lock:
+            self._connections[new] = self._connections.pop(old)
+            self._live[new] = self._live.pop(old)
+
     def _plain(self, sock: socket.socket) -> socket.socket:
         _sockio.set_stall_timeout(sock, self._io_timeout)
         return sock
@@ -261,42 +272,57 @@ class TransferServer:
         assert self._tls is not None
         sock.settimeout(self._io_timeout)  # the handshake's deadline (a Python one: see _sockio)
         try:
-            conn = self._tls.server_context().wrap_socket(sock, server_side=True)
+            conn = self._tls.server_context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            counts["tls_refused"] += 1
+            log.info("transfer server %s: TLS refused: %s", self.address, exc)
+            return None
+        self._rekey(sock, conn)
+        try:
+            conn.do_handshake()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: no or a bad certificate
             counts["tls_refused"] += 1
             log.info("transfer server %s: TLS handshake refused: %s", self.address, exc)
+            self._refuse(conn)
             return None
         if self._peer_check is not None:
             peer = peer_identity(conn)
             if not self._peer_check(peer):
                 counts["peers_refused"] += 1
                 log.info("transfer server %s: peer %s refused", self.address, peer)
+                self._refuse(conn)
                 return None
         _sockio.set_stall_timeout(conn, self._io_timeout)
         return conn
 
+    def _refuse(self, conn: socket.socket) -> None:
+        """Close a refused TLS connection (it holds the descriptor; :meth:`_serve` forgets it)."""
+        with self._lock:
+            self._connections.pop(conn, None)
+            self._live.pop(conn, None)
+        _shutdown(conn)
+        conn.close()
+
     def _session_for(self, sock: socket.socket) -> tuple[SessionHandler | None, bytes]:
         """The first bytes of a connection: a registered session's magic, or the transfer
-        protocol (``None``; it validates its own magic).  Peeked at on plain TCP; read off a TLS
-        connection (returned, for the reader of the stream to see first)."""
-        tls = self._tls is not None
-        while not self._stopping.is_set():
+        protocol (``None``; it validates its own magic).  Read off the connection (a TLS one
+        cannot be peeked at; a plain one the same way, so both keep what came) and returned, for
+        the reader of the stream to see first.  A client slow or idle before its first frame is
+        waited for as between requests, and the bytes of the magic that came before a stall are
+        kept: starting over lost them, and the rest was misread as another protocol."""
+        buf = bytearray(MAGIC_BYTES)
+        view = memoryview(buf)
+        got = 0
+        while got < MAGIC_BYTES and not self._stopping.is_set():
             try:
-                if tls:
-                    buf = bytearray(MAGIC_BYTES)
-                    got = sock.recv_into(buf)
-                    if got and got < MAGIC_BYTES:
-                        _sockio.recv_exact(sock, memoryview(buf)[got:])
-                        got = MAGIC_BYTES
-                    head = bytes(buf[:got])
-                else:
-                    head = sock.recv(MAGIC_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
+                n = sock.recv_into(view[got:])
             except _sockio.STALL_ERRORS:
-                continue  # idle before the first request is fine
-            if len(head) < MAGIC_BYTES:
-                return None, b""  # EOF (or a short stream): the transfer loop ends it
-            return self._sessions.get(head), head if tls else b""
-        return None, b""
+                continue  # re-check the stop flag; what came stays in buf
+            if n == 0:
+                break  # EOF (after a short stream, the transfer loop's read ends it)
+            got += n
+        head = bytes(buf[:got])
+        return (self._sessions.get(head) if got == MAGIC_BYTES else None), head
 
     def _serve_stream(self, sock: socket.socket, counts: collections.Counter[str], head: bytes = b"") -> None:
         header = bytearray(REQUEST_SIZE)
@@ -304,7 +330,7 @@ class TransferServer:
         scratch: memoryview | None = None
         while not self._stopping.is_set():
             try:
-                if head:  # a TLS connection's first bytes, read while looking for a session
+                if head:  # the connection's first bytes, read while looking for a session
                     header_view[:len(head)] = head
                     got, head = len(head), b""
                 else:
@@ -387,8 +413,4 @@ def _release(guard: Guard, handle: object | None) -> None:
         log.exception("guard release raised")
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+_shutdown = _sockio.shutdown

@@ -35,7 +35,8 @@ class Stream:
         self._sock = sock
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._head = head
-        """Bytes already read off the connection (a TLS server's session magic), served first."""
+        """Bytes already read off the connection (a server's session magic), served first by
+        every read."""
         self.closed = False
         self.received = 0
         """Bytes received so far (a caller can tell whether a peer answered at all)."""
@@ -84,6 +85,12 @@ class Stream:
         sending after it raises ``TimeoutError`` (the stall timeout bounds each syscall; this
         bounds the whole, against a peer that trickles)."""
         pending = [v for v in views if v.nbytes]
+        while self._head and pending:
+            n = self._take_head(pending[0])
+            self.received += n
+            pending[0] = pending[0][n:]
+            if not pending[0].nbytes:
+                pending.pop(0)
         if self._tls:
             for v in pending:
                 _sockio.recv_exact(self._sock, v)
@@ -115,8 +122,10 @@ class Stream:
 
     def discard(self, length: int) -> None:
         """Consume ``length`` bytes nobody wants (keeps the stream in sync)."""
-        scratch = memoryview(bytearray(min(length, 256 << 10) or 1))
-        _sockio.discard(self._sock, length, scratch)
+        skipped = min(len(self._head), length)
+        self._head = self._head[skipped:]
+        scratch = memoryview(bytearray(min(length - skipped, 256 << 10) or 1))
+        _sockio.discard(self._sock, length - skipped, scratch)
         self.received += length
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
@@ -131,10 +140,7 @@ class Stream:
         if self.closed:
             return
         self.closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _sockio.shutdown(self._sock)
         self._sock.close()
 
 

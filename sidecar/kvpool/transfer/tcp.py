@@ -193,10 +193,7 @@ class _Worker(threading.Thread):
     def interrupt(self) -> None:
         sock = self.sock
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _sockio.shutdown(sock)  # from another thread: on the descriptor (see there)
 
     def run(self) -> None:
         try:
@@ -255,10 +252,7 @@ class _Worker(threading.Thread):
     def _disconnect(self) -> None:
         sock, self.sock = self.sock, None
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _sockio.shutdown(sock)
             sock.close()
 
     def _send(self, take: list[Slice]) -> bool:

@@ -12,9 +12,15 @@ are re-read when they change: a server picks a rotated certificate up at its nex
 Servers of the pool's own channels require a client certificate from the pool CA (mutual TLS);
 who the peer is comes from its certificate (:func:`peer_identity`,
 :func:`grpc_peer_identity`): the admin API takes only the operator's, an export only its
-tenant's.  A process installs its configuration once (:func:`install`); clients created
-without an explicit one use it (:func:`current`), so every StoreClient of a sidecar or of a
-store node's drain speaks TLS without being told.
+tenant's.  A client checks a server by name (the address's host or ``server_name``: the store
+nodes' one Service name), except where the server is a peer of its own kind: a handoff reader
+checks the prefill sidecar by the identity its certificate names (:meth:`TlsConfig.expecting`),
+the way that server checks the reader, since a tenant's certificate serves no name (one that
+did, the store nodes', would let a tenant pose as a store node).
+
+A process installs its configuration once (:func:`install`); clients created without an
+explicit one use it (:func:`current`), so every StoreClient of a sidecar or of a store node's
+drain speaks TLS without being told.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import os
 import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -49,13 +55,23 @@ class TlsConfig:
     server_name: str = ""
     """The name a client checks in a server's certificate instead of the address's host (one
     name for every store node of a pool, say); "" checks the host (its IP or DNS SAN)."""
-    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    server_identity: pki.Identity | None = None
+    """The kvpool identity a client requires of a server's certificate *instead of* a name (a
+    peer of the client's own kind, :meth:`expecting`); ``ssl`` clients only (the transfer
+    engine, :mod:`kvpool.transfer.stream`), not gRPC."""
+    _cache: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, directory: str, server_name: str = "") -> TlsConfig:
         return cls(os.path.join(directory, CERT_NAME), os.path.join(directory, KEY_NAME),
                    os.path.join(directory, CA_NAME), server_name)
+
+    def expecting(self, identity: pki.Identity) -> TlsConfig:
+        """The same files, as a client that checks servers by ``identity`` (the URI SAN of their
+        verified certificate) and not by name: a sidecar reading another sidecar of its tenant
+        (a handoff export), whose certificate names the tenant and no host."""
+        return replace(self, server_identity=identity)
 
     def _stamp(self) -> tuple[float, ...]:
         try:
@@ -104,9 +120,15 @@ class TlsConfig:
         return self._cached(f"server-{client_auth}", build)  # type: ignore[no-any-return]
 
     def client_context(self) -> ssl.SSLContext:
-        """A client context: the server verified against the bundle (and its name), this
-        process's certificate presented."""
-        return self._cached("client", lambda: self._context(ssl.PROTOCOL_TLS_CLIENT))  # type: ignore[no-any-return]
+        """A client context: the server verified against the bundle (and its name, unless
+        :attr:`server_identity` is checked instead, by :meth:`wrap_client`), this process's
+        certificate presented."""
+        def build() -> ssl.SSLContext:
+            ctx = self._context(ssl.PROTOCOL_TLS_CLIENT)
+            # The chain is still verified (CERT_REQUIRED); the name gives way to the identity.
+            ctx.check_hostname = self.server_identity is None
+            return ctx
+        return self._cached("client", build)  # type: ignore[no-any-return]
 
     def _context(self, protocol: ssl._SSLMethod) -> ssl.SSLContext:
         """A TLS 1.2+ context of ``protocol`` presenting this certificate, trusting the bundle."""
@@ -117,8 +139,19 @@ class TlsConfig:
         return ctx
 
     def wrap_client(self, sock: Any, host: str) -> ssl.SSLSocket:
-        """``sock`` (connected) as a TLS client of ``host``; the handshake done."""
-        return self.client_context().wrap_socket(sock, server_hostname=self.server_name or host)
+        """``sock`` (connected) as a TLS client of ``host``; the handshake done, the server
+        checked (its chain against the bundle; its name, or its :attr:`server_identity`).  A
+        server of another identity raises ``ssl.SSLCertVerificationError`` before a byte is sent
+        to it (the TLS socket closed; ``sock`` is detached by the wrap either way)."""
+        conn = self.client_context().wrap_socket(sock, server_hostname=self.server_name or host)
+        if self.server_identity is None:
+            return conn
+        who = peer_identity(conn)
+        if who != self.server_identity:
+            conn.close()
+            raise ssl.SSLCertVerificationError(
+                f"server {host} is {who or 'no kvpool identity'}, not {self.server_identity}")
+        return conn
 
     # -- gRPC --------------------------------------------------------------------------------
 

@@ -157,6 +157,31 @@ def test_catch_up_counts_a_ring_the_background_refresh_learnt_after_the_callers_
         pool.close()
 
 
+def test_a_ring_is_visible_only_once_each_of_its_members_has_a_client() -> None:
+    """Whoever routes by a new ring the moment it is accepted (a writer woken by catch_up, which
+    takes no pool lock) must find a client for every member: before, a member that had just
+    joined had none yet, and its share of a write failed UNREACHABLE and waited for a backoff
+    (``test_stale_ring_write``, more often over TLS)."""
+    from kvpool.pool.fanout import Pool
+
+    pool = Pool([])
+    seen: list[set[str]] = []
+    accept = pool.view.accept
+
+    def watching(ring: Ring) -> bool:
+        seen.append(set(pool.nodes))  # the nodes a router finds at the instant the ring shows
+        return accept(ring)
+
+    pool.view.accept = watching  # type: ignore[method-assign]
+    try:
+        pool.set_ring(_ring(1, "a", "b"))
+        pool.set_ring(_ring(2, "a", "b", "c"))
+        assert [s >= {"a", "b"} for s in seen] == [True, True] and "c" in seen[1]
+        assert set(pool.nodes) == {"a", "b", "c"}
+    finally:
+        pool.close()
+
+
 def test_a_newer_epoch_is_learnt_in_the_background_and_a_caller_waits_for_it_bounded() -> None:
     """A node names epoch 2: the refresh runs on the pool's threads (no GetRing on the caller's
     thread); a caller's catch-up waits for it at most its bound (a read: one lookup's deadline)

@@ -23,11 +23,7 @@ def _refused(lc: LocalCluster, i: int) -> int:
 
 
 def test_a_write_by_a_stale_ring_lands_at_the_owner_of_the_new_one(h: Any, rng: random.Random) -> None:
-    # Plaintext: with TLS (709de0f) a write re-routed to a node that joined a moment ago sometimes
-    # backs off once (2 failures in 6 runs, 0 in 6 before it; likely the new node's data connections
-    # still handshaking in the background). Issue 23 owns that regression; this test keeps checking
-    # the re-route itself.
-    with LocalCluster(stores=1, sidecars=2, store_bytes=64 * MiB, local_bytes=16 * MiB, tls=False) as lc:
+    with LocalCluster(stores=1, sidecars=2, store_bytes=64 * MiB, local_bytes=16 * MiB) as lc:
         with lc.connect(0) as w:
             assert w.stats().ring_epoch == lc.epoch == 1
             keys: list[bytes] = []
