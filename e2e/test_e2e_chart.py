@@ -38,6 +38,8 @@ API = "kvpool.io/v1alpha1"
 LOADGEN_PREFIX = "KVPOOL_LOADGEN "
 QUOTA_SLACK = 0.10
 """How far over its quotaBytes the pool may hold a tenant (README "Quotas"; kvpool.store.quota)."""
+AUTOSCALE_COOLDOWN_SECONDS = 6
+"""The release's autoscaler cooldown (the chart's default, 60 s, would make a test wait minutes)."""
 
 
 @dataclass
@@ -122,7 +124,8 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
                  "--set", f"webhook.caBundle={base64.b64encode(cluster.pki.ca.cert.read_bytes()).decode()}",
                  # Free ports: every pod of the harness shares the host's network.
                  "--set", f"health.port={free_port()}", "--set", f"metrics.port={free_port()}",
-                 "--set", "operator.reconcileIntervalSeconds=2", "--set", "operator.tenantIntervalSeconds=3")
+                 "--set", "operator.reconcileIntervalSeconds=2", "--set", "operator.tenantIntervalSeconds=3",
+                 "--set", f"operator.autoscaleCooldownSeconds={AUTOSCALE_COOLDOWN_SECONDS}")
         rel.install_seconds = time.monotonic() - start  # type: ignore[attr-defined]
         yield rel
     finally:

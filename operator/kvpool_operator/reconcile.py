@@ -183,7 +183,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     deadline = 0
 
     if state is not None:
-        wanted = scaling.wanted_replicas(pool, state.from_replicas, usage.used_bytes, node_capacity)
+        wanted = scaling.wanted_replicas(pool, state.from_replicas, usage.owned_bytes, node_capacity)
         pods_in = [p for p in obs.pods if p.ordinal < state.from_replicas]
         ring = ring_of(previous, pods_in, state.leaving)
         step = drain.step(state, ring.epoch, obs.pods, obs.drain_statuses, obs.now_ms, wanted,
@@ -194,7 +194,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
             ring = ring_of(ring, [p for p in obs.pods if p.ordinal < step.member_limit], ())
         calls, deadline, state, replicas = step.calls, state.deadline_unix_ms, step.state, step.replicas
     else:
-        decision = scaling.decide(pool, current, usage.used_bytes, node_capacity)
+        decision = scaling.decide(pool, current, usage.owned_bytes, node_capacity)
         last = int(st.get("lastScaleUnixMs") or 0)
         if (decision.reason == "Autoscaling" and decision.action in ("up", "down") and obs.sts_replicas is not None
                 and obs.now_ms - last < settings.autoscale_cooldown_seconds * 1000):

@@ -133,6 +133,25 @@ def test_autoscaler_steps_are_spaced_by_the_cooldown() -> None:
     assert plan.replicas == 5
 
 
+def test_the_autoscaler_goes_by_owned_bytes_not_a_warm_ups_copies() -> None:
+    """After a scale-up the warm-up's sources keep their copies of what moved (foreign there):
+    counted as load they would grow the pool again, and again, up to maxReplicas."""
+    from dataclasses import replace
+
+    body = pool_body(storage={"replicas": 1}, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3,
+                                                           "targetUtilization": 0.5})
+    # 0.9Gi owned on 2 nodes of 1Gi (within the target: stay), and 0.45Gi of warm-up copies.
+    stats = _stats(2, used=int(0.675 * GI), epoch=1)
+    stats["p-store-0"] = replace(stats["p-store-0"], foreign_bytes=int(0.45 * GI))  # type: ignore[type-var]
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert plan.scale is not None and plan.scale.action == "none" and plan.replicas == 2
+    assert plan.status["usedBytes"] == 2 * int(0.675 * GI) and plan.status["foreignBytes"] == int(0.45 * GI)
+    # The scale-down limit too: one node would hold the 0.9Gi owned (90 %), not the 1.35Gi held.
+    capped = dict(body, spec={**body["spec"], "autoscaling": {**body["spec"]["autoscaling"], "maxReplicas": 1}})
+    plan, _ = _run(capped, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert plan.scale is not None and plan.scale.action == "blocked" and "90.0%" in plan.scale.message
+
+
 def test_default_tenant_usage_is_shown_under_its_name() -> None:
     from kvpool_operator.status import TenantUsage
 
