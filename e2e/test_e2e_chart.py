@@ -82,11 +82,18 @@ class Release:
 
     def wait_pool(self, name: str, pred: Callable[[dict[str, Any]], bool], timeout: float,
                   what: str) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+
         def check() -> dict[str, Any] | None:
             st = self.pool_status(name)
+            last.update(st)
             return st if st and pred(st) else None
 
-        return wait_for(check, timeout, what, interval=0.5)
+        try:
+            return wait_for(check, timeout, what, interval=0.5)
+        except AssertionError as exc:
+            # What the operator last said, for a post-mortem of a run that cannot be repeated.
+            raise AssertionError(f"{exc}; last status: {json.dumps(last, default=str)}") from None
 
     def operator_log(self, lines: int = 80) -> str:
         return self.kubectl("logs", "-n", self.namespace, f"deploy/{self.name}", f"--tail={lines}", check=False).stdout
