@@ -38,6 +38,8 @@ API = "kvpool.io/v1alpha1"
 LOADGEN_PREFIX = "KVPOOL_LOADGEN "
 QUOTA_SLACK = 0.10
 """How far over its quotaBytes the pool may hold a tenant (README "Quotas"; kvpool.store.quota)."""
+AUTOSCALE_COOLDOWN_SECONDS = 6
+"""The release's autoscaler cooldown (the chart's default, 60 s, would make a test wait minutes)."""
 
 
 @dataclass
@@ -80,11 +82,18 @@ class Release:
 
     def wait_pool(self, name: str, pred: Callable[[dict[str, Any]], bool], timeout: float,
                   what: str) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+
         def check() -> dict[str, Any] | None:
             st = self.pool_status(name)
+            last.update(st)
             return st if st and pred(st) else None
 
-        return wait_for(check, timeout, what, interval=0.5)
+        try:
+            return wait_for(check, timeout, what, interval=0.5)
+        except AssertionError as exc:
+            # What the operator last said, for a post-mortem of a run that cannot be repeated.
+            raise AssertionError(f"{exc}; last status: {json.dumps(last, default=str)}") from None
 
     def operator_log(self, lines: int = 80) -> str:
         return self.kubectl("logs", "-n", self.namespace, f"deploy/{self.name}", f"--tail={lines}", check=False).stdout
@@ -122,7 +131,8 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
                  "--set", f"webhook.caBundle={base64.b64encode(cluster.pki.ca.cert.read_bytes()).decode()}",
                  # Free ports: every pod of the harness shares the host's network.
                  "--set", f"health.port={free_port()}", "--set", f"metrics.port={free_port()}",
-                 "--set", "operator.reconcileIntervalSeconds=2", "--set", "operator.tenantIntervalSeconds=3")
+                 "--set", "operator.reconcileIntervalSeconds=2", "--set", "operator.tenantIntervalSeconds=3",
+                 "--set", f"operator.autoscaleCooldownSeconds={AUTOSCALE_COOLDOWN_SECONDS}")
         rel.install_seconds = time.monotonic() - start  # type: ignore[attr-defined]
         yield rel
     finally:

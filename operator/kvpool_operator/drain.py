@@ -133,7 +133,8 @@ def step(state: DrainState, ring_epoch: int, pods: Iterable[StorePod],
            f"({format_bytes(t['droppedBytes'])}); now {state.to_replicas} store nodes")
     ev = Event("Normal" if result == "Completed" else "Warning",
                "DrainCompleted" if result == "Completed" else "DrainDeadlineExceeded", msg)
-    finished = {**t, "result": result, "leaving": list(state.leaving), "fromReplicas": state.from_replicas,
+    finished = {**t, "result": result, "reason": state.reason, "leaving": list(state.leaving),
+                "fromReplicas": state.from_replicas,
                 "toReplicas": state.to_replicas, "startedUnixMs": state.started_unix_ms, "endedUnixMs": now_ms,
                 "durationSeconds": round((now_ms - state.started_unix_ms) / 1000, 3)}
     return DrainStep(None, frozenset(), state.to_replicas, state.to_replicas, events=(ev,), finished=finished)

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument("--member-unready-grace", type=float, default=d.member_unready_grace_seconds,
                         help="seconds a store pod that went not-ready stays in the ring (0: leaves at once); "
                              "a KVPool's spec.storage.memberUnreadyGraceSeconds overrides it")
+    timing.add_argument("--autoscale-cooldown", type=float, default=d.autoscale_cooldown_seconds,
+                        help="seconds between two size changes the autoscaler makes to one pool "
+                             "(user changes are not delayed)")
     hook = ap.add_argument_group("injection webhook")
     hook.add_argument("--webhook-port", type=int, default=None, help="serve the injection webhook on this port")
     hook.add_argument("--webhook-addr", default="0.0.0.0", help="address the webhook listens on")
@@ -145,6 +148,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     namespace=args.namespace, default_dram_bytes=dram,
                     reconcile_interval_seconds=args.reconcile_interval, tenant_interval_seconds=args.tenant_interval,
                     member_unready_grace_seconds=args.member_unready_grace,
+                    autoscale_cooldown_seconds=args.autoscale_cooldown,
                     sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port,
                     network_policy=args.network_policy, operator_pod_labels=operator_labels,
                     metrics_from=metrics_from)

@@ -75,7 +75,7 @@ class Nodes:
         return NodeStats(
             node_id=r.node_id, epoch=r.epoch, capacity_bytes=sum(t.capacity_bytes for t in tiers),
             used_bytes=sum(t.used_bytes for t in tiers), hit_blocks=r.hit_blocks, lookup_blocks=r.lookup_blocks,
-            draining=r.draining, counters=dict(r.counters),
+            draining=r.draining, counters=dict(r.counters), foreign_bytes=r.foreign_bytes,
             tenants=tuple(TenantUsage(t.tenant_id, t.used_bytes, t.quota_bytes, t.objects, dict(t.counters))
                           for t in r.tenants))
 

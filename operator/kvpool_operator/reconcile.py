@@ -183,7 +183,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     deadline = 0
 
     if state is not None:
-        wanted = scaling.wanted_replicas(pool, state.from_replicas, usage.used_bytes, node_capacity)
+        wanted = scaling.wanted_replicas(pool, state.from_replicas, usage.owned_bytes, node_capacity)
         pods_in = [p for p in obs.pods if p.ordinal < state.from_replicas]
         ring = ring_of(previous, pods_in, state.leaving)
         step = drain.step(state, ring.epoch, obs.pods, obs.drain_statuses, obs.now_ms, wanted,
@@ -194,10 +194,15 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
             ring = ring_of(ring, [p for p in obs.pods if p.ordinal < step.member_limit], ())
         calls, deadline, state, replicas = step.calls, state.deadline_unix_ms, step.state, step.replicas
     else:
-        decision = scaling.decide(pool, current, usage.used_bytes, node_capacity)
+        # While a rebalance pushes blocks to their new owners, the sources' copies are foreign
+        # before the owners hold them: owned bytes under-count, so a scale-down is checked against
+        # what the nodes hold, and the autoscaler waits for the push to end.
+        rebalancing = RebalanceState.from_status(st.get("rebalance")) is not None
+        decision = scaling.decide(pool, current, usage.used_bytes if rebalancing else usage.owned_bytes,
+                                  node_capacity)
         last = int(st.get("lastScaleUnixMs") or 0)
         if (decision.reason == "Autoscaling" and decision.action in ("up", "down") and obs.sts_replicas is not None
-                and obs.now_ms - last < settings.autoscale_cooldown_seconds * 1000):
+                and (rebalancing or obs.now_ms - last < settings.autoscale_cooldown_seconds * 1000)):
             decision = scaling.ScaleDecision("none", current, current, current)  # let the last step settle
         silent = sorted(k for k, v in obs.stats.items() if v is None)
         if decision.action == "down" and silent and not pool.force_scale_down:

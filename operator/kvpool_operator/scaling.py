@@ -40,8 +40,13 @@ def autoscale_target(pool: PoolSpec, current: int, used_bytes: int, node_capacit
     need = math.ceil(used_bytes / (node_capacity_bytes * a.target_utilization)) if used_bytes else 0
     need = max(a.min_replicas, min(a.max_replicas, need))
     if need < current:
-        # Hysteresis: only shrink when the smaller pool would still be under the target.
         smaller = current - 1
+        if current > a.max_replicas:
+            # maxReplicas was lowered below the pool: step towards it whatever the load, so that
+            # decide() refuses the step with a reason when the remaining nodes would be too full
+            # (hysteresis would hold the pool where it is, over the user's bound, and say nothing).
+            return smaller
+        # Hysteresis: only shrink when the smaller pool would still be under the target.
         if used_bytes > smaller * node_capacity_bytes * a.target_utilization * 0.9:
             return current
         return max(need, smaller)

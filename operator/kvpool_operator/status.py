@@ -59,6 +59,9 @@ class NodeStats:
     draining: bool = False
     tenants: tuple[TenantUsage, ...] = ()
     counters: Mapping[str, int] = field(default_factory=dict)
+    foreign_bytes: int = 0
+    """Of ``used_bytes``: objects the node holds but does not own under its ring (a warm-up's
+    sources keep their copies; a draining node owns nothing)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,14 @@ class PoolUsage:
     hit_blocks: int = 0
     lookup_blocks: int = 0
     tenants: Mapping[str, TenantUsage] = field(default_factory=dict)
+    foreign_bytes: int = 0
+
+    @property
+    def owned_bytes(self) -> int:
+        """What the pool must hold: every node's objects under the current ring, without the
+        copies held by nodes that no longer own them (evictable, counted again at their owner).
+        The autoscaler and the scale-down limit go by this, so a scale-up's warm-up is no new load."""
+        return max(0, self.used_bytes - self.foreign_bytes)
 
     @property
     def utilization(self) -> float:
@@ -86,7 +97,7 @@ def aggregate(stats: Iterable[NodeStats], replicas: int = 1) -> PoolUsage:
     utilization).  A tenant's usage is in its quota's unit (:class:`TenantUsage`): the bytes on
     all nodes over the copies kept, min(R, nodes that answered), rounded up; its quota is the
     pool quota the nodes report (the largest, should one still have an older configuration)."""
-    cap = used = hits = lookups = nodes = 0
+    cap = used = hits = lookups = nodes = foreign = 0
     physical: dict[str, int] = {}
     objects: dict[str, int] = {}
     quotas: dict[str, int] = {}
@@ -95,6 +106,7 @@ def aggregate(stats: Iterable[NodeStats], replicas: int = 1) -> PoolUsage:
         nodes += 1
         cap += s.capacity_bytes
         used += s.used_bytes
+        foreign += s.foreign_bytes
         hits += s.hit_blocks
         lookups += s.lookup_blocks
         for t in s.tenants:
@@ -107,7 +119,7 @@ def aggregate(stats: Iterable[NodeStats], replicas: int = 1) -> PoolUsage:
     tenants = {tid: TenantUsage(tid, pool_usage(b, replicas, nodes), quotas[tid],
                                 pool_usage(objects[tid], replicas, nodes), counters[tid], physical_bytes=b)
                for tid, b in physical.items()}
-    return PoolUsage(cap, used, hits, lookups, tenants)
+    return PoolUsage(cap, used, hits, lookups, tenants, foreign)
 
 
 def tenant_status(u: TenantUsage) -> dict[str, Any]:
@@ -118,7 +130,7 @@ def tenant_status(u: TenantUsage) -> dict[str, Any]:
 
 
 def usage_status(u: PoolUsage) -> dict[str, Any]:
-    return {"capacityBytes": u.capacity_bytes, "usedBytes": u.used_bytes,
+    return {"capacityBytes": u.capacity_bytes, "usedBytes": u.used_bytes, "foreignBytes": u.foreign_bytes,
             "capacity": format_bytes(u.capacity_bytes), "used": format_bytes(u.used_bytes),
             "utilization": round(u.utilization, 4), "utilizationPercent": format_percent(u.utilization),
             "hitRate": round(u.hit_rate, 4), "hitRatePercent": format_percent(u.hit_rate),

@@ -41,6 +41,7 @@ def test_progress_then_completion() -> None:
     s2 = drain.step(s1.state, 4, _pods(3), {"p-store-2": done}, NOW + 2000, 2)
     assert s2.state is None and s2.replicas == 2 and s2.member_limit == 2 and s2.draining == frozenset()
     assert s2.finished is not None and s2.finished["result"] == "Completed"
+    assert s2.finished["reason"] == "SpecChanged"  # lastDrain says who asked (the autoscaler: Autoscaling)
     assert (s2.finished["movedObjects"], s2.finished["droppedObjects"], s2.finished["durationSeconds"]) == (12, 1, 2.0)
     assert s2.events[0].reason == "DrainCompleted" and s2.events[0].type == "Normal"
 

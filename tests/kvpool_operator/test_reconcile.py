@@ -129,8 +129,60 @@ def test_autoscaler_steps_are_spaced_by_the_cooldown() -> None:
     assert plan.replicas == 4 and plan.status["lastScaleUnixMs"] == NOW
     plan, body = _run(body, pods=_pods(4), sts_replicas=4, stats=_stats(4, used=GI, epoch=1), now_ms=NOW + 1000)
     assert plan.replicas == 4  # 4Gi used on 4Gi would want more, but the last step is too recent
+    assert body["status"]["rebalance"]["added"] == ["p-store-2", "p-store-3"]
+    plan, _ = _run(body, pods=_pods(4), sts_replicas=4, stats=_stats(4, used=GI, epoch=1), now_ms=NOW + 61_000)
+    assert plan.replicas == 4  # nor while the warm-up of the new nodes runs (owned bytes under-count)
+    body = dict(body, status={**body["status"], "rebalance": None})  # the warm-up done
     plan, _ = _run(body, pods=_pods(4), sts_replicas=4, stats=_stats(4, used=GI, epoch=1), now_ms=NOW + 61_000)
     assert plan.replicas == 5
+
+
+def test_the_autoscaler_goes_by_owned_bytes_not_a_warm_ups_copies() -> None:
+    """After a scale-up the warm-up's sources keep their copies of what moved (foreign there):
+    counted as load they would grow the pool again, and again, up to maxReplicas."""
+    from dataclasses import replace
+
+    body = pool_body(storage={"replicas": 1}, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3,
+                                                           "targetUtilization": 0.5})
+    # 0.9Gi owned on 2 nodes of 1Gi (within the target: stay), and 0.45Gi of warm-up copies.
+    stats = _stats(2, used=int(0.675 * GI), epoch=1)
+    stats["p-store-0"] = replace(stats["p-store-0"], foreign_bytes=int(0.45 * GI))  # type: ignore[type-var]
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert plan.scale is not None and plan.scale.action == "none" and plan.replicas == 2
+    assert plan.status["usedBytes"] == 2 * int(0.675 * GI) and plan.status["foreignBytes"] == int(0.45 * GI)
+    # The scale-down limit too: one node would hold the 0.9Gi owned (90 %), not the 1.35Gi held.
+    capped = dict(body, spec={**body["spec"], "autoscaling": {**body["spec"]["autoscaling"], "maxReplicas": 1}})
+    plan, _ = _run(capped, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert plan.scale is not None and plan.scale.action == "blocked" and "90.0%" in plan.scale.message
+
+
+def test_during_a_rebalance_the_autoscaler_waits_and_a_scale_down_counts_what_is_held() -> None:
+    """Mid warm-up the sources' copies are already foreign but not yet at their owners: owned
+    bytes under-count.  The autoscaler must not shrink the pool it has just grown (seen on the
+    harness: 1 -> 3 nodes, then at once 3 -> 2), and a user's scale-down is checked against
+    what the nodes hold."""
+    from dataclasses import replace
+
+    from kvpool_operator.rebalance import RebalanceState
+
+    warming = RebalanceState(epoch=2, added=("p-store-1",), sources=("p-store-0",), started_unix_ms=NOW - 500,
+                             deadline_unix_ms=NOW + 60_000, stage="Warming").to_status()
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetUtilization": 0.5}
+    # 0.9Gi on p-store-0, half of it foreign there and not yet at p-store-1.
+    stats = _stats(2, used=0, epoch=2)
+    stats["p-store-0"] = replace(stats["p-store-0"], used_bytes=int(0.9 * GI),  # type: ignore[type-var]
+                                 foreign_bytes=int(0.45 * GI))
+    body = dict(pool_body(storage={"replicas": 1}, autoscaling=auto), status={"rebalance": warming})
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert plan.scale is not None and plan.scale.action == "none" and plan.replicas == 2
+    body = dict(pool_body(storage={"replicas": 1}), status={"rebalance": warming})
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert plan.scale is not None and plan.scale.action == "blocked" and "90.0%" in plan.scale.message
+    # Once the push is done, owned bytes are the load: the autoscaler shrinks the idle pool.
+    settled = dict(pool_body(storage={"replicas": 1}, autoscaling=auto), status={})
+    stats["p-store-0"] = replace(stats["p-store-0"], used_bytes=int(0.2 * GI), foreign_bytes=int(0.1 * GI))  # type: ignore[type-var]
+    plan, _ = _run(settled, pods=_pods(2), sts_replicas=2, stats=stats)
+    assert plan.scale is not None and plan.scale.action == "down"
 
 
 def test_default_tenant_usage_is_shown_under_its_name() -> None:

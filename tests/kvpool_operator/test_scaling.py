@@ -68,3 +68,19 @@ def test_autoscaler_down_is_also_guarded() -> None:
               scaleDown={"utilizationLimit": 0.5})
     d = decide(p, 3, int(1.2 * GI), GI)
     assert d.action == "blocked" and d.wanted == 2
+
+
+def test_lowered_max_replicas_steps_down_or_is_refused_with_a_reason() -> None:
+    # 3 nodes of 1Gi holding 1.7Gi; the user lowers maxReplicas to 1.  Hysteresis (the smaller
+    # pool would be above the target) must not hide the bound: one node at a time, each step
+    # checked against the limit.
+    p = _pool(1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 1, "targetUtilization": 0.5})
+    assert autoscale_target(p, 3, int(1.7 * GI), GI) == 2
+    d = decide(p, 3, int(1.5 * GI), GI)
+    assert (d.action, d.target, d.reason) == ("down", 2, "Autoscaling")  # 75 % of what remains
+    d = decide(p, 2, int(0.9 * GI), GI)
+    assert (d.action, d.target, d.wanted, d.reason) == ("blocked", 2, 1, "UtilizationTooHigh")
+    assert "90.0%" in d.message
+    # Within the bound, the same load holds the pool where it is (no refusal to report).
+    p3 = _pool(1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetUtilization": 0.5})
+    assert decide(p3, 2, int(0.9 * GI), GI).action == "none"

@@ -13,7 +13,7 @@ to the pool, prints one summary line ``KVPOOL_LOADGEN {json}`` (also written to 
 and with ``--hold`` stays up until SIGTERM (so that a Deployment's pod stays Running).
 
     kvpool loadgen [--address unix:///run/kvpool/kvpool.sock] [--model M] [--seed S]
-                   [--prompts N] [--prompt-blocks B] [--block-tokens T] [--value-bytes V]
+                   [--prompts N] [--prompt-blocks B] [--block-tokens T] [--value-bytes V] [--traffic-class C]
                    [--rounds R | --duration SEC] [--read-only] [--states [--state-bytes N]]
                    [--flush] [--report PATH] [--hold]
 """
@@ -37,6 +37,7 @@ import numpy as np
 
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
+from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 
 VOCAB = 32000
 PREFIX = "KVPOOL_LOADGEN "
@@ -117,7 +118,8 @@ def run_state(client: Any, keys: Sequence[bytes], state_bytes: int, read_only: b
 
 
 def run_prompt(client: Any, keys: Sequence[bytes], value_bytes: int, read_only: bool, rep: Report,
-               refused: Counter[str], errs: Counter[str], state_bytes: int = 0) -> None:
+               refused: Counter[str], errs: Counter[str], state_bytes: int = 0,
+               traffic_class: str = DEFAULT_TRAFFIC_CLASS) -> None:
     rep.prompts += 1
     rep.blocks += len(keys)
     try:
@@ -140,7 +142,7 @@ def run_prompt(client: Any, keys: Sequence[bytes], value_bytes: int, read_only: 
         if read_only or matched >= len(keys):
             return
         todo = list(keys[matched:])
-        codes = client.put(todo, [value_for(k, value_bytes) for k in todo])
+        codes = client.put(todo, [value_for(k, value_bytes) for k in todo], traffic_class=traffic_class)
         rep.put_blocks += len(todo)
         for c in codes:
             if c == 0:
@@ -167,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per block (default: $KVPOOL_BLOCK_TOKENS or 16)")
     work.add_argument("--value-bytes", type=int, default=4096, help="bytes per block value (default 4096)")
     work.add_argument("--read-only", action="store_true", help="match and get only, never put")
+    work.add_argument("--traffic-class", default=DEFAULT_TRAFFIC_CLASS,
+                      help=f"traffic class of the blocks put, which picks their TTL (default {DEFAULT_TRAFFIC_CLASS})")
     work.add_argument("--states", action="store_true", help="a state object at the end of each prompt too")
     work.add_argument("--state-bytes", type=int, default=8192, help="bytes per state object (default 8192)")
     dur = ap.add_argument_group("duration")
@@ -201,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if stop.is_set():
                     break
                 run_prompt(client, ks, args.value_bytes, args.read_only, rep, refused, errs,
-                           args.state_bytes if args.states else 0)
+                           args.state_bytes if args.states else 0, args.traffic_class)
                 if args.interval:
                     stop.wait(args.interval)
             rep.rounds += 1

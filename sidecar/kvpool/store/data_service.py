@@ -158,4 +158,5 @@ class StoreDataService(pbg.StoreDataServicer):
                                     share_bytes=share)
                      for t, u, q, o, c, share in s["tenants"]],
             counters=counters, hit_blocks=counters.get(StoreCounter.HIT_BLOCKS, 0),
-            lookup_blocks=counters.get(StoreCounter.LOOKUP_BLOCKS, 0), incarnation=s["incarnation"])
+            lookup_blocks=counters.get(StoreCounter.LOOKUP_BLOCKS, 0), incarnation=s["incarnation"],
+            foreign_bytes=s["foreign_bytes"])

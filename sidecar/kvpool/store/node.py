@@ -32,7 +32,7 @@ from kvpool.core.sizing import payload_arena_bytes
 from kvpool.store.gone import Gone
 from kvpool.store.reads import Reads, check_kind
 from kvpool.store.settings import NodeConfig as NodeConfig
-from kvpool.store.space import Space
+from kvpool.store.space import Space, owned_mask
 from kvpool.store.tenants import DEFAULT_TENANT as DEFAULT_TENANT
 from kvpool.store.tenants import Tenant as Tenant
 from kvpool.store.tenants import Tenants
@@ -79,6 +79,9 @@ class StoreNode:
         self.counters: Counter[str] = Counter()
         self.ring = Ring(epoch=0)
         self.draining = False
+        # Objects held but not owned under self.ring, found at each ring change (writes after it
+        # go to their owners); discarded ones (DEAD) are left out when counted.
+        self._foreign: list[Entry] = []
         # This life of the node (its leases' and reservations' ids start at a random base too:
         # ArenaIndex).
         self.incarnation = 1 + secrets.randbits(62)
@@ -318,12 +321,31 @@ class StoreNode:
 
     def set_ring(self, ring: Ring) -> Ring:
         with self._lock:
+            changed = ring.epoch != self.ring.epoch
             if ring.epoch >= self.ring.epoch:
                 self.ring = ring
                 me = ring.member(self.node_id)
                 self.draining = me is not None and me.state == "draining"
                 self._space.fit_shares(ring, self.node_id)
-            return self.ring
+            current = self.ring
+            held: list[Entry] = []
+            if changed and current is ring:
+                self._foreign = []
+                held = self._index.all_committed()  # type: ignore[assignment]
+        if held:
+            # Hashing every key is left off the lock; a newer ring meanwhile redoes it.
+            foreign = [e for e, o in zip(held, owned_mask(ring, self.node_id, held), strict=True) if not o]
+            with self._lock:
+                if self.ring is ring:
+                    self._foreign = foreign
+        return current
+
+    def foreign_bytes(self) -> int:
+        """Bytes on this node's own tiers (DRAM, SSD) of objects it does not own under its ring."""
+        with self._lock:
+            self._foreign = [e for e in self._foreign if e.state == COMMITTED]
+            named = {i + 1 for i, t in enumerate(self._below) if t.named}
+            return sum(e.size for e in self._foreign if e.tier not in named)
 
     def objects_hottest_first(self) -> Iterator[Entry]:
         """Committed objects, most recently used first (the drain order)."""
@@ -351,6 +373,7 @@ class StoreNode:
                 "configured": self.tenants.configured(),
                 "leases": self._index.lease_count(),
                 "reservations": self._index.reservation_count(),
+                "foreign_bytes": self.foreign_bytes(),
             }
 
     def _counters(self) -> dict[str, int]:

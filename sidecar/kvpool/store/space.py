@@ -9,7 +9,7 @@ another is demoted by the tier chain (or dropped when there is no tier below).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvpool.arena.allocator import ExtentAllocator, OutOfSpace
 from kvpool.arena.eviction import choose_victims, is_expired
@@ -25,6 +25,20 @@ from kvpool.wire.counters import MissReason, StoreCounter
 _WHY = {StoreCounter.EXPIRED: MissReason.EXPIRED, StoreCounter.EVICTED: MissReason.EVICTED,
         StoreCounter.EVICTED_QUOTA: MissReason.QUOTA}
 """The miss reason a later lookup of an object dropped for each counter gets."""
+
+
+def owned_mask(ring: Ring, node_id: str, entries: Sequence[TieredEntry]) -> list[bool]:
+    """Whether ``node_id`` owns each of ``entries`` under ``ring``: a block when it is one of the
+    key's write owners, a state object (single-copy) when it is the primary owner.  A draining
+    node, or one the ring leaves out, owns nothing."""
+    owned = [False] * len(entries)
+    for kind in (BLOCK, STATE):
+        idx = [i for i, e in enumerate(entries) if e.kind == kind]
+        if idx:
+            got = ring.write_owned(node_id, [entries[i].key for i in idx], 1 if kind == STATE else None)
+            for i, o in zip(idx, got.tolist(), strict=True):
+                owned[i] = o
+    return owned
 
 
 class Space:
@@ -146,13 +160,7 @@ class Space:
             return
         for t in over:
             mine = [e for e in self._own(t.tenant_id) if e.state == COMMITTED and not e.pins and not e.inflight]
-            owned = [False] * len(mine)
-            for kind in (BLOCK, STATE):
-                idx = [i for i, e in enumerate(mine) if e.kind == kind]
-                if idx:
-                    got = ring.write_owned(node_id, [mine[i].key for i in idx], 1 if kind == STATE else None)
-                    for i, o in zip(idx, got.tolist(), strict=True):
-                        owned[i] = o
+            owned = owned_mask(ring, node_id, mine)
             held = [Held(e.size, e.last_access, o) for e, o in zip(mine, owned, strict=True)]
             for i in trim_to_share(t.used_bytes, t.share_bytes, held, t.evict_own_on_quota):
                 self._drop(mine[i], StoreCounter.EVICTED_QUOTA)

@@ -63,6 +63,21 @@ def test_warm_pushes_the_moved_objects_hottest_first_and_keeps_its_copies(nodes:
     # Idempotent per epoch: calling again reports the same finished push.
     again = a.admin(ADMIN).warm(ring, [b.node_id])
     assert again.state == "done" and again.moved_objects == done.moved_objects
+    # Under the new ring (the warm-up's) those kept copies are foreign at a: evictable, not load
+    # (what the operator's autoscaler leaves out); b owns all it holds, the reader's copy included.
+    b.admin(ADMIN).set_ring(ring)
+    state_at_b = owners(state_key[0], [a.node_id, b.node_id])[0, 0] == 1
+    want = sum(len(vals[i]) for i in moved) + (len(b"state") if state_at_b else 0)
+    assert a.admin(ADMIN).stats().foreign_bytes == want
+    assert b.admin(ADMIN).stats().foreign_bytes == 0
+    # What a drops stops counting; a draining node owns nothing.
+    assert ca.remove([keys[moved[1]]]) == [pb.OK]
+    assert a.admin(ADMIN).stats().foreign_bytes == want - len(vals[moved[1]])
+    draining = _ring(3, a, b)
+    draining.members[0].state = "draining"
+    a.admin(ADMIN).set_ring(draining)
+    held = sum(len(vals[i]) for i in range(60) if i != moved[1]) + len(b"state")
+    assert a.admin(ADMIN).stats().foreign_bytes == held
 
 
 def test_warm_bandwidth_bound_and_fraction(nodes: Any, h: Any, rng: random.Random) -> None:

@@ -113,7 +113,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., share_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("node_id", "epoch", "tiers", "tenants", "counters", "hit_blocks", "lookup_blocks", "draining", "incarnation")
+    __slots__ = ("node_id", "epoch", "tiers", "tenants", "counters", "hit_blocks", "lookup_blocks", "draining", "incarnation", "foreign_bytes")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class StatsReply(_message.Message):
     LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FOREIGN_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -139,7 +140,8 @@ class StatsReply(_message.Message):
     lookup_blocks: int
     draining: bool
     incarnation: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., hit_blocks: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., draining: bool = ..., incarnation: _Optional[int] = ...) -> None: ...
+    foreign_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., hit_blocks: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., draining: bool = ..., incarnation: _Optional[int] = ..., foreign_bytes: _Optional[int] = ...) -> None: ...
 
 class RingMember(_message.Message):
     __slots__ = ("id", "address", "state", "transfer_address", "rdma_device")
