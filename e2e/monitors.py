@@ -2,7 +2,7 @@
 discovery runs them: Debian's Prometheus 2.42 is built without ``kubernetes_sd_configs``
 (``e2e.prom``), so pods reach it through ``file_sd_configs`` written by :class:`PodDiscovery`.
 
-Two pure translations, each of one upstream function, so the scrape is the one a cluster with
+Pure translations, each of one upstream function, so the scrape is the one a cluster with
 prometheus-operator would run and a wrong selector, port name or relabelling in the chart's
 monitors leaves its targets unscraped:
 
@@ -13,6 +13,8 @@ monitors leaves its targets unscraped:
   (``<namespace>/<monitor>``) and ``endpoint`` (the port's name), then the monitor's own
   relabelings. Its ``namespaceSelector`` (``kubernetes_sd_configs.namespaces``, a restriction of
   the watch) becomes a keep rule on the namespace.
+* :func:`relabel` -- Prometheus's relabelling of one target by those configs (model/relabel), for
+  the pure tests that check which pods a monitor keeps and the labels their series get.
 * :func:`pod_target_groups` -- Prometheus's pod role (discovery/kubernetes/pod.go): a target per
   declared container port, init containers included (``__meta_kubernetes_pod_container_init``:
   a native sidecar such as kvpool's declares its metrics port there), with the pod's meta labels;
@@ -30,7 +32,7 @@ import re
 import ssl
 import threading
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,32 @@ def pod_monitor_scrape_configs(monitor: Mapping[str, Any], sd_file: Path) -> lis
     return out
 
 
+def relabel(labels: Mapping[str, str], configs: list[Mapping[str, Any]]) -> dict[str, str] | None:
+    """``labels`` after Prometheus's relabelling by ``configs`` (the ``replace``, ``keep`` and
+    ``drop`` actions this module writes; model/relabel's semantics: source values joined by
+    ``;``, the regex anchored, ``$1`` expanded, an empty result deletes the target label); None
+    when a rule drops the target.  For the pure tests: the live ones run Prometheus itself."""
+    out = dict(labels)
+    for cfg in configs:
+        action = cfg.get("action", "replace")
+        value = cfg.get("separator", ";").join(out.get(k, "") for k in cfg.get("source_labels") or [])
+        m = re.fullmatch(cfg.get("regex", "(.*)"), value)
+        if action in ("keep", "drop"):
+            if (m is None) == (action == "keep"):
+                return None
+            continue
+        if action != "replace":
+            raise ValueError(f"relabel action {action!r} is not evaluated here")
+        if m is None:
+            continue
+        result = m.expand(re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", cfg.get("replacement", "$1")))
+        if result:
+            out[cfg["target_label"]] = result
+        else:
+            out.pop(cfg["target_label"], None)
+    return out
+
+
 def _pod_labels(pod: Mapping[str, Any]) -> dict[str, str]:
     meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
     ready = next((c["status"].lower() for c in status.get("conditions") or [] if c["type"] == "Ready"), "unknown")
@@ -175,13 +203,13 @@ def pod_target_groups(pods: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 class PodDiscovery:
-    """Lists pods from the API server every ``interval`` seconds (``GET /api/v1/pods``, or one
-    namespace's) with a client certificate, and keeps ``path`` holding their
+    """Lists pods from the API server every ``interval`` seconds (``GET /api/v1/pods``, or those
+    of ``namespaces``) with a client certificate, and keeps ``path`` holding their
     :func:`pod_target_groups` (written to a temporary file and renamed, as file_sd expects)."""
 
-    def __init__(self, server: str, ca: Path, cert: Path, key: Path, path: Path, namespace: str | None = None,
+    def __init__(self, server: str, ca: Path, cert: Path, key: Path, path: Path, namespaces: Sequence[str] = (),
                  interval: float = 1.0) -> None:
-        self.url = f"{server}/api/v1/namespaces/{namespace}/pods" if namespace else f"{server}/api/v1/pods"
+        self.urls = [f"{server}/api/v1/namespaces/{ns}/pods" for ns in namespaces] or [f"{server}/api/v1/pods"]
         self.ctx = ssl.create_default_context(cafile=str(ca))
         self.ctx.load_cert_chain(str(cert), str(key))
         self.path, self.interval = path, interval
@@ -191,8 +219,11 @@ class PodDiscovery:
         self._thread = threading.Thread(target=self._run, name="pod-discovery", daemon=True)
 
     def refresh(self) -> list[dict[str, Any]]:
-        with urllib.request.urlopen(self.url, context=self.ctx, timeout=10) as resp:
-            groups = pod_target_groups(json.load(resp)["items"])
+        pods = []
+        for url in self.urls:
+            with urllib.request.urlopen(url, context=self.ctx, timeout=10) as resp:
+                pods += json.load(resp)["items"]
+        groups = pod_target_groups(pods)
         text = json.dumps(groups, sort_keys=True)
         if text != self._last:
             tmp = self.path.with_suffix(".tmp")

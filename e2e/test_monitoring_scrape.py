@@ -1,13 +1,16 @@
 """A real Prometheus scrape of a pool on the harness cluster (issue 23, "A real Prometheus scrape").
 
-The operator runs a KVPool of two store nodes; an engine pod gets the kvpool sidecar injected and
-runs a workload through it (puts past the sidecar's local tier, matches, reads, absent keys), so
-hits, misses, bytes and restores move. Debian's Prometheus 2.42 scrapes it as the chart's
-PodMonitors say: the chart is rendered with its PodMonitors on, each is translated into the scrape
-config prometheus-operator would generate (``e2e.monitors``), and pods come from the harness's
-API server (client certificate) through file_sd, since Debian builds Prometheus without
-Kubernetes discovery. Then every PromQL expression of the dashboard (its variables set to this
-namespace and pool) and of the alert rules must return a series with a number.
+The operator runs a KVPool of two store nodes; two engine pods get the kvpool sidecar injected,
+one beside the pool and one in another namespace (labelled ``<namespace>.<pool>``), and run a
+workload through it (puts past the sidecar's local tier, matches, reads, absent keys), so hits,
+misses, bytes and restores move. Debian's Prometheus 2.42 scrapes it as the chart's PodMonitors
+say: the chart is rendered with its PodMonitors on, each is translated into the scrape config
+prometheus-operator would generate (``e2e.monitors``), and pods come from the harness's API server
+(client certificate) through file_sd, since Debian builds Prometheus without Kubernetes
+discovery. Both sidecars' series must carry the pool's ``pool_namespace`` and ``pool`` (what the
+dashboard and the rules select by) and their own ``namespace``. Then every PromQL expression of
+the dashboard (its variables set to this pool) and of the alert rules must return a series with
+a number.
 
 Expressions that return nothing on a healthy pool (an alert's condition) are evaluated with their
 comparisons made ``bool`` (``e2e.prom.live_form``), so they return their series either way.
@@ -24,12 +27,13 @@ the pending certificate expiry.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import subprocess
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,7 @@ import pytest
 import yaml
 
 from e2e.cluster import Cluster
-from e2e.monitors import PodDiscovery, pod_monitor_scrape_configs, pod_target_groups
+from e2e.monitors import PodDiscovery, pod_monitor_scrape_configs, pod_target_groups, relabel
 from e2e.prom import (
     PROMETHEUS,
     PROMTOOL,
@@ -98,9 +102,9 @@ def chart_pod_monitors(tmp: Path) -> list[dict[str, Any]]:
     return [d for d in render(tmp, *SCRAPE) if d["kind"] == "PodMonitor"]
 
 
-def engine_pod() -> dict[str, Any]:
+def engine_pod(name: str = "engine", pool_label: str = POOL) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "engine", "labels": {"kvpool.io/pool": POOL}},
+            "metadata": {"name": name, "labels": {"kvpool.io/pool": pool_label}},
             "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "containers": [{
                 "name": "engine", "image": "unused", "command": python_cmd(WORKLOAD),
                 # e2e.prom's workload round, and the packages (a container gets the host's PYTHONPATH).
@@ -129,6 +133,28 @@ ENGINE_POD: dict[str, Any] = {
                                  "ports": [{"name": "kvpool-metrics", "containerPort": 7461}]}]},
     "status": {"podIP": "127.0.9.3", "phase": "Running"},
 }
+
+REMOTE_ENGINE_POD: dict[str, Any] = {
+    **ENGINE_POD,
+    "metadata": {"namespace": "engines", "name": "remote", "labels": {"kvpool.io/pool": "apps.p"},
+                 "annotations": {"kvpool.io/injected": "apps.p"}},
+    "status": {"podIP": "127.0.9.4", "phase": "Running"},
+}
+"""An engine in another namespace than its pool (the label ``<namespace>.<name>``, as injection reads it)."""
+
+
+def scraped(configs: list[dict[str, Any]], pods: list[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """The targets Prometheus would scrape with ``configs`` among ``pods``, each as the labels
+    its series get (the ``__`` ones dropped, as Prometheus does after relabelling)."""
+    out = []
+    for cfg in configs:
+        for group in pod_target_groups(pods):
+            for target in group["targets"]:
+                got = relabel({**group["labels"], "__address__": target, "job": cfg["job_name"]},
+                              cfg["relabel_configs"])
+                if got is not None:
+                    out.append({k: v for k, v in got.items() if not k.startswith("__")})
+    return out
 
 
 def test_pod_targets_are_the_pod_roles() -> None:
@@ -197,6 +223,21 @@ def test_the_chart_monitors_make_a_config_promtool_accepts(tmp_path: Path) -> No
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
+@needs_helm
+def test_store_and_sidecar_series_name_their_pool_in_the_same_labels(tmp_path: Path) -> None:
+    """Issue 23: an engine in another namespace than its pool carries ``<namespace>.<pool>`` in
+    kvpool.io/pool; its sidecar's series name the pool as the store nodes' do (``pool``,
+    ``pool_namespace``, what the dashboard and the rules select by) and keep the engine's own
+    ``namespace``."""
+    configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, Path("/sd.json"))]
+    got = sorted((t["container"], t["pod"], t["namespace"], t["pool_namespace"], t["pool"], t["endpoint"])
+                 for t in scraped(configs, [STORE_POD, ENGINE_POD, REMOTE_ENGINE_POD]))
+    assert got == [("kvpool-sidecar", "engine", "apps", "apps", "p", "kvpool-metrics"),
+                   ("kvpool-sidecar", "remote", "engines", "apps", "p", "kvpool-metrics"),
+                   ("store", "p-store-0", "apps", "apps", "p", "metrics")]
+    # tests/kvpool_chart/test_monitoring.py: the dashboard and the rules select and group by these.
+
+
 # ------------------------------------------------------------------------------- the scrape
 
 
@@ -210,17 +251,32 @@ def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
 
 
 def _active_targets(base: str, namespace: str) -> list[dict[str, Any]]:
+    """The targets of the pool in ``namespace`` (their pods may run in other namespaces)."""
     return [t for t in api_get(base, "targets", state="active")["activeTargets"]
-            if t["labels"].get("namespace") == namespace]
+            if t["labels"].get("pool_namespace") == namespace]
 
 
-def _engine_exited(api: Kube, namespace: str) -> str:
-    """Why the engine container is not running any more ("" while it runs)."""
-    pod = api.get("v1", "Pod", "engine", namespace) or {}
-    for c in (pod.get("status") or {}).get("containerStatuses") or []:
-        if c["name"] == "engine" and "terminated" in (c.get("state") or {}):
-            return json.dumps(c["state"]["terminated"])
+def _engine_exited(api: Kube, engines: list[tuple[str, str]]) -> str:
+    """Why an engine container (of the pods ``(namespace, name)``) is not running any more ("" while they run)."""
+    for ns, name in engines:
+        pod = api.get("v1", "Pod", name, ns) or {}
+        for c in (pod.get("status") or {}).get("containerStatuses") or []:
+            if c["name"] == "engine" and "terminated" in (c.get("state") or {}):
+                return f"{ns}/{name}: " + json.dumps(c["state"]["terminated"])
     return ""
+
+
+@contextlib.contextmanager
+def another_namespace(api: Kube, name: str) -> Iterator[str]:
+    """A namespace of its own for an engine away from its pool, deleted afterwards."""
+    api.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": name, "labels": {"kvpool-e2e/test": name}}})
+    try:
+        # Pods are refused until the serviceaccount controller has made `default` there.
+        wait_for(lambda: api.get("v1", "ServiceAccount", "default", name), 30, "default service account")
+        yield name
+    finally:
+        api.delete("v1", "Namespace", name)
 
 
 @pytest.mark.cluster
@@ -234,42 +290,62 @@ def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
     create(kube, kvpool(POOL, storage={"replicas": 2}, sidecar={"localBytes": "2Mi"},
                         tenancy={"defaultTenant": "public"}), namespace)
     wait_status(kube, namespace, POOL, lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
-    pod = create_pod_injected(kube, namespace, engine_pod())
-    assert pod["metadata"]["annotations"].get("kvpool.io/injected") == f"{namespace}.{POOL}", pod["metadata"]
+    with another_namespace(kube, f"{namespace}-engines") as remote_ns:
+        scrape_pool(cluster, kube, namespace, remote_ns, prometheus, tmp_path, start)
 
-    # Scoped to this test's namespace: the session's other tests run pools of their own.
+
+def scrape_pool(cluster: Cluster, api: Kube, namespace: str, remote_ns: str, prometheus: Prometheus, tmp_path: Path,
+                start: float) -> None:
+    """The scrape: an engine beside the pool and one in ``remote_ns`` (labelled
+    ``<namespace>.<pool>``), both running the workload, both sidecars scraped and labelled with
+    the pool's namespace and name."""
+    assert cluster.pki is not None
+    engines = [(namespace, "engine"), (remote_ns, "remote")]
+    for (ns, name), label in zip(engines, (POOL, f"{namespace}.{POOL}"), strict=True):
+        pod = create_pod_injected(api, ns, engine_pod(name, label))
+        assert pod["metadata"]["annotations"].get("kvpool.io/injected") == f"{namespace}.{POOL}", pod["metadata"]
+
+    # Scoped to this test's namespaces: the session's other tests run pools of their own.
     sd = tmp_path / "pods.json"
     discovery = PodDiscovery(cluster.server, cluster.pki.ca.cert, cluster.pki.admin.cert, cluster.pki.admin.key, sd,
-                             namespace=namespace).start()
+                             namespaces=[namespace, remote_ns]).start()
     try:
         configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, sd)]
         base = prometheus.start(configs)
         ready = time.monotonic()
 
-        # Every store node and the injected sidecar is a target, up, labelled as the dashboard expects.
-        def scraped() -> list[dict[str, Any]] | None:
+        # Every store node and both injected sidecars are targets, up, labelled as the dashboard
+        # expects: the pool's namespace and name, and the pod's own namespace.
+        def up() -> list[dict[str, Any]] | None:
             got = _active_targets(base, namespace)
-            return got if len(got) == 3 and all(t["health"] == "up" for t in got) else None
+            return got if len(got) == 4 and all(t["health"] == "up" for t in got) else None
 
         try:
-            targets = wait_for(scraped, 90, "3 healthy targets", interval=1)
+            targets = wait_for(up, 90, "4 healthy targets", interval=1)
         except AssertionError:
             raise AssertionError(f"targets: {json.dumps(_active_targets(base, namespace))}\n"
-                                 f"engine: {_engine_exited(kube, namespace)}\n{prometheus.log_tail()}") from None
-        seen = sorted(tuple(t["labels"].get(k) for k in ("pod", "container", "endpoint", "pool")) for t in targets)
-        assert seen == [("engine", "kvpool-sidecar", "kvpool-metrics", POOL),
-                        (f"{POOL}-store-0", "store", "metrics", POOL), (f"{POOL}-store-1", "store", "metrics", POOL)]
+                                 f"engine: {_engine_exited(api, engines)}\n{prometheus.log_tail()}") from None
+        seen = sorted(tuple(t["labels"].get(k) for k in ("pod", "namespace", "container", "endpoint", "pool",
+                                                          "pool_namespace")) for t in targets)
+        assert seen == [("engine", namespace, "kvpool-sidecar", "kvpool-metrics", POOL, namespace),
+                        (f"{POOL}-store-0", namespace, "store", "metrics", POOL, namespace),
+                        (f"{POOL}-store-1", namespace, "store", "metrics", POOL, namespace),
+                        ("remote", remote_ns, "kvpool-sidecar", "kvpool-metrics", POOL, namespace)]
         for t in targets:  # pods are processes on the host: their IPs are loopback addresses
             host = urllib.parse.urlsplit(t["scrapeUrl"]).hostname or ""
             assert ipaddress.ip_address(host).is_loopback, t["scrapeUrl"]
 
         waiting = wait_for_series(base, live_expressions(namespace, POOL), 90, lambda: bool(_engine_exited(
-            kube, namespace)))
-        assert not _engine_exited(kube, namespace), _engine_exited(kube, namespace)
+            api, engines)))
+        assert not _engine_exited(api, engines), _engine_exited(api, engines)
         assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
         still = [m for m in MOVED if not any(float(r["value"][1]) > 0 for r in query(
-            base, f'sum(increase({m}{{namespace="{namespace}", pool="{POOL}"}}[5m]))'))]
+            base, f'sum(increase({m}{{pool_namespace="{namespace}", pool="{POOL}"}}[5m]))'))]
         assert not still, f"the workload did not move {still}"
+        # The engine away from its pool counts in the pool's series (what the dashboard selects).
+        remote = query(base, f'sum(increase({SidecarMetric.LOOKUP_BLOCKS}_total{{pool_namespace="{namespace}", '
+                             f'pool="{POOL}", namespace="{remote_ns}"}}[5m]))')
+        assert remote and float(remote[0]["value"][1]) > 0, remote
         assert not still_pending(base)
         print(f"pool and engine up: {ready - start:.1f}s, every expression with series {time.monotonic() - ready:.1f}s"
               f" later ({len(live_expressions())} expressions)")

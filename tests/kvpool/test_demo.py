@@ -8,6 +8,7 @@ byte-exact.  No mocks: store nodes and sidecars are real processes.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from kvpool import KeySpace
 from kvpool.apps import demo
 from kvpool.wire.counters import SidecarCounter
+from kvpool.wire.proto import store_pb2 as pb
 
 SESSIONS = 40  # capacities scale with sessions/300: 1067 and 267 blocks
 
@@ -106,6 +108,30 @@ def test_bytes_exact_and_moved(result: dict[str, Any]) -> None:
     assert rnd_small["pool_read_bytes"] > rnd_small["local_read_bytes"]
     text = demo.format_report(result)
     assert "floor" in text and "mismatches: 0" in text and len(text.splitlines()) >= 15
+
+
+def test_read_codes_are_shed_or_failed() -> None:
+    """Issue 24: a block a store node did not deliver in time (UNAVAILABLE) is a shed read, any
+    other block missing from a matched prefix a failure; the engine loads the leading run."""
+    ok, gone, slow = pb.OK, pb.NOT_FOUND, pb.UNAVAILABLE
+    assert demo.classify_read([ok] * 3) == (3, {}, 0)
+    assert demo.classify_read([ok, slow, ok, slow]) == (1, {"UNAVAILABLE": 2}, 0)
+    assert demo.classify_read([slow, gone, ok]) == (0, {"UNAVAILABLE": 1}, 1)
+    for code in (pb.NOT_FOUND, pb.LEASE_EXPIRED, pb.CHECKSUM, pb.NO_SPACE, pb.INVALID):
+        assert demo.classify_read([ok, code]) == (1, {}, 1), code
+
+
+def test_shed_reads_are_reported_and_do_not_fail_the_run(result: dict[str, Any]) -> None:
+    out = copy.deepcopy(result)
+    assert not demo.failed(out)
+    cell = _cells(out, routing="sticky", pool=True)[0]
+    cell.update(shed_reads=2, shed_blocks={"UNAVAILABLE": 7, "DeadlineExceeded": 3}, shed_calls={"put: Suspect": 1})
+    assert not demo.failed(out)
+    text = demo.format_report(out)
+    assert "2 reads shed at a deadline (3 DeadlineExceeded, 7 UNAVAILABLE blocks" in text
+    assert "calls shed at the client's deadline: 1 put: Suspect" in text
+    cell["get_failures"] = 1
+    assert demo.failed(out) and "get_failures=1" in demo.format_report(out)
 
 
 def test_cli(run: tuple[int, dict[str, Any], str, str]) -> None:

@@ -49,6 +49,7 @@ from tests.kvpool_chart.test_chart import needs_helm, one, render  # noqa: E402
 needs_promtool = pytest.mark.skipif(not PROMTOOL.exists(), reason="promtool is not here: run tools/setup.sh "
                                                                   "(it unpacks Debian's prometheus package)")
 RULES_TEST = Path(__file__).parent / "promtool" / "rules_test.yaml"
+POOL_NAMESPACE = "local"
 
 
 def _rendered(tmp: Path) -> list[dict[str, Any]]:
@@ -82,10 +83,22 @@ def test_dashboard_panels_cover_what_the_issue_asks() -> None:
     exprs = dashboard_exprs()
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids)) and len(exprs) >= 20
-    # Every query is scoped by the dashboard's namespace and pool variables.
+    # Every query is scoped by the dashboard's variables: the pool's namespace and name, which
+    # store and sidecar series carry alike (never the pod's namespace: an engine's may be another).
     for e in exprs:
         for sel in re.findall(r"\{([^}]*)\}", e):
-            assert 'namespace=~"$namespace"' in sel and 'pool=~"$pool"' in sel, e
+            assert 'pool_namespace=~"$namespace"' in sel and 'pool=~"$pool"' in sel, e
+            assert not re.search(r"(?<!_)namespace=", sel), e
+    for v in d["templating"]["list"][1:]:
+        assert "pool_namespace" in v["query"]["query"], v
+
+
+def test_rules_group_by_the_pool_labels() -> None:
+    """Grouped by pool_namespace and pool, the labels store and sidecar series share (issue 23)."""
+    groupings = [(r["expr"], by) for r in rules() for by in re.findall(r"by \(([^)]*)\)", r["expr"])]
+    assert len(groupings) >= 8
+    for expr, by in groupings:
+        assert {"pool_namespace", "pool"} <= {x.strip() for x in by.split(",")}, expr
 
 
 def test_expressions_name_only_documented_metrics() -> None:
@@ -162,15 +175,19 @@ def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
 
 
 def scrape_targets(lc: Any) -> list[dict[str, Any]]:
-    """Static targets with the labels the chart's PodMonitor gives a pod's endpoint (namespace,
-    pod, container, endpoint = the port's name, pool from the pod's pool label)."""
+    """Static targets with the labels the chart's PodMonitors give a pod's endpoint (namespace,
+    pod, container, endpoint = the port's name, pool and pool_namespace naming the pool); the
+    second sidecar is an engine's in another namespace than the pool's (``e2e/
+    test_monitoring_scrape.py`` checks the PodMonitors' relabelling gives it these labels)."""
     out = []
     for kind, n, container, port in (("store", len(lc.stores), "store", "metrics"),
                                      ("sidecar", len(lc.sidecars), "kvpool-sidecar", "kvpool-metrics")):
         for i in range(n):
             host = urllib.parse.urlsplit(lc.metrics_url(kind, i)).netloc
-            out.append({"targets": [host], "labels": {"namespace": "local", "pool": "local", "pod": f"{kind}-{i}",
-                                                      "container": container, "endpoint": port}})
+            ns = "engines" if kind == "sidecar" and i == 1 else POOL_NAMESPACE
+            out.append({"targets": [host], "labels": {
+                "namespace": ns, "pool_namespace": POOL_NAMESPACE, "pool": "local", "pod": f"{kind}-{i}",
+                "container": container, "endpoint": port}})
     return out
 
 
@@ -207,7 +224,7 @@ def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus) ->
         worker = threading.Thread(target=work, name="workload")
         worker.start()
         try:
-            waiting = wait_for_series(base, live_expressions(), 120, lambda: bool(failed))
+            waiting = wait_for_series(base, live_expressions(POOL_NAMESPACE, "local"), 120, lambda: bool(failed))
         finally:
             stop.set()
             worker.join(60)

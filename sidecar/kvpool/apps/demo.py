@@ -12,7 +12,10 @@ it will use (verified byte-exact against values derived from the keys) and one `
 rest: the prompt blocks it did not match and the answer's full blocks — the KV of the prompt and
 the generated tokens, which is what a real engine holds after the turn.  Recomputed prefill =
 prompt tokens − hit tokens, the hit from :func:`kvpool.plan_hit` (no window state: at least
-one token is always computed).
+one token is always computed).  A read answers per block (``get_many``): a block a store node
+did not deliver in time (UNAVAILABLE: the sidecar's deadline shed it, on a loaded machine) is a
+*shed read*, counted by reason and recomputed like a miss; any other block missing from a
+matched prefix (NOT_FOUND, CHECKSUM, ...) is a failed read and fails the run.
 
 Eight cells: routing {random, session-sticky} × {with the shared pool, without} × local capacity
 {8000, 2000 blocks} (scaled by sessions/300 when the workload is smaller, so the cache pressure
@@ -43,6 +46,7 @@ from typing import Any, TextIO
 import numpy as np
 import numpy.typing as npt
 
+from kvpool.core.errors import Code, DeadlineExceeded, Suspect, code_name
 from kvpool.core.keys import KeySpace
 from kvpool.core.planning import plan_hit
 from kvpool.wire.counters import SidecarCounter
@@ -62,6 +66,13 @@ CAPACITIES = (8000, 2000)  # local capacity in blocks at FULL_SESSIONS
 ROUTINGS = ("random", "sticky")
 SEED = 20240611
 THINK_SECONDS = 0.5  # the least time between a session's answer and its next turn (see replay)
+SHED_CODES = frozenset({Code.UNAVAILABLE})
+"""Per-block codes of a read that a slow or suspect store node causes, not a lost block: the
+sidecar gave up on the node at its deadline ("a slow part becomes misses, never a hang")."""
+SHED_ERRORS = (DeadlineExceeded, Suspect)
+"""What a client call raises when its sidecar was too slow: it missed the call's bound
+(``ClientDeadlines``), or missed an earlier one and has not answered a probe since.  A match,
+read or put that raises one is shed (nothing matched, read or stored), not a failure."""
 
 
 # -- the workload -------------------------------------------------------------------------------
@@ -211,9 +222,36 @@ class CellResult:
     checked_blocks: int = 0
     mismatches: int = 0
     get_failures: int = 0
+    """Reads of a matched prefix that missed a block for a reason other than :data:`SHED_CODES`."""
+    shed_reads: int = 0
+    """Reads of a matched prefix that missed blocks only for :data:`SHED_CODES` reasons."""
+    shed_blocks: dict[str, int] = field(default_factory=dict)
+    """Blocks of those reads not delivered, by reason: the code name (:data:`SHED_CODES`), or the
+    exception of a whole read shed (:data:`SHED_ERRORS`)."""
+    shed_calls: dict[str, int] = field(default_factory=dict)
+    """Matches and puts shed (:data:`SHED_ERRORS`), by ``"<call>: <exception>"``."""
     put_failures: int = 0
     wall_seconds: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
+
+
+def classify_read(codes: Sequence[int]) -> tuple[int, dict[str, int], int]:
+    """A matched prefix's per-block read codes: (blocks read from the start, blocks shed by code
+    name — :data:`SHED_CODES` —, blocks missing for any other reason: failures)."""
+    prefix = next((i for i, c in enumerate(codes) if c != Code.OK), len(codes))
+    shed: dict[str, int] = {}
+    failed = 0
+    for c in codes:
+        if c in SHED_CODES:
+            name = code_name(c)
+            shed[name] = shed.get(name, 0) + 1
+        elif c != Code.OK:
+            failed += 1
+    return prefix, shed, failed
+
+
+def _count(into: dict[str, int], what: str, k: int = 1) -> None:
+    into[what] = into.get(what, 0) + k
 
 
 def _sum_counters(clients: Sequence[Any]) -> dict[str, int]:
@@ -237,13 +275,14 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
     """One cell on running sidecars (one client per engine instance): every turn of the workload.
 
     ``floor`` is each turn's floor (:func:`floor_tokens`); turns recomputing more are counted.
+    A read that misses blocks of its matched prefix (:func:`classify_read`) loads the blocks
+    before the first missing one and recomputes the rest, as an engine does; the miss is a shed
+    read or a failure.
     Think time: in life a user reads the answer for seconds before the next turn, while the
     replay runs turns back to back; so when a session's previous turn ended less than
     ``think_seconds`` ago on another instance, the turn first waits (a bounded poll) for that
     instance's write-through backlog to reach the pool, as it would have by then.
     """
-    from kvpool.core.errors import NotFound
-
     res = CellResult(cell.name, cell.routing, cell.pool, cell.local_blocks)
     with gate():
         before = _sum_counters(clients)
@@ -267,38 +306,58 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
             keys = session_keys[s]
             L = wl.prompt_tokens(k)
             prompt_keys = keys[:L // BLOCK_TOKENS]
-            n, lease = c.match_lease(prompt_keys)
+            try:
+                n, lease = c.match_lease(prompt_keys)
+            except SHED_ERRORS as exc:
+                _count(res.shed_calls, f"match: {type(exc).__name__}")
+                n, lease = 0, 0
             plan = plan_hit(L, n * BLOCK_TOKENS, block_tokens=BLOCK_TOKENS, window_tokens=0, rollback_tokens=0)
             hit = plan.hit_blocks
+            got = None
             if hit:
                 try:
-                    blocks = c.get(prompt_keys[:hit], lease_id=lease)
-                except NotFound:
-                    res.get_failures += 1
+                    got = c.get_many(prompt_keys[:hit], lease_id=lease)
+                except SHED_ERRORS as exc:
+                    res.shed_reads += 1
+                    _count(res.shed_blocks, type(exc).__name__, hit)
+                    c.release(lease)  # the read did not take the match's pins
                     plan = plan_hit(L, 0, block_tokens=BLOCK_TOKENS, window_tokens=0, rollback_tokens=0)
                     n = 0
-                else:
-                    try:
-                        if t % verify_every == 0:
-                            # Byte-exact, every block of the turn.
-                            got = b"".join(blocks)
-                            want = values.batch(prompt_keys[:hit])
-                            if got != want.tobytes():
-                                g = np.frombuffer(got, dtype=np.uint8)
-                                if g.size != want.size:
-                                    res.mismatches += hit
-                                else:
-                                    res.mismatches += int(np.any(g.reshape(want.shape) != want, axis=1).sum())
-                            res.verified_blocks += hit
-                        else:
-                            # Cheap: size and the first 32 bytes of every block.
-                            for key, v in zip(prompt_keys[:hit], blocks, strict=True):
-                                if len(v) != values.size or (int.from_bytes(v[:32], "little") ^ head_int) != \
-                                        int.from_bytes(key, "little"):
-                                    res.mismatches += 1
-                            res.checked_blocks += hit
-                    finally:
-                        blocks.release()
+            if got is not None:
+                try:
+                    read, shed, failed = classify_read(got.codes)
+                    if failed:
+                        res.get_failures += 1
+                    elif shed:
+                        res.shed_reads += 1
+                    for name, k in shed.items():
+                        _count(res.shed_blocks, name, k)
+                    if read < hit:  # load what was read, recompute from the first missing block
+                        plan = plan_hit(L, read * BLOCK_TOKENS, block_tokens=BLOCK_TOKENS, window_tokens=0,
+                                        rollback_tokens=0)
+                        n = read
+                    blocks = [v for v in got.views[:read] if v is not None]
+                    used = prompt_keys[:read]
+                    if t % verify_every == 0:
+                        # Byte-exact, every block read.
+                        got_bytes = b"".join(blocks)
+                        want = values.batch(used)
+                        if got_bytes != want.tobytes():
+                            g = np.frombuffer(got_bytes, dtype=np.uint8)
+                            if g.size != want.size:
+                                res.mismatches += read
+                            else:
+                                res.mismatches += int(np.any(g.reshape(want.shape) != want, axis=1).sum())
+                        res.verified_blocks += read
+                    else:
+                        # Cheap: size and the first 32 bytes of every block.
+                        for key, v in zip(used, blocks, strict=True):
+                            if len(v) != values.size or (int.from_bytes(v[:32], "little") ^ head_int) != \
+                                    int.from_bytes(key, "little"):
+                                res.mismatches += 1
+                        res.checked_blocks += read
+                finally:
+                    got.release()
             elif lease:
                 c.release(lease)
             res.turns += 1
@@ -309,8 +368,12 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
             # The engine now holds KV for prompt + answer: store every full block it did not match.
             rest = keys[n:wl.after_blocks(k)]
             if rest:
-                codes = c.put(rest, list(values.batch(rest)))
-                res.put_failures += sum(1 for x in codes if x not in (0, 5))  # OK, ALREADY_EXISTS
+                try:
+                    codes = c.put(rest, list(values.batch(rest)))
+                except SHED_ERRORS as exc:
+                    _count(res.shed_calls, f"put: {type(exc).__name__}")
+                else:
+                    res.put_failures += sum(1 for x in codes if x not in (0, 5))  # OK, ALREADY_EXISTS
             last_turn[s] = (time.perf_counter(), inst)
             if progress is not None:
                 progress(t + 1, n_turns)
@@ -615,11 +678,20 @@ def format_report(out: dict[str, Any]) -> str:
             f"{_mb(c['local_read_bytes']):>11} {_mb(c['pool_read_bytes']):>10} {_mb(c['pool_write_bytes']):>10}  "
             f"{c['wall_seconds']:6.1f}  {c['mismatches']:>4}")
         extra = [f"{k}={c[k]}" for k in ("get_failures", "put_failures") if c[k]]
+        if c["shed_reads"]:
+            why = ", ".join(f"{k} {name}" for name, k in sorted(c["shed_blocks"].items()))
+            extra.append(f"{c['shed_reads']} reads shed at a deadline ({why} blocks, recomputed: UNAVAILABLE, a store "
+                         f"node too slow to answer the sidecar in time or skipped while suspect; DeadlineExceeded "
+                         f"or Suspect, the sidecar too slow to answer the client)")
+        if c["shed_calls"]:
+            extra.append("calls shed at the client's deadline: " + ", ".join(
+                f"{k} {name}" for name, k in sorted(c["shed_calls"].items())))
         if c[SidecarCounter.POOL_WRITES_SHED]:
             extra.append(f"{c['pool_writes_shed']} pool writes deferred (write-through backlog full)")
         if c["pool"] and c["turns_above_floor"]:
-            extra.append(f"{c['turns_above_floor']} of {c['turns']} turns above their floor (a prefix another "
-                         f"instance was still writing to the pool)")
+            why = "a prefix another instance was still writing to the pool" + (
+                ", or a shed call" if c["shed_reads"] or c["shed_calls"] else "")
+            extra.append(f"{c['turns_above_floor']} of {c['turns']} turns above their floor ({why})")
         if extra:
             lines.append(f"{'':<8} note: {', '.join(extra)}")
     n_full = sum(c["verified_blocks"] for c in out["cells"])
@@ -721,9 +793,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
-    bad = out["mismatches"] or out["local_leftovers"] or any(
-        c["get_failures"] or c["put_failures"] for c in out["cells"])
-    return 1 if bad else 0
+    return 1 if failed(out) else 0
+
+
+def failed(out: dict[str, Any]) -> bool:
+    """Whether a run failed: a block read back wrong, blocks left in a local tier, a failed read
+    of a matched prefix or a failed put.  Shed reads (:data:`SHED_CODES`) are not failures."""
+    return bool(out["mismatches"] or out["local_leftovers"] or any(
+        c["get_failures"] or c["put_failures"] for c in out["cells"]))
 
 
 if __name__ == "__main__":

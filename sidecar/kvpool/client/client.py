@@ -190,9 +190,9 @@ class Client:
 
     def get_many(self, keys: Sequence[bytes], lease_id: int = 0, kind: int = pb.BLOCK,
                  local_only: bool = False) -> Reads:
-        """Per-key reads: what is present comes back as views (as :meth:`get`), what is truly
-        gone as its code (NOT_FOUND; NO_SPACE only where the object could be read neither into
-        the arena nor into this client's memory) — one missing object never fails the others.
+        """Per-key reads: what is present comes back as views (as :meth:`get`), the rest as its
+        code (NOT_FOUND: not in the pool; UNAVAILABLE: a store node missed its deadline; NO_SPACE
+        only where it fits neither the arena nor this client's memory); none fails the others.
         ``Reads.prefix`` is the leading run read, what an engine loads of a matched prefix.
         ``local_only``: the arena's objects only, the others NOT_FOUND and fetched nowhere."""
         if not keys:

@@ -266,8 +266,8 @@ class FastSession:
         return out
 
     def _admit(self) -> None:
-        """Let a call go to the sidecar; raises Unavailable (at once) when the sidecar is
-        suspect: another call is probing it, its back-off runs, or this call's probe failed."""
+        """Let a call go to the sidecar; raises Suspect (an Unavailable, at once) when the sidecar
+        is suspect: another call is probing it, its back-off runs, or this call's probe failed."""
         if self._health.state is breaker.State.CLOSED:
             return  # the hot path: no lock, no clock (a call racing a failure just goes)
         with self._cond:
@@ -275,14 +275,14 @@ class FastSession:
             if admission is breaker.Admission.CALL:
                 return
             if admission is breaker.Admission.SKIP:
-                raise errors.Unavailable(f"fast session to {self.path}: the sidecar missed a call's bound and has "
-                                         "not answered since (calls fail at once until a probe is answered)")
+                raise errors.Suspect(f"fast session to {self.path}: the sidecar missed a call's bound and has "
+                                     "not answered since (calls fail at once until a probe is answered)")
             self._health = breaker.probe_started(self._health)
         answered = self._probe()
         self._judge(answered, True)
         if not answered:
-            raise errors.Unavailable(f"fast session to {self.path}: the sidecar missed a call's bound and did not "
-                                     f"greet a probe within {PROBE_SECONDS}s (calls fail at once until it does)")
+            raise errors.Suspect(f"fast session to {self.path}: the sidecar missed a call's bound and did not "
+                                 f"greet a probe within {PROBE_SECONDS}s (calls fail at once until it does)")
 
     def _probe(self) -> bool:
         """Whether a suspect sidecar greets a new connection within :data:`PROBE_SECONDS`; the

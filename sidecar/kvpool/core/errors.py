@@ -116,6 +116,11 @@ class DeadlineExceeded(Unavailable):
     long pause); the call was given up, the connection it used is closed."""
 
 
+class Suspect(Unavailable):
+    """The peer missed an earlier call's deadline and has not answered since: this call was not
+    made (calls fail at once until a probe is answered; :mod:`kvpool.core.breaker`)."""
+
+
 class WrongTenant(PermissionDenied):
     """A handoff record of another tenant."""
 

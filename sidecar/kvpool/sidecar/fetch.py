@@ -26,6 +26,19 @@ from kvpool.wire.proto import store_pb2 as pb
 T = TypeVar("T")
 
 
+def undelivered(code: pb.Code) -> pb.Code | None:
+    """The code a sidecar read answers for an object a node did not deliver with ``code`` (its
+    per-item answer; UNAVAILABLE when the node was not read at all: down, suspect, failed), when
+    that is not a plain absence: UNAVAILABLE for one the node may hold but did not send in time
+    (LEASE_EXPIRED is the data session's "did not arrive": a read cut by its deadline or a lost
+    connection), CHECKSUM for bytes that failed verification; None otherwise (NOT_FOUND)."""
+    if code in (pb.UNAVAILABLE, pb.LEASE_EXPIRED):
+        return pb.UNAVAILABLE
+    if code == pb.CHECKSUM:
+        return pb.CHECKSUM
+    return None
+
+
 class Fetcher:
     """The rounds of pool reads of one sidecar and the threads they run on; thread-safe."""
 
@@ -68,6 +81,8 @@ class Fetcher:
         total += land.settle()
         for i, j in dups:
             total += land.duplicate(i, j)
+            if j in land.why:
+                land.undelivered(i, land.why[j])
         return total
 
     def _round(self, todo: list[int], sub: np.ndarray, land: Landing, kind: int, lease_ms: int,
@@ -114,14 +129,19 @@ class Fetcher:
             got = ok = 0
             short: list[int] = []
             for j, i in enumerate(mine):
-                code = res.codes[j] if res is not None else pb.NOT_FOUND
+                code = res.codes[j] if res is not None else pb.UNAVAILABLE
                 if code == pb.OK:
                     assert res is not None
                     got += land.landed(i, res.checksums[j])
                     ok += 1
-                elif code == pb.NO_SPACE:
+                    continue
+                if code == pb.NO_SPACE:
                     short.append(j)
-                elif i in land.pending:
+                    continue
+                why = undelivered(code)
+                if why is not None:
+                    land.undelivered(i, why)
+                if i in land.pending:
                     if code == pb.CHECKSUM:
                         self.counters[SidecarCounter.POOL_CHECKSUM_FAILURES] += 1
                     self.counters[SidecarCounter.POOL_FETCH_FAILURES] += 1

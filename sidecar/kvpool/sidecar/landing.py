@@ -49,6 +49,12 @@ class Landing:
         self.no_room: dict[int, int] = {}
         """Key index -> size of an object its owner has but this landing had no room for (the
         read answers NO_SPACE and the size: the caller fetches it into memory of its own)."""
+        self.why: dict[int, pb.Code] = {}
+        """Key index -> why a node asked for it did not deliver it, when not because the node
+        lacks it: UNAVAILABLE (the node missed its deadline, was cut off, down or skipped as
+        suspect) or CHECKSUM (its bytes failed verification).  The read answers that code for
+        a key found nowhere else, not NOT_FOUND: the pool may well hold it (the first reason
+        sticks; a later round that finds the key wins)."""
 
     def dest(self, i: int, size: int) -> memoryview | None:
         """Memory for object ``i`` of ``size`` bytes (None: skip it; its code becomes INVALID)."""
@@ -61,6 +67,14 @@ class Landing:
     def failed(self, i: int) -> None:
         """Object ``i`` was given a destination but did not arrive (its bytes there are garbage)."""
         self.pending.discard(i)
+
+    def undelivered(self, i: int, code: pb.Code) -> None:
+        """A node asked for object ``i`` did not deliver it for ``code``'s reason (:attr:`why`)."""
+        self.why.setdefault(i, code)
+
+    def code(self, i: int) -> pb.Code:
+        """The code of object ``i`` found nowhere: :attr:`why`'s, else NOT_FOUND."""
+        return self.why.get(i, pb.NOT_FOUND)
 
     def found_elsewhere(self, indices: list[int]) -> None:
         """Objects found at a fallback, not at their owner under the current ring."""

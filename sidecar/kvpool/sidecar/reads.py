@@ -228,6 +228,8 @@ class Reads:
         for i, e in enumerate(found):
             if e is not None:
                 codes[i], offsets[i], sizes[i], sums[i] = pb.OK, e.offset, e.size, e.checksum
+            elif land is not None:
+                codes[i] = land.code(i)  # UNAVAILABLE / CHECKSUM: in the pool, not delivered
         moved = sum(sizes)
         spilled = 0
         if land is not None and land.no_room:
@@ -291,6 +293,8 @@ class Reads:
                         codes[i], sizes[i] = pb.OK, size
                     elif i in land.too_small:
                         codes[i], sizes[i] = pb.INVALID, land.sizes[i]
+                    else:
+                        codes[i] = land.code(i)
         moved = sum(sizes)
         from_pool = moved - sum(src.nbytes for src, _ in pairs)
         self._count_read(n, local_hits, pool_hits, moved, from_pool, t0)

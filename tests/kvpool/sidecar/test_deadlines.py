@@ -121,6 +121,45 @@ def test_stopped_store_node_costs_one_deadline(h: Any, rng: random.Random) -> No
             assert h.counters(c)[SidecarCounter.POOL_PROBES_OK] >= 1
 
 
+def test_undelivered_reads_are_unavailable_not_not_found(h: Any, rng: random.Random) -> None:
+    """Issue 24: ``kvpool demo`` under load failed a cell on a ``get`` right after its match,
+    NotFound (NOT_FOUND) for blocks the match had pinned: the pool read missed its deadline (a
+    slow part becomes misses) and the sidecar answered NOT_FOUND as if the pool had lost them.
+    A block a node did not deliver (deadline passed, node suspect) is UNAVAILABLE; NOT_FOUND
+    stays for what the pool does not hold."""
+    with LocalCluster(stores=2, sidecars=2, store_bytes=64 * MiB, local_bytes=16 * MiB) as lc:
+        keys = h.keys(rng, 96)
+        values = h.values(rng, [8 * KiB] * len(keys))
+        with lc.connect(0) as w:
+            assert w.put(keys, values) == [pb.OK] * len(keys)
+            h.wait_for(lambda: w.stats().pending_pool_bytes == 0, what="write-through backlog")
+        victim = 1
+        live, dead = _split(lc, keys, victim)
+        absent = _split(lc, h.keys(rng, 16), victim)[0][:1]  # owned by the live node, never written
+        assert len(live) >= 20 and len(dead) >= 20 and absent
+        with lc.connect(1) as c:  # nothing local: every hit is a pool hit
+            batch = live[:8] + dead[:8]
+            n, lease = c.match_lease(batch)
+            assert n == 16 and lease
+            _stop(h, lc.store_pids[victim])
+            try:
+                got, took = _timed(lambda: c.get_many(batch + absent, lease_id=lease))
+                with got:
+                    assert got.codes == [pb.OK] * 8 + [pb.UNAVAILABLE] * 8 + [pb.NOT_FOUND]
+                    assert [bytes(v) for v in got.views[:8]] == [values[keys.index(k)] for k in live[:8]]
+                assert took <= MATCH_BOUND, took
+                assert h.counters(c)[SidecarCounter.POOL_DEADLINE_MISSES] >= 1
+                # Suspect now: its keys are not asked for at all, and say so too.
+                with c.get_many(dead[8:12] + live[8:10]) as got:
+                    assert got.codes == [pb.UNAVAILABLE] * 4 + [pb.OK] * 2
+                with pytest.raises(errors.NotFound, match="UNAVAILABLE"):
+                    c.get(dead[12:14])
+                with pytest.raises(errors.NotFound, match="NOT_FOUND"):
+                    c.get(live[14:16] + absent)
+            finally:
+                os.kill(lc.store_pids[victim], signal.SIGCONT)
+
+
 def test_stopped_node_keys_are_read_at_replicas(h: Any, rng: random.Random) -> None:
     """With replication 2 a stopped node's keys are not even misses: match and get find them at
     the other replica, within the bound."""
