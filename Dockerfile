@@ -6,18 +6,19 @@ FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Everything kvpool runs goes into one venv, copied whole into the final stage: pip and the build
 # tools stay behind in this stage.
-RUN python -m venv /opt/kvpool
+RUN python -m venv /opt/kvpool/venv
 WORKDIR /src
 # The dependencies first, from pyproject.toml alone: their layer survives edits of the sources.
-COPY pyproject.toml README.md ./
-RUN /opt/kvpool/bin/pip install $(python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(p['dependencies'] + p['optional-dependencies']['operator']))")
+COPY pyproject.toml ./
+RUN /opt/kvpool/venv/bin/pip install $(python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(p['dependencies'] + p['optional-dependencies']['operator']))")
+COPY README.md ./
 COPY sidecar ./sidecar
 COPY operator ./operator
 # Then kvpool itself; then out go the venv's own pip and setuptools, and the dependencies' test
 # suites (numpy's alone are 20 MB), which nothing imports.
-RUN /opt/kvpool/bin/pip install --no-deps ".[operator]" \
- && /opt/kvpool/bin/pip uninstall -y -q pip setuptools \
- && find /opt/kvpool/lib -depth -type d -name tests -path '*/site-packages/*/tests' -exec rm -rf {} +
+RUN /opt/kvpool/venv/bin/pip install --no-deps ".[operator]" \
+ && /opt/kvpool/venv/bin/pip uninstall -y -q pip setuptools \
+ && find /opt/kvpool/venv/lib -depth -type d -name tests -path '*/site-packages/*/tests' -exec rm -rf {} +
 
 FROM python:3.11-slim
 # A fixed gid: `USER 65532:65532` alone ran with gid 999 under containerd, which takes the primary
@@ -25,9 +26,9 @@ FROM python:3.11-slim
 RUN groupadd --system --gid 65532 kvpool \
  && useradd --system --uid 65532 --gid 65532 --home-dir /nonexistent --no-create-home \
       --shell /usr/sbin/nologin kvpool
-COPY --from=build /opt/kvpool /opt/kvpool
+COPY --from=build /opt/kvpool/venv /opt/kvpool/venv
 # Bytecode is compiled at install; the root filesystem is read-only in the pods, so none is written.
-ENV PATH=/opt/kvpool/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+ENV PATH=/opt/kvpool/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # The startup probe of injected sidecars runs `test -S` (coreutils, in the base image).
 USER 65532:65532
 EXPOSE 7400 7401 8080 9090 9443
