@@ -14,11 +14,13 @@ RUN /opt/kvpool/venv/bin/pip install $(python -c "import tomllib; p = tomllib.lo
 COPY README.md ./
 COPY sidecar ./sidecar
 COPY operator ./operator
-# Then kvpool itself; then out go the venv's own pip and setuptools, and the dependencies' test
-# suites (numpy's alone are 20 MB), which nothing imports.
+# Then kvpool itself; then out go what nothing imports: the venv's own pip and setuptools, the
+# dependencies' test suites (numpy's alone are 20 MB), and the kubernetes client's asyncio copy
+# of itself (68 MB; the operator uses its REST layer, kopf its own aiohttp client).
 RUN /opt/kvpool/venv/bin/pip install --no-deps ".[operator]" \
  && /opt/kvpool/venv/bin/pip uninstall -y -q pip setuptools \
- && find /opt/kvpool/venv/lib -depth -type d -name tests -path '*/site-packages/*/tests' -exec rm -rf {} +
+ && find /opt/kvpool/venv/lib -depth -type d -name tests -path '*/site-packages/*/tests' -exec rm -rf {} + \
+ && rm -rf /opt/kvpool/venv/lib/python3*/site-packages/kubernetes/aio
 
 FROM python:3.11-slim
 # A fixed gid: `USER 65532:65532` alone ran with gid 999 under containerd, which takes the primary

@@ -127,6 +127,8 @@ main() {
       "${BUILDAH[@]}" config --label "kvpool.base=$base_hash" --env LANG=C.UTF-8 \
         --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd '["python3"]' "$ctr"
       "${BUILDAH[@]}" commit --rm -q "$ctr" "$BASE_REF" >/dev/null
+      # Every cached layer stood on the previous stand-in: none can serve again.
+      "${BUILDAH[@]}" rmi --prune >/dev/null || true  # a failed prune costs only disk
     fi
     if [ ! -s "$ARCHIVE" ]; then
       step "$IMAGE: buildah bud Dockerfile"

@@ -29,7 +29,6 @@ from .engines import (
     plan_engine,
 )
 from .membership import ring_from_status, seed_addresses
-from .podsecurity import container_security_context
 from .model import (
     INJECTED_ANNOTATION,
     POOL_LABEL,
@@ -40,6 +39,7 @@ from .model import (
     parse_pool,
     parse_pool_ref,
 )
+from .podsecurity import container_security_context
 from .settings import Settings
 from .units import memory_volume_limit
 
