@@ -101,21 +101,23 @@ main() {
            && DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o DPkg::Lock::Timeout=600 "${need[@]}" >/dev/null; }
   fi
 
-  # A private store (never the machine's /var/lib/containers), and a private mount namespace for
-  # the build (below), so an interrupted build leaves no overlay mounts on the host.
+  # Scratch space: each archive is written here and moved into place whole.
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
 
   if [ ! -s "$BASE_TAR" ]; then
     step "base rootfs: mmdebstrap $BASE_SUITE (essential + $BASE_INCLUDE), from the machine's apt sources"
     # No mirror argument: mmdebstrap then uses the host's apt sources (the machine's mirror).
+    # Its log (the hooks talk even with --quiet) is shown only when it fails.
     mmdebstrap --quiet --variant=essential --include="$BASE_INCLUDE" "${BASE_OPTS[@]}" --customize-hook="$BASE_HOOK" \
-      "$BASE_SUITE" "$tmp/base.tar"
+      "$BASE_SUITE" "$tmp/base.tar" >"$tmp/mmdebstrap.log" 2>&1 || { cat "$tmp/mmdebstrap.log"; return 1; }
     mv "$tmp/base.tar" "$BASE_TAR"
   fi
 
   build() {
     set -euo pipefail
+    # A private store, never the machine's /var/lib/containers; run in a private mount namespace
+    # (below), so an interrupted build leaves no overlay mounts on the host.
     local BUILDAH=(buildah --root "$OUT/storage" --runroot "$OUT/run" --storage-driver overlay) ctr old
     # The stand-in is made again only when its recipe changed: a new one would invalidate every
     # cached layer above it (the dependencies' download and install).
