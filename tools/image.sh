@@ -119,6 +119,10 @@ main() {
     # A private store, never the machine's /var/lib/containers; run in a private mount namespace
     # (below), so an interrupted build leaves no overlay mounts on the host.
     local BUILDAH=(buildah --root "$OUT/storage" --runroot "$OUT/run" --storage-driver overlay) ctr old
+    # Working containers an interrupted build left behind (tests name theirs otherwise).
+    for ctr in $("${BUILDAH[@]}" containers --format '{{.ContainerName}}' | grep -e '-working-container' || true); do
+      "${BUILDAH[@]}" rm "$ctr" >/dev/null
+    done
     # The stand-in is made again only when its recipe changed: a new one would invalidate every
     # cached layer above it (the dependencies' download and install).
     if [ "$("${BUILDAH[@]}" inspect --type image --format '{{index .OCIv1.Config.Labels "kvpool.base"}}' \
