@@ -9,15 +9,17 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kvpool/venv
 WORKDIR /src
 # The dependencies first, from pyproject.toml alone: their layer survives edits of the sources.
+# Extras: the operator's, and the KV events' (store nodes publish them when a KVPool asks,
+# spec.router.events).
 COPY pyproject.toml ./
-RUN /opt/kvpool/venv/bin/pip install $(python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(p['dependencies'] + p['optional-dependencies']['operator']))")
+RUN /opt/kvpool/venv/bin/pip install $(python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; print(' '.join(p['dependencies'] + x['operator'] + x['events']))")
 COPY README.md ./
 COPY sidecar ./sidecar
 COPY operator ./operator
 # Then kvpool itself; then out go what nothing imports: the venv's own pip and setuptools, the
 # dependencies' test suites (numpy's alone are 20 MB), and the kubernetes client's asyncio copy
 # of itself (68 MB; the operator uses its REST layer, kopf its own aiohttp client).
-RUN /opt/kvpool/venv/bin/pip install --no-deps ".[operator]" \
+RUN /opt/kvpool/venv/bin/pip install --no-deps ".[operator,events]" \
  && /opt/kvpool/venv/bin/pip uninstall -y -q pip setuptools \
  && find /opt/kvpool/venv/lib -depth -type d -name tests -path '*/site-packages/*/tests' -exec rm -rf {} + \
  && rm -rf /opt/kvpool/venv/lib/python3*/site-packages/kubernetes/aio

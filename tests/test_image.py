@@ -121,7 +121,8 @@ def test_runs_as_the_image_user_with_every_role_importable(container: Working) -
     # Every role's modules load (numpy needs libstdc++; the dependencies' stripped tests are unused).
     container.run("python3", "-c", "import kvpool.store.main, kvpool.sidecar.main, kvpool.apps.router_api, "
                                    "kvpool.apps.loadgen, kvpool_operator.main, kvpool_operator.handlers, kopf, "
-                                   "kubernetes.client, cryptography.hazmat.primitives.ciphers.aead, numpy")
+                                   "kubernetes.client, cryptography.hazmat.primitives.ciphers.aead, numpy, "
+                                   "zmq, msgspec")  # KV events: a KVPool's spec.router.events
     # The injected engine-client copy (kvpool._deps) runs as `python3 -m ...` on the PATH.
     assert container.run("sh", "-c", "command -v python3").strip() == "/opt/kvpool/venv/bin/python3"
 
