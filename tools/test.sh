@@ -34,6 +34,24 @@ if [ "${KVPOOL_SKIP_ENGINES:-0}" != 1 ]; then
   engines_pid=$!
   export KVPOOL_REQUIRE_ENGINES=1
 fi
+# kvpool's image (tools/image.sh: an mmdebstrap base and `buildah bud Dockerfile`, into OCI archives
+# under $KVPOOL_CACHE/images) for tests/test_image.py and the real-node e2e tier: about 5 minutes
+# cold on 2 loaded cores, mostly download and unpacking, so in the background beside the Go
+# builds; under a second once built (cached by the hash of its inputs). KVPOOL_SKIP_IMAGE=1 skips
+# it (those tests then skip, saying so). A failed build does not stop the suite: the image tests
+# then fail, saying why.
+image_pid=""
+image_log="$(mktemp)"
+wants_image=0
+[ "$#" -ne 0 ] || wants_image=1
+for arg in "$@"; do
+  case "$arg" in e2e*|*test_image*) wants_image=1 ;; esac
+done
+if [ "$wants_image" -eq 1 ] && [ "${KVPOOL_SKIP_IMAGE:-0}" != 1 ]; then
+  echo "== kvpool image (in the background; log at the end of this step)"
+  bash tools/image.sh >"$image_log" 2>&1 &
+  image_pid=$!
+fi
 # The control plane for e2e/ (kube-apiserver, kube-controller-manager, kubectl, etcd, helm from
 # their Go modules): about 20 minutes cold on 2 cores, under a second once cached. Built here,
 # before pytest, so that a cold build does not run inside the first e2e test's 300 s timeout
@@ -55,6 +73,13 @@ if [ -n "$engines_pid" ]; then
   [ "$engines_rc" -eq 0 ] || echo "engine venvs: build failed (above); their tests will fail, the rest runs"
 fi
 rm -f "$engines_log"
+if [ -n "$image_pid" ]; then
+  image_rc=0
+  wait "$image_pid" || image_rc=$?
+  cat "$image_log"
+  [ "$image_rc" -eq 0 ] || echo "kvpool image: build failed (above); its tests will fail, the rest runs"
+fi
+rm -f "$image_log"
 echo "== pytest"
 set +e
 if [ "$#" -eq 0 ]; then

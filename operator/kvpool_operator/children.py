@@ -14,6 +14,7 @@ from typing import Any
 from kvpool.core.sizing import store_shm_bytes
 
 from .model import API_VERSION, STORE_POOL_LABEL, NodeLayout, PoolSpec
+from .podsecurity import container_security_context, pod_security_context
 from .settings import Settings
 from .units import format_quantity, memory_volume_limit
 
@@ -204,6 +205,7 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**probe, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
         "resources": store_resources(pool, layout, settings),
+        "securityContext": container_security_context(),
         "volumeMounts": mounts,
     }
 
@@ -246,6 +248,7 @@ def stateful_set(pool: PoolSpec, layout: NodeLayout, settings: Settings, replica
         "enableServiceLinks": False,
         # Long enough for a node to finish a drain it was asked to do before it got SIGTERM.
         "terminationGracePeriodSeconds": pool.grace_period_seconds + 30,
+        "securityContext": pod_security_context(),
         "containers": [store_container(pool, layout, settings)],
         "volumes": volumes,
     }
@@ -318,11 +321,13 @@ def router_deployment(pool: PoolSpec, settings: Settings) -> Manifest:
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**probe, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": container_security_context(),
     }
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _router_meta(pool),
             "spec": {"replicas": pool.router_replicas, "selector": {"matchLabels": router_labels(pool)},
                      "template": {"metadata": {"labels": _router_meta(pool)["labels"]},
                                   "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
+                                           "securityContext": pod_security_context(),
                                            "containers": [container]}}}}
 
 

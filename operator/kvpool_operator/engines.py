@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .podsecurity import container_security_context
+
 ENGINE_ANNOTATION = "kvpool.io/engine"
 ENGINE_CONTAINER_ANNOTATION = "kvpool.io/engine-container"
 ENGINE_CLIENT_ANNOTATION = "kvpool.io/engine-client"
@@ -123,7 +125,7 @@ def plan_engine(annotations: Mapping[str, str], containers: Sequence[Mapping[str
 
 def copy_container(image: str, pull_policy: str) -> dict[str, Any]:
     return {"name": COPY_CONTAINER, "image": image, "imagePullPolicy": pull_policy,
-            "command": list(COPY_COMMAND),
+            "command": list(COPY_COMMAND), "securityContext": container_security_context(),
             "volumeMounts": [{"name": CLIENT_VOLUME, "mountPath": CLIENT_DIR}]}
 
 

@@ -39,6 +39,7 @@ from .model import (
     parse_pool,
     parse_pool_ref,
 )
+from .podsecurity import container_security_context
 from .settings import Settings
 from .units import memory_volume_limit
 
@@ -201,6 +202,7 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
         "env": env,
         "startupProbe": {"exec": {"command": ["test", "-S", settings.socket_path]},
                          "periodSeconds": 1, "failureThreshold": 120},
+        "securityContext": container_security_context(),
         "volumeMounts": mounts,
     }
     ports = []
@@ -225,7 +227,9 @@ def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, i
             "medium": "Memory", "sizeLimit": memory_volume_limit(
                 sidecar_shm_bytes(pool.local_bytes) + settings.shm_slack_bytes)}})
     if tenant is not None and TENANT_VOLUME not in names:
-        volumes.append({"name": TENANT_VOLUME, "secret": {"secretName": tenant.secret_name, "defaultMode": 0o440}})
+        # 0444: the files are root's (the engine's pod sets no fsGroup for us), and the sidecar
+        # runs as the image's user; every container of the pod is the tenant's anyway.
+        volumes.append({"name": TENANT_VOLUME, "secret": {"secretName": tenant.secret_name, "defaultMode": 0o444}})
     engine_inits: list[dict[str, Any]] = []
     if engine is not None and engine.copy_client:
         if CLIENT_VOLUME not in names:

@@ -12,7 +12,9 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -68,7 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def exit_on_sigterm() -> None:
+    """Until the subcommand installs its own SIGTERM handler (its graceful stop, once it serves),
+    SIGTERM ends the process at once with 143, as the default action would elsewhere.
+
+    In a container the process is PID 1, for which the kernel applies no default action: a
+    signal without a handler is dropped, and pod deletion waited out the whole grace period while
+    a store node started or the operator waited on the API server.  Left alone where a caller
+    (a test runner embedding ``main``) has a handler of its own, or off the main thread."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = build_parser().parse_known_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
