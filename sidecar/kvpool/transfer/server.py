@@ -159,7 +159,7 @@ class TransferServer:
         with self._lock:
             sockets = list(self._connections)
         for sock in sockets:
-            _shutdown(sock)
+            _sockio.shutdown(sock)
         return len(sockets)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -179,7 +179,7 @@ class TransferServer:
         with self._lock:
             connections = list(self._connections.items())
         for sock, _ in connections:
-            _shutdown(sock)
+            _sockio.shutdown(sock)
         for _, thread in connections:
             thread.join(timeout)
 
@@ -253,7 +253,7 @@ class TransferServer:
                 self._connections.pop(sock, None)
                 self._live.pop(sock, None)
             self._count(counts)
-            _shutdown(sock)
+            _sockio.shutdown(sock)
             sock.close()
 
     def _rekey(self, old: socket.socket, new: socket.socket) -> None:
@@ -300,7 +300,7 @@ class TransferServer:
         with self._lock:
             self._connections.pop(conn, None)
             self._live.pop(conn, None)
-        _shutdown(conn)
+        _sockio.shutdown(conn)
         conn.close()
 
     def _session_for(self, sock: socket.socket) -> tuple[SessionHandler | None, bytes]:
@@ -412,5 +412,3 @@ def _release(guard: Guard, handle: object | None) -> None:
     except Exception:
         log.exception("guard release raised")
 
-
-_shutdown = _sockio.shutdown
