@@ -219,16 +219,15 @@ class PodDiscovery:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pod-discovery", daemon=True)
 
-    def refresh(self) -> list[dict[str, Any]]:
+    def refresh(self) -> None:
+        """List the pods once; rewrite the file when their target groups changed."""
         pods = [p for ns in self.namespaces for p in self.kube.list("v1", "Pod", ns)]
-        groups = pod_target_groups(pods)
-        text = json.dumps(groups, sort_keys=True)
+        text = json.dumps(pod_target_groups(pods), sort_keys=True)
         if text != self._last:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(text)
             os.replace(tmp, self.path)
             self._last = text
-        return groups
 
     def start(self) -> PodDiscovery:
         self.refresh()  # the file exists before Prometheus reads its config
