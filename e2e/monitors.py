@@ -178,7 +178,7 @@ def _pod_labels(pod: Mapping[str, Any]) -> dict[str, str]:
     return labels
 
 
-def pod_target_groups(pods: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def pod_target_groups(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """file_sd target groups of Prometheus's pod role for ``pods`` (the API's JSON): one group per
     container port (per container without ports: the bare pod IP), pod labels and port labels
     together (file_sd has no per-target labels)."""
