@@ -333,7 +333,8 @@ def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheu
 
         waiting = wait_for_series(base, live_expressions(namespace, POOL), 90, lambda: bool(_engine_exited(
             api, engines)))
-        assert not _engine_exited(api, engines), _engine_exited(api, engines)
+        exited = _engine_exited(api, engines)
+        assert not exited, exited
         assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
         still = [m for m in MOVED if not any(float(r["value"][1]) > 0 for r in query(
             base, f'sum(increase({m}{{pool_namespace="{namespace}", pool="{POOL}"}}[5m]))'))]
