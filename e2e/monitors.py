@@ -20,8 +20,9 @@ monitors leaves its targets unscraped:
   a native sidecar such as kvpool's declares its metrics port there), with the pod's meta labels;
   a pod without an IP yet has none.
 
-:class:`PodDiscovery` is the I/O edge: it lists pods from the API server with the harness's
-client certificate and rewrites the file_sd file when they change.
+:class:`PodDiscovery` is the I/O edge: it lists pods from the API server through the harness's
+client (:class:`kvpool_operator.kube.Kube`, the admin's client certificate) and rewrites the
+file_sd file when they change.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import ssl
 import threading
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from urllib3.exceptions import HTTPError
+
+from kvpool_operator.kube import Kube, KubeError
 
 META = "__meta_kubernetes_"
 _SNAKE = {"sourceLabels": "source_labels", "targetLabel": "target_label", "regex": "regex",
@@ -175,7 +178,7 @@ def _pod_labels(pod: Mapping[str, Any]) -> dict[str, str]:
     return labels
 
 
-def pod_target_groups(pods: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def pod_target_groups(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """file_sd target groups of Prometheus's pod role for ``pods`` (the API's JSON): one group per
     container port (per container without ports: the bare pod IP), pod labels and port labels
     together (file_sd has no per-target labels)."""
@@ -203,34 +206,28 @@ def pod_target_groups(pods: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 class PodDiscovery:
-    """Lists pods from the API server every ``interval`` seconds (``GET /api/v1/pods``, or those
-    of ``namespaces``) with a client certificate, and keeps ``path`` holding their
-    :func:`pod_target_groups` (written to a temporary file and renamed, as file_sd expects)."""
+    """Lists pods through ``kube`` every ``interval`` seconds (all, or those of ``namespaces``),
+    and keeps ``path`` holding their :func:`pod_target_groups` (written to a temporary file and
+    renamed, as file_sd expects)."""
 
-    def __init__(self, server: str, ca: Path, cert: Path, key: Path, path: Path, namespaces: Sequence[str] = (),
-                 interval: float = 1.0) -> None:
-        self.urls = [f"{server}/api/v1/namespaces/{ns}/pods" for ns in namespaces] or [f"{server}/api/v1/pods"]
-        self.ctx = ssl.create_default_context(cafile=str(ca))
-        self.ctx.load_cert_chain(str(cert), str(key))
+    def __init__(self, kube: Kube, path: Path, namespaces: Sequence[str] = (), interval: float = 1.0) -> None:
+        self.kube = kube
+        self.namespaces: list[str | None] = [*namespaces] or [None]
         self.path, self.interval = path, interval
         self.errors: list[str] = []
         self._last = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pod-discovery", daemon=True)
 
-    def refresh(self) -> list[dict[str, Any]]:
-        pods = []
-        for url in self.urls:
-            with urllib.request.urlopen(url, context=self.ctx, timeout=10) as resp:
-                pods += json.load(resp)["items"]
-        groups = pod_target_groups(pods)
-        text = json.dumps(groups, sort_keys=True)
+    def refresh(self) -> None:
+        """List the pods once; rewrite the file when their target groups changed."""
+        pods = [p for ns in self.namespaces for p in self.kube.list("v1", "Pod", ns)]
+        text = json.dumps(pod_target_groups(pods), sort_keys=True)
         if text != self._last:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(text)
             os.replace(tmp, self.path)
             self._last = text
-        return groups
 
     def start(self) -> PodDiscovery:
         self.refresh()  # the file exists before Prometheus reads its config
@@ -241,7 +238,7 @@ class PodDiscovery:
         while not self._stop.wait(self.interval):
             try:
                 self.refresh()
-            except OSError as exc:  # the API server busy: the next round tries again
+            except (OSError, HTTPError, KubeError) as exc:  # the API server busy: the next round tries again
                 self.errors.append(str(exc))
 
     def stop(self) -> None:

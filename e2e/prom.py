@@ -16,7 +16,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from e2e.cluster import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "kvpool"
@@ -86,12 +87,6 @@ def live_expressions(namespace: str = ".*", pool: str = ".*") -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------- running it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def api_get(base: str, path: str, **params: str) -> Any:

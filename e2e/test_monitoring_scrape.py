@@ -40,7 +40,6 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster import Cluster
 from e2e.monitors import PodDiscovery, pod_monitor_scrape_configs, pod_target_groups, relabel
 from e2e.prom import (
     PROMETHEUS,
@@ -283,23 +282,21 @@ def another_namespace(api: Kube, name: str) -> Iterator[str]:
 @pytest.mark.slow
 @needs_prometheus
 def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
-        cluster: Cluster, operator: Operator, kube: Kube, namespace: str, prometheus: Prometheus,  # noqa: F811
+        operator: Operator, kube: Kube, namespace: str, prometheus: Prometheus,  # noqa: F811
         tmp_path: Path) -> None:
-    assert cluster.pki is not None
     start = time.monotonic()
     create(kube, kvpool(POOL, storage={"replicas": 2}, sidecar={"localBytes": "2Mi"},
                         tenancy={"defaultTenant": "public"}), namespace)
     wait_status(kube, namespace, POOL, lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
     with another_namespace(kube, f"{namespace}-engines") as remote_ns:
-        scrape_pool(cluster, kube, namespace, remote_ns, prometheus, tmp_path, start)
+        scrape_pool(kube, namespace, remote_ns, prometheus, tmp_path, start)
 
 
-def scrape_pool(cluster: Cluster, api: Kube, namespace: str, remote_ns: str, prometheus: Prometheus, tmp_path: Path,
+def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheus, tmp_path: Path,
                 start: float) -> None:
     """The scrape: an engine beside the pool and one in ``remote_ns`` (labelled
     ``<namespace>.<pool>``), both running the workload, both sidecars scraped and labelled with
     the pool's namespace and name."""
-    assert cluster.pki is not None
     engines = [(namespace, "engine"), (remote_ns, "remote")]
     for (ns, name), label in zip(engines, (POOL, f"{namespace}.{POOL}"), strict=True):
         pod = create_pod_injected(api, ns, engine_pod(name, label))
@@ -307,8 +304,7 @@ def scrape_pool(cluster: Cluster, api: Kube, namespace: str, remote_ns: str, pro
 
     # Scoped to this test's namespaces: the session's other tests run pools of their own.
     sd = tmp_path / "pods.json"
-    discovery = PodDiscovery(cluster.server, cluster.pki.ca.cert, cluster.pki.admin.cert, cluster.pki.admin.key, sd,
-                             namespaces=[namespace, remote_ns]).start()
+    discovery = PodDiscovery(api, sd, namespaces=[namespace, remote_ns]).start()
     try:
         configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, sd)]
         base = prometheus.start(configs)
@@ -337,7 +333,8 @@ def scrape_pool(cluster: Cluster, api: Kube, namespace: str, remote_ns: str, pro
 
         waiting = wait_for_series(base, live_expressions(namespace, POOL), 90, lambda: bool(_engine_exited(
             api, engines)))
-        assert not _engine_exited(api, engines), _engine_exited(api, engines)
+        exited = _engine_exited(api, engines)
+        assert not exited, exited
         assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
         still = [m for m in MOVED if not any(float(r["value"][1]) > 0 for r in query(
             base, f'sum(increase({m}{{pool_namespace="{namespace}", pool="{POOL}"}}[5m]))'))]

@@ -176,6 +176,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     usage = status.aggregate(answered, pool.replication)
     current = obs.sts_replicas if obs.sts_replicas is not None else 0
     state = DrainState.from_status(st.get("drain"))
+    rebalance_state = RebalanceState.from_status(st.get("rebalance"))
     events: list[Event] = []
     decision: scaling.ScaleDecision | None = None
     finished: Mapping[str, Any] | None = None
@@ -197,7 +198,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         # While a rebalance pushes blocks to their new owners, the sources' copies are foreign
         # before the owners hold them: owned bytes under-count, so a scale-down is checked against
         # what the nodes hold, and the autoscaler waits for the push to end.
-        rebalancing = RebalanceState.from_status(st.get("rebalance")) is not None
+        rebalancing = rebalance_state is not None
         decision = scaling.decide(pool, current, usage.used_bytes if rebalancing else usage.owned_bytes,
                                   node_capacity)
         last = int(st.get("lastScaleUnixMs") or 0)
@@ -228,7 +229,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
                                                      f"{len(ring.draining)} draining"))
 
     rb = rebalance.advance(
-        RebalanceState.from_status(st.get("rebalance")), previous, ring,
+        rebalance_state, previous, ring,
         {k: (v.epoch if v is not None else None) for k, v in obs.stats.items()}, obs.pods, obs.warm_statuses,
         obs.now_ms, warm := WarmSettings(pool.warm_fraction, pool.warm_seconds, pool.warm_bytes_per_second),
         settings.drain_overrun_seconds, draining=state is not None,

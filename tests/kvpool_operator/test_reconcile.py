@@ -1,6 +1,7 @@
 """A KVPool reconcile end to end as a pure function: children, ring, scale-down, drain, status."""
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from kvpool.core.push_status import DrainStatus
@@ -8,6 +9,7 @@ from kvpool.wire.convert import ring_to_pb
 from kvpool.wire.counters import StoreCounter
 from kvpool_operator.membership import StorePod
 from kvpool_operator.model import SpecError, parse_tier
+from kvpool_operator.rebalance import RebalanceState
 from kvpool_operator.reconcile import PoolObserved, PoolPlan, plan_pool
 from kvpool_operator.settings import Settings
 from kvpool_operator.status import NodeStats
@@ -140,8 +142,6 @@ def test_autoscaler_steps_are_spaced_by_the_cooldown() -> None:
 def test_the_autoscaler_goes_by_owned_bytes_not_a_warm_ups_copies() -> None:
     """After a scale-up the warm-up's sources keep their copies of what moved (foreign there):
     counted as load they would grow the pool again, and again, up to maxReplicas."""
-    from dataclasses import replace
-
     body = pool_body(storage={"replicas": 1}, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3,
                                                            "targetUtilization": 0.5})
     # 0.9Gi owned on 2 nodes of 1Gi (within the target: stay), and 0.45Gi of warm-up copies.
@@ -161,10 +161,6 @@ def test_during_a_rebalance_the_autoscaler_waits_and_a_scale_down_counts_what_is
     bytes under-count.  The autoscaler must not shrink the pool it has just grown (seen on the
     harness: 1 -> 3 nodes, then at once 3 -> 2), and a user's scale-down is checked against
     what the nodes hold."""
-    from dataclasses import replace
-
-    from kvpool_operator.rebalance import RebalanceState
-
     warming = RebalanceState(epoch=2, added=("p-store-1",), sources=("p-store-0",), started_unix_ms=NOW - 500,
                              deadline_unix_ms=NOW + 60_000, stage="Warming").to_status()
     auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetUtilization": 0.5}

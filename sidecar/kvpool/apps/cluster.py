@@ -248,8 +248,9 @@ class LocalCluster:
         trusts the cluster's CA; its clients check store nodes by :attr:`server_name`."""
         assert self.ca is not None, "a cluster started with tls=False has no CA"
         pair = pki.issue(ca or self.ca, identity, dns=dns, ips=ips, days=7, server=server)
-        cfg = wtls.write_dir(os.path.join(self.workdir, "tls", name), pair, self.ca.cert_pem)
-        return wtls.TlsConfig.from_dir(os.path.dirname(cfg.cert_file), self.server_name)
+        directory = os.path.join(self.workdir, "tls", name)
+        wtls.write_dir(directory, pair, self.ca.cert_pem)
+        return wtls.TlsConfig.from_dir(directory, self.server_name)
 
     def _tls_args(self, name: str, identity: pki.Identity) -> list[str]:
         if not self.tls:

@@ -320,7 +320,6 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
                 except SHED_ERRORS as exc:
                     res.shed_reads += 1
                     _count(res.shed_blocks, type(exc).__name__, hit)
-                    c.release(lease)  # the read did not take the match's pins
                     plan = plan_hit(L, 0, block_tokens=BLOCK_TOKENS, window_tokens=0, rollback_tokens=0)
                     n = 0
             if got is not None:
@@ -358,7 +357,7 @@ def replay(wl: Workload, session_keys: list[list[bytes]], cell: Cell, clients: S
                         res.checked_blocks += read
                 finally:
                     got.release()
-            elif lease:
+            elif lease:  # no read took the match's pins (none wanted, or it was shed)
                 c.release(lease)
             res.turns += 1
             res.prompt_tokens += L

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -159,7 +160,7 @@ class TransferServer:
         with self._lock:
             sockets = list(self._connections)
         for sock in sockets:
-            _shutdown(sock)
+            _sockio.shutdown(sock)
         return len(sockets)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -179,7 +180,7 @@ class TransferServer:
         with self._lock:
             connections = list(self._connections.items())
         for sock, _ in connections:
-            _shutdown(sock)
+            _sockio.shutdown(sock)
         for _, thread in connections:
             thread.join(timeout)
 
@@ -227,10 +228,15 @@ class TransferServer:
             self._live[sock] = counts
         try:
             _sockio.tune(sock)
-            conn = self._handshake(sock, counts) if self._tls is not None else self._plain(sock)
-            if conn is None:
-                return
-            sock = conn  # a TLS socket took the descriptor over (the plain one is detached)
+            if self._tls is None:
+                conn = self._plain(sock)
+            else:
+                tls = self._tls_socket(sock, counts)
+                if tls is None:
+                    return
+                sock = conn = tls  # it took the descriptor over (the plain one is detached)
+                if not self._handshake(tls, counts):
+                    return
             head = b""
             handler = None
             if self._sessions:
@@ -253,7 +259,7 @@ class TransferServer:
                 self._connections.pop(sock, None)
                 self._live.pop(sock, None)
             self._count(counts)
-            _shutdown(sock)
+            _sockio.shutdown(sock)
             sock.close()
 
     def _rekey(self, old: socket.socket, new: socket.socket) -> None:
@@ -267,8 +273,9 @@ class TransferServer:
         _sockio.set_stall_timeout(sock, self._io_timeout)
         return sock
 
-    def _handshake(self, sock: socket.socket, counts: collections.Counter[str]) -> socket.socket | None:
-        """The TLS server side of ``sock`` (None: refused, counted and logged)."""
+    def _tls_socket(self, sock: socket.socket, counts: collections.Counter[str]) -> ssl.SSLSocket | None:
+        """``sock`` as the server side of a TLS connection, its handshake still to do (None:
+        refused, counted and logged); it takes ``sock``'s place (:meth:`_rekey`)."""
         assert self._tls is not None
         sock.settimeout(self._io_timeout)  # the handshake's deadline (a Python one: see _sockio)
         try:
@@ -278,30 +285,25 @@ class TransferServer:
             log.info("transfer server %s: TLS refused: %s", self.address, exc)
             return None
         self._rekey(sock, conn)
+        return conn
+
+    def _handshake(self, conn: ssl.SSLSocket, counts: collections.Counter[str]) -> bool:
+        """The TLS handshake of ``conn`` and the peer check (False: refused, counted and logged;
+        :meth:`_serve` closes it)."""
         try:
             conn.do_handshake()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: no or a bad certificate
             counts["tls_refused"] += 1
             log.info("transfer server %s: TLS handshake refused: %s", self.address, exc)
-            self._refuse(conn)
-            return None
+            return False
         if self._peer_check is not None:
             peer = peer_identity(conn)
             if not self._peer_check(peer):
                 counts["peers_refused"] += 1
                 log.info("transfer server %s: peer %s refused", self.address, peer)
-                self._refuse(conn)
-                return None
+                return False
         _sockio.set_stall_timeout(conn, self._io_timeout)
-        return conn
-
-    def _refuse(self, conn: socket.socket) -> None:
-        """Close a refused TLS connection (it holds the descriptor; :meth:`_serve` forgets it)."""
-        with self._lock:
-            self._connections.pop(conn, None)
-            self._live.pop(conn, None)
-        _shutdown(conn)
-        conn.close()
+        return True
 
     def _session_for(self, sock: socket.socket) -> tuple[SessionHandler | None, bytes]:
         """The first bytes of a connection: a registered session's magic, or the transfer
@@ -412,5 +414,3 @@ def _release(guard: Guard, handle: object | None) -> None:
     except Exception:
         log.exception("guard release raised")
 
-
-_shutdown = _sockio.shutdown

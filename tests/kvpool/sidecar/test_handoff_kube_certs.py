@@ -53,9 +53,9 @@ def _prefill(client: Any, rng: random.Random) -> tuple[list[bytes], bytes, int]:
 
 def _names(cfg: wtls.TlsConfig) -> tuple[pki.Identity | None, list[str]]:
     from cryptography import x509
-    cert = x509.load_pem_x509_certificate(cfg.read()[0])
-    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    return pki.identity_of(cfg.read()[0]), [str(v) for v in san.get_values_for_type(x509.DNSName)] + [
+    pem = cfg.read()[0]
+    san = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return pki.identity_of(pem), [str(v) for v in san.get_values_for_type(x509.DNSName)] + [
         str(v) for v in san.get_values_for_type(x509.IPAddress)]
 
 
