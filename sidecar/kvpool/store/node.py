@@ -341,11 +341,20 @@ class StoreNode:
         return current
 
     def foreign_bytes(self) -> int:
-        """Bytes on this node's own tiers (DRAM, SSD) of objects it does not own under its ring."""
+        """Bytes on this node's own tiers (DRAM, SSD) of objects it does not own under its ring.
+
+        The walk over the list runs off the lock: right after a scale-up the list can be half the
+        node's objects, and every scrape and operator Stats call asks; a gauge may lag by an object
+        that moves meanwhile, a data-path call must not wait for it."""
         with self._lock:
-            self._foreign = [e for e in self._foreign if e.state == COMMITTED]
+            foreign = self._foreign
             named = {i + 1 for i, t in enumerate(self._below) if t.named}
-            return sum(e.size for e in self._foreign if e.tier not in named)
+        alive = [e for e in foreign if e.state == COMMITTED]
+        total = sum(e.size for e in alive if e.tier not in named)
+        with self._lock:
+            if self._foreign is foreign:  # a newer ring may have replaced it meanwhile
+                self._foreign = alive
+        return total
 
     def objects_hottest_first(self) -> Iterator[Entry]:
         """Committed objects, most recently used first (the drain order)."""
@@ -363,7 +372,7 @@ class StoreNode:
         with self._lock:
             self._sweep(time.time())
             levels = [self.dram, *self._below]
-            return {
+            out: dict[str, object] = {
                 "node_id": self.node_id, "epoch": self.ring.epoch, "draining": self.draining,
                 "incarnation": self.incarnation,
                 "tiers": [(t.name, t.capacity, t.used, self._index.count(i))
@@ -373,8 +382,9 @@ class StoreNode:
                 "configured": self.tenants.configured(),
                 "leases": self._index.lease_count(),
                 "reservations": self._index.reservation_count(),
-                "foreign_bytes": self.foreign_bytes(),
             }
+        out["foreign_bytes"] = self.foreign_bytes()
+        return out
 
     def _counters(self) -> dict[str, int]:
         """The node's counters, with the sealed tiers' opens under a previous master key (the
