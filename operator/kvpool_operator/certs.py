@@ -1,0 +1,250 @@
+"""A pool's certificates, planned: its CA Secret and the leaf Secrets issued from it. Pure:
+(Secrets as read, the time) → the Secret data to write, or None to leave a Secret as it is.
+
+The CloudNativePG way: the operator keeps one CA per pool in ``<pool>-ca`` (``ca.crt``,
+``ca.key``) and issues from it
+
+* ``<pool>-store-tls``: the store nodes' serving and client certificate, one for every pod of
+  the StatefulSet (DNS SANs: the headless Service and each pod's name under it; identity
+  ``spiffe://kvpool/node/<pool>-store``); clients check it as ``<pool>-store.<ns>.svc``
+  (``--tls-server-name``), since pod IPs are not known when it is issued;
+* ``<pool>-operator-tls``: the operator's client certificate for the pool's admin API
+  (identity ``spiffe://kvpool/operator``).
+
+Each leaf Secret is a ``kubernetes.io/tls`` Secret plus ``ca.crt``: mounted as a directory, it
+is what ``--tls-dir`` reads (:mod:`kvpool.wire.tls`).
+
+Rotation, without a refused connection: ``ca.crt`` of the CA Secret is the *bundle* every peer
+trusts, the signing CA first. ``ca_margin`` before the CA expires, a new CA signs and the old
+one stays in the bundle (new + old); every leaf whose issuer is not the signing CA is re-issued
+at once, with the new bundle. A peer that still holds an old leaf is trusted through the old CA
+until it picks the new files up (the kubelet refreshes mounted Secrets within a minute or two,
+the nodes re-read changed files at their next handshake). An old CA leaves the bundle when it
+expires. Leaves are re-issued ``leaf_margin`` before they expire, or when their names change.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import kvpool.core.pki as pki
+
+CA_CERT_KEY, CA_KEY_KEY = "ca.crt", "ca.key"
+TLS_CERT_KEY, TLS_KEY_KEY = "tls.crt", "tls.key"
+TLS_SECRET_TYPE = "kubernetes.io/tls"
+
+Data = dict[str, bytes]
+
+
+@dataclass(frozen=True)
+class CertPolicy:
+    """How long certificates live and how early they are renewed (CloudNativePG's defaults:
+    leaves of 90 days renewed 7 days before their end)."""
+
+    ca_days: int = 365
+    """Validity of a new CA."""
+    ca_margin: dt.timedelta = dt.timedelta(days=30)
+    """A CA with less than this left is rotated (and stays trusted, in the bundle, until it expires)."""
+    leaf_days: int = 90
+    """Validity of a leaf (capped by the signing CA's own end)."""
+    leaf_margin: dt.timedelta = dt.timedelta(days=7)
+    """A leaf with less than this left is re-issued."""
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """What one leaf Secret must name and allow."""
+
+    identity: pki.Identity
+    dns: tuple[str, ...] = ()
+    server: bool = True
+    client: bool = True
+
+
+@dataclass(frozen=True)
+class CaPlan:
+    """The pool's CA after this reconcile: the signing pair, the trusted bundle, and the data to
+    write to the CA Secret (None: it is already so)."""
+
+    signer: pki.KeyPair
+    bundle: bytes
+    write: Data | None
+    reason: str
+    """``Created``, ``Rotated``, ``Pruned`` or ``Current``: for an Event and the logs."""
+
+
+def ca_secret_name(pool_name: str) -> str:
+    return f"{pool_name}-ca"
+
+
+def store_tls_secret_name(pool_name: str) -> str:
+    return f"{pool_name}-store-tls"
+
+
+def operator_tls_secret_name(pool_name: str) -> str:
+    return f"{pool_name}-operator-tls"
+
+
+def decode(secret: Mapping[str, Any] | None) -> Data:
+    """The entries of a Secret as read (base64 ``data``); unreadable entries are left out."""
+    out: Data = {}
+    for k, v in ((secret or {}).get("data") or {}).items():
+        try:
+            out[k] = base64.b64decode(v, validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            continue
+    return out
+
+
+def _expires(cert: bytes) -> dt.datetime | None:
+    try:
+        return pki.not_after(cert)
+    except ValueError:
+        return None
+
+
+def _signer(data: Data) -> pki.KeyPair | None:
+    """The signing pair of a CA Secret: ``ca.key`` and the first certificate of ``ca.crt``,
+    if that certificate is a CA whose public key is the key's."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    certs = pki.split_bundle(data.get(CA_CERT_KEY, b""))
+    key_pem = data.get(CA_KEY_KEY, b"")
+    if not certs or not key_pem:
+        return None
+    try:
+        cert = x509.load_pem_x509_certificate(certs[0])
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        if not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            return None
+    except (ValueError, TypeError, x509.ExtensionNotFound):
+        return None
+    raw = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if cert.public_key().public_bytes(*raw) != key.public_key().public_bytes(*raw):
+        return None
+    return pki.KeyPair(certs[0], key_pem)
+
+
+def plan_ca(data: Data, now: dt.datetime, policy: CertPolicy, common_name: str) -> CaPlan:
+    """The CA Secret's next state: created when missing or unusable, rotated ``ca_margin`` before
+    the signer expires (the old CA stays in the bundle), expired CAs pruned from the bundle."""
+    signer = _signer(data)
+    if signer is None:
+        ca = pki.make_ca(common_name, days=policy.ca_days, now=now)
+        return CaPlan(ca, ca.cert_pem, {CA_CERT_KEY: ca.cert_pem, CA_KEY_KEY: ca.key_pem}, "Created")
+    live = [c for c in pki.split_bundle(data[CA_CERT_KEY]) if (_expires(c) or now) > now]
+    reason = "Current"
+    if (pki.not_after(signer.cert_pem) - now) < policy.ca_margin:
+        signer = pki.make_ca(common_name, days=policy.ca_days, now=now)
+        reason = "Rotated"
+    bundle = pki.bundle(signer.cert_pem, *live)
+    if reason == "Current" and bundle != data[CA_CERT_KEY]:
+        reason = "Pruned"
+    write = None if reason == "Current" else {CA_CERT_KEY: bundle, CA_KEY_KEY: signer.key_pem}
+    return CaPlan(signer, bundle, write, reason)
+
+
+def _issued_by(cert: bytes, ca: bytes) -> bool:
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+    try:
+        x509.load_pem_x509_certificate(cert).verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def _names(cert: bytes) -> tuple[pki.Identity | None, frozenset[str]]:
+    from cryptography import x509
+    san = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    return pki.identity_of(cert), frozenset(san.value.get_values_for_type(x509.DNSName))
+
+
+def leaf_reason(data: Data, ca: CaPlan, spec: LeafSpec, now: dt.datetime, policy: CertPolicy) -> str | None:
+    """Why a leaf Secret must be (re-)issued, None if its certificate may stay."""
+    from cryptography import x509
+    cert, key = data.get(TLS_CERT_KEY), data.get(TLS_KEY_KEY)
+    if not cert or not key:
+        return "Missing"
+    try:
+        if (pki.not_after(cert) - now) < policy.leaf_margin:
+            return "Expiring"
+        if _names(cert) != (spec.identity, frozenset(spec.dns)):
+            return "NamesChanged"
+    except (ValueError, TypeError, x509.ExtensionNotFound):
+        return "Unreadable"
+    if not _issued_by(cert, ca.signer.cert_pem):
+        return "IssuerRotated"
+    return None
+
+
+def plan_leaf(data: Data, ca: CaPlan, spec: LeafSpec, now: dt.datetime, policy: CertPolicy) -> Data | None:
+    """A leaf Secret's data to write: a new certificate when :func:`leaf_reason` says so, else
+    only a new ``ca.crt`` when the bundle changed; None when it is current."""
+    if leaf_reason(data, ca, spec, now, policy) is not None:
+        leaf = pki.issue(ca.signer, spec.identity, dns=spec.dns, days=policy.leaf_days, server=spec.server,
+                         client=spec.client, now=now)
+        return {TLS_CERT_KEY: leaf.cert_pem, TLS_KEY_KEY: leaf.key_pem, CA_CERT_KEY: ca.bundle}
+    if data.get(CA_CERT_KEY) != ca.bundle:
+        return {**data, CA_CERT_KEY: ca.bundle}
+    return None
+
+
+# ------------------------------------------------------------------------------ what to issue
+
+
+def store_dns_names(pool_name: str, namespace: str) -> tuple[str, ...]:
+    """The store nodes' serving names: the headless Service (short, namespaced, ``.svc`` and the
+    cluster-domain form) and a wildcard for the StatefulSet pods' names under it (one wildcard
+    covers every ordinal, so a scale-up needs no re-issue)."""
+    svc = f"{pool_name}-store"
+    base = [svc, f"{svc}.{namespace}", f"{svc}.{namespace}.svc", f"{svc}.{namespace}.svc.cluster.local"]
+    return (*base, *(f"*.{name}" for name in base[1:]))
+
+
+def store_server_name(pool_name: str, namespace: str) -> str:
+    """The name clients check in a store node's certificate (``--tls-server-name``)."""
+    return f"{pool_name}-store.{namespace}.svc"
+
+
+def store_leaf(pool_name: str, namespace: str) -> LeafSpec:
+    return LeafSpec(pki.node(f"{pool_name}-store"), store_dns_names(pool_name, namespace))
+
+
+def operator_leaf() -> LeafSpec:
+    return LeafSpec(pki.operator(), server=False)
+
+
+def tenant_leaf(tenant_id: str) -> LeafSpec:
+    """A tenant's sidecars: a client of the store nodes, and the server of its handoff exports."""
+    return LeafSpec(pki.tenant(tenant_id))
+
+
+def leaf_secret(name: str, namespace: str, data: Mapping[str, bytes], labels: Mapping[str, str],
+                owners: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A leaf Secret manifest (``kubernetes.io/tls`` + ``ca.crt``)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": TLS_SECRET_TYPE,
+            "metadata": {"name": name, "namespace": namespace, "labels": dict(labels),
+                         "ownerReferences": [dict(o) for o in owners]},
+            "data": {k: base64.b64encode(v).decode() for k, v in sorted(data.items())}}
+
+
+def ca_secret(name: str, namespace: str, data: Mapping[str, bytes], labels: Mapping[str, str],
+              owners: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {**leaf_secret(name, namespace, data, labels, owners), "type": "Opaque"}
+
+
+def expiry_seconds(data: Data, key: str) -> float | None:
+    """When the earliest certificate of an entry expires (Unix seconds), for the
+    ``kvpool_certificate_expiry_timestamp_seconds`` gauge; None when absent or unreadable."""
+    raw = data.get(key)
+    if not raw:
+        return None
+    certs = pki.split_bundle(raw)
+    ends = [e for e in (_expires(c) for c in certs) if e is not None]
+    return min(ends).timestamp() if ends else None
