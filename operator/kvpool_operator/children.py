@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpool.core.sizing import store_shm_bytes
 
+from .certs import store_server_name, store_tls_secret_name
 from .model import API_VERSION, STORE_POOL_LABEL, NodeLayout, PoolSpec
 from .podsecurity import container_security_context, pod_security_context
 from .settings import Settings
@@ -26,6 +27,8 @@ SSD_DIR = "/var/lib/kvpool/ssd"
 SHAREDFS_DIR = "/mnt/kvpool-sharedfs"
 STORE_SHM_DIR = "/run/kvpool-store"
 MASTER_KEY_DIR = "/etc/kvpool/master-key"
+TLS_DIR = "/etc/kvpool/tls"
+"""The store nodes' ``--tls-dir``: the ``<pool>-store-tls`` Secret (kvpool_operator.certs)."""
 MASTER_KEY_KEY = "key"
 PREVIOUS_KEYS_KEY = "previous"
 """Optional entry of the master-key Secret: earlier keys, one per line, still opened (rotation)."""
@@ -185,6 +188,11 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         mounts.append({"name": "sharedfs", "mountPath": SHAREDFS_DIR})
     if layout.encrypt_at_rest:
         mounts.append({"name": "master-key", "mountPath": MASTER_KEY_DIR, "readOnly": True})
+    tls_args: list[str] = []
+    if settings.tls:
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        # Peers are dialled by pod IP (the ring): they are checked by the name all of them serve.
+        tls_args = ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
     probe = {"tcpSocket": {"port": "control"}}
     return {
         "name": "store",
@@ -194,7 +202,8 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         # The pod IP, not 0.0.0.0: the harness runs pods as processes sharing one host.
         "args": ["--listen", f"$(POD_IP):{pool.port}", "--transfer-port", str(pool.transfer_port),
                  "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--node-id", "$(POD_NAME)",
-                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool), *metrics_args(pool)],
+                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool), *metrics_args(pool),
+                 *tls_args],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -242,6 +251,11 @@ def stateful_set(pool: PoolSpec, layout: NodeLayout, settings: Settings, replica
         # kubelet updates the files in place, so the nodes pick a rotation up without a restart.
         volumes.append({"name": "master-key", "secret": {
             "secretName": master_key_secret_name(pool), "defaultMode": 0o400}})
+    if settings.tls:
+        # The whole Secret: a renewal or a CA rotation rewrites it, the kubelet updates the files
+        # in place and the node re-reads them at its next handshake, without a restart.
+        volumes.append({"name": "tls", "secret": {"secretName": store_tls_secret_name(pool.name),
+                                                  "defaultMode": 0o400}})
     pod_spec: dict[str, Any] = {
         "serviceAccountName": store_name(pool),
         "automountServiceAccountToken": False,

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Prometheus port of injected sidecars (0 off)")
     pods.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
                       help="pod port of injected sidecars' prefill -> decode state exports (0 off)")
+    tls = ap.add_argument_group("TLS (a CA and certificates per pool, kvpool_operator.pool_tls)")
+    tls.add_argument("--tls", action="store_true", default=d.tls,
+                     help="issue each pool a CA and certificates, serve its store nodes with TLS and call their "
+                          "admin API with the operator's certificate (off until injection mounts the CA too)")
+    tls.add_argument("--tls-dir", default=d.tls_dir,
+                     help="where the operator keeps its client certificate of each pool")
     net = ap.add_argument_group("network policy (one per pool, kvpool_operator.netpolicy)")
     net.add_argument("--no-network-policy", dest="network_policy", action="store_false",
                      help="create no NetworkPolicy for the pools (and delete those made before)")
@@ -151,7 +157,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     autoscale_cooldown_seconds=args.autoscale_cooldown,
                     sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port,
                     network_policy=args.network_policy, operator_pod_labels=operator_labels,
-                    metrics_from=metrics_from)
+                    metrics_from=metrics_from, tls=args.tls, tls_dir=args.tls_dir)
 
 
 def peering_objects(name: str, watch_namespaces: Sequence[str]) -> list[dict[str, Any]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvpool.wire.metric_names import TlsMetric
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 RECONCILES = Counter("kvpool_operator_reconciles_total", "Reconciles by resource kind and result",
@@ -26,6 +28,9 @@ REBALANCES = Counter("kvpool_operator_rebalances_total", "Scale-up rebalances (w
 INJECTIONS = Counter("kvpool_operator_injections_total", "Admission decisions on pods by reason (Injected or the "
                      "skip reason)", ["reason"], registry=REGISTRY)
 SCALE_DOWN_BLOCKED = Counter("kvpool_operator_scale_down_blocked_total", "Scale-downs refused", registry=REGISTRY)
+CERT_EXPIRY = Gauge(TlsMetric.CERTIFICATE_EXPIRY, "Unix time a certificate of the pool expires (kind: ca, the "
+                    "earliest of the trusted bundle; serving, the store nodes'; client, the operator's)",
+                    ["pool", "kind"], registry=REGISTRY)
 POOLS = Gauge("kvpool_operator_pools", "KVPools this operator reconciles", registry=REGISTRY)
 
 

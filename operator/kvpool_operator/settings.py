@@ -54,6 +54,12 @@ class Settings:
     """The autoscaler changes a pool's size at most this often (user changes are not delayed)."""
     network_policy: bool = True
     """Render a NetworkPolicy per pool (kvpool_operator.netpolicy); off: none, and those made before go."""
+    tls: bool = False
+    """Issue each pool a CA (``<pool>-ca``) and certificates, serve the store nodes with TLS and call
+    their admin API with the operator's client certificate (kvpool_operator.pool_tls). Off by
+    default until injected sidecars get the pool's CA bundle too (docs/wip-operator-tls.md)."""
+    tls_dir: str = "/var/run/kvpool-operator/tls"
+    """Where the operator keeps its client certificate of each pool (``<namespace>/<pool>/``)."""
     operator_pod_labels: dict[str, str] = field(default_factory=lambda: {
         "app.kubernetes.io/name": "kvpool", "app.kubernetes.io/component": "operator"})
     """Labels of the operator's own pods (in :attr:`namespace`): the pools' policies admit them to

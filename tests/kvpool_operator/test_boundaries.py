@@ -17,7 +17,7 @@ PKG = pathlib.Path(__file__).resolve().parents[2] / "operator" / "kvpool_operato
 DATA_PLANE_ALLOWED = ("kvpool.core.ring", "kvpool.core.push_status", "kvpool.wire.proto", "kvpool.wire.convert",
                       "kvpool.pool.admin_client", "kvpool.core.errors", "kvpool.tiers.atrest",
                       "kvpool.core.sizing", "kvpool.core.traffic", "kvpool.wire.counters", "kvpool.store.quota",
-                      "kvpool.core.pki")
+                      "kvpool.core.pki", "kvpool.wire.tls", "kvpool.wire.metric_names")
 
 
 def _imports() -> dict[str, set[str]]:

@@ -1,0 +1,111 @@
+"""The edge of a pool's certificates: read its CA and leaf Secrets, apply what
+:mod:`kvpool_operator.certs` plans, and hand the operator its own client certificate.
+
+Called at the start of every KVPool reconcile (before any admin call), with the pool's
+ownerReference on every Secret (deleted with the pool). The operator's client certificate is
+also written under :attr:`Settings.tls_dir` as ``<namespace>/<pool>/{tls.crt,tls.key,ca.crt}``:
+the admin client reads files (:class:`kvpool.wire.tls.TlsConfig`), and re-reads them when a
+renewal rewrites them. The expiry of each certificate in use is the gauge
+``kvpool_certificate_expiry_timestamp_seconds{pool, kind}`` (``ca``: the earliest of the
+bundle, ``serving``: the store nodes', ``client``: the operator's).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from kvpool.wire.tls import TlsConfig
+
+from . import certs, children, metrics
+from .kube import Kube
+from .model import PoolSpec
+
+log = logging.getLogger("kvpool.operator.tls")
+
+
+def _labels(pool: PoolSpec) -> dict[str, str]:
+    return {**children.common_labels(pool), "app.kubernetes.io/component": "tls"}
+
+
+def _write_secret(kube: Kube, manifest: Mapping[str, Any], existed: bool) -> None:
+    # Create first when absent: a 409 then means a racing writer, and the next reconcile re-plans.
+    if not existed and kube.create(manifest) is not None:
+        return
+    kube.apply(manifest)
+
+
+def ensure_ca(kube: Kube, pool: PoolSpec, now: dt.datetime, policy: certs.CertPolicy) -> certs.CaPlan:
+    name = certs.ca_secret_name(pool.name)
+    found = kube.get("v1", "Secret", name, pool.namespace)
+    plan = certs.plan_ca(certs.decode(found), now, policy, f"kvpool {pool.key} CA")
+    if plan.write is not None:
+        _write_secret(kube, certs.ca_secret(name, pool.namespace, plan.write, _labels(pool),
+                                            [children.owner_reference(pool)]), found is not None)
+        log.info("pool %s: CA %s", pool.key, plan.reason.lower())
+    return plan
+
+
+def ensure_leaf(kube: Kube, pool: PoolSpec, name: str, spec: certs.LeafSpec, ca: certs.CaPlan, now: dt.datetime,
+                policy: certs.CertPolicy, namespace: str | None = None,
+                owners: tuple[Mapping[str, Any], ...] | None = None) -> certs.Data:
+    """The leaf Secret ``name`` as it is after this call (issued, renewed or left alone)."""
+    ns = namespace or pool.namespace
+    found = kube.get("v1", "Secret", name, ns)
+    data = certs.decode(found)
+    write = certs.plan_leaf(data, ca, spec, now, policy)
+    if write is None:
+        return data
+    _write_secret(kube, certs.leaf_secret(name, ns, write, _labels(pool),
+                                          owners if owners is not None else [children.owner_reference(pool)]),
+                  found is not None)
+    return write
+
+
+def _write_files(directory: str, data: certs.Data) -> None:
+    """Replace each file atomically (a reader sees the old or the new, never half)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    for key in (certs.TLS_KEY_KEY, certs.TLS_CERT_KEY, certs.CA_CERT_KEY):
+        path = os.path.join(directory, key)
+        try:
+            with open(path, "rb") as f:
+                if f.read() == data[key]:
+                    continue
+        except FileNotFoundError:
+            pass
+        fd, tmp = tempfile.mkstemp(dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data[key])
+        os.replace(tmp, path)
+
+
+def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.CertPolicy,
+                    now: dt.datetime | None = None) -> TlsConfig:
+    """The pool's CA, the store nodes' Secret and the operator's client certificate, current;
+    returns the operator's TLS configuration for this pool's admin calls."""
+    at = now or dt.datetime.now(dt.UTC)
+    ca = ensure_ca(kube, pool, at, policy)
+    store = ensure_leaf(kube, pool, certs.store_tls_secret_name(pool.name),
+                        certs.store_leaf(pool.name, pool.namespace), ca, at, policy)
+    mine = ensure_leaf(kube, pool, certs.operator_tls_secret_name(pool.name), certs.operator_leaf(), ca, at, policy)
+    directory = os.path.join(tls_root, pool.namespace, pool.name)
+    _write_files(directory, mine)
+    for kind, data, key in (("ca", ca.write or {certs.CA_CERT_KEY: ca.bundle}, certs.CA_CERT_KEY),
+                            ("serving", store, certs.TLS_CERT_KEY), ("client", mine, certs.TLS_CERT_KEY)):
+        when = certs.expiry_seconds(data, key)
+        if when is not None:
+            metrics.CERT_EXPIRY.labels(pool.key, kind).set(when)
+    return TlsConfig.from_dir(directory, certs.store_server_name(pool.name, pool.namespace))
+
+
+def forget_pool(pool_key: str) -> None:
+    """Drop a deleted pool's expiry series (its Secrets go with it, by owner reference)."""
+    for kind in ("ca", "serving", "client"):
+        try:
+            metrics.CERT_EXPIRY.remove(pool_key, kind)
+        except KeyError:
+            pass

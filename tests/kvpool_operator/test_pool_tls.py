@@ -1,0 +1,104 @@
+"""The pool's certificates at the edge: Secrets created once and owned by the pool, left alone
+while current, renewed on a CA rotation; the operator's files and expiry gauge; the store pods
+mounting ``<pool>-store-tls`` with ``--tls-dir`` when TLS is on.
+
+The Kubernetes API is an in-memory stand-in with the three calls pool_tls makes (the real API
+server runs the same code in the e2e tests of the operator)."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("cryptography", reason="the certificate builders need the dataplane extra")
+
+from kvpool.core import pki  # noqa: E402
+from kvpool_operator import certs, children, metrics, pool_tls  # noqa: E402
+from kvpool_operator.model import parse_pool, resolve_layout  # noqa: E402
+from kvpool_operator.settings import Settings  # noqa: E402
+from kvpool_operator.testing import pool_body  # noqa: E402
+
+
+class Secrets:
+    """get / create (None on conflict) / apply over a dict, counting writes."""
+
+    def __init__(self) -> None:
+        self.objs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.writes: list[str] = []
+
+    def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        got = self.objs.get((namespace or "", name))
+        return copy.deepcopy(got) if got else None
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key in self.objs:
+            return None
+        self.objs[key] = copy.deepcopy(obj)
+        self.writes.append(key[1])
+        return obj
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        self.objs[key] = copy.deepcopy(obj)
+        self.writes.append(key[1])
+        return obj
+
+
+POOL = parse_pool(pool_body("p", "ns"))
+POLICY = certs.CertPolicy(ca_days=100, ca_margin=dt.timedelta(days=20), leaf_days=30,
+                          leaf_margin=dt.timedelta(days=5))
+
+
+def test_secrets_created_owned_and_then_left_alone(tmp_path: Path) -> None:
+    kube = Secrets()
+    now = dt.datetime.now(dt.UTC)
+    cfg = pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, now)  # type: ignore[arg-type]
+    assert sorted(kube.writes) == ["p-ca", "p-operator-tls", "p-store-tls"]
+    for (_, name), obj in kube.objs.items():
+        assert obj["metadata"]["ownerReferences"] == [children.owner_reference(POOL)], name
+    store = certs.decode(kube.objs[("ns", "p-store-tls")])
+    assert kube.objs[("ns", "p-store-tls")]["type"] == "kubernetes.io/tls"
+    assert pki.identity_of(store[certs.TLS_CERT_KEY]) == pki.node("p-store")
+    # The operator's files: its identity, the pool's bundle, the store nodes' serving name.
+    assert pki.identity_of(Path(cfg.cert_file).read_bytes()) == pki.operator()
+    assert Path(cfg.ca_file).read_bytes() == store[certs.CA_CERT_KEY]
+    assert cfg.server_name == "p-store.ns.svc" and cfg.cert_file.startswith(str(tmp_path / "ns" / "p"))
+    got = metrics.REGISTRY.get_sample_value("kvpool_certificate_expiry_timestamp_seconds",
+                                            {"pool": POOL.key, "kind": "serving"})
+    assert got == pki.not_after(store[certs.TLS_CERT_KEY]).timestamp()
+    kube.writes.clear()
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, now + dt.timedelta(days=1))  # type: ignore[arg-type]
+    assert kube.writes == []
+
+
+def test_ca_rotation_reissues_every_leaf_with_the_bundle(tmp_path: Path) -> None:
+    kube = Secrets()
+    start = dt.datetime.now(dt.UTC) - dt.timedelta(days=85)
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, start)  # type: ignore[arg-type]
+    old_ca = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
+    kube.writes.clear()
+    cfg = pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    assert sorted(kube.writes) == ["p-ca", "p-operator-tls", "p-store-tls"]
+    bundle = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
+    assert pki.split_bundle(bundle)[1:] == pki.split_bundle(old_ca)
+    assert certs.decode(kube.objs[("ns", "p-store-tls")])[certs.CA_CERT_KEY] == bundle
+    assert Path(cfg.ca_file).read_bytes() == bundle
+
+
+def test_store_pods_mount_the_store_secret_when_tls_is_on() -> None:
+    pool = POOL
+    layout = resolve_layout(pool, {}, 1 << 30, 1 << 28)
+    off = children.stateful_set(pool, layout, Settings(), 1)["spec"]["template"]["spec"]
+    assert "--tls-dir" not in off["containers"][0]["args"]
+    assert all(v["name"] != "tls" for v in off["volumes"])
+    on = children.stateful_set(pool, layout, Settings(tls=True), 1)["spec"]["template"]["spec"]
+    args = on["containers"][0]["args"]
+    assert args[args.index("--tls-dir") + 1] == children.TLS_DIR
+    assert args[args.index("--tls-server-name") + 1] == "p-store.ns.svc"
+    assert {"name": "tls", "secret": {"secretName": "p-store-tls", "defaultMode": 0o400}} in on["volumes"]
+    assert {"name": "tls", "mountPath": children.TLS_DIR, "readOnly": True} in on["containers"][0]["volumeMounts"]
