@@ -90,6 +90,12 @@ def operator_tls_secret_name(pool_name: str) -> str:
     return f"{pool_name}-operator-tls"
 
 
+def tenant_tls_secret_name(pool_namespace: str, pool_name: str) -> str:
+    """A tenant's certificate of one pool, in each namespace of its TenantNamespace (mounted by
+    injection into the sidecars of that pool)."""
+    return f"kvpool-tls-{pool_namespace}.{pool_name}"
+
+
 def decode(secret: Mapping[str, Any] | None) -> Data:
     """The entries of a Secret as read (base64 ``data``); unreadable entries are left out."""
     out: Data = {}

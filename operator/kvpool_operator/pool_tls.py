@@ -22,8 +22,10 @@ from typing import Any
 from kvpool.wire.tls import TlsConfig
 
 from . import certs, children, metrics
-from .kube import Kube
-from .model import PoolSpec
+from .kube import Kube, KubeError
+from .model import PoolSpec, TenantSpec
+from .tenancy import OWNER_LABEL, TENANT_LABEL
+from .tenancy import owner_reference as tenant_owner
 
 log = logging.getLogger("kvpool.operator.tls")
 
@@ -50,20 +52,44 @@ def ensure_ca(kube: Kube, pool: PoolSpec, now: dt.datetime, policy: certs.CertPo
     return plan
 
 
-def ensure_leaf(kube: Kube, pool: PoolSpec, name: str, spec: certs.LeafSpec, ca: certs.CaPlan, now: dt.datetime,
-                policy: certs.CertPolicy, namespace: str | None = None,
-                owners: tuple[Mapping[str, Any], ...] | None = None) -> certs.Data:
+def ensure_leaf(kube: Kube, name: str, namespace: str, spec: certs.LeafSpec, ca: certs.CaPlan, now: dt.datetime,
+                policy: certs.CertPolicy, labels: Mapping[str, str], owners: list[dict[str, Any]]) -> certs.Data:
     """The leaf Secret ``name`` as it is after this call (issued, renewed or left alone)."""
-    ns = namespace or pool.namespace
-    found = kube.get("v1", "Secret", name, ns)
+    found = kube.get("v1", "Secret", name, namespace)
     data = certs.decode(found)
     write = certs.plan_leaf(data, ca, spec, now, policy)
     if write is None:
         return data
-    _write_secret(kube, certs.leaf_secret(name, ns, write, _labels(pool),
-                                          owners if owners is not None else [children.owner_reference(pool)]),
-                  found is not None)
+    _write_secret(kube, certs.leaf_secret(name, namespace, write, labels, owners), found is not None)
     return write
+
+
+def ensure_tenant_tls(kube: Kube, tn: TenantSpec, pool_namespace: str, pool_name: str, policy: certs.CertPolicy,
+                      now: dt.datetime | None = None) -> list[str]:
+    """The tenant's client certificate of one pool in each of its namespaces (the Secret
+    injection mounts into its sidecars, owned by the TenantNamespace). Issued from the pool's
+    CA as it is: a CA still to be created or rotated is the pool reconcile's to write, so this
+    waits for it. Returns the namespaces that do not exist (yet)."""
+    at = now or dt.datetime.now(dt.UTC)
+    found = kube.get("v1", "Secret", certs.ca_secret_name(pool_name), pool_namespace)
+    if found is None:
+        return []
+    ca = certs.plan_ca(certs.decode(found), at, policy, "")
+    if ca.write is not None:
+        return []
+    name = certs.tenant_tls_secret_name(pool_namespace, pool_name)
+    labels = {TENANT_LABEL: tn.tenant_id, OWNER_LABEL: tn.name, "app.kubernetes.io/managed-by": "kvpool-operator",
+              "app.kubernetes.io/component": "tls"}
+    missing = []
+    for ns in tn.namespaces:
+        try:
+            ensure_leaf(kube, name, ns, certs.tenant_leaf(tn.tenant_id), ca, at, policy, labels,
+                        [tenant_owner(tn)])
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            missing.append(ns)
+    return missing
 
 
 def _write_files(directory: str, data: certs.Data) -> None:
@@ -89,9 +115,11 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
     returns the operator's TLS configuration for this pool's admin calls."""
     at = now or dt.datetime.now(dt.UTC)
     ca = ensure_ca(kube, pool, at, policy)
-    store = ensure_leaf(kube, pool, certs.store_tls_secret_name(pool.name),
-                        certs.store_leaf(pool.name, pool.namespace), ca, at, policy)
-    mine = ensure_leaf(kube, pool, certs.operator_tls_secret_name(pool.name), certs.operator_leaf(), ca, at, policy)
+    owners = [children.owner_reference(pool)]
+    store = ensure_leaf(kube, certs.store_tls_secret_name(pool.name), pool.namespace,
+                        certs.store_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)
+    mine = ensure_leaf(kube, certs.operator_tls_secret_name(pool.name), pool.namespace, certs.operator_leaf(), ca, at,
+                       policy, _labels(pool), owners)
     directory = os.path.join(tls_root, pool.namespace, pool.name)
     _write_files(directory, mine)
     for kind, data, key in (("ca", ca.write or {certs.CA_CERT_KEY: ca.bundle}, certs.CA_CERT_KEY),

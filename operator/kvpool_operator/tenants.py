@@ -11,9 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import metrics
+from .certs import CertPolicy
 from .drain import Event
 from .kube import Kube, KubeError
 from .model import API_VERSION, SpecError, TenantSpec, parse_pool_ref, parse_tenant
+from .pool_tls import ensure_tenant_tls
 from .runtime import Runtime
 from .status import Condition, merge_conditions
 from .tenancy import OWNER_LABEL, choose_credentials, new_credentials, plan_secrets, tenant_pool_status, tenant_secret
@@ -83,6 +85,10 @@ def reconcile(rt: Runtime, name: str) -> list[str]:
             kube.delete("v1", "Secret", tn.secret_name, ns)
         if minted or plan.apply or plan.delete:
             touched.extend(p.key for p in tn.pools)
+        if rt.settings.tls:
+            for p in tn.pools:
+                missing += [ns for ns in ensure_tenant_tls(kube, tn, p.namespace, p.name, CertPolicy())
+                            if ns not in missing]
         pool_statuses: dict[str, Mapping[str, Any] | None] = {}
         for p in tn.pools:
             pb = kube.get(API_VERSION, "KVPool", p.name, p.namespace)

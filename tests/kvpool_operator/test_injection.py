@@ -79,6 +79,25 @@ def test_tenant_credentials_are_mounted() -> None:
     assert all("kvpool-tenant" not in {m["name"] for m in c["volumeMounts"]} for c in pod["spec"]["containers"])
 
 
+def test_tls_mounts_the_tenant_certificate_of_the_pool() -> None:
+    """With --tls the sidecar gets its tenant's certificate of this pool (and the pool's CA bundle)
+    as --tls-dir, and checks the store nodes by the name their shared certificate serves."""
+    tls = dataclasses.replace(S, tls=True)
+    pod = apply_merge_patch(_pod("pools.closed"), _plan(_pod("pools.closed"), [TEAM_A], settings=tls).patch)
+    side = pod["spec"]["initContainers"][0]
+    args = side["args"]
+    assert args[args.index("--tls-dir") + 1] == "/etc/kvpool/tls"
+    assert args[args.index("--tls-server-name") + 1] == "closed-store.pools.svc"
+    assert {"name": "kvpool-tls", "mountPath": "/etc/kvpool/tls", "readOnly": True} in side["volumeMounts"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["kvpool-tls"]["secret"]["secretName"] == "kvpool-tls-pools.closed"
+    assert all("kvpool-tls" not in {m["name"] for m in c["volumeMounts"]} for c in pod["spec"]["containers"])
+    parsed = build_parser().parse_args(args)  # the sidecar takes the flags rendered
+    assert (parsed.tls_dir, parsed.tls_server_name) == ("/etc/kvpool/tls", "closed-store.pools.svc")
+    off = apply_merge_patch(_pod("pools.closed"), _plan(_pod("pools.closed"), [TEAM_A]).patch)
+    assert "--tls-dir" not in off["spec"]["initContainers"][0]["args"]
+
+
 def test_idempotent() -> None:
     first = apply_merge_patch(_pod(), _plan(_pod()).patch)
     again = _plan(first)

@@ -18,23 +18,30 @@ pytest.importorskip("cryptography", reason="the certificate builders need the da
 
 from kvpool.core import pki  # noqa: E402
 from kvpool_operator import certs, children, metrics, pool_tls  # noqa: E402
-from kvpool_operator.model import parse_pool, resolve_layout  # noqa: E402
+from kvpool_operator.kube import KubeError  # noqa: E402
+from kvpool_operator.model import parse_pool, parse_tenant, resolve_layout  # noqa: E402
 from kvpool_operator.settings import Settings  # noqa: E402
-from kvpool_operator.testing import pool_body  # noqa: E402
+from kvpool_operator.testing import pool_body, tenant_body  # noqa: E402
 
 
 class Secrets:
     """get / create (None on conflict) / apply over a dict, counting writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: tuple[str, ...] = ("ns",)) -> None:
         self.objs: dict[tuple[str, str], dict[str, Any]] = {}
         self.writes: list[str] = []
+        self.namespaces = namespaces
+
+    def _exists(self, obj: dict[str, Any]) -> None:
+        if obj["metadata"]["namespace"] not in self.namespaces:
+            raise KubeError(404, "namespaces not found")
 
     def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         got = self.objs.get((namespace or "", name))
         return copy.deepcopy(got) if got else None
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        self._exists(obj)
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
         if key in self.objs:
             return None
@@ -43,6 +50,7 @@ class Secrets:
         return obj
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self._exists(obj)
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
         self.objs[key] = copy.deepcopy(obj)
         self.writes.append(key[1])
@@ -102,3 +110,24 @@ def test_store_pods_mount_the_store_secret_when_tls_is_on() -> None:
     assert args[args.index("--tls-server-name") + 1] == "p-store.ns.svc"
     assert {"name": "tls", "secret": {"secretName": "p-store-tls", "defaultMode": 0o400}} in on["volumes"]
     assert {"name": "tls", "mountPath": children.TLS_DIR, "readOnly": True} in on["containers"][0]["volumeMounts"]
+
+
+def test_tenant_certificates_issued_in_each_namespace_from_the_pools_ca(tmp_path: Path) -> None:
+    kube = Secrets(("ns", "app1", "app2"))
+    tn = parse_tenant(tenant_body("a", "team-a", ["app1", "app2", "gone"], [{"pool": "ns.p"}]))
+    # No CA yet: the pool reconcile creates it; the tenant waits.
+    assert pool_tls.ensure_tenant_tls(kube, tn, "ns", "p", POLICY) == [] and kube.writes == []  # type: ignore[arg-type]
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    kube.writes.clear()
+    missing = pool_tls.ensure_tenant_tls(kube, tn, "ns", "p", POLICY)  # type: ignore[arg-type]
+    assert missing == ["gone"] and kube.writes == ["kvpool-tls-ns.p", "kvpool-tls-ns.p"]
+    bundle = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
+    for ns in ("app1", "app2"):
+        sec = kube.objs[(ns, "kvpool-tls-ns.p")]
+        data = certs.decode(sec)
+        assert pki.identity_of(data[certs.TLS_CERT_KEY]) == pki.tenant("team-a")
+        assert data[certs.CA_CERT_KEY] == bundle
+        assert sec["metadata"]["ownerReferences"][0]["kind"] == "TenantNamespace"
+    kube.writes.clear()
+    pool_tls.ensure_tenant_tls(kube, tn, "ns", "p", POLICY)  # type: ignore[arg-type]
+    assert kube.writes == []
