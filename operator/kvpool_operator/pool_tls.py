@@ -35,10 +35,12 @@ def _labels(pool: PoolSpec) -> dict[str, str]:
 
 
 def _write_secret(kube: Kube, manifest: Mapping[str, Any], existed: bool) -> None:
-    # Create first when absent: a 409 then means a racing writer, and the next reconcile re-plans.
-    if not existed and kube.create(manifest) is not None:
-        return
-    kube.apply(manifest)
+    if existed:
+        kube.apply(manifest)
+    elif kube.create(manifest) is None:
+        # Another writer created it since we read: never overwrite a CA others may already
+        # trust; the conflict makes the handler re-read and re-plan shortly.
+        raise KubeError(409, f"Secret {manifest['metadata']['name']} created concurrently")
 
 
 def ensure_ca(kube: Kube, pool: PoolSpec, now: dt.datetime, policy: certs.CertPolicy) -> certs.CaPlan:

@@ -131,3 +131,15 @@ def test_tenant_certificates_issued_in_each_namespace_from_the_pools_ca(tmp_path
     kube.writes.clear()
     pool_tls.ensure_tenant_tls(kube, tn, "ns", "p", POLICY)  # type: ignore[arg-type]
     assert kube.writes == []
+
+
+def test_a_ca_created_concurrently_is_never_overwritten(tmp_path: Path) -> None:
+    kube = Secrets()
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    theirs = copy.deepcopy(kube.objs[("ns", "p-ca")])
+    blind = Secrets()
+    blind.objs = kube.objs
+    blind.get = lambda *a, **k: None  # type: ignore[method-assign]  # read before the other writer
+    with pytest.raises(KubeError) as err:
+        pool_tls.ensure_ca(blind, POOL, dt.datetime.now(dt.UTC), POLICY)  # type: ignore[arg-type]
+    assert err.value.conflict and kube.objs[("ns", "p-ca")] == theirs
