@@ -8,7 +8,7 @@ Work in progress (docs/wip-operator-tls.md): no CA rotation and no injected side
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,11 @@ def tls_operator(cluster: Cluster, kube: Kube, tmp_path_factory: pytest.TempPath
 def test_pool_serves_tls_with_operator_issued_certificates(tls_operator: Operator, kube: Kube,
                                                            namespace: str) -> None:
     pool = create(kube, kvpool("t", storage={"replicas": 1}, tenancy={"defaultTenant": "public"}), namespace)
+    def secret(name: str) -> Callable[[], dict[str, Any] | None]:
+        return lambda: kube.get("v1", "Secret", name, namespace)
+
     for name in ("t-ca", "t-store-tls", "t-operator-tls"):
-        sec = wait_for(lambda name=name: kube.get("v1", "Secret", name, namespace), 60, f"Secret {name}")
+        sec = wait_for(secret(name), 60, f"Secret {name}")
         (owner,) = sec["metadata"]["ownerReferences"]
         assert owner["kind"] == "KVPool" and owner["uid"] == pool["metadata"]["uid"]
     store = certs.decode(kube.get("v1", "Secret", "t-store-tls", namespace))
