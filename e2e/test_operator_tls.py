@@ -3,7 +3,8 @@ pool's CA and certificates as Secrets owned by the pool, the store pods mount th
 TLS, and the operator's admin calls (a Ready pool needs their Stats) go through with its client
 certificate while a plaintext caller gets nowhere.
 
-Work in progress (docs/wip-operator-tls.md): no CA rotation and no injected sidecar here yet.
+A TenantNamespace of the pool gets its tenant's certificate. Work in progress
+(docs/wip-operator-tls.md): no CA rotation and no injected sidecar talking TLS here yet.
 """
 
 from __future__ import annotations
@@ -76,3 +77,18 @@ def test_pool_serves_tls_with_operator_issued_certificates(tls_operator: Operato
     finally:
         plain.close()
     assert any(p.is_file() for p in (Path(tls_operator.argv[-1]) / namespace / "t").iterdir())
+
+
+    # A tenant of the pool gets its certificate of the pool, from the same CA, in its namespace.
+    tn_name = f"tn-tls-{namespace}"
+    create(kube, {"apiVersion": "kvpool.io/v1alpha1", "kind": "TenantNamespace", "metadata": {"name": tn_name},
+                  "spec": {"tenantId": tn_name, "namespaces": [namespace], "pools": [{"pool": f"{namespace}.t"}]}})
+    try:
+        tenant = wait_for(secret(f"kvpool-tls-{namespace}.t"), 60, "the tenant's certificate")
+        (owner,) = tenant["metadata"]["ownerReferences"]
+        assert owner["kind"] == "TenantNamespace" and owner["name"] == tn_name
+        data = certs.decode(tenant)
+        assert pki.identity_of(data[certs.TLS_CERT_KEY]) == pki.tenant(tn_name)
+        assert data[certs.CA_CERT_KEY] == ca[certs.CA_CERT_KEY]
+    finally:
+        kube.delete("kvpool.io/v1alpha1", "TenantNamespace", tn_name)
