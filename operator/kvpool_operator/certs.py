@@ -96,6 +96,17 @@ def tenant_tls_secret_name(pool_namespace: str, pool_name: str) -> str:
     return f"kvpool-tls-{pool_namespace}.{pool_name}"
 
 
+def stale_tenant_tls(namespaces: Sequence[str], pool_keys: Sequence[str], previous_namespaces: Sequence[str],
+                     previous_pool_keys: Sequence[str]) -> list[tuple[str, str]]:
+    """(namespace, Secret name) of a tenant's certificates its TenantNamespace no longer asks
+    for: every pool's in a namespace it left, and a pool it left in every namespace. Pool keys
+    are ``<namespace>.<name>``, as in the TenantNamespace's status."""
+    keep = {(ns, f"kvpool-tls-{k}") for ns in namespaces for k in pool_keys}
+    had = {(ns, f"kvpool-tls-{k}") for ns in {*namespaces, *previous_namespaces}
+           for k in {*pool_keys, *previous_pool_keys}}
+    return sorted(had - keep)
+
+
 def decode(secret: Mapping[str, Any] | None) -> Data:
     """The entries of a Secret as read (base64 ``data``); unreadable entries are left out."""
     out: Data = {}

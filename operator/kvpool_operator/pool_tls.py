@@ -16,7 +16,7 @@ import datetime as dt
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpool.wire.tls import TlsConfig
@@ -92,6 +92,17 @@ def ensure_tenant_tls(kube: Kube, tn: TenantSpec, pool_namespace: str, pool_name
                 raise
             missing.append(ns)
     return missing
+
+
+def prune_tenant_tls(kube: Kube, tn: TenantSpec, previous_namespaces: Sequence[str],
+                     previous_pool_keys: Sequence[str]) -> None:
+    """Delete the tenant's certificates its TenantNamespace no longer asks for (a namespace or a
+    pool it left), and only those it made (its owner label)."""
+    for ns, name in certs.stale_tenant_tls(tn.namespaces, [p.key for p in tn.pools], previous_namespaces,
+                                           previous_pool_keys):
+        sec = kube.get("v1", "Secret", name, ns)
+        if sec is not None and ((sec.get("metadata") or {}).get("labels") or {}).get(OWNER_LABEL) == tn.name:
+            kube.delete("v1", "Secret", name, ns)
 
 
 def _write_files(directory: str, data: certs.Data) -> None:

@@ -15,7 +15,7 @@ from .certs import CertPolicy
 from .drain import Event
 from .kube import Kube, KubeError
 from .model import API_VERSION, SpecError, TenantSpec, parse_pool_ref, parse_tenant
-from .pool_tls import ensure_tenant_tls
+from .pool_tls import ensure_tenant_tls, prune_tenant_tls
 from .runtime import Runtime
 from .status import Condition, merge_conditions
 from .tenancy import OWNER_LABEL, choose_credentials, new_credentials, plan_secrets, tenant_pool_status, tenant_secret
@@ -89,6 +89,8 @@ def reconcile(rt: Runtime, name: str) -> list[str]:
             for p in tn.pools:
                 missing += [ns for ns in ensure_tenant_tls(kube, tn, p.namespace, p.name, CertPolicy())
                             if ns not in missing]
+            prune_tenant_tls(kube, tn, st.get("secrets") or [],
+                             [str(row.get("pool", "")) for row in st.get("pools") or [] if row.get("pool")])
         pool_statuses: dict[str, Mapping[str, Any] | None] = {}
         for p in tn.pools:
             pb = kube.get(API_VERSION, "KVPool", p.name, p.namespace)

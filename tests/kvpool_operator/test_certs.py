@@ -197,3 +197,14 @@ def test_expiry_seconds_is_the_earliest_of_a_bundle() -> None:
     got = certs.expiry_seconds(rotated.write, certs.CA_CERT_KEY)
     assert got == pki.not_after(first.signer.cert_pem).timestamp()
     assert certs.expiry_seconds({}, certs.CA_CERT_KEY) is None
+
+
+def test_stale_tenant_certificates() -> None:
+    # Nothing changed: nothing stale.
+    assert certs.stale_tenant_tls(["a", "b"], ["ns.p"], ["a", "b"], ["ns.p"]) == []
+    # A namespace left: its certificates of every pool; a pool left: its certificate everywhere.
+    assert certs.stale_tenant_tls(["a"], ["ns.p", "ns.q"], ["a", "b"], ["ns.p", "ns.q"]) == [
+        ("b", "kvpool-tls-ns.p"), ("b", "kvpool-tls-ns.q")]
+    assert certs.stale_tenant_tls(["a", "b"], ["ns.p"], ["a", "b"], ["ns.p", "ns.q"]) == [
+        ("a", "kvpool-tls-ns.q"), ("b", "kvpool-tls-ns.q")]
+    assert certs.tenant_tls_secret_name("ns", "p") == "kvpool-tls-ns.p"

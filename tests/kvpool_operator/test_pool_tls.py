@@ -143,3 +143,16 @@ def test_a_ca_created_concurrently_is_never_overwritten(tmp_path: Path) -> None:
     with pytest.raises(KubeError) as err:
         pool_tls.ensure_ca(blind, POOL, dt.datetime.now(dt.UTC), POLICY)  # type: ignore[arg-type]
     assert err.value.conflict and kube.objs[("ns", "p-ca")] == theirs
+
+
+def test_stale_tenant_certificates_deleted_only_when_ours(tmp_path: Path) -> None:
+    kube = Secrets(("ns", "app1", "app2"))
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    tn = parse_tenant(tenant_body("a", "team-a", ["app1", "app2"], [{"pool": "ns.p"}]))
+    pool_tls.ensure_tenant_tls(kube, tn, "ns", "p", POLICY)  # type: ignore[arg-type]
+    kube.objs[("app2", "kvpool-tls-ns.p")]["metadata"]["labels"]["kvpool.io/tenant-namespace"] = "someone-else"
+    deleted: list[tuple[str, str]] = []
+    kube.delete = lambda _v, _k, name, ns: deleted.append((ns, name)) or True  # type: ignore[attr-defined]
+    left = parse_tenant(tenant_body("a", "team-a", ["ns"], [{"pool": "ns.p"}]))
+    pool_tls.prune_tenant_tls(kube, left, ["app1", "app2"], ["ns.p"])  # type: ignore[arg-type]
+    assert deleted == [("app1", "kvpool-tls-ns.p")]
