@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import kvpool.core.pki as pki
 from kvpool.wire.tls import TlsConfig
 
 from . import certs, children, metrics
@@ -123,11 +124,21 @@ def _write_files(directory: str, data: certs.Data) -> None:
 
 
 def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.CertPolicy,
-                    now: dt.datetime | None = None) -> TlsConfig:
+                    now: dt.datetime | None = None, body: Mapping[str, Any] | None = None) -> TlsConfig:
     """The pool's CA, the store nodes' Secret and the operator's client certificate, current;
-    returns the operator's TLS configuration for this pool's admin calls."""
+    returns the operator's TLS configuration for this pool's admin calls. With the pool's
+    ``body``, a created or rotated CA is an Event about it."""
     at = now or dt.datetime.now(dt.UTC)
     ca = ensure_ca(kube, pool, at, policy)
+    if body is not None and ca.reason in ("Created", "Rotated"):
+        what = {"Created": "created", "Rotated": "rotated (the old CA stays trusted until it expires; every "
+                                                 "certificate is re-issued from the new one)"}[ca.reason]
+        try:
+            kube.event(body, "Normal", f"CertificateAuthority{ca.reason}",
+                       f"CA of the pool {what}: Secret {certs.ca_secret_name(pool.name)}, valid until "
+                       f"{pki.not_after(ca.signer.cert_pem).isoformat()}")
+        except KubeError as exc:  # an Event is worth less than the reconcile that made it
+            log.info("event CertificateAuthority%s not posted: %s", ca.reason, exc)
     owners = [children.owner_reference(pool)]
     store = ensure_leaf(kube, certs.store_tls_secret_name(pool.name), pool.namespace,
                         certs.store_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)

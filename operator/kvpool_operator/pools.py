@@ -133,7 +133,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
     if rt.settings.tls:
         # Before any admin call: the nodes take them only from the operator's certificate.
         nodes.use_tls((f"{p.ip}:{pool.port}" for p in usable.values()),
-                      ensure_pool_tls(kube, pool, rt.settings.tls_dir, CertPolicy()))
+                      ensure_pool_tls(kube, pool, rt.settings.tls_dir, CertPolicy(), body=body))
     sts = kube.get("apps/v1", "StatefulSet", children.store_name(pool), pool.namespace)
     sts_replicas = None if sts is None else int((sts.get("spec") or {}).get("replicas", 0))
     sst = (sts or {}).get("status") or {}

@@ -31,6 +31,7 @@ class Secrets:
         self.objs: dict[tuple[str, str], dict[str, Any]] = {}
         self.writes: list[str] = []
         self.namespaces = namespaces
+        self.events: list[str] = []
 
     def _exists(self, obj: dict[str, Any]) -> None:
         if obj["metadata"]["namespace"] not in self.namespaces:
@@ -48,6 +49,9 @@ class Secrets:
         self.objs[key] = copy.deepcopy(obj)
         self.writes.append(key[1])
         return obj
+
+    def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        self.events.append(reason)
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         self._exists(obj)
@@ -156,3 +160,13 @@ def test_stale_tenant_certificates_deleted_only_when_ours(tmp_path: Path) -> Non
     left = parse_tenant(tenant_body("a", "team-a", ["ns"], [{"pool": "ns.p"}]))
     pool_tls.prune_tenant_tls(kube, left, ["app1", "app2"], ["ns.p"])  # type: ignore[arg-type]
     assert deleted == [("app1", "kvpool-tls-ns.p")]
+
+
+def test_ca_created_and_rotated_are_events(tmp_path: Path) -> None:
+    kube = Secrets()
+    body = pool_body("p", "ns")
+    start = dt.datetime.now(dt.UTC) - dt.timedelta(days=85)
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, start, body)  # type: ignore[arg-type]
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, start, body)  # type: ignore[arg-type]
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, None, body)  # type: ignore[arg-type]
+    assert kube.events == ["CertificateAuthorityCreated", "CertificateAuthorityRotated"]
