@@ -78,6 +78,11 @@ def test_pool_serves_tls_with_operator_issued_certificates(tls_operator: Operato
         plain.close()
     assert any(p.is_file() for p in (Path(tls_operator.argv[-1]) / namespace / "t").iterdir())
 
+    # The default tenant's sidecars (namespaces no TenantNamespace binds) get the pool's
+    # default-tenant certificate in the pool's namespace.
+    default = wait_for(secret(f"kvpool-default-tls-{namespace}.t"), 60, "the default tenant's certificate")
+    assert default["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
+    assert pki.identity_of(certs.decode(default)[certs.TLS_CERT_KEY]) == pki.tenant("default")
 
     # A tenant of the pool gets its certificate of the pool, from the same CA, in its namespace.
     tn_name = f"tn-tls-{namespace}"

@@ -34,6 +34,8 @@ from typing import Any
 
 import kvpool.core.pki as pki
 
+from .model import STORE_DEFAULT_TENANT
+
 CA_CERT_KEY, CA_KEY_KEY = "ca.crt", "ca.key"
 TLS_CERT_KEY, TLS_KEY_KEY = "tls.crt", "tls.key"
 TLS_SECRET_TYPE = "kubernetes.io/tls"
@@ -94,6 +96,20 @@ def tenant_tls_secret_name(pool_namespace: str, pool_name: str) -> str:
     """A tenant's certificate of one pool, in each namespace of its TenantNamespace (mounted by
     injection into the sidecars of that pool)."""
     return f"kvpool-tls-{pool_namespace}.{pool_name}"
+
+
+def default_tenant_tls_secret_name(pool_namespace: str, pool_name: str) -> str:
+    """The pool's default tenant's certificate (sidecars of namespaces no TenantNamespace binds),
+    in each namespace of :func:`default_tenant_namespaces`. A name of its own, never a
+    TenantNamespace's: a namespace that gets bound later keeps its running sidecars' files."""
+    return f"kvpool-default-tls-{pool_namespace}.{pool_name}"
+
+
+def default_tenant_namespaces(pool_namespace: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    """Where a pool with a default tenant issues its certificate: the namespaces its sidecars may
+    be injected into (``spec.sidecar.namespaces``), else its own. Any other namespace cannot be
+    known before a pod is admitted there, so injection skips such pods (``NoCertificate``)."""
+    return tuple(allowed) or (pool_namespace,)
 
 
 def stale_tenant_tls(namespaces: Sequence[str], pool_keys: Sequence[str], previous_namespaces: Sequence[str],
@@ -240,6 +256,13 @@ def operator_leaf() -> LeafSpec:
 def tenant_leaf(tenant_id: str) -> LeafSpec:
     """A tenant's sidecars: a client of the store nodes, and the server of its handoff exports."""
     return LeafSpec(pki.tenant(tenant_id))
+
+
+def default_tenant_leaf() -> LeafSpec:
+    """The default tenant's sidecars: a sidecar without ``--tenant`` is the store's tokenless
+    partition ``default`` (not the pool's display name for it), and its handoff exports check
+    that name, so the certificate names it too."""
+    return tenant_leaf(STORE_DEFAULT_TENANT)
 
 
 def leaf_secret(name: str, namespace: str, data: Mapping[str, bytes], labels: Mapping[str, str],

@@ -24,7 +24,7 @@ from kvpool.wire.tls import TlsConfig
 
 from . import certs, children, metrics
 from .kube import Kube, KubeError
-from .model import PoolSpec, TenantSpec
+from .model import PoolSpec, SpecError, TenantSpec, parse_pool, pool_key
 from .tenancy import OWNER_LABEL, TENANT_LABEL
 from .tenancy import owner_reference as tenant_owner
 
@@ -106,6 +106,46 @@ def prune_tenant_tls(kube: Kube, tn: TenantSpec, previous_namespaces: Sequence[s
             kube.delete("v1", "Secret", name, ns)
 
 
+DEFAULT_TLS_COMPONENT = "tls-default-tenant"
+"""``app.kubernetes.io/component`` of a pool's default-tenant Secrets (found again to prune them)."""
+
+
+def _default_labels(pool: PoolSpec) -> dict[str, str]:
+    return {**children.common_labels(pool), "app.kubernetes.io/component": DEFAULT_TLS_COMPONENT}
+
+
+def ensure_default_tenant_tls(kube: Kube, pool: PoolSpec, ca: certs.CaPlan, now: dt.datetime,
+                              policy: certs.CertPolicy) -> list[str]:
+    """The default tenant's certificate in each namespace its sidecars may be injected into
+    (:func:`certs.default_tenant_namespaces`; none without a default tenant), and no longer in
+    the namespaces it left. Owned by the pool in its own namespace; elsewhere an ownerReference
+    cannot cross namespaces, so the labels find them again (and :func:`forget_pool` deletes
+    them). Returns the namespaces that do not exist (yet): the next reconcile tries again."""
+    name = certs.default_tenant_tls_secret_name(pool.namespace, pool.name)
+    wanted = certs.default_tenant_namespaces(pool.namespace, pool.allowed_namespaces) if pool.default_tenant else ()
+    missing = []
+    for ns in wanted:
+        owners = [children.owner_reference(pool)] if ns == pool.namespace else []
+        try:
+            ensure_leaf(kube, name, ns, certs.default_tenant_leaf(), ca, now, policy, _default_labels(pool), owners)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            missing.append(ns)
+    for ns in stale_default_tenant_tls(kube, pool, wanted):
+        kube.delete("v1", "Secret", name, ns)
+    return missing
+
+
+def stale_default_tenant_tls(kube: Kube, pool: PoolSpec, wanted: Sequence[str]) -> list[str]:
+    """Namespaces holding this pool's default-tenant Secret outside ``wanted``."""
+    name = certs.default_tenant_tls_secret_name(pool.namespace, pool.name)
+    selector = ",".join(f"{k}={v}" for k, v in sorted(_default_labels(pool).items()))
+    found = kube.list("v1", "Secret", None, selector)
+    return sorted({str(s["metadata"].get("namespace")) for s in found if s["metadata"].get("name") == name}
+                  - set(wanted))
+
+
 def _write_files(directory: str, data: certs.Data) -> None:
     """Replace each file atomically (a reader sees the old or the new, never half)."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -144,6 +184,9 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
                         certs.store_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)
     mine = ensure_leaf(kube, certs.operator_tls_secret_name(pool.name), pool.namespace, certs.operator_leaf(), ca, at,
                        policy, _labels(pool), owners)
+    missing = ensure_default_tenant_tls(kube, pool, ca, at, policy)
+    if missing:
+        log.info("pool %s: no default-tenant certificate in %s (namespace not found)", pool.key, ", ".join(missing))
     directory = os.path.join(tls_root, pool.namespace, pool.name)
     _write_files(directory, mine)
     for kind, data, key in (("ca", ca.write or {certs.CA_CERT_KEY: ca.bundle}, certs.CA_CERT_KEY),
@@ -154,10 +197,23 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
     return TlsConfig.from_dir(directory, certs.store_server_name(pool.name, pool.namespace))
 
 
-def forget_pool(pool_key: str) -> None:
-    """Drop a deleted pool's expiry series (its Secrets go with it, by owner reference)."""
+def forget_pool(kube: Kube | None, body: Mapping[str, Any]) -> None:
+    """Drop a deleted pool's expiry series; its Secrets go with it by owner reference, except the
+    default tenant's outside its namespace, deleted here with ``kube`` (best effort: a missed one
+    is a certificate of a CA that no longer exists)."""
+    meta = body.get("metadata") or {}
     for kind in ("ca", "serving", "client"):
         try:
-            metrics.CERT_EXPIRY.remove(pool_key, kind)
+            metrics.CERT_EXPIRY.remove(pool_key(str(meta.get("namespace")), str(meta.get("name"))), kind)
         except KeyError:
             pass
+    try:
+        pool = parse_pool(body)
+    except SpecError:  # an unparsable spec names no namespaces to clean
+        return
+    if kube is not None:
+        try:
+            for ns in stale_default_tenant_tls(kube, pool, ()):
+                kube.delete("v1", "Secret", certs.default_tenant_tls_secret_name(pool.namespace, pool.name), ns)
+        except KubeError as exc:
+            log.info("pool %s: default-tenant certificates not deleted: %s", pool.key, exc)

@@ -98,6 +98,27 @@ def test_tls_mounts_the_tenant_certificate_of_the_pool() -> None:
     assert "--tls-dir" not in off["spec"]["initContainers"][0]["args"]
 
 
+def test_tls_default_tenant_gets_the_pools_default_certificate_where_it_is_issued() -> None:
+    """A default-tenant sidecar mounts the pool's default-tenant certificate in the namespaces the
+    pool issues it to (its own, or spec.sidecar.namespaces); anywhere else no sidecar is injected
+    (it could not reach a TLS store node), and the skip says why."""
+    tls = dataclasses.replace(S, tls=True)
+    here = _plan(_pod(), ns="pools", settings=tls)
+    assert here.injected and here.tenant == "public"
+    pod = apply_merge_patch(_pod(), here.patch)
+    side = pod["spec"]["initContainers"][0]
+    assert side["args"][side["args"].index("--tls-dir") + 1] == "/etc/kvpool/tls"
+    assert "--tenant" not in side["args"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["kvpool-tls"]["secret"]["secretName"] == "kvpool-default-tls-pools.shared"
+    elsewhere = _plan(_pod(), ns="app", settings=tls)
+    assert not elsewhere.injected and elsewhere.reason == "NoCertificate"
+    assert "spec.sidecar.namespaces" in elsewhere.patch["metadata"]["annotations"]["kvpool.io/skip-reason"]
+    listed = {("pools", "shared"): dataclasses.replace(POOL, allowed_namespaces=("app",))}
+    assert plan_injection(_pod(), "app", listed, [], tls).injected
+    assert _plan(_pod(), ns="app").injected  # without TLS nothing changes
+
+
 def test_idempotent() -> None:
     first = apply_merge_patch(_pod(), _plan(_pod()).patch)
     again = _plan(first)

@@ -53,6 +53,16 @@ class Secrets:
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
         self.events.append(reason)
 
+    def list(self, api_version: str, kind: str, namespace: str | None = None,
+             selector: str | None = None) -> list[dict[str, Any]]:
+        want = dict(kv.split("=", 1) for kv in (selector or "").split(",") if kv)
+        return [copy.deepcopy(o) for (ns, _), o in self.objs.items() if namespace in (None, ns)
+                and want.items() <= (o["metadata"].get("labels") or {}).items()]
+
+    def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
+        self.writes.append(f"-{namespace}/{name}")
+        return self.objs.pop((namespace or "", name), None) is not None
+
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         self._exists(obj)
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
@@ -170,3 +180,32 @@ def test_ca_created_and_rotated_are_events(tmp_path: Path) -> None:
     pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, start, body)  # type: ignore[arg-type]
     pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, None, body)  # type: ignore[arg-type]
     assert kube.events == ["CertificateAuthorityCreated", "CertificateAuthorityRotated"]
+
+
+def test_default_tenant_certificates_follow_the_pools_namespaces(tmp_path: Path) -> None:
+    """With a default tenant the pool issues ``kvpool-default-tls-<pool key>`` (identity
+    ``tenant/default``: what a sidecar without --tenant is) in its own namespace, owned by it; with
+    spec.sidecar.namespaces in those instead (not owned: an ownerReference cannot cross
+    namespaces), and it deletes the ones it no longer wants; none without a default tenant."""
+    kube = Secrets(("ns", "app1", "app2"))
+    name = "kvpool-default-tls-ns.p"
+    pool = parse_pool(pool_body("p", "ns", tenancy={"defaultTenant": "public"}))
+    pool_tls.ensure_pool_tls(kube, pool, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    sec = kube.objs[("ns", name)]
+    assert sec["metadata"]["ownerReferences"] == [children.owner_reference(pool)]
+    data = certs.decode(sec)
+    assert pki.identity_of(data[certs.TLS_CERT_KEY]) == pki.tenant("default")
+    assert data[certs.CA_CERT_KEY] == certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
+    listed = parse_pool(pool_body("p", "ns", tenancy={"defaultTenant": "public"},
+                                  sidecar={"namespaces": ["app1", "app2", "gone"]}))
+    pool_tls.ensure_pool_tls(kube, listed, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    assert {ns for ns, n in kube.objs if n == name} == {"app1", "app2"}
+    assert kube.objs[("app1", name)]["metadata"]["ownerReferences"] == []
+    kube.writes.clear()
+    pool_tls.ensure_pool_tls(kube, listed, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    assert kube.writes == []
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]  # no default tenant
+    assert not [n for _, n in kube.objs if n == name]
+    pool_tls.ensure_pool_tls(kube, listed, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    pool_tls.forget_pool(kube, pool_body("p", "ns", tenancy={"defaultTenant": "public"}))  # type: ignore[arg-type]
+    assert not [n for _, n in kube.objs if n == name]

@@ -9,7 +9,7 @@ import kopf
 
 from .. import metrics, pool_tls, pools
 from ..kube import KubeError
-from ..model import GROUP, STORE_POOL_LABEL, VERSION, pool_key
+from ..model import GROUP, STORE_POOL_LABEL, VERSION
 from ..runtime import Runtime
 
 
@@ -40,10 +40,9 @@ def register(registry: Any, rt: Runtime) -> None:
         run(namespace, name)
 
     @kopf.on.delete(GROUP, VERSION, "kvpools", registry=registry, id="deleted", optional=True)
-    def deleted(namespace: str | None, name: str | None, **_: Any) -> None:
+    def deleted(body: Any, **_: Any) -> None:
         metrics.POOLS.dec()
-        if namespace and name:
-            pool_tls.forget_pool(pool_key(namespace, name))
+        pool_tls.forget_pool(rt.kube if rt.settings.tls else None, body)
         # Children go with the pool (ownerReferences); nothing to undo at the nodes.
 
     @kopf.on.create(GROUP, VERSION, "kvpools", registry=registry, id="count")
