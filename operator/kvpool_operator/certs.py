@@ -9,7 +9,11 @@ The CloudNativePG way: the operator keeps one CA per pool in ``<pool>-ca`` (``ca
   ``spiffe://kvpool/node/<pool>-store``); clients check it as ``<pool>-store.<ns>.svc``
   (``--tls-server-name``), since pod IPs are not known when it is issued;
 * ``<pool>-operator-tls``: the operator's client certificate for the pool's admin API
-  (identity ``spiffe://kvpool/operator``).
+  (identity ``spiffe://kvpool/operator``);
+* ``<pool>-router-tls`` (with ``spec.router.enabled``): the router API's, serving the names of its
+  Service; its callers verify it with the bundle of the ConfigMap ``<pool>-ca-bundle``;
+* tenants' certificates (``kvpool-tls-<pool key>``, by the TenantNamespace reconcile) and the
+  default tenant's (``kvpool-default-tls-<pool key>``), mounted into injected sidecars.
 
 Each leaf Secret is a ``kubernetes.io/tls`` Secret plus ``ca.crt``: mounted as a directory, it
 is what ``--tls-dir`` reads (:mod:`kvpool.wire.tls`).
@@ -90,6 +94,16 @@ def store_tls_secret_name(pool_name: str) -> str:
 
 def operator_tls_secret_name(pool_name: str) -> str:
     return f"{pool_name}-operator-tls"
+
+
+def router_tls_secret_name(pool_name: str) -> str:
+    return f"{pool_name}-router-tls"
+
+
+def ca_bundle_config_map_name(pool_name: str) -> str:
+    """The pool's CA bundle alone (``ca.crt``, no key), for clients that only verify the pool's
+    servers: the router API's callers. A ConfigMap, like ``kube-root-ca.crt``: it is public."""
+    return f"{pool_name}-ca-bundle"
 
 
 def tenant_tls_secret_name(pool_namespace: str, pool_name: str) -> str:
@@ -247,6 +261,14 @@ def store_server_name(pool_name: str, namespace: str) -> str:
 
 def store_leaf(pool_name: str, namespace: str) -> LeafSpec:
     return LeafSpec(pki.node(f"{pool_name}-store"), store_dns_names(pool_name, namespace))
+
+
+def router_leaf(pool_name: str, namespace: str) -> LeafSpec:
+    """The router API: it serves the names of its Service (callers dial the Service) and is a
+    client of the store nodes (identity ``spiffe://kvpool/router``)."""
+    svc = f"{pool_name}-router"
+    return LeafSpec(pki.Identity(pki.ROLE_ROUTER),
+                    (svc, f"{svc}.{namespace}", f"{svc}.{namespace}.svc", f"{svc}.{namespace}.svc.cluster.local"))
 
 
 def operator_leaf() -> LeafSpec:

@@ -106,6 +106,19 @@ def prune_tenant_tls(kube: Kube, tn: TenantSpec, previous_namespaces: Sequence[s
             kube.delete("v1", "Secret", name, ns)
 
 
+def ensure_ca_bundle(kube: Kube, pool: PoolSpec, bundle: bytes) -> None:
+    """The ConfigMap ``<pool>-ca-bundle`` (``ca.crt``): what the router API's callers verify it
+    with, current through a rotation (old + new CA while both are live)."""
+    name = certs.ca_bundle_config_map_name(pool.name)
+    found = kube.get("v1", "ConfigMap", name, pool.namespace)
+    if ((found or {}).get("data") or {}).get(certs.CA_CERT_KEY) == bundle.decode():
+        return
+    kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": pool.namespace, "labels": _labels(pool),
+                             "ownerReferences": [children.owner_reference(pool)]},
+                "data": {certs.CA_CERT_KEY: bundle.decode()}})
+
+
 DEFAULT_TLS_COMPONENT = "tls-default-tenant"
 """``app.kubernetes.io/component`` of a pool's default-tenant Secrets (found again to prune them)."""
 
@@ -184,6 +197,10 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
                         certs.store_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)
     mine = ensure_leaf(kube, certs.operator_tls_secret_name(pool.name), pool.namespace, certs.operator_leaf(), ca, at,
                        policy, _labels(pool), owners)
+    if pool.router_enabled:  # (pruned with the router's Deployment when it is switched off)
+        ensure_leaf(kube, certs.router_tls_secret_name(pool.name), pool.namespace,
+                    certs.router_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)
+    ensure_ca_bundle(kube, pool, ca.bundle)
     missing = ensure_default_tenant_tls(kube, pool, ca, at, policy)
     if missing:
         log.info("pool %s: no default-tenant certificate in %s (namespace not found)", pool.key, ", ".join(missing))

@@ -80,7 +80,7 @@ def test_secrets_created_owned_and_then_left_alone(tmp_path: Path) -> None:
     kube = Secrets()
     now = dt.datetime.now(dt.UTC)
     cfg = pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, now)  # type: ignore[arg-type]
-    assert sorted(kube.writes) == ["p-ca", "p-operator-tls", "p-store-tls"]
+    assert sorted(kube.writes) == ["p-ca", "p-ca-bundle", "p-operator-tls", "p-store-tls"]
     for (_, name), obj in kube.objs.items():
         assert obj["metadata"]["ownerReferences"] == [children.owner_reference(POOL)], name
     store = certs.decode(kube.objs[("ns", "p-store-tls")])
@@ -105,8 +105,9 @@ def test_ca_rotation_reissues_every_leaf_with_the_bundle(tmp_path: Path) -> None
     old_ca = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
     kube.writes.clear()
     cfg = pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
-    assert sorted(kube.writes) == ["p-ca", "p-operator-tls", "p-store-tls"]
+    assert sorted(kube.writes) == ["p-ca", "p-ca-bundle", "p-operator-tls", "p-store-tls"]
     bundle = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
+    assert kube.objs[("ns", "p-ca-bundle")]["data"] == {"ca.crt": bundle.decode()}  # the router's callers
     assert pki.split_bundle(bundle)[1:] == pki.split_bundle(old_ca)
     assert certs.decode(kube.objs[("ns", "p-store-tls")])[certs.CA_CERT_KEY] == bundle
     assert Path(cfg.ca_file).read_bytes() == bundle
@@ -209,3 +210,33 @@ def test_default_tenant_certificates_follow_the_pools_namespaces(tmp_path: Path)
     pool_tls.ensure_pool_tls(kube, listed, str(tmp_path), POLICY)  # type: ignore[arg-type]
     pool_tls.forget_pool(kube, pool_body("p", "ns", tenancy={"defaultTenant": "public"}))  # type: ignore[arg-type]
     assert not [n for _, n in kube.objs if n == name]
+
+
+def test_router_certificate_serves_its_service_and_is_verified_with_the_published_bundle(tmp_path: Path) -> None:
+    """With the router on, ``<pool>-router-tls`` (identity router, the router Service's names)
+    from the pool's CA; a caller holding only the ``<pool>-ca-bundle`` ConfigMap verifies it."""
+    import socket
+    import ssl
+    import threading
+
+    kube = Secrets()
+    pool = parse_pool(pool_body("p", "ns", router={"enabled": True}))
+    pool_tls.ensure_pool_tls(kube, pool, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    sec = kube.objs[("ns", "p-router-tls")]
+    assert sec["metadata"]["ownerReferences"] == [children.owner_reference(pool)]
+    data = certs.decode(sec)
+    assert pki.identity_of(data[certs.TLS_CERT_KEY]) == pki.Identity(pki.ROLE_ROUTER)
+    (tmp_path / "r.crt").write_bytes(data[certs.TLS_CERT_KEY])
+    (tmp_path / "r.key").write_bytes(data[certs.TLS_KEY_KEY])
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(tmp_path / "r.crt", tmp_path / "r.key")
+    client = ssl.create_default_context(cadata=kube.objs[("ns", "p-ca-bundle")]["data"]["ca.crt"])
+    a, b = socket.socketpair()
+    with a, b:
+        t = threading.Thread(target=lambda: server.wrap_socket(a, server_side=True).close())
+        t.start()
+        client.wrap_socket(b, server_hostname="p-router.ns.svc").close()
+        t.join(5)
+    off = Secrets()
+    pool_tls.ensure_pool_tls(off, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    assert ("ns", "p-router-tls") not in off.objs  # no router, no certificate
