@@ -9,6 +9,7 @@ A TenantNamespace of the pool gets its tenant's certificate. Work in progress
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,11 @@ import pytest
 from e2e.cluster import Cluster
 from e2e.test_operator_crds import install_crds
 from e2e.test_operator_pool import Operator, cond, create, kvpool, wait_status
-from e2e.testutil import wait_for
+from e2e.testutil import pool_client_tls, wait_for
 from kvpool.core import pki
 from kvpool.core.errors import KvpoolError
 from kvpool.pool.admin_client import AdminClient
+from kvpool.pool.node_client import StoreClient
 from kvpool_operator import certs
 from kvpool_operator.kube import Kube
 
@@ -48,7 +50,7 @@ def tls_operator(cluster: Cluster, kube: Kube, tmp_path_factory: pytest.TempPath
 
 
 def test_pool_serves_tls_with_operator_issued_certificates(tls_operator: Operator, kube: Kube,
-                                                           namespace: str) -> None:
+                                                           namespace: str, tmp_path: Path) -> None:
     pool = create(kube, kvpool("t", storage={"replicas": 1}, tenancy={"defaultTenant": "public"}), namespace)
     def secret(name: str) -> Callable[[], dict[str, Any] | None]:
         return lambda: kube.get("v1", "Secret", name, namespace)
@@ -83,6 +85,30 @@ def test_pool_serves_tls_with_operator_issued_certificates(tls_operator: Operato
     default = wait_for(secret(f"kvpool-default-tls-{namespace}.t"), 60, "the default tenant's certificate")
     assert default["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
     assert pki.identity_of(certs.decode(default)[certs.TLS_CERT_KEY]) == pki.tenant("default")
+
+    # The data-session opt-out: the nodes restart with --plaintext-data-session, tell clients so
+    # over the TLS control channel, and a client's data connections open with tickets.
+    kube.merge_patch("kvpool.io/v1alpha1", "KVPool", "t", namespace,
+                     {"spec": {"security": {"dataSession": "Plaintext"}}})
+    wait_for(lambda: "--plaintext-data-session" in (kube.get("apps/v1", "StatefulSet", "t-store", namespace) or {})[
+        "spec"]["template"]["spec"]["containers"][0]["args"], 60, "the opt-out in the StatefulSet")
+    cfg = pool_client_tls(kube, namespace, "t", str(tmp_path / "client"))
+
+    def plaintext_member() -> str | None:
+        st = (kube.get("kvpool.io/v1alpha1", "KVPool", "t", namespace) or {}).get("status") or {}
+        for m in (st.get("ring") or {}).get("members") or []:
+            try:
+                with StoreClient(m["address"], timeout=5, tls=cfg) as c:
+                    if c.health(5).data_session_plaintext:
+                        return str(m["address"])
+            except KvpoolError:
+                pass
+        return None
+    address = wait_for(plaintext_member, 180, "a restarted node with a plaintext data session", interval=1)
+    keys, values = [os.urandom(32) for _ in range(3)], [os.urandom(8192) for _ in range(3)]
+    with StoreClient(address, timeout=10, tls=cfg) as c:
+        assert c.put(keys, values) == [0] * 3
+        assert [bytes(v) if v is not None else None for v in c.get(keys)] == values
 
     # A tenant of the pool gets its certificate of the pool, from the same CA, in its namespace.
     tn_name = f"tn-tls-{namespace}"

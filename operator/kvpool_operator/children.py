@@ -193,6 +193,10 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
         # Peers are dialled by pod IP (the ring): they are checked by the name all of them serve.
         tls_args = ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
+        if pool.plaintext_data_session:
+            # The trusted-network opt-out: bulk bytes in the clear, each connection opened by a
+            # ticket from the TLS control channel (without TLS everything is plaintext anyway).
+            tls_args.append("--plaintext-data-session")
     probe = {"tcpSocket": {"port": "control"}}
     return {
         "name": "store",

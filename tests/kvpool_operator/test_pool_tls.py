@@ -127,6 +127,27 @@ def test_store_pods_mount_the_store_secret_when_tls_is_on() -> None:
     assert {"name": "tls", "mountPath": children.TLS_DIR, "readOnly": True} in on["containers"][0]["volumeMounts"]
 
 
+def test_data_session_opt_out_reaches_the_store_flag() -> None:
+    """spec.security.dataSession: Plaintext → ``--plaintext-data-session`` on the store nodes
+    (only with TLS: without it every channel is plaintext already); Encrypted is the default, and
+    anything else is a spec error."""
+    from kvpool.store.main import build_parser
+    from kvpool_operator.model import SpecError
+
+    layout = resolve_layout(POOL, {}, 1 << 30, 1 << 28)
+    assert not POOL.plaintext_data_session
+    enc = children.store_container(POOL, layout, Settings(tls=True))["args"]
+    assert "--plaintext-data-session" not in enc
+    plain = parse_pool(pool_body("p", "ns", security={"dataSession": "Plaintext"}))
+    assert plain.plaintext_data_session
+    args = children.store_container(plain, layout, Settings(tls=True))["args"]
+    assert "--plaintext-data-session" in args and "--tls-dir" in args
+    assert build_parser().parse_args(args).plaintext_data_session  # the store takes what is rendered
+    assert "--plaintext-data-session" not in children.store_container(plain, layout, Settings())["args"]
+    with pytest.raises(SpecError, match="dataSession"):
+        parse_pool(pool_body("p", "ns", security={"dataSession": "Off"}))
+
+
 def test_tenant_certificates_issued_in_each_namespace_from_the_pools_ca(tmp_path: Path) -> None:
     kube = Secrets(("ns", "app1", "app2"))
     tn = parse_tenant(tenant_body("a", "team-a", ["app1", "app2", "gone"], [{"pool": "ns.p"}]))
