@@ -18,13 +18,16 @@ The CloudNativePG way: the operator keeps one CA per pool in ``<pool>-ca`` (``ca
 Each leaf Secret is a ``kubernetes.io/tls`` Secret plus ``ca.crt``: mounted as a directory, it
 is what ``--tls-dir`` reads (:mod:`kvpool.wire.tls`).
 
-Rotation, without a refused connection: ``ca.crt`` of the CA Secret is the *bundle* every peer
-trusts, the signing CA first. ``ca_margin`` before the CA expires, a new CA signs and the old
-one stays in the bundle (new + old); every leaf whose issuer is not the signing CA is re-issued
-at once, with the new bundle. A peer that still holds an old leaf is trusted through the old CA
-until it picks the new files up (the kubelet refreshes mounted Secrets within a minute or two,
-the nodes re-read changed files at their next handshake). An old CA leaves the bundle when it
-expires. Leaves are re-issued ``leaf_margin`` before they expire, or when their names change.
+Rotation, without a refused connection, in two steps. ``ca.crt`` of the CA Secret is the
+*bundle* every peer trusts, the signing CA first. ``ca_margin`` before the signing CA expires, a
+new CA is *staged*: added to the bundle (``next.crt``/``next.key`` hold it) while the old one keeps
+signing, and every leaf Secret gets the grown bundle. ``ca_propagation`` later — time for the
+kubelet to refresh every mounted copy (it syncs Secret volumes about once a minute), so every
+peer trusts the new CA — the staged CA takes over: it signs, and every leaf not issued by it is
+re-issued at once. A peer still holding an old leaf is trusted through the old CA, which stays in
+the bundle until it expires, then leaves it. Leaves are also re-issued ``leaf_margin`` before they
+expire, or when their names change. A signer that has already expired (an operator that was down)
+is replaced at once: nothing it signed is trusted any more anyway.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ import kvpool.core.pki as pki
 from .model import STORE_DEFAULT_TENANT
 
 CA_CERT_KEY, CA_KEY_KEY = "ca.crt", "ca.key"
+NEXT_CERT_KEY, NEXT_KEY_KEY, NEXT_SINCE_KEY = "next.crt", "next.key", "next.since"
+"""The staged CA of a rotation (already in the bundle, not yet signing) and when it was staged
+(Unix seconds, ASCII)."""
 TLS_CERT_KEY, TLS_KEY_KEY = "tls.crt", "tls.key"
 TLS_SECRET_TYPE = "kubernetes.io/tls"
 
@@ -56,6 +62,9 @@ class CertPolicy:
     """Validity of a new CA."""
     ca_margin: dt.timedelta = dt.timedelta(days=30)
     """A CA with less than this left is rotated (and stays trusted, in the bundle, until it expires)."""
+    ca_propagation: dt.timedelta = dt.timedelta(minutes=10)
+    """How long a staged CA is only trusted before it signs: the time for every mounted copy of
+    the bundle to be refreshed (the kubelet's sync period, about a minute, with a wide margin)."""
     leaf_days: int = 90
     """Validity of a leaf (capped by the signing CA's own end)."""
     leaf_margin: dt.timedelta = dt.timedelta(days=7)
@@ -81,7 +90,7 @@ class CaPlan:
     bundle: bytes
     write: Data | None
     reason: str
-    """``Created``, ``Rotated``, ``Pruned`` or ``Current``: for an Event and the logs."""
+    """``Created``, ``Staged``, ``Rotated``, ``Pruned`` or ``Current``: for an Event and the logs."""
 
 
 def ca_secret_name(pool_name: str) -> str:
@@ -155,13 +164,13 @@ def _expires(cert: bytes) -> dt.datetime | None:
         return None
 
 
-def _signer(data: Data) -> pki.KeyPair | None:
-    """The signing pair of a CA Secret: ``ca.key`` and the first certificate of ``ca.crt``,
-    if that certificate is a CA whose public key is the key's."""
+def _pair(data: Data, cert_key: str, key_key: str) -> pki.KeyPair | None:
+    """The pair of ``key_key`` and the first certificate of ``cert_key``, if that certificate is a
+    CA whose public key is the key's."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
-    certs = pki.split_bundle(data.get(CA_CERT_KEY, b""))
-    key_pem = data.get(CA_KEY_KEY, b"")
+    certs = pki.split_bundle(data.get(cert_key, b""))
+    key_pem = data.get(key_key, b"")
     if not certs or not key_pem:
         return None
     try:
@@ -177,22 +186,45 @@ def _signer(data: Data) -> pki.KeyPair | None:
     return pki.KeyPair(certs[0], key_pem)
 
 
+def _staged_since(data: Data) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromtimestamp(float(data.get(NEXT_SINCE_KEY, b"").decode()), dt.UTC)
+    except (ValueError, UnicodeDecodeError, OverflowError):
+        return None
+
+
 def plan_ca(data: Data, now: dt.datetime, policy: CertPolicy, common_name: str) -> CaPlan:
-    """The CA Secret's next state: created when missing or unusable, rotated ``ca_margin`` before
-    the signer expires (the old CA stays in the bundle), expired CAs pruned from the bundle."""
-    signer = _signer(data)
+    """The CA Secret's next state: created when missing or unusable; ``ca_margin`` before the
+    signer expires a new CA staged (trusted, not signing); ``ca_propagation`` after it was made,
+    the staged CA signing (the old one stays in the bundle); expired CAs pruned from the bundle."""
+    signer = _pair(data, CA_CERT_KEY, CA_KEY_KEY)
     if signer is None:
         ca = pki.make_ca(common_name, days=policy.ca_days, now=now)
         return CaPlan(ca, ca.cert_pem, {CA_CERT_KEY: ca.cert_pem, CA_KEY_KEY: ca.key_pem}, "Created")
+    staged = _pair(data, NEXT_CERT_KEY, NEXT_KEY_KEY)
+    since = _staged_since(data) or now  # unreadable: staged now, as far as anyone can tell
     live = [c for c in pki.split_bundle(data[CA_CERT_KEY]) if (_expires(c) or now) > now]
+    left = pki.not_after(signer.cert_pem) - now
     reason = "Current"
-    if (pki.not_after(signer.cert_pem) - now) < policy.ca_margin:
+    if left < policy.ca_margin and staged is None and left > dt.timedelta(0):
+        staged, since = pki.make_ca(common_name, days=policy.ca_days, now=now), now
+        reason = "Staged"
+    elif staged is not None and (now - since >= policy.ca_propagation or left <= dt.timedelta(0)):
+        signer, staged = staged, None
+        reason = "Rotated"
+    elif left <= dt.timedelta(0):  # expired unseen: no staging helps any more
         signer = pki.make_ca(common_name, days=policy.ca_days, now=now)
         reason = "Rotated"
-    bundle = pki.bundle(signer.cert_pem, *live)
+    extra = [staged.cert_pem] if staged is not None else []
+    bundle = pki.bundle(signer.cert_pem, *extra, *live)
     if reason == "Current" and bundle != data[CA_CERT_KEY]:
         reason = "Pruned"
-    write = None if reason == "Current" else {CA_CERT_KEY: bundle, CA_KEY_KEY: signer.key_pem}
+    write = None
+    if reason != "Current":
+        write = {CA_CERT_KEY: bundle, CA_KEY_KEY: signer.key_pem}
+        if staged is not None:
+            write.update({NEXT_CERT_KEY: staged.cert_pem, NEXT_KEY_KEY: staged.key_pem,
+                          NEXT_SINCE_KEY: str(since.timestamp()).encode()})
     return CaPlan(signer, bundle, write, reason)
 
 

@@ -5,6 +5,8 @@ Low-cardinality labels only: the resource kind and an outcome, never an object n
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvpool.wire.metric_names import TlsMetric
@@ -29,11 +31,16 @@ INJECTIONS = Counter("kvpool_operator_injections_total", "Admission decisions on
                      "skip reason)", ["reason"], registry=REGISTRY)
 SCALE_DOWN_BLOCKED = Counter("kvpool_operator_scale_down_blocked_total", "Scale-downs refused", registry=REGISTRY)
 CERT_EXPIRY = Gauge(TlsMetric.CERTIFICATE_EXPIRY, "Unix time a certificate of the pool expires (kind: ca, the "
-                    "earliest of the trusted bundle; serving, the store nodes'; client, the operator's)",
-                    ["pool", "kind"], registry=REGISTRY)
+                    "earliest of the trusted bundle; serving, the store nodes'; client, the operator's; router)",
+                    ["namespace", "pool", "kind"], registry=REGISTRY)
+"""Labelled with the pool's namespace and name, as the store nodes' series are (the chart's
+ServiceMonitor honours them over the operator pod's own ``namespace``)."""
 POOLS = Gauge("kvpool_operator_pools", "KVPools this operator reconciles", registry=REGISTRY)
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> None:
-    if port:
-        start_http_server(port, addr=addr, registry=REGISTRY)
+def serve(port: int, addr: str = "0.0.0.0") -> Any:
+    """Serve ``/metrics`` (port 0: not at all); returns the server (``shutdown()`` stops it)."""
+    if not port:
+        return None
+    server, _ = start_http_server(port, addr=addr, registry=REGISTRY)
+    return server

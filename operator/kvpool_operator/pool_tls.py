@@ -24,7 +24,8 @@ from kvpool.wire.tls import TlsConfig
 
 from . import certs, children, metrics
 from .kube import Kube, KubeError
-from .model import PoolSpec, SpecError, TenantSpec, parse_pool, pool_key
+from .model import PoolSpec, SpecError, TenantSpec, parse_pool
+from .settings import Settings
 from .tenancy import OWNER_LABEL, TENANT_LABEL
 from .tenancy import owner_reference as tenant_owner
 
@@ -183,9 +184,11 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
     ``body``, a created or rotated CA is an Event about it."""
     at = now or dt.datetime.now(dt.UTC)
     ca = ensure_ca(kube, pool, at, policy)
-    if body is not None and ca.reason in ("Created", "Rotated"):
-        what = {"Created": "created", "Rotated": "rotated (the old CA stays trusted until it expires; every "
-                                                 "certificate is re-issued from the new one)"}[ca.reason]
+    if body is not None and ca.reason in ("Created", "Staged", "Rotated"):
+        what = {"Created": "created",
+                "Staged": f"about to expire: a new CA is trusted from now on and signs in {policy.ca_propagation}",
+                "Rotated": "rotated (the old CA stays trusted until it expires; every certificate is re-issued "
+                           "from the new one)"}[ca.reason]
         try:
             kube.event(body, "Normal", f"CertificateAuthority{ca.reason}",
                        f"CA of the pool {what}: Secret {certs.ca_secret_name(pool.name)}, valid until "
@@ -197,9 +200,10 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
                         certs.store_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)
     mine = ensure_leaf(kube, certs.operator_tls_secret_name(pool.name), pool.namespace, certs.operator_leaf(), ca, at,
                        policy, _labels(pool), owners)
+    router: certs.Data = {}
     if pool.router_enabled:  # (pruned with the router's Deployment when it is switched off)
-        ensure_leaf(kube, certs.router_tls_secret_name(pool.name), pool.namespace,
-                    certs.router_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)
+        router = ensure_leaf(kube, certs.router_tls_secret_name(pool.name), pool.namespace,
+                             certs.router_leaf(pool.name, pool.namespace), ca, at, policy, _labels(pool), owners)
     ensure_ca_bundle(kube, pool, ca.bundle)
     missing = ensure_default_tenant_tls(kube, pool, ca, at, policy)
     if missing:
@@ -207,11 +211,31 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
     directory = os.path.join(tls_root, pool.namespace, pool.name)
     _write_files(directory, mine)
     for kind, data, key in (("ca", ca.write or {certs.CA_CERT_KEY: ca.bundle}, certs.CA_CERT_KEY),
-                            ("serving", store, certs.TLS_CERT_KEY), ("client", mine, certs.TLS_CERT_KEY)):
+                            ("serving", store, certs.TLS_CERT_KEY), ("client", mine, certs.TLS_CERT_KEY),
+                            ("router", router, certs.TLS_CERT_KEY)):
         when = certs.expiry_seconds(data, key)
         if when is not None:
-            metrics.CERT_EXPIRY.labels(pool.key, kind).set(when)
+            metrics.CERT_EXPIRY.labels(pool.namespace, pool.name, kind).set(when)
+        elif kind == "router":
+            _forget_series(pool.namespace, pool.name, (kind,))
     return TlsConfig.from_dir(directory, certs.store_server_name(pool.name, pool.namespace))
+
+
+CERT_KINDS = ("ca", "serving", "client", "router")
+"""The ``kind`` label of ``kvpool_certificate_expiry_timestamp_seconds``."""
+
+
+def _forget_series(namespace: str, name: str, kinds: Sequence[str]) -> None:
+    for kind in kinds:
+        try:
+            metrics.CERT_EXPIRY.remove(namespace, name, kind)
+        except KeyError:
+            pass
+
+
+def cert_policy(settings: Settings) -> certs.CertPolicy:
+    """The certificate policy the operator's settings give (CloudNativePG's validity defaults)."""
+    return certs.CertPolicy(ca_propagation=dt.timedelta(seconds=settings.tls_ca_propagation_seconds))
 
 
 def forget_pool(kube: Kube | None, body: Mapping[str, Any]) -> None:
@@ -219,11 +243,7 @@ def forget_pool(kube: Kube | None, body: Mapping[str, Any]) -> None:
     default tenant's outside its namespace, deleted here with ``kube`` (best effort: a missed one
     is a certificate of a CA that no longer exists)."""
     meta = body.get("metadata") or {}
-    for kind in ("ca", "serving", "client"):
-        try:
-            metrics.CERT_EXPIRY.remove(pool_key(str(meta.get("namespace")), str(meta.get("name"))), kind)
-        except KeyError:
-            pass
+    _forget_series(str(meta.get("namespace")), str(meta.get("name")), CERT_KINDS)
     try:
         pool = parse_pool(body)
     except SpecError:  # an unparsable spec names no namespaces to clean

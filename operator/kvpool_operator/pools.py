@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 from kvpool.core.push_status import DrainStatus, WarmStatus
 
 from . import children, metrics
-from .certs import CertPolicy
 from .drain import DrainState
 from .encryption import master_key_problem
 from .kube import Kube
@@ -37,7 +36,7 @@ from .model import (
     wants_encryption,
 )
 from .nodes import NodeUnreachable
-from .pool_tls import ensure_pool_tls
+from .pool_tls import cert_policy, ensure_pool_tls
 from .rebalance import RebalanceState
 from .reconcile import PoolObserved, PoolPlan, plan_pool
 from .runtime import Runtime
@@ -133,7 +132,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
     if rt.settings.tls:
         # Before any admin call: the nodes take them only from the operator's certificate.
         nodes.use_tls((f"{p.ip}:{pool.port}" for p in usable.values()),
-                      ensure_pool_tls(kube, pool, rt.settings.tls_dir, CertPolicy(), body=body))
+                      ensure_pool_tls(kube, pool, rt.settings.tls_dir, cert_policy(rt.settings), body=body))
     sts = kube.get("apps/v1", "StatefulSet", children.store_name(pool), pool.namespace)
     sts_replicas = None if sts is None else int((sts.get("spec") or {}).get("replicas", 0))
     sst = (sts or {}).get("status") or {}

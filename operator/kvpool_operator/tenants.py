@@ -11,11 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import metrics
-from .certs import CertPolicy
 from .drain import Event
 from .kube import Kube, KubeError
 from .model import API_VERSION, SpecError, TenantSpec, parse_pool_ref, parse_tenant
-from .pool_tls import ensure_tenant_tls, prune_tenant_tls
+from .pool_tls import cert_policy, ensure_tenant_tls, prune_tenant_tls
 from .runtime import Runtime
 from .status import Condition, merge_conditions
 from .tenancy import OWNER_LABEL, choose_credentials, new_credentials, plan_secrets, tenant_pool_status, tenant_secret
@@ -87,7 +86,7 @@ def reconcile(rt: Runtime, name: str) -> list[str]:
             touched.extend(p.key for p in tn.pools)
         if rt.settings.tls:
             for p in tn.pools:
-                missing += [ns for ns in ensure_tenant_tls(kube, tn, p.namespace, p.name, CertPolicy())
+                missing += [ns for ns in ensure_tenant_tls(kube, tn, p.namespace, p.name, cert_policy(rt.settings))
                             if ns not in missing]
             prune_tenant_tls(kube, tn, st.get("secrets") or [],
                              [str(row.get("pool", "")) for row in st.get("pools") or [] if row.get("pool")])

@@ -168,6 +168,8 @@ def test_url_mode_existing_secret_peering_and_service_monitor(tmp_path: Path) ->
     metrics_svc = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("-metrics"))
     assert all(metrics_svc["metadata"]["labels"].get(k) == v
                for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    # The operator's certificate-expiry series name the pool's namespace: kept over the target's.
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
 
     docs = render(tmp_path, "webhook.enabled=false", "metrics.enabled=false")
     assert not by_kind(docs, "MutatingWebhookConfiguration") and not by_kind(docs, "Service")
@@ -295,11 +297,12 @@ def test_pod_monitors_scrape_the_ports_the_operator_names(tmp_path: Path) -> Non
 
 
 def test_pool_tls_switch(tmp_path: Path) -> None:
-    """Off by default while in progress; on, the operator issues and uses the pools' certificates,
-    keeping its own under the writable /var/tmp/kvpool (docs/wip-operator-tls.md)."""
-    args = one(render(tmp_path), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--tls" not in args
-    dep = one(render(tmp_path, "tls.enabled=true"), "Deployment")
+    """On by default: the operator issues and uses the pools' certificates, keeping its own under
+    the writable /var/tmp/kvpool; off, it is told so (its own default is on)."""
+    args = one(render(tmp_path, "tls.enabled=false"), "Deployment")["spec"]["template"]["spec"]["containers"][0][
+        "args"]
+    assert "--tls" not in args and "--no-tls" in args
+    dep = one(render(tmp_path), "Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--tls" in args and args[args.index("--tls-dir") + 1] == "/var/tmp/kvpool/tls"
     mounts = [m["mountPath"] for m in dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]]

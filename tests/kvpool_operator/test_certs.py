@@ -46,19 +46,48 @@ def test_unusable_ca_secret_is_replaced() -> None:
         assert _ca(data).reason == "Created"
 
 
-def test_rotation_keeps_the_old_ca_trusted_until_it_expires() -> None:
+def _rotate(data: certs.Data, at: dt.datetime) -> tuple[certs.CaPlan, certs.CaPlan]:
+    """A rotation's two steps: the new CA staged at ``at``, signing ``ca_propagation`` later."""
+    staged = _ca(data, at)
+    assert staged.reason == "Staged" and staged.write is not None
+    return staged, _ca(staged.write, at + POLICY.ca_propagation)
+
+
+def test_rotation_stages_the_new_ca_then_signs_with_it_keeping_the_old_until_it_expires() -> None:
     first = _ca({})
     assert first.write is not None
     before = T0 + dt.timedelta(days=79)  # 21 days left: not yet
     assert _ca(first.write, before).reason == "Current"
-    rotated = _ca(first.write, T0 + dt.timedelta(days=81))
+    day81 = T0 + dt.timedelta(days=81)
+    staged = _ca(first.write, day81)
+    # Step 1: the new CA is trusted (in the bundle, after the signer) but does not sign yet.
+    assert staged.reason == "Staged" and staged.write is not None and staged.signer == first.signer
+    new_ca = staged.write[certs.NEXT_CERT_KEY]
+    assert pki.split_bundle(staged.bundle) == [first.signer.cert_pem, new_ca]
+    waiting = _ca(staged.write, day81 + POLICY.ca_propagation - dt.timedelta(seconds=1))
+    assert waiting.reason == "Current" and waiting.signer == first.signer and waiting.bundle == staged.bundle
+    # Step 2, once every mounted bundle had time to be refreshed: it signs, the old stays trusted.
+    rotated = _ca(staged.write, day81 + POLICY.ca_propagation)
     assert rotated.reason == "Rotated" and rotated.write is not None
-    assert rotated.signer != first.signer
-    assert pki.split_bundle(rotated.bundle) == [rotated.signer.cert_pem, first.signer.cert_pem]
+    assert rotated.signer.cert_pem == new_ca and certs.NEXT_CERT_KEY not in rotated.write
+    assert pki.split_bundle(rotated.bundle) == [new_ca, first.signer.cert_pem]
     # Idempotent while both live; the old CA leaves once it has expired.
     assert _ca(rotated.write, T0 + dt.timedelta(days=90)).reason == "Current"
     pruned = _ca(rotated.write, T0 + dt.timedelta(days=101))
     assert pruned.reason == "Pruned" and pruned.bundle == rotated.signer.cert_pem
+
+
+def test_an_expired_signer_is_replaced_at_once() -> None:
+    """An operator that was down past the CA's end: nothing it signed is trusted any more, so a
+    staged CA (or a new one) signs at once."""
+    first = _ca({})
+    assert first.write is not None
+    late = _ca(first.write, T0 + dt.timedelta(days=101))
+    assert late.reason == "Rotated" and late.signer != first.signer and late.bundle == late.signer.cert_pem
+    staged = _ca(first.write, T0 + dt.timedelta(days=81))
+    assert staged.write is not None
+    now = _ca(staged.write, T0 + dt.timedelta(days=101))
+    assert now.reason == "Rotated" and now.signer.cert_pem == staged.write[certs.NEXT_CERT_KEY]
 
 
 def test_leaf_issued_with_names_identity_and_bundle() -> None:
@@ -124,16 +153,25 @@ def test_store_certificate_refused_for_another_pool_or_ca(tmp_path: Path) -> Non
 
 
 def test_old_leaf_still_verifies_against_the_rotated_bundle(tmp_path: Path) -> None:
+    """Through a rotation every pair of peers keeps verifying each other: an old leaf against the
+    staged and the rotated bundle; a new leaf against the staged bundle (what a peer that has not
+    yet picked up the rotated files holds) and the rotated one."""
     now = dt.datetime.now(dt.UTC)
     first = certs.plan_ca({}, now - dt.timedelta(days=85), POLICY, "pool CA")
     assert first.write is not None
     old_leaf = certs.plan_leaf({}, first, certs.store_leaf("p", "ns"), now - dt.timedelta(days=1), POLICY)
-    rotated = certs.plan_ca(first.write, now, POLICY, "pool CA")
-    assert rotated.reason == "Rotated" and old_leaf is not None
-    _handshake(tmp_path, old_leaf, rotated.bundle, "p-store.ns.svc")
+    staged = certs.plan_ca(first.write, now - POLICY.ca_propagation, POLICY, "pool CA")
+    assert staged.write is not None and old_leaf is not None
+    rotated = certs.plan_ca(staged.write, now, POLICY, "pool CA")
+    assert rotated.reason == "Rotated"
+    for bundle in (staged.bundle, rotated.bundle):
+        _handshake(tmp_path, old_leaf, bundle, "p-store.ns.svc")
     new_leaf = certs.plan_leaf(old_leaf, rotated, certs.store_leaf("p", "ns"), now, POLICY)
     assert new_leaf is not None
-    _handshake(tmp_path, new_leaf, first.bundle + rotated.bundle, "p-store.ns.svc")
+    for bundle in (staged.bundle, rotated.bundle):
+        _handshake(tmp_path, new_leaf, bundle, "p-store.ns.svc")
+    with pytest.raises(ssl.SSLCertVerificationError):  # why the staging step: the old bundle alone
+        _handshake(tmp_path, new_leaf, first.bundle, "p-store.ns.svc")
 
 
 @pytest.mark.parametrize("later, reason", [(dt.timedelta(days=24), None), (dt.timedelta(days=26), "Expiring")])
@@ -151,7 +189,9 @@ def test_leaf_reissued_when_names_change_or_issuer_rotated() -> None:
     data = certs.plan_leaf({}, ca, certs.tenant_leaf("a"), day80, POLICY)
     assert data is not None
     assert certs.leaf_reason(data, ca, certs.tenant_leaf("b"), day80, POLICY) == "NamesChanged"
-    rotated = _ca(ca.write, T0 + dt.timedelta(days=85))
+    staged, rotated = _rotate(ca.write, T0 + dt.timedelta(days=85))
+    # Staged: the leaf stays (only its bundle grows); rotated: it is re-issued.
+    assert certs.leaf_reason(data, staged, certs.tenant_leaf("a"), T0 + dt.timedelta(days=85), POLICY) is None
     assert certs.leaf_reason(data, rotated, certs.tenant_leaf("a"), T0 + dt.timedelta(days=85), POLICY) \
         == "IssuerRotated"
     new = certs.plan_leaf(data, rotated, certs.tenant_leaf("a"), T0 + dt.timedelta(days=85), POLICY)

@@ -18,7 +18,9 @@ from kvpool_operator.model import SidecarDeadlines, SpecError, TenantSpec, parse
 from kvpool_operator.settings import Settings
 from kvpool_operator.testing import apply_merge_patch, pool_body, tenant_body
 
-S = Settings()
+# Plaintext: the arguments and mounts without TLS; what TLS (the default) adds is tested in the
+# test_tls_* tests.
+S = Settings(tls=False)
 POOL = PoolView("pools", "shared", local_bytes=64 << 20, drain_seconds=20, default_tenant="public",
                 seeds=("127.0.0.10:7400", "shared-store.pools.svc:7400"))
 CLOSED = PoolView("pools", "closed", local_bytes=64 << 20, drain_seconds=20, seeds=("svc:7400",))

@@ -91,32 +91,58 @@ def test_secrets_created_owned_and_then_left_alone(tmp_path: Path) -> None:
     assert Path(cfg.ca_file).read_bytes() == store[certs.CA_CERT_KEY]
     assert cfg.server_name == "p-store.ns.svc" and cfg.cert_file.startswith(str(tmp_path / "ns" / "p"))
     got = metrics.REGISTRY.get_sample_value("kvpool_certificate_expiry_timestamp_seconds",
-                                            {"pool": POOL.key, "kind": "serving"})
+                                            {"namespace": "ns", "pool": "p", "kind": "serving"})
     assert got == pki.not_after(store[certs.TLS_CERT_KEY]).timestamp()
     kube.writes.clear()
     pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, now + dt.timedelta(days=1))  # type: ignore[arg-type]
     assert kube.writes == []
 
 
-def test_ca_rotation_reissues_every_leaf_with_the_bundle(tmp_path: Path) -> None:
+def _issuer(data: certs.Data) -> bytes:
+    """The CA certificate of the leaf's bundle that signed its certificate."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+
+    leaf = x509.load_pem_x509_certificate(data[certs.TLS_CERT_KEY])
+    for ca in pki.split_bundle(data[certs.CA_CERT_KEY]):
+        try:
+            leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+            return ca
+        except (ValueError, InvalidSignature):
+            continue
+    raise AssertionError("no CA of the bundle signed the leaf")
+
+
+def test_ca_rotation_stages_then_reissues_every_leaf_with_the_bundle(tmp_path: Path) -> None:
     kube = Secrets()
     start = dt.datetime.now(dt.UTC) - dt.timedelta(days=85)
     pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, start)  # type: ignore[arg-type]
     old_ca = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
     kube.writes.clear()
-    cfg = pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
+    now = dt.datetime.now(dt.UTC)
+    # Step 1: the new CA joins every bundle; no leaf changes.
+    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, now)  # type: ignore[arg-type]
+    grown = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
+    assert pki.split_bundle(grown)[0] == old_ca and len(pki.split_bundle(grown)) == 2
+    store = certs.decode(kube.objs[("ns", "p-store-tls")])
+    assert _issuer(store) == old_ca and store[certs.CA_CERT_KEY] == grown
+    # Step 2, ca_propagation later: the new CA signs, every leaf is re-issued from it.
+    kube.writes.clear()
+    cfg = pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, now + POLICY.ca_propagation)  # type: ignore[arg-type]
     assert sorted(kube.writes) == ["p-ca", "p-ca-bundle", "p-operator-tls", "p-store-tls"]
     bundle = certs.decode(kube.objs[("ns", "p-ca")])[certs.CA_CERT_KEY]
-    assert kube.objs[("ns", "p-ca-bundle")]["data"] == {"ca.crt": bundle.decode()}  # the router's callers
     assert pki.split_bundle(bundle)[1:] == pki.split_bundle(old_ca)
     assert certs.decode(kube.objs[("ns", "p-store-tls")])[certs.CA_CERT_KEY] == bundle
+    assert _issuer(certs.decode(kube.objs[("ns", "p-store-tls")])) == pki.split_bundle(bundle)[0]
     assert Path(cfg.ca_file).read_bytes() == bundle
+    assert kube.objs[("ns", "p-ca-bundle")]["data"] == {"ca.crt": bundle.decode()}  # the router's callers
 
 
 def test_store_pods_mount_the_store_secret_when_tls_is_on() -> None:
     pool = POOL
     layout = resolve_layout(pool, {}, 1 << 30, 1 << 28)
-    off = children.stateful_set(pool, layout, Settings(), 1)["spec"]["template"]["spec"]
+    assert Settings().tls  # on by default
+    off = children.stateful_set(pool, layout, Settings(tls=False), 1)["spec"]["template"]["spec"]
     assert "--tls-dir" not in off["containers"][0]["args"]
     assert all(v["name"] != "tls" for v in off["volumes"])
     on = children.stateful_set(pool, layout, Settings(tls=True), 1)["spec"]["template"]["spec"]
@@ -143,7 +169,7 @@ def test_data_session_opt_out_reaches_the_store_flag() -> None:
     args = children.store_container(plain, layout, Settings(tls=True))["args"]
     assert "--plaintext-data-session" in args and "--tls-dir" in args
     assert build_parser().parse_args(args).plaintext_data_session  # the store takes what is rendered
-    assert "--plaintext-data-session" not in children.store_container(plain, layout, Settings())["args"]
+    assert "--plaintext-data-session" not in children.store_container(plain, layout, Settings(tls=False))["args"]
     with pytest.raises(SpecError, match="dataSession"):
         parse_pool(pool_body("p", "ns", security={"dataSession": "Off"}))
 
@@ -194,14 +220,14 @@ def test_stale_tenant_certificates_deleted_only_when_ours(tmp_path: Path) -> Non
     assert deleted == [("app1", "kvpool-tls-ns.p")]
 
 
-def test_ca_created_and_rotated_are_events(tmp_path: Path) -> None:
+def test_ca_created_staged_and_rotated_are_events(tmp_path: Path) -> None:
     kube = Secrets()
     body = pool_body("p", "ns")
     start = dt.datetime.now(dt.UTC) - dt.timedelta(days=85)
-    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, start, body)  # type: ignore[arg-type]
-    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, start, body)  # type: ignore[arg-type]
-    pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, None, body)  # type: ignore[arg-type]
-    assert kube.events == ["CertificateAuthorityCreated", "CertificateAuthorityRotated"]
+    now = dt.datetime.now(dt.UTC)
+    for at in (start, start, now, now, now + POLICY.ca_propagation, now + POLICY.ca_propagation):
+        pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, at, body)  # type: ignore[arg-type]
+    assert kube.events == ["CertificateAuthorityCreated", "CertificateAuthorityStaged", "CertificateAuthorityRotated"]
 
 
 def test_default_tenant_certificates_follow_the_pools_namespaces(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ from kvpool_operator.reconcile import PoolObserved, plan_pool
 from kvpool_operator.settings import Settings
 from kvpool_operator.testing import apply_merge_patch, pool_body
 
-S = Settings()
+# Plaintext; what TLS (the default) adds is test_router_with_tls_serves_its_certificate_....
+S = Settings(tls=False)
 
 
 def _kinds(manifests: Any) -> list[tuple[str, str]]:
