@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.core.errors import KvpoolError
 from kvpool.core.push_status import DrainStatus, WarmStatus
@@ -40,8 +40,9 @@ class Nodes:
     def __init__(self, timeout: float = 5.0) -> None:
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._clients: dict[str, tuple[str, TlsConfig | None, AdminClient]] = {}
-        """address -> (the admin token its client carries, its TLS configuration, the client)"""
+        self._clients: dict[str, tuple[str, TlsConfig | None, Any, AdminClient]] = {}
+        """address -> (the admin token its client carries, its TLS configuration, the files it
+        was built from, the client)"""
         self._tls: dict[str, TlsConfig] = {}
         """address -> the operator's client certificate for the pool of that node"""
 
@@ -56,19 +57,23 @@ class Nodes:
         with self._lock:
             got = self._clients.get(address)
             tls = self._tls.get(address)
-            # A new node, the pool's admin token rotated, or the pool turned TLS on.
-            if got is None or got[0] != token or got[1] != tls:
+            # A gRPC channel keeps the credentials it was made with: after a renewal or a CA
+            # rotation rewrote the files, a reconnect would present the old certificate and
+            # trust only the old bundle, so the client is made again.
+            files = tls.read() if tls is not None else None
+            # A new node, the pool's admin token rotated, the pool turned TLS on, or new files.
+            if got is None or got[0] != token or got[1] != tls or got[2] != files:
                 if got is not None:
-                    got[2].close()
-                got = self._clients[address] = (token, tls, AdminClient(address, token, self.timeout, tls))
-            return got[2]
+                    got[3].close()
+                got = self._clients[address] = (token, tls, files, AdminClient(address, token, self.timeout, tls))
+            return got[3]
 
     def forget(self, keep: Iterable[str]) -> None:
         """Close the clients of addresses no longer in any ring."""
         keep_set = set(keep)
         with self._lock:
             for addr in [a for a in self._clients if a not in keep_set]:
-                self._clients.pop(addr)[2].close()
+                self._clients.pop(addr)[3].close()
             for addr in [a for a in self._tls if a not in keep_set]:
                 del self._tls[addr]
 
