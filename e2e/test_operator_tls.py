@@ -3,8 +3,9 @@ pool's CA and certificates as Secrets owned by the pool, the store pods mount th
 TLS, and the operator's admin calls (a Ready pool needs their Stats) go through with its client
 certificate while a plaintext caller gets nowhere.
 
-A TenantNamespace of the pool gets its tenant's certificate. Work in progress
-(docs/wip-operator-tls.md): no CA rotation and no injected sidecar talking TLS here yet.
+A TenantNamespace of the pool gets its tenant's certificate, the default tenant gets the pool's,
+and the data-session opt-out reaches the nodes. A CA rotation keeps serving with no failed read.
+Injected sidecars talking TLS run in the other e2e files (TLS is the operator's default).
 """
 
 from __future__ import annotations
