@@ -14,15 +14,15 @@ a number.
 
 Expressions that return nothing on a healthy pool (an alert's condition) are evaluated with their
 comparisons made ``bool`` (``e2e.prom.live_form``), so they return their series either way.
-``e2e.prom.PENDING`` lists the families nothing here exports yet (the operator's certificate
-expiry, from the pool TLS the operator does not issue yet); an expression over one is skipped and
-the test fails once the family is exported, so the entry is removed then.
+``e2e.prom.PENDING`` lists the families nothing here exports yet (none now); an expression over
+one is skipped and the test fails once the family is exported, so the entry is removed then.
 
-Not covered: the chart's ServiceMonitor (the operator's own metrics Service). The harness's
-endpoints controller refuses the loopback pod IPs (``--endpoint-reconciler-type=none`` and
-127.0.0.0/8 addresses in Endpoints are invalid), so a Service has no endpoints to discover, and
-the operator runs here as a process beside the cluster; the only dashboard family it would add is
-the pending certificate expiry.
+The operator's own metrics (the certificate-expiry gauge of the pool's TLS) are scraped from the
+operator process as a static target with ``honor_labels``, as the chart's ServiceMonitor says
+(``honorLabels: true``): the chart's ServiceMonitor itself cannot be discovered here, because the
+harness's endpoints controller refuses the loopback pod IPs (``--endpoint-reconciler-type=none``
+and 127.0.0.0/8 addresses in Endpoints are invalid), and the operator runs as a process beside the
+cluster.
 """
 
 from __future__ import annotations
@@ -307,6 +307,9 @@ def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheu
     discovery = PodDiscovery(api, sd, namespaces=[namespace, remote_ns]).start()
     try:
         configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, sd)]
+        configs.append({"job_name": "kvpool-operator", "honor_labels": True, "static_configs": [
+            {"targets": [f"127.0.0.1:{operator.metrics_port}"],
+             "labels": {"namespace": "kvpool-system", "container": "operator", "endpoint": "metrics"}}]})
         base = prometheus.start(configs)
         ready = time.monotonic()
 

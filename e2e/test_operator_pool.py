@@ -39,12 +39,15 @@ class Operator:
     def __init__(self, cluster: Cluster, workdir: Path) -> None:
         assert cluster.pki is not None
         self.port = free_port()
+        self.metrics_port = free_port()
+        """Its /metrics on 127.0.0.1 (the certificate-expiry gauge: e2e/test_monitoring_scrape.py)."""
         self.log = workdir / "operator.log"
         self.env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
         self._out = self.log.open("ab")
         self.argv = [
             sys.executable, "-m", "kvpool", "--log-level", "INFO", "operator", "--standalone",
-            "--metrics-port", "0", "--liveness", "", "--reconcile-interval", "2", "--tenant-interval", "3",
+            "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1", "--liveness", "",
+            "--reconcile-interval", "2", "--tenant-interval", "3",
             "--webhook-port", str(self.port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
             "--webhook-cert", str(cluster.pki.webhook.cert), "--webhook-key", str(cluster.pki.webhook.key)]
         self.start()
