@@ -39,7 +39,8 @@ POOLS = Gauge("kvpool_operator_pools", "KVPools this operator reconciles", regis
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> Any:
-    """Serve ``/metrics`` (port 0: not at all); returns the server (``shutdown()`` stops it)."""
+    """Serve ``/metrics`` (port 0: not at all); returns the server (``shutdown()`` then
+    ``server_close()`` stop it)."""
     if not port:
         return None
     server, _ = start_http_server(port, addr=addr, registry=REGISTRY)

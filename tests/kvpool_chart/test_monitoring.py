@@ -214,6 +214,7 @@ def operator_exporter(tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
                                                               "endpoint": "metrics"}}]
     finally:
         server.shutdown()
+        server.server_close()
         pool_tls.forget_pool(None, pool_body("local", "local"))
 
 
