@@ -86,7 +86,8 @@ def test_pool_serves_tls_with_operator_issued_certificates(tls_operator: Operato
     finally:
         plain.close()
     assert any(p.is_file() for p in (Path(tls_operator.argv[-1]) / namespace / "t").iterdir())
-    assert kube.get("v1", "ConfigMap", "t-ca-bundle", namespace)["data"]["ca.crt"].encode() == ca[certs.CA_CERT_KEY]
+    bundle_map = kube.get("v1", "ConfigMap", "t-ca-bundle", namespace) or {}
+    assert bundle_map["data"]["ca.crt"].encode() == ca[certs.CA_CERT_KEY]
 
     # The default tenant's sidecars (namespaces no TenantNamespace binds) get the pool's
     # default-tenant certificate in the pool's namespace.

@@ -395,7 +395,7 @@ def _data_session(value: Any) -> bool:
     """spec.security.dataSession → plaintext? (the CRD's enum; a body that bypassed it fails here)."""
     if value not in ("Encrypted", "Plaintext"):
         raise SpecError("InvalidSpec", f"spec.security.dataSession must be Encrypted or Plaintext, got {value!r}")
-    return value == "Plaintext"
+    return bool(value == "Plaintext")
 
 
 def is_peer_list(value: Any) -> bool:
