@@ -40,7 +40,7 @@ def _binary(name: str) -> Path:
 PROMTOOL = _binary("promtool")
 PROMETHEUS = _binary("prometheus")
 CERT_EXPIRY = "kvpool_certificate_expiry_timestamp_seconds"
-"""The operator's gauge of the pool's TLS (issue 23 part 1), labels namespace, pool and kind."""
+"""The operator's gauge of the pool's TLS (issue 23 part 1), labels pool_namespace, pool and kind."""
 SHORT_WINDOW = "20s"
 """Every range of the PromQL in the live tests: a few scrapes (1 s apart) of a short workload."""
 PENDING: dict[str, str] = {}

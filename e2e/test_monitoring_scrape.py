@@ -18,8 +18,8 @@ comparisons made ``bool`` (``e2e.prom.live_form``), so they return their series 
 one is skipped and the test fails once the family is exported, so the entry is removed then.
 
 The operator's own metrics (the certificate-expiry gauge of the pool's TLS) are scraped from the
-operator process as a static target with ``honor_labels``, as the chart's ServiceMonitor says
-(``honorLabels: true``): the chart's ServiceMonitor itself cannot be discovered here, because the
+operator process as a static target with the labels the chart's ServiceMonitor gives it (its series
+name the KVPool in ``pool_namespace`` and ``pool``): the ServiceMonitor itself cannot be discovered here, because the
 harness's endpoints controller refuses the loopback pod IPs (``--endpoint-reconciler-type=none``
 and 127.0.0.0/8 addresses in Endpoints are invalid), and the operator runs as a process beside the
 cluster.
@@ -307,7 +307,7 @@ def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheu
     discovery = PodDiscovery(api, sd, namespaces=[namespace, remote_ns]).start()
     try:
         configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, sd)]
-        configs.append({"job_name": "kvpool-operator", "honor_labels": True, "static_configs": [
+        configs.append({"job_name": "kvpool-operator", "static_configs": [
             {"targets": [f"127.0.0.1:{operator.metrics_port}"],
              "labels": {"namespace": "kvpool-system", "container": "operator", "endpoint": "metrics"}}]})
         base = prometheus.start(configs)

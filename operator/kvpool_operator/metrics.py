@@ -32,9 +32,9 @@ INJECTIONS = Counter("kvpool_operator_injections_total", "Admission decisions on
 SCALE_DOWN_BLOCKED = Counter("kvpool_operator_scale_down_blocked_total", "Scale-downs refused", registry=REGISTRY)
 CERT_EXPIRY = Gauge(TlsMetric.CERTIFICATE_EXPIRY, "Unix time a certificate of the pool expires (kind: ca, the "
                     "earliest of the trusted bundle; serving, the store nodes'; client, the operator's; router)",
-                    ["namespace", "pool", "kind"], registry=REGISTRY)
-"""Labelled with the pool's namespace and name, as the store nodes' series are (the chart's
-ServiceMonitor honours them over the operator pod's own ``namespace``)."""
+                    ["pool_namespace", "pool", "kind"], registry=REGISTRY)
+"""Labelled with the KVPool's namespace and name as the store and sidecar series are (the scrape's
+``namespace`` is the operator pod's own)."""
 POOLS = Gauge("kvpool_operator_pools", "KVPools this operator reconciles", registry=REGISTRY)
 
 

@@ -225,10 +225,10 @@ CERT_KINDS = ("ca", "serving", "client", "router")
 """The ``kind`` label of ``kvpool_certificate_expiry_timestamp_seconds``."""
 
 
-def _forget_series(namespace: str, name: str, kinds: Sequence[str]) -> None:
+def _forget_series(pool_namespace: str, name: str, kinds: Sequence[str]) -> None:
     for kind in kinds:
         try:
-            metrics.CERT_EXPIRY.remove(namespace, name, kind)
+            metrics.CERT_EXPIRY.remove(pool_namespace, name, kind)
         except KeyError:
             pass
 

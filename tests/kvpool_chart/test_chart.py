@@ -168,8 +168,6 @@ def test_url_mode_existing_secret_peering_and_service_monitor(tmp_path: Path) ->
     metrics_svc = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("-metrics"))
     assert all(metrics_svc["metadata"]["labels"].get(k) == v
                for k, v in sm["spec"]["selector"]["matchLabels"].items())
-    # The operator's certificate-expiry series name the pool's namespace: kept over the target's.
-    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
 
     docs = render(tmp_path, "webhook.enabled=false", "metrics.enabled=false")
     assert not by_kind(docs, "MutatingWebhookConfiguration") and not by_kind(docs, "Service")

@@ -228,9 +228,9 @@ def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus, tm
     mib = 1 << 20
     with LocalCluster(stores=2, sidecars=2, tenants=["a", "b"], quotas={"b": 2 * mib}, store_bytes=4 * mib,
                       local_bytes=2 * mib, ssd_bytes=16 * mib) as lc, operator_exporter(tmp_path) as operator:
-        # The operator's job as the chart's ServiceMonitor makes it: its series keep their labels.
+        # The operator's job as the chart's ServiceMonitor makes it.
         base = prometheus.start([{"job_name": "kvpool", "static_configs": scrape_targets(lc)},
-                                 {"job_name": "kvpool-operator", "honor_labels": True, "static_configs": operator}])
+                                 {"job_name": "kvpool-operator", "static_configs": operator}])
         stop = threading.Event()
         failed: list[BaseException] = []
 
@@ -260,6 +260,6 @@ def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus, tm
         assert not failed, failed
         assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
         assert not still_pending(base)
-        # The operator's gauge names the pool's namespace (honoured over the target's own).
-        got = query(base, f'{CERT_EXPIRY}{{namespace="local", pool="local"}}')
+        # The operator's gauge names the KVPool (pool_namespace, pool); namespace is the operator's.
+        got = query(base, f'{CERT_EXPIRY}{{pool_namespace="local", pool="local", namespace="kvpool-system"}}')
         assert {r["metric"]["kind"] for r in got} == {"ca", "serving", "client", "router"}

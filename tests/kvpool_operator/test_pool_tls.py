@@ -91,7 +91,7 @@ def test_secrets_created_owned_and_then_left_alone(tmp_path: Path) -> None:
     assert Path(cfg.ca_file).read_bytes() == store[certs.CA_CERT_KEY]
     assert cfg.server_name == "p-store.ns.svc" and cfg.cert_file.startswith(str(tmp_path / "ns" / "p"))
     got = metrics.REGISTRY.get_sample_value("kvpool_certificate_expiry_timestamp_seconds",
-                                            {"namespace": "ns", "pool": "p", "kind": "serving"})
+                                            {"pool_namespace": "ns", "pool": "p", "kind": "serving"})
     assert got == pki.not_after(store[certs.TLS_CERT_KEY]).timestamp()
     kube.writes.clear()
     pool_tls.ensure_pool_tls(kube, POOL, str(tmp_path), POLICY, now + dt.timedelta(days=1))  # type: ignore[arg-type]

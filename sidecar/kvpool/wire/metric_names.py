@@ -154,7 +154,7 @@ class TlsMetric(enum.StrEnum):
     and the dashboard read them (charts/kvpool/files)."""
 
     CERTIFICATE_EXPIRY = "kvpool_certificate_expiry_timestamp_seconds"
-    """{namespace, pool, kind}: gauge (the operator's), unix time a certificate of the pool expires
+    """{pool_namespace, pool, kind}: gauge (the operator's), unix time a certificate of the pool expires
     (kind: ``ca``, the earliest of the trusted bundle, ``serving``, ``client``, ``router``)."""
 
 
