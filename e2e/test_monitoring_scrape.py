@@ -285,15 +285,18 @@ def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
         operator: Operator, kube: Kube, namespace: str, prometheus: Prometheus,  # noqa: F811
         tmp_path: Path) -> None:
     start = time.monotonic()
-    create(kube, kvpool(POOL, storage={"replicas": 2}, sidecar={"localBytes": "2Mi"},
-                        tenancy={"defaultTenant": "public"}), namespace)
-    wait_status(kube, namespace, POOL, lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
     with another_namespace(kube, f"{namespace}-engines") as remote_ns:
-        scrape_pool(kube, namespace, remote_ns, prometheus, tmp_path, start)
+        # The default tenant's sidecars get the pool's certificate (TLS is the operator's default)
+        # only where the pool says they may run: its own namespace unless spec.sidecar.namespaces.
+        create(kube, kvpool(POOL, storage={"replicas": 2}, sidecar={"localBytes": "2Mi",
+                                                                   "namespaces": [namespace, remote_ns]},
+                            tenancy={"defaultTenant": "public"}), namespace)
+        wait_status(kube, namespace, POOL, lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+        scrape_pool(kube, namespace, remote_ns, prometheus, tmp_path, start, operator.metrics_port)
 
 
 def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheus, tmp_path: Path,
-                start: float) -> None:
+                start: float, operator_metrics_port: int) -> None:
     """The scrape: an engine beside the pool and one in ``remote_ns`` (labelled
     ``<namespace>.<pool>``), both running the workload, both sidecars scraped and labelled with
     the pool's namespace and name."""
@@ -308,7 +311,7 @@ def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheu
     try:
         configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, sd)]
         configs.append({"job_name": "kvpool-operator", "static_configs": [
-            {"targets": [f"127.0.0.1:{operator.metrics_port}"],
+            {"targets": [f"127.0.0.1:{operator_metrics_port}"],
              "labels": {"namespace": "kvpool-system", "container": "operator", "endpoint": "metrics"}}]})
         base = prometheus.start(configs)
         ready = time.monotonic()
