@@ -14,15 +14,15 @@ a number.
 
 Expressions that return nothing on a healthy pool (an alert's condition) are evaluated with their
 comparisons made ``bool`` (``e2e.prom.live_form``), so they return their series either way.
-``e2e.prom.PENDING`` lists the families nothing here exports yet (the operator's certificate
-expiry, from the pool TLS the operator does not issue yet); an expression over one is skipped and
-the test fails once the family is exported, so the entry is removed then.
+``e2e.prom.PENDING`` lists the families nothing here exports yet (none now); an expression over
+one is skipped and the test fails once the family is exported, so the entry is removed then.
 
-Not covered: the chart's ServiceMonitor (the operator's own metrics Service). The harness's
-endpoints controller refuses the loopback pod IPs (``--endpoint-reconciler-type=none`` and
-127.0.0.0/8 addresses in Endpoints are invalid), so a Service has no endpoints to discover, and
-the operator runs here as a process beside the cluster; the only dashboard family it would add is
-the pending certificate expiry.
+The operator's own metrics (the certificate-expiry gauge of the pool's TLS) are scraped from the
+operator process as a static target with the labels the chart's ServiceMonitor gives it (its series
+name the KVPool in ``pool_namespace`` and ``pool``): the ServiceMonitor itself cannot be discovered here, because the
+harness's endpoints controller refuses the loopback pod IPs (``--endpoint-reconciler-type=none``
+and 127.0.0.0/8 addresses in Endpoints are invalid), and the operator runs as a process beside the
+cluster.
 """
 
 from __future__ import annotations
@@ -285,15 +285,18 @@ def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
         operator: Operator, kube: Kube, namespace: str, prometheus: Prometheus,  # noqa: F811
         tmp_path: Path) -> None:
     start = time.monotonic()
-    create(kube, kvpool(POOL, storage={"replicas": 2}, sidecar={"localBytes": "2Mi"},
-                        tenancy={"defaultTenant": "public"}), namespace)
-    wait_status(kube, namespace, POOL, lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
     with another_namespace(kube, f"{namespace}-engines") as remote_ns:
-        scrape_pool(kube, namespace, remote_ns, prometheus, tmp_path, start)
+        # The default tenant's sidecars get the pool's certificate (TLS is the operator's default)
+        # only where the pool says they may run: its own namespace unless spec.sidecar.namespaces.
+        create(kube, kvpool(POOL, storage={"replicas": 2}, sidecar={"localBytes": "2Mi",
+                                                                   "namespaces": [namespace, remote_ns]},
+                            tenancy={"defaultTenant": "public"}), namespace)
+        wait_status(kube, namespace, POOL, lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+        scrape_pool(kube, namespace, remote_ns, prometheus, tmp_path, start, operator.metrics_port)
 
 
 def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheus, tmp_path: Path,
-                start: float) -> None:
+                start: float, operator_metrics_port: int) -> None:
     """The scrape: an engine beside the pool and one in ``remote_ns`` (labelled
     ``<namespace>.<pool>``), both running the workload, both sidecars scraped and labelled with
     the pool's namespace and name."""
@@ -307,6 +310,9 @@ def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheu
     discovery = PodDiscovery(api, sd, namespaces=[namespace, remote_ns]).start()
     try:
         configs = [c for m in chart_pod_monitors(tmp_path) for c in pod_monitor_scrape_configs(m, sd)]
+        configs.append({"job_name": "kvpool-operator", "static_configs": [
+            {"targets": [f"127.0.0.1:{operator_metrics_port}"],
+             "labels": {"namespace": "kvpool-system", "container": "operator", "endpoint": "metrics"}}]})
         base = prometheus.start(configs)
         ready = time.monotonic()
 

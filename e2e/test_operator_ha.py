@@ -43,7 +43,8 @@ import pytest
 from e2e.cluster import Cluster, free_port
 from e2e.test_e2e_chart import CHART, Release, cond, create_namespace, kvpool_doc, kvtier, sts_replicas
 from e2e.test_operator_pool import CrashLoop
-from e2e.testutil import list_pods, wait_for
+from e2e.testutil import list_pods, pool_client_tls, wait_for
+from kvpool_operator.kube import Kube
 
 pytestmark = pytest.mark.cluster
 
@@ -479,12 +480,18 @@ def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_p
     ids = [m["id"] for m in ring["members"]]
     address = {m["id"]: m["address"] for m in ring["members"]}
     assert ids == ["ha-store-0", "ha-store-1"]
+    # The chart's default is TLS: this process reads and writes with the operator's certificate of
+    # the pool, the sidecars below with the default tenant's, as injected ones would.
+    kube = Kube(ha.api)
+    cfg = pool_client_tls(kube, rel.apps, "ha", str(tmp_path / "tls-operator"))
+    sidecar_tls = pool_client_tls(kube, rel.apps, "ha", str(tmp_path / "tls-sidecar"),
+                                  secret=f"kvpool-default-tls-{rel.apps}.ha")
 
     # Data on both store nodes, written where a sidecar would write it.
     preloaded = {os.urandom(32): os.urandom(VALUE_BYTES) for _ in range(PRELOAD)}
     keys = list(preloaded)
     for nid, idx in write_routes(b"".join(keys), ids, int(ring.get("replicas", 1))).items():
-        with StoreClient(address[nid]) as c:
+        with StoreClient(address[nid], tls=cfg) as c:
             for lo in range(0, len(idx), 64):
                 part = [keys[i] for i in idx[lo:lo + 64].tolist()]
                 assert set(c.put(part, [preloaded[k] for k in part])) == {0}
@@ -499,7 +506,9 @@ def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_p
         d = tmp_path / name
         d.mkdir()
         sidecars.append(spawn(name, ["sidecar", "--socket", str(d / "s.sock"), "--pool", seeds, "--local",
-                                     str(local), "--drain-seconds", "1", "--log-level", "WARNING"], str(d)))
+                                     str(local), "--drain-seconds", "1", "--log-level", "WARNING",
+                                     "--tls-dir", str(tmp_path / "tls-sidecar"),
+                                     "--tls-server-name", sidecar_tls.server_name], str(d)))
     reader = kvpool.connect(f"unix://{tmp_path / 'reader' / 's.sock'}")
     writer = kvpool.connect(f"unix://{tmp_path / 'writer' / 's.sock'}")
     t0 = time.monotonic()
@@ -575,7 +584,7 @@ def test_2_active_killed_mid_drain_standby_takes_over_and_finishes(ha: HA, tmp_p
     written = dict(load.written)
     want = {**preloaded, **{k: v for k, (v, _) in written.items()}}
     lost: list[str] = []
-    with StoreClient(remaining) as c:
+    with StoreClient(remaining, tls=cfg) as c:
         for lo in range(0, len(want), 128):
             part = list(want)[lo:lo + 128]
             for k, g in zip(part, c.get(part), strict=True):

@@ -39,12 +39,15 @@ class Operator:
     def __init__(self, cluster: Cluster, workdir: Path) -> None:
         assert cluster.pki is not None
         self.port = free_port()
+        self.metrics_port = free_port()
+        """Its /metrics on 127.0.0.1 (the certificate-expiry gauge: e2e/test_monitoring_scrape.py)."""
         self.log = workdir / "operator.log"
         self.env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
         self._out = self.log.open("ab")
         self.argv = [
             sys.executable, "-m", "kvpool", "--log-level", "INFO", "operator", "--standalone",
-            "--metrics-port", "0", "--liveness", "", "--reconcile-interval", "2", "--tenant-interval", "3",
+            "--metrics-port", str(self.metrics_port), "--metrics-addr", "127.0.0.1", "--liveness", "",
+            "--reconcile-interval", "2", "--tenant-interval", "3",
             "--webhook-port", str(self.port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
             "--webhook-cert", str(cluster.pki.webhook.cert), "--webhook-key", str(cluster.pki.webhook.key)]
         self.start()
@@ -104,6 +107,22 @@ def operator(cluster: Cluster, kube: Kube, tmp_path_factory: pytest.TempPathFact
         op.close()
         # Kept beside the other harness output for a post-mortem (the tmp dir may be gone).
         shutil.copyfile(op.log, Path(os.environ.get("KVPOOL_E2E_ARTIFACTS", "/tmp")) / "kvpool-e2e-operator.log")
+
+
+@pytest.fixture
+def trust(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[Callable[[str], None]]:
+    """``trust(pool)``: this process becomes a TLS client of the pool (the operator runs with TLS,
+    its default), with the operator's certificate of it; StoreClients made without a
+    configuration use it until the test ends."""
+    from e2e.testutil import pool_client_tls
+    from kvpool.wire import tls
+
+    def use(pool: str) -> None:
+        tls.install(pool_client_tls(kube, namespace, pool, str(tmp_path / "tls" / pool)))
+    try:
+        yield use
+    finally:
+        tls.install(None)
 
 
 def kvpool(name: str, **spec: Any) -> dict[str, Any]:
@@ -288,7 +307,8 @@ def test_tenant_namespace_secrets(operator: Operator, kube: Kube, namespace: str
         kube.delete("v1", "Namespace", other)
 
 
-def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespace: str) -> None:
+def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespace: str,
+                                        trust: Callable[[str], None]) -> None:
     from kvpool.pool.node_client import StoreClient
 
     kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": f"small-{namespace}"},
@@ -296,6 +316,7 @@ def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespac
     create(kube, kvpool("s", storage={"replicas": 2, "tiers": [f"small-{namespace}"]},
                         scaleDown={"gracePeriodSeconds": 10}, tenancy={"defaultTenant": "public"}), namespace)
     st = wait_status(kube, namespace, "s", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+    trust("s")
     # Fill each node to ~7Mi: 14Mi on the 16Mi that one node would have left is 87 % > 80 %.
     block = os.urandom(256 << 10)
     for m in st["ring"]["members"]:
@@ -375,7 +396,8 @@ def test_tiered_pool_with_claims_and_tier_change(operator: Operator, kube: Kube,
 
 
 def test_encrypted_tier_gets_a_master_key_and_seals_what_it_demotes(operator: Operator, kube: Kube,
-                                                                    namespace: str) -> None:
+                                                                    namespace: str,
+                                                                    trust: Callable[[str], None]) -> None:
     from kvpool.pool.node_client import StoreClient
 
     dram, ssd = f"ed-{namespace}", f"es-{namespace}"
@@ -393,6 +415,7 @@ def test_encrypted_tier_gets_a_master_key_and_seals_what_it_demotes(operator: Op
         assert json.loads(cm["data"]["node.json"])["masterKeyFile"] == "/etc/kvpool/master-key/key"
         # The node started (it refuses to without a readable key) and seals what it demotes.
         st = wait_status(kube, namespace, "e", lambda s: s.get("readyReplicas") == 1, 120, "the encrypted node ready")
+        trust("e")
         keys = [os.urandom(32) for _ in range(24)]
         vals = [os.urandom(512 << 10) for _ in range(24)]
         with StoreClient(st["ring"]["members"][0]["address"]) as c:
@@ -433,11 +456,14 @@ def test_a_missing_master_key_secret_is_a_condition_then_the_pool_starts(operato
     assert any(e.get("reason") == "MasterKeySecretMissing" and e.get("type") == "Warning" for e in events)
 
 
-def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube: Kube, namespace: str) -> None:
+def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube: Kube, namespace: str,
+                                                       trust: Callable[[str], None]) -> None:
     """spec.router: the operator runs the router API (its pods never taken for store nodes) and
     the nodes publish one tenant's KV events; a vLLM-typed event consumer and the HTTP match
     agree with what the node holds; switching the router off removes it."""
-    import urllib.request
+    import http.client
+    import socket
+    import ssl
 
     from kvpool.pool.node_client import StoreClient
 
@@ -447,6 +473,13 @@ def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube:
                      120, "the node ready and the router in status")
     assert st["router"]["grpc"] == f"r-router.{namespace}.svc:7450" and st["router"]["events"]["port"] == 7402
     assert st["replicas"] == 1  # the router pod is not counted as a store pod
+    trust("r")
+    # TLS: the router serves HTTPS with its certificate, which callers check with the pool's CA
+    # bundle (the ConfigMap the status names) against the router Service's name.
+    assert st["router"]["http"] == f"https://r-router.{namespace}.svc:7451/v1/pool/match"
+    bundle = st["router"]["caBundle"]
+    cm = wait_for(lambda: kube.get("v1", "ConfigMap", bundle["configMap"], namespace), 30, "the CA bundle")
+    ctx = ssl.create_default_context(cadata=cm["data"][bundle["key"]])
     selector = "app.kubernetes.io/component=router,app.kubernetes.io/instance=r"
 
     def router_ip() -> str | None:
@@ -463,14 +496,19 @@ def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube:
         assert c.put(keys[:4], [os.urandom(4096) for _ in range(4)]) == [0] * 4
 
     def match() -> Any:
-        req = urllib.request.Request(f"http://{rip}:7451/v1/pool/match", method="POST",
-                                     data=json.dumps({"keys": [k.hex() for k in keys]}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        # The pod IP is dialled (no cluster DNS here); the certificate is checked for the Service's name.
+        conn = http.client.HTTPConnection(rip, 7451, timeout=5)
         try:
-            with urllib.request.urlopen(req, timeout=5) as resp:
+            conn.sock = ctx.wrap_socket(socket.create_connection((rip, 7451), 5),
+                                        server_hostname=f"r-router.{namespace}.svc")
+            conn.request("POST", "/v1/pool/match", body=json.dumps({"keys": [k.hex() for k in keys]}).encode(),
+                         headers={"Content-Type": "application/json"})
+            with conn.getresponse() as resp:
                 return json.loads(resp.read())
         except OSError:
             return None  # the router's view of the ring is still starting
+        finally:
+            conn.close()
     got = wait_for(lambda: (m := match()) is not None and m.get("hit_blocks") == 4 and m, 60, "the router's match")
     assert got["blocks"] == 6
 
@@ -508,7 +546,8 @@ def test_router_api_and_kv_events_for_kv_aware_routers(operator: Operator, kube:
     assert st["router"]["events"]["port"] == 7402
 
 
-def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, kube: Kube, namespace: str) -> None:
+def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, kube: Kube, namespace: str,
+                                                           trust: Callable[[str], None]) -> None:
     from kvpool.core import errors
     from kvpool.pool.node_client import StoreClient
 
@@ -520,6 +559,7 @@ def test_tenant_token_quota_and_revocation_reach_the_nodes(operator: Operator, k
     secret = wait_for(lambda: kube.get("v1", "Secret", f"kvpool-tenant-{tn_name}", namespace), 60, "the Secret")
     token = json.loads(base64.b64decode(secret["data"]["credentials.json"]))["token"]
     st = wait_status(kube, namespace, "q", lambda s: s.get("readyReplicas") == 1, 120, "the node ready")
+    trust("q")
     address = st["ring"]["members"][0]["address"]
     block = os.urandom(384 << 10)
 
@@ -550,7 +590,8 @@ def _try(fn: Callable[[str], list[int]], token: str) -> list[int] | None:
         return None
 
 
-def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube: Kube, namespace: str) -> None:
+def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube: Kube, namespace: str,
+                                                       trust: Callable[[str], None]) -> None:
     from kvpool.pool.node_client import StoreClient
 
     # 1 MiB/s: the 4 MiB drain lasts about 4 s, so it is still running when the operator is
@@ -558,6 +599,7 @@ def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube:
     create(kube, kvpool("r", storage={"replicas": 2}, scaleDown={"gracePeriodSeconds": 30, "drainBandwidth": "1Mi"},
                         tenancy={"defaultTenant": "public"}), namespace)
     st = wait_status(kube, namespace, "r", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
+    trust("r")
     leaving = next(m for m in st["ring"]["members"] if m["id"] == "r-store-1")
     keys = [os.urandom(32) for _ in range(64)]
     with StoreClient(leaving["address"]) as c:
@@ -586,7 +628,8 @@ def test_operator_killed_mid_drain_resumes_from_status(operator: Operator, kube:
     assert sum(v is not None for v in got) == st["lastDrain"]["movedObjects"]
 
 
-def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator, kube: Kube, namespace: str) -> None:
+def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator, kube: Kube, namespace: str,
+                                                              trust: Callable[[str], None]) -> None:
     """Issue 8 part 1: scaling a pool that holds data up shows Rebalancing (waiting for the ring,
     then the previous owner pushing its hottest moved objects, paced) and then the counts."""
     from kvpool.core.ring import owners
@@ -595,6 +638,7 @@ def test_scale_up_rebalance_warms_the_new_node_and_reports_it(operator: Operator
     create(kube, kvpool("u", storage={"replicas": 1}, scaleUp={"warmBandwidth": "1Mi"},
                         tenancy={"defaultTenant": "public"}), namespace)
     st = wait_status(kube, namespace, "u", lambda s: s.get("readyReplicas") == 1, 120, "one ready store node")
+    trust("u")
     first = st["ring"]["members"][0]["address"]
     keys = [os.urandom(32) for _ in range(48)]
     values = [os.urandom(64 << 10) for _ in keys]  # 3 MiB; about half moves: > 1 s at 1Mi/s
@@ -683,7 +727,8 @@ class CrashLoop:
 
 
 def test_a_lost_store_node_is_rereplicated_so_a_second_loss_loses_nothing(operator: Operator, kube: Kube,
-                                                                          namespace: str) -> None:
+                                                                          namespace: str,
+                                                                          trust: Callable[[str], None]) -> None:
     """Replication 2 over 3 store nodes; one node's container crashes on every start (the pod
     stays, never ready again): past spec.storage.memberUnreadyGraceSeconds the operator publishes
     a ring without it and the survivors push each block that lost a copy to its new owner
@@ -703,6 +748,7 @@ def test_a_lost_store_node_is_rereplicated_so_a_second_loss_loses_nothing(operat
     ids = [m["id"] for m in ring["members"]]
     assert ids == ["rr-store-0", "rr-store-1", "rr-store-2"]
     address = {m["id"]: m["address"] for m in ring["members"]}
+    trust("rr")
 
     # Written as a sidecar writes with replication 2: each block to its 2 owners, one batch per node.
     keys = [os.urandom(32) for _ in range(48)]

@@ -84,3 +84,22 @@ def wait_pod(api: client.ApiClient, ns: str, name: str, pred: Callable[[dict[str
 
 def finished(pod: dict[str, Any]) -> bool:
     return pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
+
+
+def pool_client_tls(kube: Any, namespace: str, pool: str, directory: str, timeout: float = 60,
+                    secret: str | None = None) -> Any:
+    """A client TLS configuration (:class:`kvpool.wire.tls.TlsConfig`) of a pool whose operator
+    runs with TLS: by default the operator's certificate of it (``<pool>-operator-tls``: admin and
+    data calls alike; ``secret`` names another, a tenant's say), written under ``directory`` as a
+    mounted Secret looks, checking the store nodes by their shared name. Read again after a
+    rotation to get the new files (the written ones are replaced)."""
+    import base64
+
+    from kvpool.core import pki
+    from kvpool.wire import tls
+
+    name = secret or f"{pool}-operator-tls"
+    sec = wait_for(lambda: kube.get("v1", "Secret", name, namespace), timeout, f"Secret {name}")
+    data = {k: base64.b64decode(v) for k, v in (sec.get("data") or {}).items()}
+    tls.write_dir(directory, pki.KeyPair(data[tls.CERT_NAME], data[tls.KEY_NAME]), data[tls.CA_NAME])
+    return tls.TlsConfig.from_dir(directory, f"{pool}-store.{namespace}.svc")

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpool.core.sizing import store_shm_bytes
 
+from .certs import ca_bundle_config_map_name, router_tls_secret_name, store_server_name, store_tls_secret_name
 from .model import API_VERSION, STORE_POOL_LABEL, NodeLayout, PoolSpec
 from .podsecurity import container_security_context, pod_security_context
 from .settings import Settings
@@ -26,6 +27,8 @@ SSD_DIR = "/var/lib/kvpool/ssd"
 SHAREDFS_DIR = "/mnt/kvpool-sharedfs"
 STORE_SHM_DIR = "/run/kvpool-store"
 MASTER_KEY_DIR = "/etc/kvpool/master-key"
+TLS_DIR = "/etc/kvpool/tls"
+"""The store nodes' ``--tls-dir``: the ``<pool>-store-tls`` Secret (kvpool_operator.certs)."""
 MASTER_KEY_KEY = "key"
 PREVIOUS_KEYS_KEY = "previous"
 """Optional entry of the master-key Secret: earlier keys, one per line, still opened (rotation)."""
@@ -185,6 +188,15 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         mounts.append({"name": "sharedfs", "mountPath": SHAREDFS_DIR})
     if layout.encrypt_at_rest:
         mounts.append({"name": "master-key", "mountPath": MASTER_KEY_DIR, "readOnly": True})
+    tls_args: list[str] = []
+    if settings.tls:
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        # Peers are dialled by pod IP (the ring): they are checked by the name all of them serve.
+        tls_args = ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
+        if pool.plaintext_data_session:
+            # The trusted-network opt-out: bulk bytes in the clear, each connection opened by a
+            # ticket from the TLS control channel (without TLS everything is plaintext anyway).
+            tls_args.append("--plaintext-data-session")
     probe = {"tcpSocket": {"port": "control"}}
     return {
         "name": "store",
@@ -194,7 +206,8 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         # The pod IP, not 0.0.0.0: the harness runs pods as processes sharing one host.
         "args": ["--listen", f"$(POD_IP):{pool.port}", "--transfer-port", str(pool.transfer_port),
                  "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--node-id", "$(POD_NAME)",
-                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool), *metrics_args(pool)],
+                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool), *metrics_args(pool),
+                 *tls_args],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -242,6 +255,11 @@ def stateful_set(pool: PoolSpec, layout: NodeLayout, settings: Settings, replica
         # kubelet updates the files in place, so the nodes pick a rotation up without a restart.
         volumes.append({"name": "master-key", "secret": {
             "secretName": master_key_secret_name(pool), "defaultMode": 0o400}})
+    if settings.tls:
+        # The whole Secret: a renewal or a CA rotation rewrites it, the kubelet updates the files
+        # in place and the node re-reads them at its next handshake, without a restart.
+        volumes.append({"name": "tls", "secret": {"secretName": store_tls_secret_name(pool.name),
+                                                  "defaultMode": 0o400}})
     pod_spec: dict[str, Any] = {
         "serviceAccountName": store_name(pool),
         "automountServiceAccountToken": False,
@@ -308,13 +326,20 @@ def router_deployment(pool: PoolSpec, settings: Settings) -> Manifest:
     """``kvpool router-api``: the pool hit length of a prompt for KV-aware routers without a
     sidecar.  It holds no credential: each caller's tenant token goes through to the nodes."""
     probe = {"tcpSocket": {"port": "http"}}
-    container = {
+    tls_args: list[str] = []
+    pod_tls: dict[str, Any] = {}
+    if settings.tls:
+        # It serves its Service's names and dials the store nodes by pod IP, as a sidecar does.
+        tls_args = ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
+        pod_tls = {"volumes": [{"name": "tls", "secret": {"secretName": router_tls_secret_name(pool.name),
+                                                           "defaultMode": 0o400}}]}
+    container: dict[str, Any] = {
         "name": "router-api",
         "image": pool.image or settings.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": [*settings.command, "router-api"],
         "args": ["--pool", service_address(pool), "--listen", f"$(POD_IP):{ROUTER_GRPC_PORT}",
-                 "--http", f"$(POD_IP):{ROUTER_HTTP_PORT}"],
+                 "--http", f"$(POD_IP):{ROUTER_HTTP_PORT}", *tls_args],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "grpc", "containerPort": ROUTER_GRPC_PORT, "protocol": "TCP"},
                   {"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
@@ -323,12 +348,14 @@ def router_deployment(pool: PoolSpec, settings: Settings) -> Manifest:
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": container_security_context(),
     }
+    if settings.tls:
+        container["volumeMounts"] = [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _router_meta(pool),
             "spec": {"replicas": pool.router_replicas, "selector": {"matchLabels": router_labels(pool)},
                      "template": {"metadata": {"labels": _router_meta(pool)["labels"]},
                                   "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
                                            "securityContext": pod_security_context(),
-                                           "containers": [container]}}}}
+                                           "containers": [container], **pod_tls}}}}
 
 
 def router_service(pool: PoolSpec) -> Manifest:
@@ -350,16 +377,20 @@ def service_account(pool: PoolSpec) -> Manifest:
             "automountServiceAccountToken": False}
 
 
-def router_status(pool: PoolSpec) -> dict[str, Any] | None:
+def router_status(pool: PoolSpec, settings: Settings) -> dict[str, Any] | None:
     """Where routers reach the pool's router API and the nodes' KV events (None: neither is on; a
-    merge patch then removes the field)."""
+    merge patch then removes the field). With TLS the API is HTTPS/TLS, verified with the CA
+    bundle the ``caBundle`` ConfigMap holds."""
     if not pool.router_enabled and pool.events_tenant is None:
         return None
     # Every field named (None when off): this goes out as a merge patch, which keeps what it omits.
     host = f"{router_name(pool)}.{pool.namespace}.svc"
     on = pool.router_enabled
+    scheme = "https" if settings.tls else "http"
     return {"enabled": on, "grpc": f"{host}:{ROUTER_GRPC_PORT}" if on else None,
-            "http": f"http://{host}:{ROUTER_HTTP_PORT}/v1/pool/match" if on else None,
+            "http": f"{scheme}://{host}:{ROUTER_HTTP_PORT}/v1/pool/match" if on else None,
+            "caBundle": {"configMap": ca_bundle_config_map_name(pool.name), "key": "ca.crt"}
+            if on and settings.tls else None,
             "events": None if pool.events_tenant is None else {
                 "port": pool.events_port, "replayPort": pool.events_replay_port,
                 "service": f"{store_name(pool)}.{pool.namespace}.svc"}}
@@ -369,7 +400,8 @@ def pruned(pool: PoolSpec) -> tuple[tuple[str, str, str], ...]:
     """Optional children the spec switched off: (apiVersion, kind, name) to delete."""
     if pool.router_enabled:
         return ()
-    return (("apps/v1", "Deployment", router_name(pool)), ("v1", "Service", router_name(pool)))
+    return (("apps/v1", "Deployment", router_name(pool)), ("v1", "Service", router_name(pool)),
+            ("v1", "Secret", router_tls_secret_name(pool.name)))
 
 
 def children(pool: PoolSpec, layout: NodeLayout, settings: Settings, replicas: int) -> list[Manifest]:

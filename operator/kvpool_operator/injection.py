@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpool.core.sizing import sidecar_shm_bytes
 
+from .certs import default_tenant_namespaces, default_tenant_tls_secret_name, store_server_name, tenant_tls_secret_name
 from .children import service_address
 from .engines import (
     CLIENT_VOLUME,
@@ -46,6 +47,9 @@ from .units import memory_volume_limit
 SIDECAR_NAME = "kvpool-sidecar"
 SHM_VOLUME = "kvpool-shm"
 TENANT_VOLUME = "kvpool-tenant"
+TLS_VOLUME = "kvpool-tls"
+TLS_DIR = "/etc/kvpool/tls"
+"""The sidecar's ``--tls-dir``: its tenant's certificate of the pool and the pool's CA bundle."""
 OPT_OUT_ANNOTATION = "kvpool.io/inject"
 DEFAULT_GRACE = 30  # Kubernetes' default terminationGracePeriodSeconds
 
@@ -87,7 +91,7 @@ class Injection:
     injected: bool
     reason: str
     """CamelCase: Injected, AlreadyInjected, OptedOut, InvalidPoolLabel, NoSuchPool, NamespaceNotAllowed,
-    NoTenant, TenantConflict, TenantNotAdmitted, InvalidEngineAnnotation."""
+    NoTenant, NoCertificate, TenantConflict, TenantNotAdmitted, InvalidEngineAnnotation."""
     message: str
     patch: dict[str, Any]
     """A merge patch of the pod (lists given whole)."""
@@ -149,6 +153,11 @@ def plan_injection(pod: Mapping[str, Any], namespace: str, pools: Mapping[tuple[
     elif pool.default_tenant is None:
         return _skip("NoTenant", f"namespace {namespace} is bound to no TenantNamespace and KVPool {pool.key} admits "
                                  "no default tenant (spec.tenancy.defaultTenant)", annotations)
+    elif settings.tls and namespace not in default_tenant_namespaces(pool.namespace, pool.allowed_namespaces):
+        # A sidecar without the pool's certificate could not reach a store node: none is injected.
+        return _skip("NoCertificate", f"KVPool {pool.key} issues its default tenant's certificate only in its own "
+                                      f"namespace and those of spec.sidecar.namespaces: list {namespace} there, or "
+                                      "bind it with a TenantNamespace", annotations)
     try:
         engine = plan_engine(annotations, containers, settings.client_address)
     except EngineAnnotationError as exc:
@@ -179,6 +188,10 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
     if tenant is not None:
         args += ["--tenant", tenant.tenant_id, "--credentials", f"{settings.credentials_dir}/credentials.json"]
         mounts.append({"name": TENANT_VOLUME, "mountPath": settings.credentials_dir, "readOnly": True})
+    if settings.tls:
+        # Store nodes are dialled by pod IP: they are checked by the name all of them serve.
+        args += ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
+        mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
     if settings.sidecar_metrics_port:
         # On the pod IP, not 0.0.0.0 (the harness runs pods as processes sharing one host).
         args += ["--metrics-port", str(settings.sidecar_metrics_port), "--metrics-addr", "$(POD_IP)"]
@@ -230,6 +243,12 @@ def _inject(pod: Mapping[str, Any], pool: PoolView, tenant: TenantSpec | None, i
         # 0444: the files are root's (the engine's pod sets no fsGroup for us), and the sidecar
         # runs as the image's user; every container of the pod is the tenant's anyway.
         volumes.append({"name": TENANT_VOLUME, "secret": {"secretName": tenant.secret_name, "defaultMode": 0o444}})
+    if settings.tls and TLS_VOLUME not in names:
+        # The tenant's certificate of the pool, or the default tenant's (plan_injection checked
+        # the pool issues one in this namespace); 0444 as the credentials, mounted in the sidecar only.
+        secret = (tenant_tls_secret_name(pool.namespace, pool.name) if tenant is not None
+                  else default_tenant_tls_secret_name(pool.namespace, pool.name))
+        volumes.append({"name": TLS_VOLUME, "secret": {"secretName": secret, "defaultMode": 0o444}})
     engine_inits: list[dict[str, Any]] = []
     if engine is not None and engine.copy_client:
         if CLIENT_VOLUME not in names:

@@ -72,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Prometheus port of injected sidecars (0 off)")
     pods.add_argument("--sidecar-handoff-port", type=int, default=d.sidecar_handoff_port,
                       help="pod port of injected sidecars' prefill -> decode state exports (0 off)")
+    tls = ap.add_argument_group("TLS (a CA and certificates per pool, kvpool_operator.pool_tls)")
+    tls.add_argument("--tls", action="store_true", default=d.tls,
+                     help="issue each pool a CA and certificates, serve its store nodes and router with TLS, "
+                          "mount injected sidecars their tenant's certificate and call the nodes' admin API with "
+                          "the operator's certificate (the default)")
+    tls.add_argument("--no-tls", dest="tls", action="store_false",
+                     help="every channel of the pools in plaintext (a cluster whose network is trusted)")
+    tls.add_argument("--tls-dir", default=d.tls_dir,
+                     help="where the operator keeps its client certificate of each pool")
+    tls.add_argument("--tls-ca-propagation-seconds", type=float, default=d.tls_ca_propagation_seconds,
+                     help="how long a pool's new CA is only trusted before it signs (a rotation's first step, "
+                          "long enough for the kubelet to refresh every mounted copy of the bundle)")
     net = ap.add_argument_group("network policy (one per pool, kvpool_operator.netpolicy)")
     net.add_argument("--no-network-policy", dest="network_policy", action="store_false",
                      help="create no NetworkPolicy for the pools (and delete those made before)")
@@ -151,7 +163,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     autoscale_cooldown_seconds=args.autoscale_cooldown,
                     sidecar_metrics_port=args.sidecar_metrics_port, sidecar_handoff_port=args.sidecar_handoff_port,
                     network_policy=args.network_policy, operator_pod_labels=operator_labels,
-                    metrics_from=metrics_from)
+                    metrics_from=metrics_from, tls=args.tls, tls_dir=args.tls_dir,
+                    tls_ca_propagation_seconds=args.tls_ca_propagation_seconds)
 
 
 def peering_objects(name: str, watch_namespaces: Sequence[str]) -> list[dict[str, Any]]:

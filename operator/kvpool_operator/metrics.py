@@ -5,7 +5,11 @@ Low-cardinality labels only: the resource kind and an outcome, never an object n
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvpool.wire.metric_names import TlsMetric
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -26,9 +30,18 @@ REBALANCES = Counter("kvpool_operator_rebalances_total", "Scale-up rebalances (w
 INJECTIONS = Counter("kvpool_operator_injections_total", "Admission decisions on pods by reason (Injected or the "
                      "skip reason)", ["reason"], registry=REGISTRY)
 SCALE_DOWN_BLOCKED = Counter("kvpool_operator_scale_down_blocked_total", "Scale-downs refused", registry=REGISTRY)
+CERT_EXPIRY = Gauge(TlsMetric.CERTIFICATE_EXPIRY, "Unix time a certificate of the pool expires (kind: ca, the "
+                    "earliest of the trusted bundle; serving, the store nodes'; client, the operator's; router)",
+                    ["pool_namespace", "pool", "kind"], registry=REGISTRY)
+"""Labelled with the KVPool's namespace and name as the store and sidecar series are (the scrape's
+``namespace`` is the operator pod's own)."""
 POOLS = Gauge("kvpool_operator_pools", "KVPools this operator reconciles", registry=REGISTRY)
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> None:
-    if port:
-        start_http_server(port, addr=addr, registry=REGISTRY)
+def serve(port: int, addr: str = "0.0.0.0") -> Any:
+    """Serve ``/metrics`` (port 0: not at all); returns the server (``shutdown()`` then
+    ``server_close()`` stop it)."""
+    if not port:
+        return None
+    server, _ = start_http_server(port, addr=addr, registry=REGISTRY)
+    return server

@@ -268,6 +268,8 @@ class PoolSpec:
     """spec.storage.encryption.enabled: encrypt the tiers below DRAM whatever the tiers say."""
     encryption_secret: str | None = None
     """spec.storage.encryption.secretName: the user's master-key Secret (else the operator mints one)."""
+    plaintext_data_session: bool = False
+    """spec.security.dataSession: Plaintext (the store nodes' ``--plaintext-data-session``)."""
     router_enabled: bool = False
     """spec.router.enabled: run ``kvpool router-api`` for the pool (Deployment + Service)."""
     router_replicas: int = 1
@@ -381,11 +383,19 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         default_tenant=default_tenant,
         force_scale_down=_truthy(_get(meta, "annotations", FORCE_SCALE_DOWN_ANNOTATION, default="")),
         encryption=enc_on, encryption_secret=_get(enc, "secretName") or None,
+        plaintext_data_session=_data_session(_get(spec, "security", "dataSession", default="Encrypted")),
         router_enabled=bool(_get(rt, "enabled", default=False)),
         router_replicas=_int(_get(rt, "replicas", default=1), "spec.router.replicas", 1, 16),
         router_allowed_from=_peers(_get(rt, "allowedFrom"), "spec.router.allowedFrom"),
         events_tenant=events_tenant,
     )
+
+
+def _data_session(value: Any) -> bool:
+    """spec.security.dataSession → plaintext? (the CRD's enum; a body that bypassed it fails here)."""
+    if value not in ("Encrypted", "Plaintext"):
+        raise SpecError("InvalidSpec", f"spec.security.dataSession must be Encrypted or Plaintext, got {value!r}")
+    return bool(value == "Plaintext")
 
 
 def is_peer_list(value: Any) -> bool:

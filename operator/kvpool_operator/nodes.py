@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.core.errors import KvpoolError
 from kvpool.core.push_status import DrainStatus, WarmStatus
 from kvpool.core.ring import Ring
 from kvpool.pool.admin_client import AdminClient
 from kvpool.wire.proto import store_pb2 as pb
+from kvpool.wire.tls import TlsConfig
 
 from .reconcile import Policy
 from .status import NodeStats, TenantUsage
@@ -39,24 +40,42 @@ class Nodes:
     def __init__(self, timeout: float = 5.0) -> None:
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._clients: dict[str, tuple[str, AdminClient]] = {}
-        """address -> (the admin token its client carries, the client)"""
+        self._clients: dict[str, tuple[str, TlsConfig | None, Any, AdminClient]] = {}
+        """address -> (the admin token its client carries, its TLS configuration, the files it
+        was built from, the client)"""
+        self._tls: dict[str, TlsConfig] = {}
+        """address -> the operator's client certificate for the pool of that node"""
+
+    def use_tls(self, addresses: Iterable[str], cfg: TlsConfig) -> None:
+        """Call these nodes with ``cfg`` (the operator's certificate of their pool, the pool's CA
+        bundle, the name their certificate serves): kvpool_operator.pool_tls."""
+        with self._lock:
+            for a in addresses:
+                self._tls[a] = cfg
 
     def _client(self, address: str, token: str) -> AdminClient:
         with self._lock:
             got = self._clients.get(address)
-            if got is None or got[0] != token:  # a new node, or the pool's admin token rotated
+            tls = self._tls.get(address)
+            # A gRPC channel keeps the credentials it was made with: after a renewal or a CA
+            # rotation rewrote the files, a reconnect would present the old certificate and
+            # trust only the old bundle, so the client is made again.
+            files = tls.read() if tls is not None else None
+            # A new node, the pool's admin token rotated, the pool turned TLS on, or new files.
+            if got is None or got[0] != token or got[1] != tls or got[2] != files:
                 if got is not None:
-                    got[1].close()
-                got = self._clients[address] = (token, AdminClient(address, token, self.timeout))
-            return got[1]
+                    got[3].close()
+                got = self._clients[address] = (token, tls, files, AdminClient(address, token, self.timeout, tls))
+            return got[3]
 
     def forget(self, keep: Iterable[str]) -> None:
         """Close the clients of addresses no longer in any ring."""
         keep_set = set(keep)
         with self._lock:
             for addr in [a for a in self._clients if a not in keep_set]:
-                self._clients.pop(addr)[1].close()
+                self._clients.pop(addr)[3].close()
+            for addr in [a for a in self._tls if a not in keep_set]:
+                del self._tls[addr]
 
     def close(self) -> None:
         self.forget(())

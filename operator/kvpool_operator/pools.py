@@ -36,6 +36,7 @@ from .model import (
     wants_encryption,
 )
 from .nodes import NodeUnreachable
+from .pool_tls import cert_policy, ensure_pool_tls
 from .rebalance import RebalanceState
 from .reconcile import PoolObserved, PoolPlan, plan_pool
 from .runtime import Runtime
@@ -128,6 +129,10 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
     key_problem = ensure_master_key(kube, pool, tiers)
     pods = observe_pods(kube.list("v1", "Pod", pool.namespace, children.selector_string(pool)))
     usable = {p.name: p for p in pods if p.usable}
+    if rt.settings.tls:
+        # Before any admin call: the nodes take them only from the operator's certificate.
+        nodes.use_tls((f"{p.ip}:{pool.port}" for p in usable.values()),
+                      ensure_pool_tls(kube, pool, rt.settings.tls_dir, cert_policy(rt.settings), body=body))
     sts = kube.get("apps/v1", "StatefulSet", children.store_name(pool), pool.namespace)
     sts_replicas = None if sts is None else int((sts.get("spec") or {}).get("replicas", 0))
     sst = (sts or {}).get("status") or {}

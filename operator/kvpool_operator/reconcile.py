@@ -254,7 +254,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
         "replicas": len(obs.pods), "readyReplicas": len(ring.active), "desiredReplicas": desired,
         "selector": children.selector_string(pool), "ring": ring.to_dict(),
         "drain": state.to_status() if state is not None else None,
-        "router": children.router_status(pool),
+        "router": children.router_status(pool, settings),
         "rebalance": rb.state.to_status() if rb.state is not None else None,
         **status.usage_status(usage),
     }

@@ -54,6 +54,16 @@ class Settings:
     """The autoscaler changes a pool's size at most this often (user changes are not delayed)."""
     network_policy: bool = True
     """Render a NetworkPolicy per pool (kvpool_operator.netpolicy); off: none, and those made before go."""
+    tls: bool = True
+    """Issue each pool a CA (``<pool>-ca``) and certificates, serve the store nodes and the router
+    with TLS, mount each injected sidecar its tenant's certificate and call the nodes' admin API
+    with the operator's client certificate (kvpool_operator.pool_tls). Off (``--no-tls``): every
+    channel in plaintext, as before issue 23."""
+    tls_dir: str = "/var/run/kvpool-operator/tls"
+    """Where the operator keeps its client certificate of each pool (``<namespace>/<pool>/``)."""
+    tls_ca_propagation_seconds: float = 600.0
+    """How long a pool's new CA is only trusted before it signs (kvpool_operator.certs: the
+    rotation's first step must reach every mounted copy of the bundle first)."""
     operator_pod_labels: dict[str, str] = field(default_factory=lambda: {
         "app.kubernetes.io/name": "kvpool", "app.kubernetes.io/component": "operator"})
     """Labels of the operator's own pods (in :attr:`namespace`): the pools' policies admit them to

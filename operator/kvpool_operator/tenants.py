@@ -14,6 +14,7 @@ from . import metrics
 from .drain import Event
 from .kube import Kube, KubeError
 from .model import API_VERSION, SpecError, TenantSpec, parse_pool_ref, parse_tenant
+from .pool_tls import cert_policy, ensure_tenant_tls, prune_tenant_tls
 from .runtime import Runtime
 from .status import Condition, merge_conditions
 from .tenancy import OWNER_LABEL, choose_credentials, new_credentials, plan_secrets, tenant_pool_status, tenant_secret
@@ -83,6 +84,12 @@ def reconcile(rt: Runtime, name: str) -> list[str]:
             kube.delete("v1", "Secret", tn.secret_name, ns)
         if minted or plan.apply or plan.delete:
             touched.extend(p.key for p in tn.pools)
+        if rt.settings.tls:
+            for p in tn.pools:
+                missing += [ns for ns in ensure_tenant_tls(kube, tn, p.namespace, p.name, cert_policy(rt.settings))
+                            if ns not in missing]
+            prune_tenant_tls(kube, tn, st.get("secrets") or [],
+                             [str(row.get("pool", "")) for row in st.get("pools") or [] if row.get("pool")])
         pool_statuses: dict[str, Mapping[str, Any] | None] = {}
         for p in tn.pools:
             pb = kube.get(API_VERSION, "KVPool", p.name, p.namespace)

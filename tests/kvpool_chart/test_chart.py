@@ -292,3 +292,16 @@ def test_pod_monitors_scrape_the_ports_the_operator_names(tmp_path: Path) -> Non
     sc = sidecar_container(PoolView("ns", "p", local_bytes=1 << 20, drain_seconds=0), None, settings)
     (sidecar_ep,) = sidecars["spec"]["podMetricsEndpoints"]
     assert {p["name"]: p["containerPort"] for p in sc["ports"]}[sidecar_ep["port"]] == port
+
+
+def test_pool_tls_switch(tmp_path: Path) -> None:
+    """On by default: the operator issues and uses the pools' certificates, keeping its own under
+    the writable /var/tmp/kvpool; off, it is told so (its own default is on)."""
+    args = one(render(tmp_path, "tls.enabled=false"), "Deployment")["spec"]["template"]["spec"]["containers"][0][
+        "args"]
+    assert "--tls" not in args and "--no-tls" in args
+    dep = one(render(tmp_path), "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--tls" in args and args[args.index("--tls-dir") + 1] == "/var/tmp/kvpool/tls"
+    mounts = [m["mountPath"] for m in dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]]
+    assert "/var/tmp/kvpool" in mounts

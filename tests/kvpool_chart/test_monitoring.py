@@ -10,6 +10,7 @@ the harness cluster with them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -36,8 +37,10 @@ from e2e.prom import (  # noqa: E402
     Prometheus,
     dashboard,
     dashboard_exprs,
+    free_port,
     live_expressions,
     live_form,
+    query,
     rule_groups,
     rules,
     still_pending,
@@ -191,17 +194,43 @@ def scrape_targets(lc: Any) -> list[dict[str, Any]]:
     return out
 
 
+@contextlib.contextmanager
+def operator_exporter(tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
+    """The operator's own ``/metrics`` (kvpool_operator.metrics.serve) after the TLS step of a
+    pool's reconcile (kvpool_operator.pool_tls over an in-memory stand-in of the Kubernetes API):
+    the certificate-expiry gauge of real certificates, as a target of the chart's ServiceMonitor."""
+    from kvpool_operator import certs, metrics, pool_tls
+    from kvpool_operator.model import parse_pool
+    from kvpool_operator.testing import pool_body
+    from tests.kvpool_operator.test_pool_tls import Secrets
+
+    pool = parse_pool(pool_body("local", "local", router={"enabled": True}))
+    pool_tls.ensure_pool_tls(Secrets(("local",)), pool, str(tmp_path / "operator-tls"),  # type: ignore[arg-type]
+                             certs.CertPolicy())
+    port = free_port()
+    server = metrics.serve(port, "127.0.0.1")
+    try:
+        yield [{"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": "kvpool-system", "container": "operator",
+                                                              "endpoint": "metrics"}}]
+    finally:
+        server.shutdown()
+        server.server_close()
+        pool_tls.forget_pool(None, pool_body("local", "local"))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not PROMETHEUS.exists(), reason="prometheus is not here: run tools/setup.sh")
-def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus) -> None:
+def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus, tmp_path: Path) -> None:
     import numpy as np
 
     from kvpool.apps.cluster import LocalCluster
 
     mib = 1 << 20
     with LocalCluster(stores=2, sidecars=2, tenants=["a", "b"], quotas={"b": 2 * mib}, store_bytes=4 * mib,
-                      local_bytes=2 * mib, ssd_bytes=16 * mib) as lc:
-        base = prometheus.start([{"job_name": "kvpool", "static_configs": scrape_targets(lc)}])
+                      local_bytes=2 * mib, ssd_bytes=16 * mib) as lc, operator_exporter(tmp_path) as operator:
+        # The operator's job as the chart's ServiceMonitor makes it.
+        base = prometheus.start([{"job_name": "kvpool", "static_configs": scrape_targets(lc)},
+                                 {"job_name": "kvpool-operator", "static_configs": operator}])
         stop = threading.Event()
         failed: list[BaseException] = []
 
@@ -231,3 +260,6 @@ def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus) ->
         assert not failed, failed
         assert not waiting, "no series with a number for:\n" + "\n".join(waiting.values())
         assert not still_pending(base)
+        # The operator's gauge names the KVPool (pool_namespace, pool); namespace is the operator's.
+        got = query(base, f'{CERT_EXPIRY}{{pool_namespace="local", pool="local", namespace="kvpool-system"}}')
+        assert {r["metric"]["kind"] for r in got} == {"ca", "serving", "client", "router"}

@@ -16,7 +16,8 @@ import pathlib
 PKG = pathlib.Path(__file__).resolve().parents[2] / "operator" / "kvpool_operator"
 DATA_PLANE_ALLOWED = ("kvpool.core.ring", "kvpool.core.push_status", "kvpool.wire.proto", "kvpool.wire.convert",
                       "kvpool.pool.admin_client", "kvpool.core.errors", "kvpool.tiers.atrest",
-                      "kvpool.core.sizing", "kvpool.core.traffic", "kvpool.wire.counters", "kvpool.store.quota")
+                      "kvpool.core.sizing", "kvpool.core.traffic", "kvpool.wire.counters", "kvpool.store.quota",
+                      "kvpool.core.pki", "kvpool.wire.tls", "kvpool.wire.metric_names")
 
 
 def _imports() -> dict[str, set[str]]:

@@ -62,7 +62,8 @@ def test_tiered_statefulset() -> None:
     c = pod["containers"][0]
     assert c["command"] == ["kvpool", "store"]
     assert c["args"][:4] == ["--listen", "$(POD_IP):7500", "--transfer-port", "7501"]
-    assert {m["name"] for m in c["volumeMounts"]} == {"config", "admin", "shm", "ssd", "sharedfs"}
+    # tls: the store nodes' certificate (TLS is on by default, test_pool_tls).
+    assert {m["name"] for m in c["volumeMounts"]} == {"config", "admin", "shm", "ssd", "sharedfs", "tls"}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["sharedfs"]["nfs"] == {"server": "n", "path": "/e"}
     assert vols["shm"]["emptyDir"]["medium"] == "Memory"

@@ -80,6 +80,7 @@ def test_kvpool_printer_columns() -> None:
     "spec.scaleUp.warmBandwidth", "spec.scaleUp.warmFraction", "spec.scaleUp.warmDeadlineSeconds",
     "status.rebalance", "status.lastRebalance", "spec.storage.memberUnreadyGraceSeconds",
     "spec.router.allowedFrom", "spec.router.allowedFrom.[].ipBlock.cidr", "status.networkPolicies",
+    "spec.security.dataSession",
 ])
 def test_kvpool_fields(path: str) -> None:
     assert _at(_schema("kvpool"), path)
@@ -111,6 +112,8 @@ def test_defaults() -> None:
     assert _at(s, "spec.scaleDown.gracePeriodSeconds")["default"] == 60
     assert _at(s, "spec.scaleDown.utilizationLimit")["default"] == 0.8
     assert _at(_schema("kvtier"), "spec.watermarks.high")["default"] == 0.95
+    session = _at(s, "spec.security.dataSession")
+    assert session["default"] == "Encrypted" and session["enum"] == ["Encrypted", "Plaintext"]
 
 
 def test_cel_rules_present() -> None:

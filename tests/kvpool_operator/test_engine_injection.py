@@ -16,7 +16,8 @@ from kvpool_operator.injection import SIDECAR_NAME, PoolView, plan_injection
 from kvpool_operator.settings import Settings
 from kvpool_operator.testing import apply_merge_patch
 
-S = Settings()
+# Plaintext: engine wiring does not depend on TLS (test_injection covers what TLS adds).
+S = Settings(tls=False)
 POOLS = {("pools", "shared"): PoolView("pools", "shared", local_bytes=64 << 20, drain_seconds=20,
                                        default_tenant="public", seeds=("svc:7400",))}
 ADDR = "unix:///run/kvpool/kvpool.sock"

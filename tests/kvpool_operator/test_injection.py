@@ -18,7 +18,9 @@ from kvpool_operator.model import SidecarDeadlines, SpecError, TenantSpec, parse
 from kvpool_operator.settings import Settings
 from kvpool_operator.testing import apply_merge_patch, pool_body, tenant_body
 
-S = Settings()
+# Plaintext: the arguments and mounts without TLS; what TLS (the default) adds is tested in the
+# test_tls_* tests.
+S = Settings(tls=False)
 POOL = PoolView("pools", "shared", local_bytes=64 << 20, drain_seconds=20, default_tenant="public",
                 seeds=("127.0.0.10:7400", "shared-store.pools.svc:7400"))
 CLOSED = PoolView("pools", "closed", local_bytes=64 << 20, drain_seconds=20, seeds=("svc:7400",))
@@ -77,6 +79,46 @@ def test_tenant_credentials_are_mounted() -> None:
     assert vols["kvpool-tenant"]["secret"]["secretName"] == "kvpool-tenant-team-a"
     # The app containers never see the credentials.
     assert all("kvpool-tenant" not in {m["name"] for m in c["volumeMounts"]} for c in pod["spec"]["containers"])
+
+
+def test_tls_mounts_the_tenant_certificate_of_the_pool() -> None:
+    """With --tls the sidecar gets its tenant's certificate of this pool (and the pool's CA bundle)
+    as --tls-dir, and checks the store nodes by the name their shared certificate serves."""
+    tls = dataclasses.replace(S, tls=True)
+    pod = apply_merge_patch(_pod("pools.closed"), _plan(_pod("pools.closed"), [TEAM_A], settings=tls).patch)
+    side = pod["spec"]["initContainers"][0]
+    args = side["args"]
+    assert args[args.index("--tls-dir") + 1] == "/etc/kvpool/tls"
+    assert args[args.index("--tls-server-name") + 1] == "closed-store.pools.svc"
+    assert {"name": "kvpool-tls", "mountPath": "/etc/kvpool/tls", "readOnly": True} in side["volumeMounts"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["kvpool-tls"]["secret"]["secretName"] == "kvpool-tls-pools.closed"
+    assert all("kvpool-tls" not in {m["name"] for m in c["volumeMounts"]} for c in pod["spec"]["containers"])
+    parsed = build_parser().parse_args(args)  # the sidecar takes the flags rendered
+    assert (parsed.tls_dir, parsed.tls_server_name) == ("/etc/kvpool/tls", "closed-store.pools.svc")
+    off = apply_merge_patch(_pod("pools.closed"), _plan(_pod("pools.closed"), [TEAM_A]).patch)
+    assert "--tls-dir" not in off["spec"]["initContainers"][0]["args"]
+
+
+def test_tls_default_tenant_gets_the_pools_default_certificate_where_it_is_issued() -> None:
+    """A default-tenant sidecar mounts the pool's default-tenant certificate in the namespaces the
+    pool issues it to (its own, or spec.sidecar.namespaces); anywhere else no sidecar is injected
+    (it could not reach a TLS store node), and the skip says why."""
+    tls = dataclasses.replace(S, tls=True)
+    here = _plan(_pod(), ns="pools", settings=tls)
+    assert here.injected and here.tenant == "public"
+    pod = apply_merge_patch(_pod(), here.patch)
+    side = pod["spec"]["initContainers"][0]
+    assert side["args"][side["args"].index("--tls-dir") + 1] == "/etc/kvpool/tls"
+    assert "--tenant" not in side["args"]
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["kvpool-tls"]["secret"]["secretName"] == "kvpool-default-tls-pools.shared"
+    elsewhere = _plan(_pod(), ns="app", settings=tls)
+    assert not elsewhere.injected and elsewhere.reason == "NoCertificate"
+    assert "spec.sidecar.namespaces" in elsewhere.patch["metadata"]["annotations"]["kvpool.io/skip-reason"]
+    listed = {("pools", "shared"): dataclasses.replace(POOL, allowed_namespaces=("app",))}
+    assert plan_injection(_pod(), "app", listed, [], tls).injected
+    assert _plan(_pod(), ns="app").injected  # without TLS nothing changes
 
 
 def test_idempotent() -> None:

@@ -101,3 +101,24 @@ def test_a_refused_or_silent_node_is_unreachable(node: tuple[str, _Admin]) -> No
             nodes.drain_status("127.0.0.1:9", ADMIN)  # nothing listens there
     finally:
         nodes.close()
+
+
+def test_a_rotation_of_the_operators_files_makes_a_new_admin_client(tmp_path: Any) -> None:
+    """A gRPC channel keeps the credentials it was made with: once a renewal or a CA rotation
+    rewrote the operator's files, the next call gets a client made from the new ones."""
+    pytest.importorskip("cryptography", reason="the certificate builders need the dataplane extra")
+    from kvpool.core import pki
+    from kvpool.wire import tls
+
+    ca = pki.make_ca()
+    cfg = tls.write_dir(str(tmp_path), pki.issue(ca, pki.operator()), ca.cert_pem)
+    nodes = Nodes(timeout=1)
+    try:
+        nodes.use_tls(["127.0.0.1:9"], cfg)
+        first = nodes._client("127.0.0.1:9", ADMIN)
+        assert nodes._client("127.0.0.1:9", ADMIN) is first
+        other = pki.make_ca()
+        tls.write_dir(str(tmp_path), pki.issue(other, pki.operator()), pki.bundle(other.cert_pem, ca.cert_pem))
+        assert nodes._client("127.0.0.1:9", ADMIN) is not first
+    finally:
+        nodes.close()

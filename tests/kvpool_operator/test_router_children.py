@@ -12,7 +12,8 @@ from kvpool_operator.reconcile import PoolObserved, plan_pool
 from kvpool_operator.settings import Settings
 from kvpool_operator.testing import apply_merge_patch, pool_body
 
-S = Settings()
+# Plaintext; what TLS (the default) adds is test_router_with_tls_serves_its_certificate_....
+S = Settings(tls=False)
 
 
 def _kinds(manifests: Any) -> list[tuple[str, str]]:
@@ -28,7 +29,7 @@ def _build(**spec: Any) -> tuple[Any, list[dict[str, Any]]]:
 def test_router_off_by_default_and_on_when_asked() -> None:
     pool, manifests = _build()
     assert not pool.router_enabled and ("Deployment", "p-router") not in _kinds(manifests)
-    assert children.router_status(pool) is None
+    assert children.router_status(pool, S) is None
     pool, manifests = _build(router={"enabled": True, "replicas": 2})
     kinds = _kinds(manifests)
     assert ("Deployment", "p-router") in kinds and ("Service", "p-router") in kinds
@@ -40,9 +41,30 @@ def test_router_off_by_default_and_on_when_asked() -> None:
     assert c["args"][c["args"].index("--pool") + 1] == "p-store.ns.svc:7400"
     assert "--http" in c["args"] and "$(POD_IP):7451" in c["args"]
     assert dep["metadata"]["ownerReferences"][0]["kind"] == "KVPool"
-    st = children.router_status(pool)
+    st = children.router_status(pool, S)
     assert st == {"enabled": True, "grpc": "p-router.ns.svc:7450", "http": "http://p-router.ns.svc:7451/v1/pool/match",
-                  "events": None}
+                  "caBundle": None, "events": None}
+    assert "--tls-dir" not in c["args"] and "volumes" not in dep["spec"]["template"]["spec"]
+
+
+def test_router_with_tls_serves_its_certificate_and_says_where_the_bundle_is() -> None:
+    """With TLS the router mounts <pool>-router-tls as --tls-dir (checking store nodes by their
+    shared name) and the status tells callers its HTTPS URL and the CA bundle's ConfigMap."""
+    tls = Settings(tls=True)
+    pool = parse_pool(pool_body(router={"enabled": True}))
+    dep = children.router_deployment(pool, tls)
+    spec = dep["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert c["args"][c["args"].index("--tls-dir") + 1] == children.TLS_DIR
+    assert c["args"][c["args"].index("--tls-server-name") + 1] == "p-store.ns.svc"
+    assert spec["volumes"] == [{"name": "tls", "secret": {"secretName": "p-router-tls", "defaultMode": 0o400}}]
+    assert c["volumeMounts"] == [{"name": "tls", "mountPath": children.TLS_DIR, "readOnly": True}]
+    from kvpool.apps.router_api import build_parser
+    parsed = build_parser().parse_args(c["args"])  # the router takes the flags rendered
+    assert (parsed.tls_dir, parsed.tls_server_name) == (children.TLS_DIR, "p-store.ns.svc")
+    st = children.router_status(pool, tls)
+    assert st is not None and st["http"] == "https://p-router.ns.svc:7451/v1/pool/match"
+    assert st["caBundle"] == {"configMap": "p-ca-bundle", "key": "ca.crt"}
 
 
 def test_router_pods_are_never_taken_for_store_nodes() -> None:
@@ -72,8 +94,9 @@ def test_events_of_one_tenant_on_the_store_nodes() -> None:
         "control": 7400, "transfer": 7401, "events": 7402, "events-replay": 7403, "metrics": 7404}
     headless = next(m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "p-store")
     assert {p["name"] for p in headless["spec"]["ports"]} == {"control", "transfer", "events", "events-replay"}
-    assert children.router_status(pool) == {"enabled": False, "grpc": None, "http": None,
-                                            "events": {"port": 7402, "replayPort": 7403, "service": "p-store.ns.svc"}}
+    events = {"port": 7402, "replayPort": 7403, "service": "p-store.ns.svc"}
+    assert children.router_status(pool, S) == {"enabled": False, "grpc": None, "http": None, "caBundle": None,
+                                               "events": events}
     # The pool's default tenant is the store's tokenless "default" partition.
     pool, manifests = _build(router={"events": {"enabled": True, "tenant": "public"}},
                              tenancy={"defaultTenant": "public"})
@@ -97,12 +120,13 @@ def test_switching_the_router_off_prunes_it_once() -> None:
     # Off but events on: the router fields leave the status (merge patch), the events stay.
     ev = dict(body, spec={**body["spec"], "router": {"enabled": False, "events": {"enabled": True, "tenant": "t"}}})
     plan = plan_pool(PoolObserved(body=ev, now_ms=2, now_iso="t"), S)
-    assert len(plan.prune) == 3  # the Deployment, the Service and the router's NetworkPolicy
+    assert len(plan.prune) == 4  # the Deployment, the Service, its certificate and its NetworkPolicy
     shown = apply_merge_patch(body["status"], plan.status)["router"]
     assert shown == {"enabled": False, "events": {"port": 7402, "replayPort": 7403, "service": "p-store.ns.svc"}}
     off = dict(body, spec={**body["spec"], "router": {"enabled": False}})
     plan = plan_pool(PoolObserved(body=off, now_ms=2, now_iso="t"), S)
     assert set(plan.prune) == {("apps/v1", "Deployment", "p-router"), ("v1", "Service", "p-router"),
+                               ("v1", "Secret", "p-router-tls"),
                                ("networking.k8s.io/v1", "NetworkPolicy", "p-router-ingress")}
     assert plan.status["router"] is None
     after = dict(off, status=apply_merge_patch(off["status"], plan.status))

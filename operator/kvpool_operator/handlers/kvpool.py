@@ -7,7 +7,7 @@ from typing import Any
 
 import kopf
 
-from .. import metrics, pools
+from .. import metrics, pool_tls, pools
 from ..kube import KubeError
 from ..model import GROUP, STORE_POOL_LABEL, VERSION
 from ..runtime import Runtime
@@ -40,8 +40,9 @@ def register(registry: Any, rt: Runtime) -> None:
         run(namespace, name)
 
     @kopf.on.delete(GROUP, VERSION, "kvpools", registry=registry, id="deleted", optional=True)
-    def deleted(**_: Any) -> None:
+    def deleted(body: Any, **_: Any) -> None:
         metrics.POOLS.dec()
+        pool_tls.forget_pool(rt.kube if rt.settings.tls else None, body)
         # Children go with the pool (ownerReferences); nothing to undo at the nodes.
 
     @kopf.on.create(GROUP, VERSION, "kvpools", registry=registry, id="count")

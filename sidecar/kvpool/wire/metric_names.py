@@ -154,8 +154,8 @@ class TlsMetric(enum.StrEnum):
     and the dashboard read them (charts/kvpool/files)."""
 
     CERTIFICATE_EXPIRY = "kvpool_certificate_expiry_timestamp_seconds"
-    """{pool, kind}: gauge, unix time a certificate of the pool expires (kind: ``ca``, ``serving``,
-    ``client``...; one series per certificate in use)."""
+    """{pool_namespace, pool, kind}: gauge (the operator's), unix time a certificate of the pool expires
+    (kind: ``ca``, the earliest of the trusted bundle, ``serving``, ``client``, ``router``)."""
 
 
 class EvictionReason(enum.StrEnum):
