@@ -118,7 +118,11 @@ def ca_bundle_config_map_name(pool_name: str) -> str:
 def tenant_tls_secret_name(pool_namespace: str, pool_name: str) -> str:
     """A tenant's certificate of one pool, in each namespace of its TenantNamespace (mounted by
     injection into the sidecars of that pool)."""
-    return f"kvpool-tls-{pool_namespace}.{pool_name}"
+    return _tenant_tls_secret_name(f"{pool_namespace}.{pool_name}")
+
+
+def _tenant_tls_secret_name(pool_key: str) -> str:
+    return f"kvpool-tls-{pool_key}"
 
 
 def default_tenant_tls_secret_name(pool_namespace: str, pool_name: str) -> str:
@@ -140,8 +144,8 @@ def stale_tenant_tls(namespaces: Sequence[str], pool_keys: Sequence[str], previo
     """(namespace, Secret name) of a tenant's certificates its TenantNamespace no longer asks
     for: every pool's in a namespace it left, and a pool it left in every namespace. Pool keys
     are ``<namespace>.<name>``, as in the TenantNamespace's status."""
-    keep = {(ns, f"kvpool-tls-{k}") for ns in namespaces for k in pool_keys}
-    had = {(ns, f"kvpool-tls-{k}") for ns in {*namespaces, *previous_namespaces}
+    keep = {(ns, _tenant_tls_secret_name(k)) for ns in namespaces for k in pool_keys}
+    had = {(ns, _tenant_tls_secret_name(k)) for ns in {*namespaces, *previous_namespaces}
            for k in {*pool_keys, *previous_pool_keys}}
     return sorted(had - keep)
 

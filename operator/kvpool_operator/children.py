@@ -13,7 +13,13 @@ from typing import Any
 
 from kvpool.core.sizing import store_shm_bytes
 
-from .certs import ca_bundle_config_map_name, router_tls_secret_name, store_server_name, store_tls_secret_name
+from .certs import (
+    CA_CERT_KEY,
+    ca_bundle_config_map_name,
+    router_tls_secret_name,
+    store_server_name,
+    store_tls_secret_name,
+)
 from .model import API_VERSION, STORE_POOL_LABEL, NodeLayout, PoolSpec
 from .podsecurity import container_security_context, pod_security_context
 from .settings import Settings
@@ -28,7 +34,8 @@ SHAREDFS_DIR = "/mnt/kvpool-sharedfs"
 STORE_SHM_DIR = "/run/kvpool-store"
 MASTER_KEY_DIR = "/etc/kvpool/master-key"
 TLS_DIR = "/etc/kvpool/tls"
-"""The store nodes' ``--tls-dir``: the ``<pool>-store-tls`` Secret (kvpool_operator.certs)."""
+"""The ``--tls-dir`` of every kvpool container the operator makes (store node, router, injected
+sidecar): the Secret of its certificate (kvpool_operator.certs)."""
 MASTER_KEY_KEY = "key"
 PREVIOUS_KEYS_KEY = "previous"
 """Optional entry of the master-key Secret: earlier keys, one per line, still opened (rotation)."""
@@ -178,6 +185,12 @@ def event_ports(pool: PoolSpec, container: bool) -> list[dict[str, Any]]:
             {"name": "events-replay", "port": pool.events_replay_port, "targetPort": "events-replay"}]
 
 
+def tls_args(pool_name: str, pool_namespace: str) -> list[str]:
+    """``--tls-dir`` and the name the pool's store nodes are checked by: every store node serves
+    it, and they are dialled by pod IP (the ring)."""
+    return ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool_name, pool_namespace)]
+
+
 def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> dict[str, Any]:
     mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
               {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True},
@@ -188,15 +201,14 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         mounts.append({"name": "sharedfs", "mountPath": SHAREDFS_DIR})
     if layout.encrypt_at_rest:
         mounts.append({"name": "master-key", "mountPath": MASTER_KEY_DIR, "readOnly": True})
-    tls_args: list[str] = []
+    tls: list[str] = []
     if settings.tls:
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-        # Peers are dialled by pod IP (the ring): they are checked by the name all of them serve.
-        tls_args = ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
+        tls = tls_args(pool.name, pool.namespace)
         if pool.plaintext_data_session:
             # The trusted-network opt-out: bulk bytes in the clear, each connection opened by a
             # ticket from the TLS control channel (without TLS everything is plaintext anyway).
-            tls_args.append("--plaintext-data-session")
+            tls.append("--plaintext-data-session")
     probe = {"tcpSocket": {"port": "control"}}
     return {
         "name": "store",
@@ -207,7 +219,7 @@ def store_container(pool: PoolSpec, layout: NodeLayout, settings: Settings) -> d
         "args": ["--listen", f"$(POD_IP):{pool.port}", "--transfer-port", str(pool.transfer_port),
                  "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", "--node-id", "$(POD_NAME)",
                  "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_KEY}", *events_args(pool), *metrics_args(pool),
-                 *tls_args],
+                 *tls],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -326,11 +338,11 @@ def router_deployment(pool: PoolSpec, settings: Settings) -> Manifest:
     """``kvpool router-api``: the pool hit length of a prompt for KV-aware routers without a
     sidecar.  It holds no credential: each caller's tenant token goes through to the nodes."""
     probe = {"tcpSocket": {"port": "http"}}
-    tls_args: list[str] = []
+    tls: list[str] = []
     pod_tls: dict[str, Any] = {}
     if settings.tls:
         # It serves its Service's names and dials the store nodes by pod IP, as a sidecar does.
-        tls_args = ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
+        tls = tls_args(pool.name, pool.namespace)
         pod_tls = {"volumes": [{"name": "tls", "secret": {"secretName": router_tls_secret_name(pool.name),
                                                            "defaultMode": 0o400}}]}
     container: dict[str, Any] = {
@@ -339,7 +351,7 @@ def router_deployment(pool: PoolSpec, settings: Settings) -> Manifest:
         "imagePullPolicy": settings.image_pull_policy,
         "command": [*settings.command, "router-api"],
         "args": ["--pool", service_address(pool), "--listen", f"$(POD_IP):{ROUTER_GRPC_PORT}",
-                 "--http", f"$(POD_IP):{ROUTER_HTTP_PORT}", *tls_args],
+                 "--http", f"$(POD_IP):{ROUTER_HTTP_PORT}", *tls],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "grpc", "containerPort": ROUTER_GRPC_PORT, "protocol": "TCP"},
                   {"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
@@ -389,7 +401,7 @@ def router_status(pool: PoolSpec, settings: Settings) -> dict[str, Any] | None:
     scheme = "https" if settings.tls else "http"
     return {"enabled": on, "grpc": f"{host}:{ROUTER_GRPC_PORT}" if on else None,
             "http": f"{scheme}://{host}:{ROUTER_HTTP_PORT}/v1/pool/match" if on else None,
-            "caBundle": {"configMap": ca_bundle_config_map_name(pool.name), "key": "ca.crt"}
+            "caBundle": {"configMap": ca_bundle_config_map_name(pool.name), "key": CA_CERT_KEY}
             if on and settings.tls else None,
             "events": None if pool.events_tenant is None else {
                 "port": pool.events_port, "replayPort": pool.events_replay_port,

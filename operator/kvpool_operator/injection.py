@@ -18,8 +18,8 @@ from typing import Any
 
 from kvpool.core.sizing import sidecar_shm_bytes
 
-from .certs import default_tenant_namespaces, default_tenant_tls_secret_name, store_server_name, tenant_tls_secret_name
-from .children import service_address
+from .certs import default_tenant_namespaces, default_tenant_tls_secret_name, tenant_tls_secret_name
+from .children import TLS_DIR, service_address, tls_args
 from .engines import (
     CLIENT_VOLUME,
     ENGINE_NOTE_ANNOTATION,
@@ -48,8 +48,7 @@ SIDECAR_NAME = "kvpool-sidecar"
 SHM_VOLUME = "kvpool-shm"
 TENANT_VOLUME = "kvpool-tenant"
 TLS_VOLUME = "kvpool-tls"
-TLS_DIR = "/etc/kvpool/tls"
-"""The sidecar's ``--tls-dir``: its tenant's certificate of the pool and the pool's CA bundle."""
+"""Mounted at children.TLS_DIR: the tenant's certificate of the pool and the pool's CA bundle."""
 OPT_OUT_ANNOTATION = "kvpool.io/inject"
 DEFAULT_GRACE = 30  # Kubernetes' default terminationGracePeriodSeconds
 
@@ -189,8 +188,7 @@ def sidecar_container(pool: PoolView, tenant: TenantSpec | None, settings: Setti
         args += ["--tenant", tenant.tenant_id, "--credentials", f"{settings.credentials_dir}/credentials.json"]
         mounts.append({"name": TENANT_VOLUME, "mountPath": settings.credentials_dir, "readOnly": True})
     if settings.tls:
-        # Store nodes are dialled by pod IP: they are checked by the name all of them serve.
-        args += ["--tls-dir", TLS_DIR, "--tls-server-name", store_server_name(pool.name, pool.namespace)]
+        args += tls_args(pool.name, pool.namespace)
         mounts.append({"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True})
     if settings.sidecar_metrics_port:
         # On the pod IP, not 0.0.0.0 (the harness runs pods as processes sharing one host).

@@ -15,12 +15,11 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kvpool.core.pki as pki
-from kvpool.wire.tls import TlsConfig
+from kvpool.wire.tls import TlsConfig, TlsError, write_dir
 
 from . import certs, children, metrics
 from .kube import Kube, KubeError
@@ -161,20 +160,16 @@ def stale_default_tenant_tls(kube: Kube, pool: PoolSpec, wanted: Sequence[str]) 
 
 
 def _write_files(directory: str, data: certs.Data) -> None:
-    """Replace each file atomically (a reader sees the old or the new, never half)."""
+    """The operator's client certificate of a pool as a TLS directory, rewritten (atomically,
+    by :func:`kvpool.wire.tls.write_dir`) only when it changed."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    for key in (certs.TLS_KEY_KEY, certs.TLS_CERT_KEY, certs.CA_CERT_KEY):
-        path = os.path.join(directory, key)
-        try:
-            with open(path, "rb") as f:
-                if f.read() == data[key]:
-                    continue
-        except FileNotFoundError:
-            pass
-        fd, tmp = tempfile.mkstemp(dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data[key])
-        os.replace(tmp, path)
+    wanted = data[certs.TLS_CERT_KEY], data[certs.TLS_KEY_KEY], data[certs.CA_CERT_KEY]
+    try:
+        if TlsConfig.from_dir(directory).read() == wanted:
+            return
+    except TlsError:  # not written yet
+        pass
+    write_dir(directory, pki.KeyPair(wanted[0], wanted[1]), wanted[2])
 
 
 def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.CertPolicy,
@@ -210,7 +205,7 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
         log.info("pool %s: no default-tenant certificate in %s (namespace not found)", pool.key, ", ".join(missing))
     directory = os.path.join(tls_root, pool.namespace, pool.name)
     _write_files(directory, mine)
-    for kind, data, key in (("ca", ca.write or {certs.CA_CERT_KEY: ca.bundle}, certs.CA_CERT_KEY),
+    for kind, data, key in (("ca", {certs.CA_CERT_KEY: ca.bundle}, certs.CA_CERT_KEY),
                             ("serving", store, certs.TLS_CERT_KEY), ("client", mine, certs.TLS_CERT_KEY),
                             ("router", router, certs.TLS_CERT_KEY)):
         when = certs.expiry_seconds(data, key)
