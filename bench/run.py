@@ -2,6 +2,7 @@
 """kvpool benchmark runner: side-by-side throughput and latency on 127.0.0.1.
 
     python bench/run.py --suite store|sidecar [--quick] [--json PATH] [--only SYSTEMS]
+                        [--rounds N] [--kvpool-tls plain,tls,tls-plain-data]
 
 Starts every server it needs, stops everything it started (also on exceptions, Ctrl-C and
 SIGTERM; children also die with the runner if it is killed), prints one table (system x op x
