@@ -537,6 +537,41 @@ def ensure_kvpool_importable() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([src, *paths])
 
 
+@dataclasses.dataclass(frozen=True)
+class TlsMode:
+    """One transport-security mode kvpool is measured in (``bench/run.py --kvpool-tls``): how its
+    servers start and what its rows are called.  The store and sidecar suites read it here."""
+
+    tag: str
+    """What the mode's system names end with (``kvpool_store_<tag>``); "" for plain, whose rows
+    keep the names of runs before the modes existed."""
+    tls: bool
+    """Mutual TLS on gRPC (and, unless ``store_flags`` opts it out, on the data session)."""
+    store_flags: tuple[str, ...]
+    """Extra flags of every store node."""
+    text: str
+    """What the mode is, for ratio descriptions."""
+
+    def system(self, base: str) -> str:
+        """The system name of ``base``'s rows in this mode."""
+        return f"{base}_{self.tag}" if self.tag else base
+
+    def cluster_args(self) -> dict[str, Any]:
+        """``LocalCluster`` arguments of this mode (plain is ``tls=False``: LocalCluster's own
+        default is TLS)."""
+        return {"tls": self.tls, "store_args": list(self.store_flags)}
+
+
+PLAIN = "plain"
+TLS_MODES: dict[str, TlsMode] = {
+    PLAIN: TlsMode("", False, (), "no TLS"),
+    "tls": TlsMode("tls", True, (), "mutual TLS on gRPC and the data session"),
+    "tls-plain-data": TlsMode("tls_plaindata", True, ("--plaintext-data-session",),
+                              "TLS on gRPC, the data session opted out (ticket-opened connections)"),
+}
+"""``--kvpool-tls`` mode name -> the mode."""
+
+
 @dataclasses.dataclass
 class Context:
     """What a system module gets: the plan, the process group and a place for its files."""
@@ -546,18 +581,22 @@ class Context:
     work_dir: Path
     suite: str
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
-    kvpool_tls: tuple[str, ...] = ("plain",)
-    """Transport-security modes kvpool's store rows are measured in (``bench/kvpool_store.py``);
-    the sidecar suite's clusters run in the first (:func:`cluster_security`)."""
+    kvpool_tls: tuple[str, ...] = (PLAIN,)
+    """Transport-security modes (:data:`TLS_MODES`) kvpool is measured in, each in every round
+    (:func:`per_tls_mode`)."""
+
+
+def per_tls_mode(ctx: Context, measure_mode: Callable[[str], list[Row]]) -> list[Row]:
+    """The rows of ``measure_mode(mode)`` for every mode of ``ctx.kvpool_tls`` in turn: one step
+    of a round measures them all, so the modes share that round's machine load and their ratios
+    (``bench/run.py`` :func:`mode_ratios`) are taken within a round."""
+    rows: list[Row] = []
+    for mode in ctx.kvpool_tls:
+        rows += measure_mode(mode)
+    return rows
 
 
 def cluster_security(ctx: Context) -> dict[str, Any]:
-    """``LocalCluster`` arguments of the run's first transport-security mode: ``plain`` (the
-    default of the runner, comparable with the peers and with earlier runs) is ``tls=False``;
-    ``tls`` is LocalCluster's own default; ``tls-plain-data`` opts the data session out."""
-    mode = ctx.kvpool_tls[0] if ctx.kvpool_tls else "plain"
-    if mode == "plain":
-        return {"tls": False}
-    if mode == "tls-plain-data":
-        return {"store_args": ["--plaintext-data-session"]}
-    return {}
+    """``LocalCluster`` arguments of the run's first transport-security mode: the clusters of
+    steps measured in one mode only (bench/integrations.py) run in it."""
+    return TLS_MODES[ctx.kvpool_tls[0] if ctx.kvpool_tls else PLAIN].cluster_args()

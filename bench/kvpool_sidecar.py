@@ -25,6 +25,12 @@ and 2 sidecars (A and B):
 The put and remote get rows carry `cpu_s_per_gb`: the CPU seconds of every kvpool process (this
 client, both sidecars, the store nodes) per GB of their timed batches (`common.CpuMeter`).
 
+Transport security is a mode (`bench/run.py --kvpool-tls plain,tls,tls-plain-data`, every mode
+in every round, one cluster each, `common.TLS_MODES`): the first mode measures every row above;
+each further mode only what crosses the pool network (:data:`TLS_OPS`: put, put_drained,
+remote_get, match), its rows named by the mode (`kvpool_sidecar_tls`,
+`kvpool_sidecar_tls_plaindata`; plain keeps `kvpool_sidecar`).
+
 If `kvpool.LocalCluster` / `kvpool.connect` are not there yet, the rows say "not available yet".
 """
 
@@ -40,15 +46,16 @@ import numpy as np
 
 from bench.common import (
     EXISTS_KEYS,
+    TLS_MODES,
     Context,
     CpuMeter,
     GiB,
     MiB,
     Row,
-    cluster_security,
     ensure_kvpool_importable,
     keys32,
     pattern,
+    per_tls_mode,
     row_from_times,
     size_label,
     touched,
@@ -58,6 +65,10 @@ from bench.common import (
 
 SYSTEM = "kvpool_sidecar"
 STORES = 4
+TLS_OPS: dict[str, tuple[str, ...]] = {"put": ("throughput", "cpu"), "put_drained": ("throughput", "cpu"),
+                                       "remote_get": ("throughput", "cpu"), "match": ("time",)}
+"""The rows every transport-security mode measures (what crosses the pool network: a local hit
+never does), and how ``bench/run.py`` sets each mode's against plain's."""
 
 
 def import_api() -> Any:
@@ -70,30 +81,48 @@ def import_api() -> Any:
 
 
 def measure(ctx: Context) -> list[Row]:
+    """Every transport-security mode of ``ctx.kvpool_tls`` (default: plain), one cluster each:
+    the first every row, the others the :data:`TLS_OPS` rows."""
     try:
         kvpool = import_api()
     except Exception as e:
         return [unavailable(SYSTEM, f"not available yet ({type(e).__name__}: {e})")]
+    first = ctx.kvpool_tls[0] if ctx.kvpool_tls else None
+    return per_tls_mode(ctx, lambda mode: measure_mode(ctx, kvpool, mode, full=mode == first))
+
+
+def measure_mode(ctx: Context, kvpool: Any, mode: str, full: bool = True) -> list[Row]:
+    """The rows of one transport-security mode, named by it (``full``: every row, else only
+    the :data:`TLS_OPS` rows)."""
+    security = TLS_MODES[mode].cluster_args()
     plan = ctx.plan
     local_bytes = (256 * MiB if plan.quick else GiB) + 2 * plan.max_batch_bytes
     store_bytes = 256 * MiB if plan.quick else GiB
     try:
-        with _cluster_clients(kvpool, STORES, store_bytes, local_bytes, cluster_security(ctx)) as (a, b, roles):
-            rows = _measure(ctx, a, b, roles)
-        # The same remote get from one store node: Mooncake's TCP peer has one segment owner,
-        # and 4 store processes on a small machine share its cores with the sidecar.
-        with _cluster_clients(kvpool, 1, store_bytes, local_bytes, cluster_security(ctx)) as (a, b, roles):
-            v, nb = MiB, 16
-            src = touched(v * nb, 1)
-            pattern(src, nb + 1)
-            row = _remote_get(plan, a, b, [src[j * v:(j + 1) * v].data for j in range(nb)], src,
-                              registered(b, v * nb), v, nb, "remote_get_1node", roles)
-            row.note += ", 1 store node"
-            rows.append(row)
-            ctx.log(f"[kvpool_sidecar] 1 MiB x 16 remote get from 1 store node: {row.gbps:.2f} GB/s")
-        return rows
+        with _cluster_clients(kvpool, STORES, store_bytes, local_bytes, security) as (a, b, roles):
+            rows = _measure(ctx, a, b, roles, full)
+        if full:
+            rows.append(_remote_get_1node(ctx, kvpool, store_bytes, local_bytes, security))
     except Exception as e:
-        return [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
+        rows = [unavailable(SYSTEM, f"{type(e).__name__}: {e}")]
+    for row in rows:  # measured under SYSTEM's name; named by the mode here, in one place
+        row.system = TLS_MODES[mode].system(SYSTEM)
+    return rows
+
+
+def _remote_get_1node(ctx: Context, kvpool: Any, store_bytes: int, local_bytes: int,
+                      security: dict[str, Any]) -> Row:
+    """The same remote get from one store node: Mooncake's TCP peer has one segment owner, and
+    4 store processes on a small machine share its cores with the sidecar."""
+    with _cluster_clients(kvpool, 1, store_bytes, local_bytes, security) as (a, b, roles):
+        v, nb = MiB, 16
+        src = touched(v * nb, 1)
+        pattern(src, nb + 1)
+        row = _remote_get(ctx.plan, a, b, [src[j * v:(j + 1) * v].data for j in range(nb)], src,
+                          registered(b, v * nb), v, nb, "remote_get_1node", roles)
+        row.note += ", 1 store node"
+        ctx.log(f"[kvpool_sidecar] 1 MiB x 16 remote get from 1 store node: {row.gbps:.2f} GB/s")
+        return row
 
 
 @contextlib.contextmanager
@@ -111,7 +140,7 @@ Roles = dict[str, list[int]]
 def _cluster_clients(kvpool: Any, stores: int, store_bytes: int, local_bytes: int,
                      security: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any, Roles]]:
     """As :func:`_two_clients`, with the pids of every kvpool process (this one is the client);
-    ``security``: the cluster's TLS arguments (:func:`bench.common.cluster_security`)."""
+    ``security``: the cluster's TLS arguments (:meth:`bench.common.TlsMode.cluster_args`)."""
     with kvpool.LocalCluster(stores=stores, sidecars=2, store_bytes=store_bytes,
                              local_bytes=local_bytes, **(security or {})) as cluster:
         roles = {"client": [os.getpid()], "sidecar": list(cluster.sidecar_pids),
@@ -320,53 +349,56 @@ def _put_rows(plan: Any, a: Any, vals: list[Any], v: int, nb: int, roles: Roles)
     return rows, keys
 
 
-def _measure(ctx: Context, a: Any, b: Any, roles: Roles) -> list[Row]:
+def _measure(ctx: Context, a: Any, b: Any, roles: Roles, full: bool = True) -> list[Row]:
+    """Every row of the suite but remote_get_1node (``full``), or only the :data:`TLS_OPS` rows."""
     plan = ctx.plan
     rows: list[Row] = []
     src = touched(plan.max_batch_bytes, 1)
     dst = touched(plan.max_batch_bytes, 0)
     reg_b = registered(b, plan.max_batch_bytes)
     for v, nb in plan.cells():
-        reps = plan.reps(v, nb)
-        total = plan.warmup + reps
         pattern(src[:v * nb], nb + v // MiB)
         vals = [src[j * v:(j + 1) * v].data for j in range(nb)]
 
         put_rows, keys = _put_rows(plan, a, vals, v, nb, roles)
-        rows += put_rows
+        cell = {r.op: r for r in put_rows}
         # A.put returns once the objects are in A's local tier; their write-through to the
         # store nodes goes on in the background.  Wait (untimed) for that backlog, so that it
         # does not run into the local_get timings below (Mooncake's put pays it inside put).
         drained = wait_written_through(a)
-
-        rows.append(_local_get(plan, a, keys, src, dst, v, nb, drained))
-
-        times: list[float] = []
-        bad = 0
-        for i in range(total):
-            t0 = time.perf_counter()
-            views = a.get(keys)
-            dt = time.perf_counter() - t0
-            ok = len(views) == nb and all(len(x) == v for x in views)
-            _release_views(views)  # untimed
-            del views
-            bad += 0 if ok else 1
-            if i >= plan.warmup:
-                times.append(dt)
-        rows.append(row_from_times(SYSTEM, "local_get_zero_copy", v, nb, times,
-                                   note="A.get (views, released untimed)"
-                                   + (f"; {bad} WRONG SIZES" if bad else "")))
-
-        rows.append(_remote_get(plan, a, b, vals, src, reg_b, v, nb, "remote_get", roles))
-        remote = rows[-1]
-        rows.append(_remote_get(plan, a, b, vals, src, dst, v, nb, "remote_get_promote", roles))
-        rows.append(_remote_zero_copy(plan, a, b, vals, v, nb))
-        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: put {put_rows[0].gbps:.2f} (drained "
-                f"{put_rows[1].gbps:.2f}) local {rows[-5].gbps:.2f} remote {remote.gbps:.2f} "
-                f"({remote.cpu_s_per_gb} CPU s/GB; promoting {rows[-2].gbps:.2f}, views {rows[-1].gbps:.2f}) GB/s")
+        if full:
+            cell["local_get"] = _local_get(plan, a, keys, src, dst, v, nb, drained)
+            cell["local_get_zero_copy"] = _local_zero_copy(plan, a, keys, v, nb)
+        cell["remote_get"] = _remote_get(plan, a, b, vals, src, reg_b, v, nb, "remote_get", roles)
+        if full:
+            cell["remote_get_promote"] = _remote_get(plan, a, b, vals, src, dst, v, nb,
+                                                     "remote_get_promote", roles)
+            cell["remote_get_zero_copy"] = _remote_zero_copy(plan, a, b, vals, v, nb)
+        rows += cell.values()
+        ctx.log(f"[kvpool_sidecar] {size_label(v)} x {nb}: " + ", ".join(
+            f"{op} {r.gbps:.2f}" + (f" ({r.cpu_s_per_gb} CPU s/GB)" if r.cpu_s_per_gb else "")
+            for op, r in cell.items() if r.gbps is not None) + " GB/s")
 
     rows.append(_match_row(plan, a, b, src))
     return rows
+
+
+def _local_zero_copy(plan: Any, a: Any, keys: list[bytes], v: int, nb: int) -> Row:
+    """local_get_zero_copy: ``A.get`` of what A just put, returning views (released untimed)."""
+    times: list[float] = []
+    bad = 0
+    for i in range(plan.warmup + plan.reps(v, nb)):
+        t0 = time.perf_counter()
+        views = a.get(keys)
+        dt = time.perf_counter() - t0
+        ok = len(views) == nb and all(len(x) == v for x in views)
+        _release_views(views)  # untimed
+        del views
+        bad += 0 if ok else 1
+        if i >= plan.warmup:
+            times.append(dt)
+    return row_from_times(SYSTEM, "local_get_zero_copy", v, nb, times,
+                          note="A.get (views, released untimed)" + (f"; {bad} WRONG SIZES" if bad else ""))
 
 
 def _local_get(plan: Any, a: Any, keys: list[bytes], src: np.ndarray, dst: np.ndarray, v: int, nb: int,

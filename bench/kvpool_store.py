@@ -30,6 +30,8 @@ import numpy as np
 
 from bench.common import (
     EXISTS_KEYS,
+    PLAIN,
+    TLS_MODES,
     Context,
     CpuMeter,
     GiB,
@@ -39,6 +41,7 @@ from bench.common import (
     free_port,
     keys32,
     pattern,
+    per_tls_mode,
     pool_bytes,
     python_env,
     row_from_times,
@@ -49,8 +52,9 @@ from bench.common import (
 )
 
 SYSTEM = "kvpool_store"
-TLS_MODES = {"plain": SYSTEM, "tls": f"{SYSTEM}_tls", "tls-plain-data": f"{SYSTEM}_tls_plaindata"}
-"""Transport-security mode -> the system name its rows carry."""
+TLS_OPS: dict[str, tuple[str, ...]] = {"put": ("throughput", "cpu"), "get": ("throughput", "cpu"),
+                                       "exists": ("time",)}
+"""The ops whose cost per transport-security mode ``bench/run.py`` sets against plain, and how."""
 
 
 def tls_files(ctx: Context) -> tuple[list[str], Any]:
@@ -130,14 +134,12 @@ def dram_bytes(ctx: Context, can_remove: bool) -> int:
 
 def measure(ctx: Context) -> list[Row]:
     """Every transport-security mode of ``ctx.kvpool_tls`` (default: plain), one node each."""
-    rows: list[Row] = []
-    for mode in ctx.kvpool_tls:
-        rows += measure_mode(ctx, mode)
-    return rows
+    return per_tls_mode(ctx, lambda mode: measure_mode(ctx, mode))
 
 
-def measure_mode(ctx: Context, mode: str = "plain") -> list[Row]:
-    system = TLS_MODES[mode]
+def measure_mode(ctx: Context, mode: str = PLAIN) -> list[Row]:
+    tls_mode = TLS_MODES[mode]
+    system = tls_mode.system(SYSTEM)
     try:
         mod = import_client()
     except Exception as e:
@@ -150,10 +152,9 @@ def measure_mode(ctx: Context, mode: str = "plain") -> list[Row]:
             dram = dram_bytes(ctx, can_remove)
             flags: list[str] = []
             client_kw: dict[str, Any] = {}
-            if mode != "plain":
+            if tls_mode.tls:
                 flags, client_kw["tls"] = tls_files(ctx)
-                if mode == "tls-plain-data":
-                    flags.append("--plaintext-data-session")
+                flags += tls_mode.store_flags
             node = procs.start(
                 f"kvpool-store-{mode}",
                 [sys.executable, "-m", "kvpool", "store", "--listen", f"127.0.0.1:{port}",

@@ -2,6 +2,7 @@
 """kvpool benchmark runner: side-by-side throughput and latency on 127.0.0.1.
 
     python bench/run.py --suite store|sidecar [--quick] [--json PATH] [--only SYSTEMS]
+                        [--rounds N] [--kvpool-tls plain,tls,tls-plain-data]
 
 Starts every server it needs, stops everything it started (also on exceptions, Ctrl-C and
 SIGTERM; children also die with the runner if it is killed), prints one table (system x op x
@@ -33,7 +34,20 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import ceilings, integrations, kvpool_sidecar, kvpool_store  # noqa: E402
-from bench.common import EXISTS_KEYS, Context, MiB, Plan, Procs, Row, cpu_busy, size_label, unavailable, wait_idle  # noqa: E402
+from bench.common import (  # noqa: E402
+    EXISTS_KEYS,
+    PLAIN,
+    TLS_MODES,
+    Context,
+    MiB,
+    Plan,
+    Procs,
+    Row,
+    cpu_busy,
+    size_label,
+    unavailable,
+    wait_idle,
+)
 from bench.peers import mooncake_peer, redis_peer  # noqa: E402
 
 Step = Callable[[Context], list[Row]]
@@ -160,9 +174,16 @@ SIDECAR_RATIOS: dict[str, R] = {
                                         "shm put's"),
     **integrations.ratios(),  # <integration>_read_vs_direct_store, <integration>_read_vs_mooncake_tcp
 }
+MODE_OPS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "store": (kvpool_store.SYSTEM, kvpool_store.TLS_OPS),
+    "sidecar": (kvpool_sidecar.SYSTEM, kvpool_sidecar.TLS_OPS),
+}
+"""suite -> kvpool's plain system in it and the ops each transport-security mode is set against
+plain on (:func:`mode_ratios`)."""
 RATIO_CELL = (MiB, 16)
 RATIOS_DOC = {
-    "_convention": "Every ratio is kvpool over the peer, both measured in this run, 1 MiB "
+    "_convention": "Every ratio is kvpool over the peer (*_vs_plain: kvpool in a transport-security "
+                   "mode over kvpool without TLS), both measured in this run, 1 MiB "
                    "values in batches of 16 (exists/match: 8192 keys). Throughput ratios "
                    "(get_*, put_*, local_get_*, remote_get_*) are kvpool GB/s / peer GB/s of "
                    "the median batch, so > 1 means kvpool is faster. Time ratios "
@@ -173,6 +194,28 @@ RATIOS_DOC = {
                    "(see ratios_missing). Ratios named mooncake_* are peer context (Mooncake over a "
                    "ceiling), not kvpool over a peer.",
 }
+
+
+def mode_ratios(system: str, ops: dict[str, tuple[str, ...]], modes: tuple[str, ...]) -> dict[str, R]:
+    """Ratios of each transport-security mode of ``modes`` to plain (both in ``modes``; none
+    otherwise), per op of ``ops`` and kind: ``<tag>_<op>_vs_plain`` (GB/s),
+    ``<tag>_<op>_cpu_vs_plain`` (CPU s/GB), ``<tag>_<op>8192_vs_plain`` (p50 time), e.g.
+    ``tls_remote_get_vs_plain``.  Each is taken within a round, as every ratio is."""
+    if PLAIN not in modes:
+        return {}
+    how = {"throughput": ("", "GB/s"), "cpu": ("_cpu", "CPU s/GB"), "time": ("8192", "p50 time of 8192 keys")}
+    table: dict[str, R] = {}
+    for mode in modes:
+        tls = TLS_MODES[mode]
+        if mode == PLAIN:
+            continue
+        for op, kinds in ops.items():
+            for kind in kinds:
+                suffix, what = how[kind]
+                table[f"{tls.tag}_{op}{suffix}_vs_plain"] = (
+                    kind, (tls.system(system), op), (system, op), "",
+                    f"{system} {op} {what} with {tls.text} ({mode}) / without TLS (plain), same round")
+    return table
 
 
 def ratio_values(rows: list[Row], table: dict[str, R]) -> tuple[dict[str, float | None],
@@ -386,11 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                     help="before each step wait up to SECONDS for the CPUs to be < 25%% busy "
                          "(other work on this machine skews every number)")
-    ap.add_argument("--kvpool-tls", default="plain", metavar="MODES",
-                    help="store suite: comma-separated transport-security modes of kvpool's store rows, "
-                         "each its own node in the same run: plain (kvpool_store), tls (kvpool_store_tls: "
-                         "mutual TLS on gRPC and the data session), tls-plain-data "
-                         "(kvpool_store_tls_plaindata: TLS control, data session opted out)")
+    ap.add_argument("--kvpool-tls", default=PLAIN, metavar="MODES",
+                    help="comma-separated transport-security modes kvpool is measured in, each its own "
+                         "node (store suite) or cluster (sidecar suite: the first mode every row, the "
+                         "others put, put_drained, remote_get, match), all in every round: plain "
+                         "(kvpool_store, kvpool_sidecar), tls (*_tls: mutual TLS on gRPC and the data "
+                         "session), tls-plain-data (*_tls_plaindata: TLS control, data session opted "
+                         "out); with plain and another mode, ratios <tag>_<op>_vs_plain")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the work directory with every process's log")
     args = ap.parse_args(argv)
@@ -407,9 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix=f"kvpool-bench-{args.suite}-"))
     procs = Procs(work_dir)
     modes = tuple(m.strip() for m in args.kvpool_tls.split(",") if m.strip())
-    bad = set(modes) - set(kvpool_store.TLS_MODES)
-    if bad or not modes:
-        ap.error(f"--kvpool-tls: unknown modes {sorted(bad)} (of {sorted(kvpool_store.TLS_MODES)})")
+    bad = set(modes) - set(TLS_MODES)
+    if bad or not modes or len(set(modes)) != len(modes):
+        ap.error(f"--kvpool-tls: unknown or repeated modes in {args.kvpool_tls!r} (of {sorted(TLS_MODES)})")
     ctx = Context(plan=plan, procs=procs, work_dir=work_dir, suite=args.suite, kvpool_tls=modes)
     # SIGINT too: a runner started in the background of a script inherits SIGINT ignored.
     old = {s: signal.signal(s, _raise_interrupt)
@@ -451,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         for s, h in old.items():
             signal.signal(s, h)
 
-    table = STORE_RATIOS if args.suite == "store" else SIDECAR_RATIOS
+    table = {**(STORE_RATIOS if args.suite == "store" else SIDECAR_RATIOS),
+             **mode_ratios(*MODE_OPS[args.suite], modes)}
     if interrupted and len(rounds) > 1 and not rounds[-1]:
         rounds.pop()
     per_round = [ratio_values(r, table) for r in rounds]
@@ -470,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     print(title)
     print(format_table(rows))
     print()
-    print("ratios (kvpool / peer, 1 MiB x 16; throughput: >1 better, time and cpu: <1 better):")
+    print("ratios (kvpool / peer; *_vs_plain: a TLS mode / plain; 1 MiB x 16; throughput: >1 better, "
+          "time and cpu: <1 better):")
     for k, v in ratios.items():
         t = f"  target {targets[k]}: {'met' if meets[k] else 'NOT met'}" \
             if k in targets and meets.get(k) is not None else \
