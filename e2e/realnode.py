@@ -261,8 +261,10 @@ def start_node(cluster: Cluster, images: Images) -> None:
                                                     timeout=10).returncode == 0,
                timeout, containerd.check_alive)
     for archive in (images.pause_archive, images.kvpool_archive):
-        subprocess.run([*ctr, "images", "import", str(archive)], check=True, capture_output=True,
-                       timeout=300)
+        done = subprocess.run([*ctr, "images", "import", str(archive)], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"ctr images import {archive}: {done.stdout}{done.stderr}")
 
     kubelet = cluster.spawn("kubelet", [
         str(bins.kubelet), "--config", str(node_dir / "kubelet.json"),
