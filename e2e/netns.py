@@ -103,7 +103,10 @@ def relay(listener: socket.socket, target: tuple[str, int]) -> None:
     """Accept on ``listener`` (a socket of the host's namespace) and connect each client to
     ``target`` from inside this one: a socket keeps the namespace it was created in."""
     while True:
-        client, _ = listener.accept()
+        try:
+            client, _ = listener.accept()
+        except OSError:  # the listener was closed: nothing more to relay
+            return
         threading.Thread(target=_relay_one, args=(client, target), daemon=True).start()
 
 

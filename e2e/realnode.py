@@ -254,6 +254,11 @@ def start_node(cluster: Cluster, images: Images) -> None:
     (node_dir / "Corefile").write_text(corefile(admin))
     make_cgroup_root(cgroup_root(cluster.run_id))
 
+    began = time.monotonic()
+
+    def took(what: str) -> None:
+        print(f"[realnode] {what}: {time.monotonic() - began:.1f}s", flush=True)
+
     containerd = cluster.spawn("containerd", ["containerd", "--config",
                                               str(node_dir / "containerd.toml")])
     ctr = ["ctr", "--address", str(sock), "--namespace", "k8s.io"]
@@ -265,6 +270,7 @@ def start_node(cluster: Cluster, images: Images) -> None:
                               text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"ctr images import {archive}: {done.stdout}{done.stderr}")
+        took(f"imported {archive.name}")
 
     kubelet = cluster.spawn("kubelet", [
         str(bins.kubelet), "--config", str(node_dir / "kubelet.json"),
@@ -283,6 +289,7 @@ def start_node(cluster: Cluster, images: Images) -> None:
     ctx = cluster.admin_ssl()
     wait_until("kubelet: Node Ready", lambda: cluster.node_ready(ctx), timeout,
                kubelet.check_alive)
+    took("Node Ready")
     insecure = _insecure()
     wait_until("kube-scheduler", lambda: _http_get("https://127.0.0.1:10259/healthz", insecure)
                == b"ok", timeout, scheduler.check_alive)
@@ -290,6 +297,7 @@ def start_node(cluster: Cluster, images: Images) -> None:
                timeout, proxy.check_alive)
     wait_until("coredns", lambda: _http_get("http://127.0.0.1:8181/ready") == b"OK",
                timeout, coredns.check_alive)
+    took("scheduler, kube-proxy, CoreDNS ready")
 
 
 def _insecure() -> Any:
@@ -315,8 +323,10 @@ def serve(args: argparse.Namespace) -> int:
     cluster = Cluster(workdir, node_ip=NODE_IP,
                       start_node=lambda c: start_node(c, images))
     cluster.run_id = args.run_id
+    began = time.monotonic()
     try:
         cluster.start(timeout=180)
+        print(f"[realnode] all ready in {time.monotonic() - began:.1f}s", flush=True)
         (workdir / "ready").write_text("ok\n")
         while not stop:
             time.sleep(0.5)
@@ -340,7 +350,7 @@ def find_images(repo: Path) -> Images | None:
     if all(os.environ.get(k) for k in Images.ENV):
         return Images.from_env(dict(os.environ))
     script = repo / "tools" / "image.sh"
-    if not script.exists():
+    if not script.exists() or os.environ.get("KVPOOL_SKIP_IMAGE") == "1":
         return None
     out = subprocess.run(["bash", str(script), "--print-env"], cwd=repo, check=True,
                          capture_output=True, text=True, timeout=3600).stdout
