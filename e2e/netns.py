@@ -41,6 +41,7 @@ NETNS_SYSCTLS = {"net/ipv4/ip_forward": "1", "net/bridge/bridge-nf-call-iptables
 # Written by the kubelet and containerd whatever their configured roots say (kubelet: pki and
 # device-plugins below /var/lib/kubelet, log links in /var/log/containers; containerd's shims:
 # /run/containerd; CNI's IPAM leases: /var/lib/cni; network namespaces: /run/netns).
+UPLINK = "kvpool-up"  # the default route's device (see prepare)
 PRIVATE_DIRS = ["/run", "/var/lib/kubelet", "/var/log/containers", "/var/log/pods",
                 "/var/lib/cni"]
 
@@ -61,6 +62,14 @@ def prepare(node_ip: str, scratch: Path) -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     # The kubelet refuses a node IP in 127.0.0.0/8; this one exists only in this namespace.
     subprocess.run(["ip", "addr", "add", f"{node_ip}/32", "dev", "lo"], check=True)
+    # A default route, as every node has: a Service's ClusterIP that the node itself dials (the
+    # apiserver calling an admission webhook's Service) is routed before kube-proxy's OUTPUT
+    # DNAT rewrites it; with no route the connect fails at once ("network is unreachable"). The
+    # route leads to one end of a veth pair whose other end is down: nothing leaves the node.
+    subprocess.run(["ip", "link", "add", UPLINK, "type", "veth", "peer", "name", UPLINK + "-x"],
+                   check=True)
+    subprocess.run(["ip", "link", "set", UPLINK, "up"], check=True)
+    subprocess.run(["ip", "route", "add", "default", "dev", UPLINK, "src", node_ip], check=True)
     # Mounts made below propagate between the node's components (the kubelet's volume mounts
     # reach containerd), never to the host: --propagation private cut the host's peer groups.
     subprocess.run(["mount", "--make-rshared", "/"], check=True)
