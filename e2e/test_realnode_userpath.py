@@ -209,11 +209,16 @@ def test_5_uninstall_leaves_nothing(release: Release) -> None:
     wait_for(lambda: not rel.get("pods", "-n", rel.apps)["items"], 90, "the store pods gone",
              interval=0.5)
     rel.helm("uninstall", rel.name, "--wait", "--timeout", "120s")
+    # `--wait` waits for the Deployment object; its pod goes after (garbage collection, then the
+    # operator's SIGTERM handling): within a few seconds, well inside its grace period.
+    start = time.monotonic()
+    wait_for(lambda: not rel.get("pods", "-n", rel.namespace)["items"], 30,
+             "the operator pod gone", interval=0.2)
+    assert time.monotonic() - start < 10
     selector = f"app.kubernetes.io/instance={rel.name}"
     left = rel.get("all,secrets,configmaps,serviceaccounts,roles,rolebindings", "-n",
                    rel.namespace, "-l", selector)
     assert left["items"] == [], [i["metadata"]["name"] for i in left["items"]]
-    assert not rel.get("pods", "-n", rel.namespace)["items"]
     cluster_wide = rel.get("clusterroles,clusterrolebindings,mutatingwebhookconfigurations", "-l",
                            selector)
     assert cluster_wide["items"] == [], [i["metadata"]["name"] for i in cluster_wide["items"]]
