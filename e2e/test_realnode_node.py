@@ -118,12 +118,23 @@ def test_service_name_resolves_and_cluster_ip_reaches_the_pod(cluster: RealNodeC
     cluster_ip = svc.spec.cluster_ip
     # The short name goes through the pod's search path (kubelet's resolv.conf) to CoreDNS;
     # the body comes through kube-proxy's DNAT from port 80 to the pod's 8080.
+    # Until kube-proxy has programmed the new Service's endpoint (its sync follows the
+    # EndpointSlice controller, seconds under load) the ClusterIP is REJECTed: retry.
     done, log = run_to_end(api, namespace, pod(cluster, "client", """
-        import socket, urllib.request
+        import socket, time, urllib.request
         print("resolved", socket.gethostbyname("web"),
               socket.gethostbyname("web.%s.svc.cluster.local" % open(
                   "/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()))
-        print(urllib.request.urlopen("http://web/", timeout=10).read().decode())
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                print(urllib.request.urlopen("http://web/", timeout=10).read().decode())
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                print("retrying:", exc, flush=True)
+                time.sleep(0.5)
     """))
     assert done["status"]["phase"] == "Succeeded", log
     assert f"resolved {cluster_ip} {cluster_ip}" in log
