@@ -45,6 +45,9 @@ NODE_NAME = "kvpool-e2e"
 # Every pod process carries this variable; stop() sweeps /proc for it so that nothing started
 # by the node agent outlives the cluster, even when the agent itself died.
 RUN_ID_ENV = "KVPOOL_E2E_RUN_ID"
+# The real-node tier's apiserver runs in a network namespace of its own, so a fixed port is
+# free there, and the harness's relay from the host knows where to connect before it starts.
+REAL_NODE_APISERVER_PORT = 6443
 
 
 def free_port() -> int:
@@ -125,8 +128,16 @@ class Cluster:
     """
 
     def __init__(self, workdir: Path | None = None, *, with_node: bool = True,
-                 pod_ip_prefix: str = "127.0.10.", binaries: build.Binaries | None = None) -> None:
+                 pod_ip_prefix: str = "127.0.10.", binaries: build.Binaries | None = None,
+                 node_ip: str | None = None,
+                 start_node: Callable[[Cluster], None] | None = None) -> None:
+        """``node_ip`` and ``start_node`` make the real-node tier (``e2e.realnode``): the
+        apiserver listens on every address of the node's own network namespace, on 6443, and
+        advertises ``node_ip`` (its endpoint reconciler then fills the ``kubernetes``
+        Service); ``start_node(self)`` starts the node instead of the node agent."""
         self._own_workdir = workdir is None
+        self.node_ip = node_ip
+        self.start_node = start_node
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-e2e-"))
         self.with_node = with_node
         self.pod_ip_prefix = pod_ip_prefix
@@ -151,11 +162,12 @@ class Cluster:
     def _start(self, timeout: float) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.pki = p = pki.make_pki(self.workdir / "pki", service_ip=FIRST_SERVICE_IP)
+        self.pki = p = pki.make_pki(self.workdir / "pki", service_ip=FIRST_SERVICE_IP,
+                                    node_ip=self.node_ip)
 
         etcd_port, etcd_peer = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
-        etcd = self._spawn("etcd", [
+        etcd = self.spawn("etcd", [
             str(self.binaries.etcd),
             "--name", "e2e",
             "--data-dir", str(self.workdir / "etcd"),
@@ -171,13 +183,22 @@ class Cluster:
         wait_until("etcd", lambda: b'"health":"true"' in _http_get(f"{etcd_url}/health"),
                    timeout, etcd.check_alive)
 
-        self.apiserver_port = free_port()
+        self.apiserver_port = REAL_NODE_APISERVER_PORT if self.node_ip else free_port()
         self.server = f"https://127.0.0.1:{self.apiserver_port}"
-        apiserver = self._spawn("kube-apiserver", [
-            str(self.binaries.kube_apiserver),
-            f"--etcd-servers={etcd_url}",
+        address_args = [
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
+            # The default reconciler writes the apiserver's address into the `kubernetes`
+            # Endpoints, and loopback addresses are refused there.
+            "--endpoint-reconciler-type=none",
+        ] if not self.node_ip else [
+            "--bind-address=0.0.0.0",  # the node's own namespace: nothing else listens here
+            f"--advertise-address={self.node_ip}",
+        ]
+        apiserver = self.spawn("kube-apiserver", [
+            str(self.binaries.kube_apiserver),
+            f"--etcd-servers={etcd_url}",
+            *address_args,
             f"--secure-port={self.apiserver_port}",
             f"--tls-cert-file={p.apiserver.cert}",
             f"--tls-private-key-file={p.apiserver.key}",
@@ -190,9 +211,6 @@ class Cluster:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={p.sa_public}",
             f"--service-account-signing-key-file={p.sa_private}",
-            # The default reconciler writes the apiserver's address into the `kubernetes`
-            # Endpoints, and loopback addresses are refused there.
-            "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             # `kubectl logs` goes through the apiserver to the node agent's kubelet API.
             f"--kubelet-client-certificate={p.kubelet_client.cert}",
@@ -204,13 +222,13 @@ class Cluster:
             "--v=1",
         ])
         self._write_kubeconfigs()
-        ctx = self._admin_ssl()
+        ctx = self.admin_ssl()
         wait_until("kube-apiserver",
                    lambda: _http_get(f"{self.server}/readyz", ctx) == b"ok",
                    timeout, apiserver.check_alive)
 
         cm_port = free_port()
-        cm = self._spawn("kube-controller-manager", [
+        cm = self.spawn("kube-controller-manager", [
             str(self.binaries.kube_controller_manager),
             f"--kubeconfig={self.workdir / 'controller-manager.kubeconfig'}",
             "--bind-address=127.0.0.1",
@@ -236,8 +254,10 @@ class Cluster:
                    lambda: _http_ok(f"{self.server}/api/v1/namespaces/default/serviceaccounts/default",
                                     ctx), timeout, cm.check_alive)
 
-        if self.with_node:
-            node = self._spawn("node-agent", [
+        if self.with_node and self.start_node is not None:
+            self.start_node(self)
+        elif self.with_node:
+            node = self.spawn("node-agent", [
                 sys.executable, "-m", "e2e.nodeagent",
                 "--kubeconfig", str(self.workdir / "node.kubeconfig"),
                 "--node-name", NODE_NAME,
@@ -250,7 +270,7 @@ class Cluster:
                 "--serving-cert", str(p.kubelet.cert),
                 "--serving-key", str(p.kubelet.key),
             ], cwd=Path(__file__).resolve().parent.parent)
-            wait_until("node agent", lambda: self._node_ready(ctx), timeout, node.check_alive)
+            wait_until("node agent", lambda: self.node_ready(ctx), timeout, node.check_alive)
 
     def stop(self) -> None:
         """Stop every component (newest first) and remove the work dir if we made it."""
@@ -298,7 +318,7 @@ class Cluster:
                                *args], input=input, text=True, capture_output=True, check=check,
                               timeout=timeout)
 
-    def _spawn(self, name: str, argv: list[str], cwd: Path | None = None) -> Component:
+    def spawn(self, name: str, argv: list[str], cwd: Path | None = None) -> Component:
         log = self.workdir / "logs" / f"{name}.log"
         env = dict(os.environ, **{RUN_ID_ENV: self.run_id})
         env.pop("KUBECONFIG", None)  # components get theirs explicitly
@@ -324,13 +344,13 @@ class Cluster:
             path.write_text(kubeconfig_text(self.server, p.ca.cert, pair.cert, pair.key, user))
             path.chmod(0o600)
 
-    def _admin_ssl(self) -> ssl.SSLContext:
+    def admin_ssl(self) -> ssl.SSLContext:
         assert self.pki is not None
         ctx = ssl.create_default_context(cafile=str(self.pki.ca.cert))
         ctx.load_cert_chain(str(self.pki.admin.cert), str(self.pki.admin.key))
         return ctx
 
-    def _node_ready(self, ctx: ssl.SSLContext) -> bool:
+    def node_ready(self, ctx: ssl.SSLContext) -> bool:
         body = json.loads(_http_get(f"{self.server}/api/v1/nodes/{NODE_NAME}", ctx))
         conds = body.get("status", {}).get("conditions", [])
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)

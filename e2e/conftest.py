@@ -1,8 +1,15 @@
 """pytest fixtures giving tests a real control plane (``e2e.cluster.Cluster``) for the session.
 
-``cluster`` starts etcd, kube-apiserver, kube-controller-manager and the node agent once per
-session and stops them (and every pod process) at the end. When a test that used it fails, the
-tails of every component log and container log are attached to the failure report.
+``cluster`` starts etcd, kube-apiserver, kube-controller-manager and a node once per session and
+stops them (and every pod) at the end. The node is one of two tiers (README.md):
+
+* the node agent (``e2e.nodeagent``, default): pods are local processes;
+* a real node (``e2e.realnode``: containerd, the kubelet, kube-proxy, CoreDNS in a private
+  namespace), for modules marked ``realnode``, or for every test with ``--node=kubelet``
+  (or ``KVPOOL_E2E_NODE=kubelet``).
+
+When a test that used it fails, the tails of every component log and container log are attached
+to the failure report.
 """
 
 from __future__ import annotations
@@ -24,13 +31,25 @@ if _ROOT not in sys.path:
 
 from e2e.cluster import Cluster  # noqa: E402
 
-_running: Cluster | None = None
+# The running cluster of each tier, for the failure reports.
+_running: dict[str, Cluster] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--node", choices=["agent", "kubelet"],
+                     default=os.environ.get("KVPOOL_E2E_NODE", "agent"),
+                     help="the node every e2e test runs on (modules marked realnode always get "
+                          "the real node): the node agent, or a real kubelet with containerd")
+
+
+def _tier(node: pytest.Item | pytest.Collector) -> str:
+    if node.get_closest_marker("realnode") is not None:
+        return "kubelet"
+    return str(node.config.getoption("--node"))
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    """A running cluster shared by the whole session."""
-    global _running
+def _agent_cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip("the node agent needs root (mount namespaces for pod volumes)")
     # A third octet per session, so that a developer's `python -m e2e.cluster up` (127.0.10.x)
@@ -38,15 +57,48 @@ def cluster() -> Iterator[Cluster]:
     prefix = f"127.0.{20 + os.getpid() % 200}."
     c = Cluster(pod_ip_prefix=prefix)
     c.start()
-    _running = c
+    _running["agent"] = c
     try:
         yield c
     finally:
-        _running = None
+        _running.pop("agent", None)
         c.stop()
 
 
 @pytest.fixture(scope="session")
+def _kubelet_cluster() -> Iterator[Cluster]:
+    from e2e import realnode
+
+    if os.geteuid() != 0:
+        pytest.skip("the real node needs root (namespaces, mounts, cgroups)")
+    missing = realnode.missing_packages()
+    if missing:
+        pytest.skip(f"the real node needs the Debian packages {', '.join(missing)} "
+                    "(apt-get install -y " + " ".join(missing) + ")")
+    images = realnode.find_images(Path(_ROOT))
+    if images is None:
+        pytest.skip("no kvpool image: tools/image.sh is missing and KVPOOL_IMAGE_ARCHIVE, "
+                    "KVPOOL_IMAGE, KVPOOL_PAUSE_ARCHIVE, KVPOOL_PAUSE_IMAGE are not set")
+    c = realnode.RealNodeCluster(images)
+    c.start()
+    _running["kubelet"] = c
+    try:
+        yield c
+    finally:
+        _running.pop("kubelet", None)
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> Cluster:
+    """The running cluster of this module's tier, shared by the whole session."""
+    tier = _tier(request.node)
+    running: Cluster = request.getfixturevalue(
+        "_kubelet_cluster" if tier == "kubelet" else "_agent_cluster")
+    return running
+
+
+@pytest.fixture(scope="module")
 def api(cluster: Cluster) -> Iterator[Any]:
     """An admin ``kubernetes.client.ApiClient``."""
     client = cluster.api_client()
@@ -90,6 +142,7 @@ def _has_default_sa(core: Any, ns: str) -> bool:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
         None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    if report.failed and _running is not None and "cluster" in getattr(item, "fixturenames", ()):
-        report.sections.append(("kvpool cluster logs", _running.logs()))
+    running = _running.get(_tier(item))
+    if report.failed and running is not None and "cluster" in getattr(item, "fixturenames", ()):
+        report.sections.append(("kvpool cluster logs", running.logs()))
     return report

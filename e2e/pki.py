@@ -115,8 +115,12 @@ def _save(directory: Path, stem: str, key: ec.EllipticCurvePrivateKey,
     return pair
 
 
-def make_pki(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
-    """Create a fresh CA and every cert the harness needs under ``directory``."""
+def make_pki(directory: Path, service_ip: str = "10.96.0.1", node_ip: str | None = None) -> Pki:
+    """Create a fresh CA and every cert the harness needs under ``directory``.
+
+    ``node_ip`` (the real-node tier's node address) is added to the apiserver's and the
+    kubelet's serving certs: pods reach the apiserver there, the apiserver the kubelet."""
+    extra_ips = [node_ip] if node_ip else []
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     now = _dt.datetime.now(_dt.UTC) - _dt.timedelta(minutes=5)
@@ -142,35 +146,34 @@ def make_pki(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
                        critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    ca = _save(directory, "ca", ca_key, ca_cert)
+    _save(directory, "ca", ca_key, ca_cert)
 
     def issue(stem: str, subject: x509.Name, **kw: object) -> CertPair:
         key, cert = _issue(ca_key, ca_cert, subject, **kw)  # type: ignore[arg-type]
         return _save(directory, stem, key, cert)
 
-    apiserver = issue(
+    issue(
         "apiserver",
         _name("kube-apiserver"),
         server_names=["localhost", "kubernetes", "kubernetes.default",
                       "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"],
-        server_ips=["127.0.0.1", service_ip],
+        server_ips=["127.0.0.1", service_ip, *extra_ips],
     )
-    admin = issue("admin", _name("kvpool-e2e-admin", "system:masters"), client=True)
+    issue("admin", _name("kvpool-e2e-admin", "system:masters"), client=True)
     # system:masters too: without --use-service-account-credentials every controller acts as
     # this one identity, and the bootstrap role of system:kube-controller-manager is written for
     # the per-controller service accounts, so it alone lacks most of what the controllers do.
-    cm = issue("controller-manager", _name("system:kube-controller-manager", "system:masters"),
-               client=True)
+    issue("controller-manager", _name("system:kube-controller-manager", "system:masters"),
+          client=True)
     # The node agent acts as a kubelet for the pods and uses the admin-equivalent group: the
     # Node authorizer is not enabled (RBAC only), so system:nodes alone would grant nothing.
-    node = issue("node", _name("system:node:kvpool-e2e", "system:masters"), client=True)
-    webhook = issue("webhook", _name("kvpool-webhook"),
-                    server_names=["localhost"], server_ips=["127.0.0.1"])
+    issue("node", _name("system:node:kvpool-e2e", "system:masters"), client=True)
+    issue("webhook", _name("kvpool-webhook"), server_names=["localhost"], server_ips=["127.0.0.1"])
     # The node agent's kubelet API (container logs), and the apiserver's client cert for it.
-    kubelet = issue("kubelet", _name("kvpool-e2e-kubelet"),
-                    server_names=["localhost"], server_ips=["127.0.0.1"])
-    kubelet_client = issue("apiserver-kubelet-client",
-                           _name("kube-apiserver-kubelet-client", "system:masters"), client=True)
+    issue("kubelet", _name("kvpool-e2e-kubelet"),
+          server_names=["localhost"], server_ips=["127.0.0.1", *extra_ips])
+    issue("apiserver-kubelet-client",
+          _name("kube-apiserver-kubelet-client", "system:masters"), client=True)
 
     sa_key = ec.generate_private_key(ec.SECP256R1())
     sa_private = directory / "sa.key"
@@ -181,6 +184,17 @@ def make_pki(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
-    return Pki(ca=ca, apiserver=apiserver, admin=admin, controller_manager=cm, node=node,
-               webhook=webhook, kubelet=kubelet, kubelet_client=kubelet_client,
-               sa_private=sa_private, sa_public=sa_public)
+    return pki_paths(directory)
+
+
+def pki_paths(directory: Path) -> Pki:
+    """The paths ``make_pki(directory)`` wrote, for a process that did not make them (the
+    real-node tier makes its PKI inside the node's namespace)."""
+    def pair(stem: str) -> CertPair:
+        return CertPair(cert=directory / f"{stem}.crt", key=directory / f"{stem}.key")
+
+    return Pki(ca=pair("ca"), apiserver=pair("apiserver"), admin=pair("admin"),
+               controller_manager=pair("controller-manager"), node=pair("node"),
+               webhook=pair("webhook"), kubelet=pair("kubelet"),
+               kubelet_client=pair("apiserver-kubelet-client"),
+               sa_private=directory / "sa.key", sa_public=directory / "sa.pub")

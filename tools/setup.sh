@@ -11,6 +11,11 @@ PY="${PYTHON:-python3}"
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || need_apt+=(libibverbs1)
+# The real-node e2e tier (e2e/realnode.py): Debian's container runtime and CNI plugins, and the
+# iptables kube-proxy programs; containerd is never started as a service, only inside the tier's
+# private namespace.
+for pkg in containerd runc iptables; do command -v "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg"); done
+[ -e /usr/lib/cni/bridge ] || need_apt+=(containernetworking-plugins)
 if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "setup: apt-get install ${need_apt[*]}"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}") >/dev/null \

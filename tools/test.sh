@@ -53,7 +53,8 @@ if [ "$wants_image" -eq 1 ] && [ "${KVPOOL_SKIP_IMAGE:-0}" != 1 ]; then
   image_pid=$!
 fi
 # The control plane for e2e/ (kube-apiserver, kube-controller-manager, kubectl, etcd, helm from
-# their Go modules): about 20 minutes cold on 2 cores, under a second once cached. Built here,
+# their Go modules) and the real node's binaries (kubelet, kube-scheduler, kube-proxy, CoreDNS):
+# about 25 minutes cold on 2 cores, under a second once cached. Built here,
 # before pytest, so that a cold build does not run inside the first e2e test's 300 s timeout
 # (seen on a fresh machine: every e2e test errored while the build went on). A failed build
 # does not stop the suite: the e2e tests then fail, saying what is missing.
