@@ -216,6 +216,24 @@ def ensure_pool_tls(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.Cer
     return TlsConfig.from_dir(directory, certs.store_server_name(pool.name, pool.namespace))
 
 
+def pool_tls_or_problem(kube: Kube, pool: PoolSpec, tls_root: str, policy: certs.CertPolicy,
+                        body: Mapping[str, Any] | None = None,
+                        now: dt.datetime | None = None) -> tuple[TlsConfig | None, tuple[str, str] | None]:
+    """:func:`ensure_pool_tls`, or why it could not run: a refused Secret write (RBAC, a quota on
+    Secrets, an admission webhook) is a condition of the pool, not a reconcile that fails
+    without saying why.  The operator then keeps using the certificate it wrote before, if any,
+    so running nodes stay reachable for admin calls."""
+    try:
+        return ensure_pool_tls(kube, pool, tls_root, policy, now=now, body=body), None
+    except KubeError as exc:
+        problem = ("CertificatesUnavailable",
+                   f"the pool's certificates could not be read or written ({exc}); running store nodes keep "
+                   f"theirs, new ones wait for Secret {certs.store_tls_secret_name(pool.name)}")
+    last = TlsConfig.from_dir(os.path.join(tls_root, pool.namespace, pool.name),
+                              certs.store_server_name(pool.name, pool.namespace))
+    return (last if os.path.exists(last.cert_file) else None), problem
+
+
 CERT_KINDS = ("ca", "serving", "client", "router")
 """The ``kind`` label of ``kvpool_certificate_expiry_timestamp_seconds``."""
 

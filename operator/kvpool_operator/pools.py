@@ -36,7 +36,7 @@ from .model import (
     wants_encryption,
 )
 from .nodes import NodeUnreachable
-from .pool_tls import cert_policy, ensure_pool_tls
+from .pool_tls import cert_policy, pool_tls_or_problem
 from .rebalance import RebalanceState
 from .reconcile import PoolObserved, PoolPlan, plan_pool
 from .runtime import Runtime
@@ -129,10 +129,12 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
     key_problem = ensure_master_key(kube, pool, tiers)
     pods = observe_pods(kube.list("v1", "Pod", pool.namespace, children.selector_string(pool)))
     usable = {p.name: p for p in pods if p.usable}
+    tls_problem = None
     if rt.settings.tls:
         # Before any admin call: the nodes take them only from the operator's certificate.
-        nodes.use_tls((f"{p.ip}:{pool.port}" for p in usable.values()),
-                      ensure_pool_tls(kube, pool, rt.settings.tls_dir, cert_policy(rt.settings), body=body))
+        cfg, tls_problem = pool_tls_or_problem(kube, pool, rt.settings.tls_dir, cert_policy(rt.settings), body=body)
+        if cfg is not None:
+            nodes.use_tls((f"{p.ip}:{pool.port}" for p in usable.values()), cfg)
     sts = kube.get("apps/v1", "StatefulSet", children.store_name(pool), pool.namespace)
     sts_replicas = None if sts is None else int((sts.get("spec") or {}).get("replicas", 0))
     sst = (sts or {}).get("status") or {}
@@ -171,7 +173,7 @@ def observe(rt: Runtime, body: Mapping[str, Any]) -> tuple[PoolObserved, str, di
         sts_claims=None if sts is None else list((sts.get("spec") or {}).get("volumeClaimTemplates") or []),
         stats=dict(zip(usable, got, strict=True)), drain_statuses=drains, warm_statuses=warms,
         tenants=tenants_of(kube, pool.key),
-        now_ms=now_ms, now_iso=now_iso, master_key_problem=key_problem), token, usable
+        now_ms=now_ms, now_iso=now_iso, master_key_problem=key_problem, tls_problem=tls_problem), token, usable
 
 
 def act(rt: Runtime, body: Mapping[str, Any], plan: PoolPlan, token: str) -> None:

@@ -56,6 +56,14 @@ class PoolObserved:
     now_iso: str = ""
     master_key_problem: tuple[str, str] | None = None
     """Why the pool's master-key Secret cannot be used (encryption at rest on), else None."""
+    tls_problem: tuple[str, str] | None = None
+    """Why the pool's certificates could not be made current (:func:`pool_tls.pool_tls_or_problem`)."""
+
+    @property
+    def start_problem(self) -> tuple[str, str] | None:
+        """A Secret the store pods mount that is not usable: new store nodes would only wait or
+        crash-loop, so the StatefulSet is created once it is."""
+        return self.master_key_problem or self.tls_problem
 
 
 @dataclass(frozen=True)
@@ -244,7 +252,7 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
     view = status.pool_conditions(PoolObservation(
         desired=desired, pods=len(obs.pods), ready_pods=sum(p.ready for p in obs.pods),
         active_members=len(ring.active), unreachable=unreachable, decision=decision, drain=state,
-        now_ms=obs.now_ms, updating=obs.sts_updating, problem=obs.master_key_problem or claim_problem,
+        now_ms=obs.now_ms, updating=obs.sts_updating, problem=obs.start_problem or claim_problem,
         rebalance=rb.state))
     generation = int((body.get("metadata") or {}).get("generation", 0))
     conds, cond_events = status.merge_conditions(st.get("conditions"), view.conditions, obs.now_iso, generation)
@@ -281,9 +289,10 @@ def plan_pool(obs: PoolObserved, settings: Settings) -> PoolPlan:
             sts_spec["volumeClaimTemplates"] = live_claims
         else:
             sts_spec.pop("volumeClaimTemplates", None)
-    if obs.master_key_problem is not None and obs.sts_replicas is None:
-        # Pods that cannot mount (or would refuse) the key only crash-loop: create the store
-        # nodes once the Secret is usable.  Running nodes keep their keys and go on serving.
+    if obs.start_problem is not None and obs.sts_replicas is None:
+        # Pods that cannot mount (or would refuse) the key or their certificate only wait or
+        # crash-loop: create the store nodes once the Secret is usable.  Running nodes keep
+        # their keys and certificates and go on serving.
         manifests = [m for m in manifests if m["kind"] != "StatefulSet"]
     return PoolPlan(
         pool=pool, status=patch, events=tuple(events), layout=layout,

@@ -287,3 +287,23 @@ def test_router_certificate_serves_its_service_and_is_verified_with_the_publishe
     off = Secrets()
     pool_tls.ensure_pool_tls(off, POOL, str(tmp_path), POLICY)  # type: ignore[arg-type]
     assert ("ns", "p-router-tls") not in off.objs  # no router, no certificate
+
+
+class Refusing(Secrets):
+    """An API server that refuses Secret writes (RBAC, a quota on Secrets, a webhook)."""
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        raise KubeError(403, "secrets is forbidden")
+
+    apply = create
+
+
+def test_a_refused_secret_write_is_a_problem_and_the_last_certificate_is_kept(tmp_path: Path) -> None:
+    cfg, problem = pool_tls.pool_tls_or_problem(Refusing(), POOL, str(tmp_path), POLICY)
+    assert cfg is None and problem is not None and problem[0] == "CertificatesUnavailable"
+    assert "403" in problem[1] and certs.store_tls_secret_name("p") in problem[1]
+    # With a certificate written by an earlier reconcile, admin calls go on with it.
+    written, none = pool_tls.pool_tls_or_problem(Secrets(), POOL, str(tmp_path), POLICY)
+    assert none is None and written is not None
+    kept, problem = pool_tls.pool_tls_or_problem(Refusing(), POOL, str(tmp_path), POLICY)
+    assert problem is not None and kept is not None and kept.cert_file == written.cert_file

@@ -243,6 +243,20 @@ def test_an_unusable_master_key_degrades_and_holds_back_new_store_nodes() -> Non
     assert _conds(plan)["Degraded"] == ("False", "AsExpected")
 
 
+def test_certificates_that_cannot_be_written_degrade_and_hold_back_new_store_nodes() -> None:
+    body = pool_body(storage={"replicas": 2})
+    problem = ("CertificatesUnavailable", "the pool's certificates could not be read or written (403 forbidden)")
+    plan, _ = _run(body, tls_problem=problem)
+    assert _conds(plan)["Degraded"] == ("True", "CertificatesUnavailable")
+    assert "StatefulSet" not in {c["kind"] for c in plan.children}
+    assert any(e.reason == "CertificatesUnavailable" and e.type == "Warning" for e in plan.events)
+    # Running nodes keep theirs and go on serving; fixed, the condition clears.
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2), tls_problem=problem)
+    assert "StatefulSet" in {c["kind"] for c in plan.children}
+    plan, _ = _run(body, pods=_pods(2), sts_replicas=2, stats=_stats(2))
+    assert _conds(plan)["Degraded"] == ("False", "AsExpected")
+
+
 def test_a_readiness_flap_keeps_the_ring_and_a_long_outage_leaves_it() -> None:
     body = pool_body(storage={"replicas": 3})
     _, body = _run(body, pods=_pods(3), sts_replicas=3, stats=_stats(3))
