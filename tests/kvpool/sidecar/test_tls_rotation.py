@@ -11,6 +11,7 @@ the bundle and certificate it was created with and its reconnect to the restarte
 from __future__ import annotations
 
 import os
+import time
 
 from kvpool.apps.cluster import LocalCluster
 from kvpool.core import pki
@@ -75,3 +76,26 @@ def test_sidecars_reconnect_to_a_restarted_node_after_a_ca_rotation_with_no_fail
         finally:
             writer.close()
             reader.close()
+
+
+def test_a_store_client_of_before_the_rotation_calls_a_restarted_node_on_the_current_files() -> None:
+    """The client every long-lived peer holds (a sidecar's, the router's, a store node's drain and
+    warm-up pushes): its channel and data session reconnect with the rewritten files."""
+    from kvpool.pool.node_client import StoreClient
+
+    with LocalCluster(stores=1, sidecars=0, store_bytes=16 << 20) as lc:
+        assert lc.ca is not None
+        old = lc.ca
+        peer = lc.issue("peer", pki.node("peer"))
+        key = b"p" * 32
+        with StoreClient(lc.stores[0], timeout=3.0, tls=peer) as c:
+            assert c.put([key], [_value(1)]) == [pb.OK]
+            new = pki.make_ca("kvpool LocalCluster CA (next)", days=7)
+            _rewrite_all(lc, pki.bundle(old.cert_pem, new.cert_pem))
+            _rewrite_all(lc, pki.bundle(old.cert_pem, new.cert_pem), issuer=new)
+            lc.restart_store(0)
+            _rewrite_all(lc, new.cert_pem)
+            time.sleep(TLS_CHECK_SECONDS * 1.2)
+            assert c.put([key], [_value(2)]) == [pb.OK]  # the restarted node's DRAM is empty
+            assert c.get([key]) == [bytearray(_value(2))]
+            assert c.health(3.0).transfer_address
