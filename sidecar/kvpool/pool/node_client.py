@@ -119,13 +119,14 @@ class StoreClient:
             self._tls_check_at = time.monotonic() + TLS_CHECK_SECONDS
             try:
                 stamp = self.tls.stamp()
+                if stamp == self._tls_stamp or self._closed:
+                    return
+                fresh = tls_channel(self.address, self.tls, _CHANNEL_OPTIONS)
             except TlsError:
-                return  # mid-swap or gone: keep the channel, look again next time
-            if stamp == self._tls_stamp or self._closed:
-                return
+                return  # mid-swap past the read's bound, or gone: keep the channel, look again later
             self._tls_stamp = stamp
-            old, self._channel = self._channel, tls_channel(self.address, self.tls, _CHANNEL_OPTIONS)
-            self._stub = pbg.StoreDataStub(self._channel)
+            old, self._channel = self._channel, fresh
+            self._stub = pbg.StoreDataStub(fresh)
         if self.rdma is not None:
             self.rdma.stub = self._stub
         closer = threading.Timer(self.timeout + 1.0, old.close)
