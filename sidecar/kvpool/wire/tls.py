@@ -194,11 +194,15 @@ class TlsConfig:
         seen = [self.stamp()]
 
         def fetch() -> Any:
-            stamp = self.stamp()
-            if stamp == seen[0]:
-                return None  # unchanged: keep the current one
+            try:
+                stamp = self.stamp()
+                if stamp == seen[0]:
+                    return None  # unchanged: keep the current one
+                fresh = config()
+            except TlsError:
+                return None  # mid-refresh past the read's bound: keep serving the current one
             seen[0] = stamp
-            return config()
+            return fresh
         return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=client_auth)
 
 
