@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         httpd.daemon_threads = True
         if tls is not None:
             # The handshake on the first read, in the request's thread, not in the accept loop.
-            httpd.socket = tls.server_context(client_auth=False).wrap_socket(
+            httpd.socket = tls.listening_context(client_auth=False).wrap_socket(
                 httpd.socket, server_side=True, do_handshake_on_connect=False)
         threading.Thread(target=httpd.serve_forever, name="router-http", daemon=True).start()
         http_addr = f"{_split(args.http)[0]}:{httpd.server_port}"

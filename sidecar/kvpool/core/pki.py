@@ -194,6 +194,19 @@ def identity_of(cert: bytes) -> Identity | None:
     return None
 
 
+def key_matches(cert: bytes, key: bytes) -> bool:
+    """Whether ``key`` (PEM) is the private key of ``cert`` (PEM; the first of a chain): a
+    certificate and key read while a rotation rewrote them may be of two generations."""
+    from cryptography.hazmat.primitives import serialization
+    try:
+        private = serialization.load_pem_private_key(key, password=None)
+        public = _load(split_bundle(cert)[0]).public_key()
+    except (ValueError, TypeError, IndexError):
+        return False  # a half-written file is no match either
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return bool(private.public_key().public_bytes(*fmt) == public.public_bytes(*fmt))
+
+
 def bundle(*certs: bytes) -> bytes:
     """CA certificates back to back, each once (the trust of a pool during a rotation: old + new)."""
     seen: list[bytes] = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -42,7 +43,7 @@ from kvpool.pool.rdma_path import LocalRdma, RdmaPath, RdmaReadResult, merge
 from kvpool.wire import grpc_status
 from kvpool.wire.proto import store_pb2 as pb
 from kvpool.wire.proto import store_pb2_grpc as pbg
-from kvpool.wire.tls import TlsConfig
+from kvpool.wire.tls import TlsConfig, TlsError
 from kvpool.wire.tls import channel as tls_channel
 from kvpool.wire.tls import resolve as resolve_tls
 
@@ -52,6 +53,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.enable_http_proxy", 0),
     ("grpc.keepalive_time_ms", 20000),
 ]
+
+TLS_CHECK_SECONDS = 1.0
+"""How often a client looks whether its TLS files changed (:meth:`StoreClient.stub`)."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,12 @@ class StoreClient:
         self._closed = False
         self._session_lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel_lock = threading.Lock()
+        self._tls_stamp = self.tls.stamp() if self.tls is not None else ()
+        self._tls_check_at = time.monotonic() + TLS_CHECK_SECONDS
         self._channel = tls_channel(address, self.tls, _CHANNEL_OPTIONS)
-        self.stub = pbg.StoreDataStub(self._channel)
-        self.rdma = RdmaPath(rdma, self.stub, self._metadata, address, min(timeout, 5.0)) if rdma else None
+        self._stub = pbg.StoreDataStub(self._channel)
+        self.rdma = RdmaPath(rdma, self._stub, self._metadata, address, min(timeout, 5.0)) if rdma else None
         """Reads one-sided over RDMA where both sides have a device (:mod:`kvpool.pool.rdma_path`)."""
         self.epoch_seen = 0
         self.incarnation = 0
@@ -90,6 +97,41 @@ class StoreClient:
         change means it restarted, and its leases and reservations of before are gone."""
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def stub(self) -> Any:
+        """The StoreData stub, of a channel whose credentials are the TLS files' current ones."""
+        if self.tls is not None and time.monotonic() >= self._tls_check_at:
+            self._refresh_channel()
+        return self._stub
+
+    def _refresh_channel(self) -> None:
+        """A gRPC channel keeps the certificate and bundle it was made with: after a rotation
+        (files rewritten in place) its next reconnect (a node restarted with a certificate from
+        the new CA, or trusting only it) would fail verification.  When the files changed, new
+        calls go on a new channel; the old one is closed once the calls on it are past their
+        deadline.  Checked at most every :data:`TLS_CHECK_SECONDS` (three ``stat``), on gRPC's
+        cold calls only: the data session's new connections read the files themselves."""
+        assert self.tls is not None
+        with self._channel_lock:
+            if time.monotonic() < self._tls_check_at:
+                return  # another thread checked
+            self._tls_check_at = time.monotonic() + TLS_CHECK_SECONDS
+            try:
+                stamp = self.tls.stamp()
+                if stamp == self._tls_stamp or self._closed:
+                    return
+                fresh = tls_channel(self.address, self.tls, _CHANNEL_OPTIONS)
+            except TlsError:
+                return  # mid-swap past the read's bound, or gone: keep the channel, look again later
+            self._tls_stamp = stamp
+            old, self._channel = self._channel, fresh
+            self._stub = pbg.StoreDataStub(fresh)
+        if self.rdma is not None:
+            self.rdma.stub = self._stub
+        closer = threading.Timer(self.timeout + 1.0, old.close)
+        closer.daemon = True
+        closer.start()
 
     def _rpc(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         # Any: the generated gRPC stubs are untyped; callers returning the reply cast it to its message.
@@ -166,7 +208,8 @@ class StoreClient:
                 self._session.close()
         if self.rdma is not None:
             self.rdma.close()
-        self._channel.close()
+        with self._channel_lock:
+            self._channel.close()
 
     def __enter__(self) -> StoreClient:
         return self

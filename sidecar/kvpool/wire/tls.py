@@ -29,6 +29,7 @@ import argparse
 import os
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -73,15 +74,20 @@ class TlsConfig:
         (a handoff export), whose certificate names the tenant and no host."""
         return replace(self, server_identity=identity)
 
-    def _stamp(self) -> tuple[float, ...]:
+    def stamp(self) -> tuple[int, ...]:
+        """A cheap change stamp of the three files (three ``stat``; a symlink swap of a mounted
+        Secret or a rewrite changes it): a client holding credentials built from the files
+        rebuilds them when it changed (:class:`kvpool.pool.node_client.StoreClient`)."""
         try:
-            return tuple(os.stat(p).st_mtime_ns for p in (self.cert_file, self.key_file, self.ca_file))
+            return tuple(v for p in (self.cert_file, self.key_file, self.ca_file)
+                         for st in (os.stat(p),) for v in (st.st_ino, st.st_mtime_ns, st.st_size))
         except OSError as exc:
             raise TlsError(f"TLS files unreadable: {exc}") from None
 
+
     def _cached(self, what: str, build: Callable[[], Any]) -> Any:
         """``build()``'s result, built again when a file changed (a rotation)."""
-        stamp = self._stamp()
+        stamp = self.stamp()
         with self._lock:
             hit = self._cache.get(what)
             if hit is not None and hit[0] == stamp:
@@ -92,17 +98,11 @@ class TlsConfig:
         return value
 
     def read(self) -> tuple[bytes, bytes, bytes]:
-        """(certificate chain, key, CA bundle), PEM."""
-        def load() -> tuple[bytes, bytes, bytes]:
-            try:
-                out = []
-                for p in (self.cert_file, self.key_file, self.ca_file):
-                    with open(p, "rb") as f:
-                        out.append(f.read())
-            except OSError as exc:
-                raise TlsError(f"TLS files unreadable: {exc}") from None
-            return out[0], out[1], out[2]
-        return self._cached("pem", load)  # type: ignore[no-any-return]
+        """(certificate chain, key, CA bundle), PEM, of one generation: a refresh landing between
+        the three reads (the files are replaced one after another, or a Secret's symlink swapped
+        between two opens) is read again, within :data:`READ_SECONDS`, until the files stood
+        still across the reads and the key is the certificate's."""
+        return self._cached("pem", lambda: _read_consistent(self))  # type: ignore[no-any-return]
 
     def identity(self) -> pki.Identity | None:
         """The kvpool identity this process's own certificate names."""
@@ -119,6 +119,19 @@ class TlsConfig:
             return ctx
         return self._cached(f"server-{client_auth}", build)  # type: ignore[no-any-return]
 
+    def listening_context(self, client_auth: bool = True) -> ssl.SSLContext:
+        """A server context for wrapping a *listening* socket once (an HTTP server): each
+        handshake switches to :meth:`server_context` of the files as they are then, so a renewed
+        certificate and bundle are served with no restart."""
+        ctx = self.server_context(client_auth)
+        wrapper = self._context(ssl.PROTOCOL_TLS_SERVER)
+        wrapper.verify_mode = ctx.verify_mode
+
+        def current(sock: ssl.SSLObject | ssl.SSLSocket, _name: str | None, _ctx: ssl.SSLContext) -> None:
+            sock.context = self.server_context(client_auth)
+        wrapper.sni_callback = current
+        return wrapper
+
     def client_context(self) -> ssl.SSLContext:
         """A client context: the server verified against the bundle (and its name, unless
         :attr:`server_identity` is checked instead, by :meth:`wrap_client`), this process's
@@ -134,8 +147,19 @@ class TlsConfig:
         """A TLS 1.2+ context of ``protocol`` presenting this certificate, trusting the bundle."""
         ctx = ssl.SSLContext(protocol)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.cert_file, self.key_file)
-        ctx.load_verify_locations(cafile=self.ca_file)
+        _, _, ca = self.read()
+        # ``ssl`` loads a certificate and key only from files: a pair read while a rotation
+        # rewrote them fails the library's own match check, and is loaded again.
+        deadline = time.monotonic() + READ_SECONDS
+        while True:
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+                break
+            except ssl.SSLError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(_READ_RETRY_SECONDS)
+        ctx.load_verify_locations(cadata=ca.decode())
         return ctx
 
     def wrap_client(self, sock: Any, host: str) -> ssl.SSLSocket:
@@ -167,15 +191,50 @@ class TlsConfig:
         def config() -> Any:
             cert, key, ca = self.read()
             return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-        seen = [self._stamp()]
+        seen = [self.stamp()]
 
         def fetch() -> Any:
-            stamp = self._stamp()
-            if stamp == seen[0]:
-                return None  # unchanged: keep the current one
+            try:
+                stamp = self.stamp()
+                if stamp == seen[0]:
+                    return None  # unchanged: keep the current one
+                fresh = config()
+            except TlsError:
+                return None  # mid-refresh past the read's bound: keep serving the current one
             seen[0] = stamp
-            return config()
+            return fresh
         return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=client_auth)
+
+
+READ_SECONDS = 2.0
+"""How long :meth:`TlsConfig.read` tries for a consistent set before it fails (a refresh writes
+its files within milliseconds; a certificate whose key never comes is a broken Secret)."""
+_READ_RETRY_SECONDS = 0.02
+
+
+def _read_files(cfg: TlsConfig) -> tuple[bytes, bytes, bytes]:
+    try:
+        out = []
+        for p in (cfg.cert_file, cfg.key_file, cfg.ca_file):
+            with open(p, "rb") as f:
+                out.append(f.read())
+    except OSError as exc:
+        raise TlsError(f"TLS files unreadable: {exc}") from None
+    return out[0], out[1], out[2]
+
+
+def _read_consistent(cfg: TlsConfig) -> tuple[bytes, bytes, bytes]:
+    """The three files of one generation (:meth:`TlsConfig.read`)."""
+    deadline = time.monotonic() + READ_SECONDS
+    while True:
+        before = cfg.stamp()
+        cert, key, ca = _read_files(cfg)
+        if cfg.stamp() == before and pki.key_matches(cert, key):
+            return cert, key, ca
+        if time.monotonic() >= deadline:
+            raise TlsError(f"TLS key {cfg.key_file} does not match certificate {cfg.cert_file} "
+                           f"(or they kept changing) for {READ_SECONDS:g}s")
+        time.sleep(_READ_RETRY_SECONDS)
 
 
 # -- a process's configuration -------------------------------------------------------------------
