@@ -59,7 +59,8 @@ def patch_pool(rel: Release, spec: dict[str, Any]) -> None:
 
 def run_engine(rel: Release, app: str, args: list[str]) -> dict[str, Any]:
     """Run one loadgen Deployment to its summary, then delete it (the load stops)."""
-    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(app, POOL, args)))
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        app, POOL, args, image=rel.image)))
     pod = wait_for(lambda: deployment_pods(rel, app), 30, f"the {app} pod")[0]["metadata"]["name"]
     rep = wait_report(rel, pod)
     rel.kubectl("delete", f"deployment/{app}", "-n", rel.apps)
