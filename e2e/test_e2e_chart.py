@@ -7,7 +7,9 @@ the node agent runs as a process (`kvpool operator ...`, the installed console s
 the store pods that operator creates and the engine pods with their sidecars. The harness has no
 Service routing, so the chart is installed in its `webhook.mode=url` (clientConfig.url on
 127.0.0.1, the harness's webhook certificate in a TLS Secret); everything else is the defaults a
-real cluster gets, except faster reconcile intervals.
+real cluster gets, except faster reconcile intervals. On the real node (a module marked
+``realnode`` that imports the fixture and tests, e2e/test_realnode_chart.py) the same ``release``
+installs the chart's defaults with the locally built image instead.
 
 The tests of this module share one release and one application namespace and run in order.
 """
@@ -207,6 +209,17 @@ def wait_report(rel: Release, pod: str, timeout: float = 120) -> dict[str, Any]:
         reports = loadgen_reports(rel, pod)
         return reports[-1] if reports else None
     return wait_for(last, timeout, f"the loadgen summary of {pod}", interval=0.5)
+
+
+def run_engine(rel: Release, pool: str, app: str, args: list[str], timeout: float = 180) -> dict[str, Any]:
+    """Run one loadgen Deployment (``args`` with ``--hold``) to its summary, then delete it (the
+    load stops)."""
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        app, pool, args, image=rel.image)))
+    pod = wait_for(lambda: deployment_pods(rel, app), 30, f"the {app} pod")[0]["metadata"]["name"]
+    rep = wait_report(rel, pod, timeout)
+    rel.kubectl("delete", f"deployment/{app}", "-n", rel.apps)
+    return rep
 
 
 # ------------------------------------------------------------------------------------ scenarios

@@ -18,24 +18,19 @@ data path through ``kvpool loadgen`` in the engine containers, against their inj
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from e2e.test_e2e_chart import (  # noqa: F401 (fixtures and tests, collected here on the real node)
     Release,
-    cond,
-    deployment_pods,
-    engine_deployment,
     kvpool_doc,
     kvtier,
     pool_events,
     release,
+    run_engine,
     sts_replicas,
     test_2_minimal_pool_from_the_example,
     test_8_deleted_engine_pod_drains_its_local_state_to_the_pool,
     wait_injection_ready,
-    wait_report,
 )
 from e2e.test_operator_autoscale import (  # noqa: F401
     test_autoscaling_grows_refuses_a_too_full_shrink_and_shrinks_when_idle,
@@ -55,16 +50,6 @@ GRACE_SECONDS = 10
 make the new ring): never all of the leaving node's 8.5Mi, always its hot 0.5Mi first."""
 
 
-def run_engine(rel: Release, pool: str, app: str, args: list[str]) -> dict[str, object]:
-    """One loadgen Deployment run to its summary, then deleted."""
-    rel.kubectl("apply", "-n", rel.apps, "-f", "-",
-                input=json.dumps(engine_deployment(app, pool, [*args, "--hold"], image=rel.image)))
-    pod = wait_for(lambda: deployment_pods(rel, app), 30, f"the {app} pod")[0]["metadata"]["name"]
-    rep = wait_report(rel, pod, timeout=180)
-    rel.kubectl("delete", f"deployment/{app}", "-n", rel.apps)
-    return rep
-
-
 def test_a_drain_cut_short_moves_the_hottest_first(release: Release) -> None:  # noqa: F811
     rel = release
     tier, pool = f"hot-{rel.apps}", "hot"
@@ -75,9 +60,9 @@ def test_a_drain_cut_short_moves_the_hottest_first(release: Release) -> None:  #
         sidecar={"localBytes": "2Mi"}, tenancy={"defaultTenant": "public"}))
     rel.wait_pool(pool, lambda s: s.get("readyReplicas") == 2, 180, "two ready store nodes")
     wait_injection_ready(rel, pool)
-    rep = run_engine(rel, pool, "cold", [*COLD, "--flush"])
+    rep = run_engine(rel, pool, "cold", [*COLD, "--flush", "--hold"])
     assert rep["put_ok"] == 256 and rep["flushed"], rep
-    rep = run_engine(rel, pool, "hot", [*HOT, "--flush"])
+    rep = run_engine(rel, pool, "hot", [*HOT, "--flush", "--hold"])
     assert rep["put_ok"] == 16 and rep["flushed"], rep
 
     rel.kubectl("patch", "kvpools.kvpool.io", pool, "-n", rel.apps, "--type=merge",
@@ -95,9 +80,9 @@ def test_a_drain_cut_short_moves_the_hottest_first(release: Release) -> None:  #
 
     # Fresh engines (empty local tiers): every hot block is still in the pool, byte-exact; of the
     # cold ones, those the deadline dropped are misses, never wrong bytes.
-    hot = run_engine(rel, pool, "hot-reader", [*HOT, "--read-only"])
+    hot = run_engine(rel, pool, "hot-reader", [*HOT, "--read-only", "--hold"])
     assert hot["hit_blocks"] == 16 and hot["verified"] == 16 and hot["mismatches"] == 0, hot
-    cold = run_engine(rel, pool, "cold-reader", [*COLD, "--read-only"])
+    cold = run_engine(rel, pool, "cold-reader", [*COLD, "--read-only", "--hold"])
     assert cold["mismatches"] == 0 and cold["verified"] == cold["hit_blocks"], cold
     assert 0 < 256 - cold["hit_blocks"] <= last["droppedObjects"], (cold, last)
     print(f"drain cut short at {GRACE_SECONDS}s, {BANDWIDTH >> 10}Ki/s: {last}; cold hits {cold['hit_blocks']}/256")
