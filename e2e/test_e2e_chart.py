@@ -7,7 +7,9 @@ the node agent runs as a process (`kvpool operator ...`, the installed console s
 the store pods that operator creates and the engine pods with their sidecars. The harness has no
 Service routing, so the chart is installed in its `webhook.mode=url` (clientConfig.url on
 127.0.0.1, the harness's webhook certificate in a TLS Secret); everything else is the defaults a
-real cluster gets, except faster reconcile intervals.
+real cluster gets, except faster reconcile intervals. On the real node (a module marked
+``realnode`` that imports the fixture and tests, e2e/test_realnode_chart.py) the same ``release``
+installs the chart's defaults with the locally built image instead.
 
 The tests of this module share one release and one application namespace and run in order.
 """
@@ -40,6 +42,8 @@ QUOTA_SLACK = 0.10
 """How far over its quotaBytes the pool may hold a tenant (README "Quotas"; kvpool.store.quota)."""
 AUTOSCALE_COOLDOWN_SECONDS = 6
 """The release's autoscaler cooldown (the chart's default, 60 s, would make a test wait minutes)."""
+CHART_IMAGE = "ghcr.io/kvpool/kvpool:0.1.0"
+"""The chart's default image: the node agent ignores images, so its engines name this one."""
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Release:
     home: Path
     webhook_port: int
     installed: bool = True
+    image: str = CHART_IMAGE  # the engines' image: the local build on the real node
 
     def helm(self, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(self.home), "KUBECONFIG": str(self.cluster.kubeconfig),
@@ -113,26 +118,39 @@ def create_namespace(cluster: Cluster, name: str) -> None:
              30, f"the default ServiceAccount in {name}", interval=0.2)
 
 
+def _install_args(cluster: Cluster, rel: Release) -> list[str]:
+    """`helm install` settings for the cluster's tier, besides the fast intervals. The node agent
+    has no Service routing and shares the host's network: the webhook by URL on 127.0.0.1 with
+    the harness's certificate, free ports. The real node: the chart's defaults (webhook through
+    its Service, its own certificate) with the locally built image, never pulled."""
+    image = getattr(cluster, "image", None)
+    if image is not None:
+        repo, tag = str(image).rsplit(":", 1)
+        rel.image = str(image)
+        return ["--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
+                "--set", "image.pullPolicy=Never"]
+    assert cluster.pki is not None
+    rel.kubectl("create", "secret", "tls", "kvpool-webhook-tls", "-n", rel.namespace,
+                f"--cert={cluster.pki.webhook.cert}", f"--key={cluster.pki.webhook.key}")
+    return ["--set", "webhook.mode=url", "--set", f"webhook.url=https://127.0.0.1:{rel.webhook_port}",
+            "--set", f"webhook.port={rel.webhook_port}", "--set", "webhook.certSecret=kvpool-webhook-tls",
+            "--set", f"webhook.caBundle={base64.b64encode(cluster.pki.ca.cert.read_bytes()).decode()}",
+            "--set", f"health.port={free_port()}", "--set", f"metrics.port={free_port()}"]
+
+
 @pytest.fixture(scope="module")
 def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
-    assert cluster.pki is not None
+    """One release of the chart for a module, on the module's tier (e2e/conftest.py)."""
     tag = uuid.uuid4().hex[:6]
     rel = Release(cluster, "kvpool", f"kvpool-system-{tag}", f"apps-{tag}", tmp_path_factory.mktemp("helm"),
                   free_port())
     create_namespace(cluster, rel.namespace)
     create_namespace(cluster, rel.apps)
-    rel.kubectl("create", "secret", "tls", "kvpool-webhook-tls", "-n", rel.namespace,
-                f"--cert={cluster.pki.webhook.cert}", f"--key={cluster.pki.webhook.key}")
     start = time.monotonic()
     try:
-        rel.helm("install", rel.name, str(CHART), "--wait", "--timeout", "180s",
-                 "--set", "webhook.mode=url", "--set", f"webhook.url=https://127.0.0.1:{rel.webhook_port}",
-                 "--set", f"webhook.port={rel.webhook_port}", "--set", "webhook.certSecret=kvpool-webhook-tls",
-                 "--set", f"webhook.caBundle={base64.b64encode(cluster.pki.ca.cert.read_bytes()).decode()}",
-                 # Free ports: every pod of the harness shares the host's network.
-                 "--set", f"health.port={free_port()}", "--set", f"metrics.port={free_port()}",
+        rel.helm("install", rel.name, str(CHART), "--wait", "--timeout", "240s", *_install_args(cluster, rel),
                  "--set", "operator.reconcileIntervalSeconds=2", "--set", "operator.tenantIntervalSeconds=3",
-                 "--set", f"operator.autoscaleCooldownSeconds={AUTOSCALE_COOLDOWN_SECONDS}")
+                 "--set", f"operator.autoscaleCooldownSeconds={AUTOSCALE_COOLDOWN_SECONDS}", timeout=300)
         rel.install_seconds = time.monotonic() - start  # type: ignore[attr-defined]
         yield rel
     finally:
@@ -152,14 +170,16 @@ def loadgen_reports(rel: Release, pod: str) -> list[dict[str, Any]]:
     return [json.loads(line[len(LOADGEN_PREFIX):]) for line in out.splitlines() if line.startswith(LOADGEN_PREFIX)]
 
 
-def engine_deployment(name: str, pool: str, args: list[str], replicas: int = 1) -> dict[str, Any]:
-    """An engine Deployment opting into ``pool``; its container is the project's load generator."""
+def engine_deployment(name: str, pool: str, args: list[str], replicas: int = 1,
+                      image: str = CHART_IMAGE) -> dict[str, Any]:
+    """An engine Deployment opting into ``pool``; its container is the project's load generator
+    (``image``: the release's, whose ``kvpool`` console script the real node runs)."""
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
         "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
                  "template": {"metadata": {"labels": {"app": name, "kvpool.io/pool": pool}},
                               "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
-                                  "name": "engine", "image": "ghcr.io/kvpool/kvpool:0.1.0",
+                                  "name": "engine", "image": image,
                                   "command": ["kvpool", "loadgen"], "args": args}]}}}}
 
 
@@ -189,6 +209,17 @@ def wait_report(rel: Release, pod: str, timeout: float = 120) -> dict[str, Any]:
         reports = loadgen_reports(rel, pod)
         return reports[-1] if reports else None
     return wait_for(last, timeout, f"the loadgen summary of {pod}", interval=0.5)
+
+
+def run_engine(rel: Release, pool: str, app: str, args: list[str], timeout: float = 180) -> dict[str, Any]:
+    """Run one loadgen Deployment (``args`` with ``--hold``) to its summary, then delete it (the
+    load stops)."""
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        app, pool, args, image=rel.image)))
+    pod = wait_for(lambda: deployment_pods(rel, app), 30, f"the {app} pod")[0]["metadata"]["name"]
+    rep = wait_report(rel, pod, timeout)
+    rel.kubectl("delete", f"deployment/{app}", "-n", rel.apps)
+    return rep
 
 
 # ------------------------------------------------------------------------------------ scenarios
@@ -242,7 +273,8 @@ def test_3_engines_get_sidecars_and_share_the_pool(release: Release) -> None:
     rel = release
     wait_injection_ready(rel, "minimal")
     args = ["--prompts", "16", "--prompt-blocks", "4", "--flush", "--hold"]
-    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment("engine", "minimal", args)))
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "engine", "minimal", args, image=rel.image)))
     first = wait_for(lambda: deployment_pods(rel, "engine"), 30, "the engine pod")[0]
     name = first["metadata"]["name"]
     assert first["metadata"]["annotations"]["kvpool.io/injected"] == f"{rel.apps}.minimal"
@@ -297,7 +329,7 @@ def test_5_too_full_scale_down_refused_until_forced(release: Release) -> None:
     # 56 blocks of 256Ki = 14Mi over two 16Mi nodes; on the one node left that would be 87 % > 80 %.
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
         "filler", "full", ["--prompts", "56", "--prompt-blocks", "1", "--value-bytes", str(256 << 10), "--flush",
-                           "--hold"])))
+                           "--hold"], image=rel.image)))
     pod = wait_for(lambda: deployment_pods(rel, "filler"), 30, "the filler pod")[0]["metadata"]["name"]
     rep = wait_report(rel, pod)
     assert rep["put_ok"] == 56 and rep["flushed"], rep
@@ -335,12 +367,12 @@ def test_4_scale_down_under_load_keeps_what_was_moved(release: Release) -> None:
     # local tier of 2Mi, so that its gets keep going to the pool while it scales down.
     blocks = ["--prompts", "64", "--prompt-blocks", "4", "--value-bytes", str(16 << 10)]
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
-        "writer", "drained", [*blocks, "--flush", "--hold"])))
+        "writer", "drained", [*blocks, "--flush", "--hold"], image=rel.image)))
     writer = wait_for(lambda: deployment_pods(rel, "writer"), 30, "the writer pod")[0]["metadata"]["name"]
     rep = wait_report(rel, writer)
     assert rep["put_ok"] == 256 and rep["flushed"], rep
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
-        "reader", "drained", [*blocks, "--read-only", "--duration", "600", "--interval", "0.02"])))
+        "reader", "drained", [*blocks, "--read-only", "--duration", "600", "--interval", "0.02"], image=rel.image)))
     wait_for(lambda: [p for p in deployment_pods(rel, "reader") if p["status"].get("phase") == "Running"], 60,
              "the reader running")
     rel.wait_pool("drained", lambda s: s.get("hitRate", 0) > 0, 60, "hits in the pool's status")
@@ -366,7 +398,7 @@ def test_4_scale_down_under_load_keeps_what_was_moved(release: Release) -> None:
     # A fresh engine reads every block back from the two nodes left (none was dropped).
     rel.kubectl("delete", "deployment/reader", "deployment/writer", "-n", rel.apps)
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
-        "checker", "drained", [*blocks, "--read-only", "--hold"])))
+        "checker", "drained", [*blocks, "--read-only", "--hold"], image=rel.image)))
     checker = wait_for(lambda: deployment_pods(rel, "checker"), 30, "the checker pod")[0]["metadata"]["name"]
     rep = wait_report(rel, checker)
     assert last["droppedObjects"] == 0, last
@@ -407,7 +439,7 @@ def test_6_two_tenants_same_prompts_no_cross_hits_quota_refused(release: Release
         reports = {}
         for team, (ns, _) in teams.items():
             rel.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(engine_deployment(
-                "engine", f"{rel.apps}.shared", args)))
+                "engine", f"{rel.apps}.shared", args, image=rel.image)))
             pods = wait_for(lambda: rel.get("pods", "-n", ns, "-l", "app=engine")["items"], 30,  # noqa: B023
                             f"the engine of {ns}")
             pod = pods[0]
@@ -464,7 +496,8 @@ def test_8_deleted_engine_pod_drains_its_local_state_to_the_pool(release: Releas
     wait_injection_ready(rel, "minimal")
     # State objects stay in the sidecar's local tier (host memory) until eviction or drain.
     args = ["--prompts", "16", "--prompt-blocks", "2", "--states", "--hold"]
-    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment("stateful", "minimal", args)))
+    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
+        "stateful", "minimal", args, image=rel.image)))
     pod = wait_for(lambda: deployment_pods(rel, "stateful"), 30, "the stateful engine pod")[0]
     name = pod["metadata"]["name"]
     grace = pod["spec"]["terminationGracePeriodSeconds"]
@@ -473,7 +506,8 @@ def test_8_deleted_engine_pod_drains_its_local_state_to_the_pool(release: Releas
 
     def reader(app: str) -> dict[str, Any]:
         rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
-            app, "minimal", ["--prompts", "16", "--prompt-blocks", "2", "--states", "--read-only", "--hold"])))
+            app, "minimal", ["--prompts", "16", "--prompt-blocks", "2", "--states", "--read-only", "--hold"],
+            image=rel.image)))
         p = wait_for(lambda: deployment_pods(rel, app), 30, f"the {app} pod")[0]["metadata"]["name"]
         got = wait_report(rel, p)
         rel.kubectl("delete", f"deployment/{app}", "-n", rel.apps)
@@ -505,7 +539,7 @@ def test_7_operator_pod_killed_mid_drain_the_new_one_resumes(release: Release) -
     wait_injection_ready(rel, "resume")
     blocks = ["--prompts", "128", "--prompt-blocks", "4", "--value-bytes", str(32 << 10)]
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
-        "writer", "resume", [*blocks, "--flush", "--hold"])))
+        "writer", "resume", [*blocks, "--flush", "--hold"], image=rel.image)))
     writer = wait_for(lambda: deployment_pods(rel, "writer"), 30, "the writer pod")[0]["metadata"]["name"]
     assert wait_report(rel, writer)["put_ok"] == 512
     rel.kubectl("delete", "deployment/writer", "-n", rel.apps)
@@ -543,7 +577,7 @@ def test_7_operator_pod_killed_mid_drain_the_new_one_resumes(release: Release) -
     wait_for(lambda: sts_replicas(rel, "resume-store") == 1, 60, "the StatefulSet lowered", interval=0.5)
     assert [m["id"] for m in st["ring"]["members"]] == ["resume-store-0"]
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(
-        "checker", "resume", [*blocks, "--read-only", "--hold"])))
+        "checker", "resume", [*blocks, "--read-only", "--hold"], image=rel.image)))
     checker = wait_for(lambda: deployment_pods(rel, "checker"), 30, "the checker pod")[0]["metadata"]["name"]
     rep = wait_report(rel, checker)
     assert rep["hit_blocks"] == 512 and rep["mismatches"] == 0, rep

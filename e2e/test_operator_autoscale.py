@@ -28,15 +28,13 @@ from e2e.test_e2e_chart import (  # noqa: F401 (release: the chart tests' module
     AUTOSCALE_COOLDOWN_SECONDS,
     Release,
     cond,
-    deployment_pods,
-    engine_deployment,
     kvpool_doc,
     kvtier,
     pool_events,
     release,
+    run_engine,
     sts_replicas,
     wait_injection_ready,
-    wait_report,
 )
 from e2e.testutil import wait_for
 
@@ -55,15 +53,6 @@ STORE = f"{POOL}-store"
 
 def patch_pool(rel: Release, spec: dict[str, Any]) -> None:
     rel.kubectl("patch", "kvpools.kvpool.io", POOL, "-n", rel.apps, "--type=merge", "-p", json.dumps({"spec": spec}))
-
-
-def run_engine(rel: Release, app: str, args: list[str]) -> dict[str, Any]:
-    """Run one loadgen Deployment to its summary, then delete it (the load stops)."""
-    rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=json.dumps(engine_deployment(app, POOL, args)))
-    pod = wait_for(lambda: deployment_pods(rel, app), 30, f"the {app} pod")[0]["metadata"]["name"]
-    rep = wait_report(rel, pod)
-    rel.kubectl("delete", f"deployment/{app}", "-n", rel.apps)
-    return rep
 
 
 def event_messages(rel: Release, reason: str) -> list[str]:
@@ -96,7 +85,7 @@ def test_autoscaling_grows_refuses_a_too_full_shrink_and_shrinks_when_idle(
     wait_injection_ready(rel, POOL)
 
     # 1. The load fills the node past the target: the autoscaler grows the pool, in one step.
-    rep = run_engine(rel, "cold", [*COLD, "--flush", "--hold"])
+    rep = run_engine(rel, POOL, "cold", [*COLD, "--flush", "--hold"])
     assert rep["put_ok"] == 200 and rep["flushed"] and not rep["refused"], rep
     st = rel.wait_pool(POOL, lambda s: s.get("desiredReplicas") == 3, 60, "the autoscaler asking for three nodes")
     assert st["usedBytes"] >= 200 * BLOCK, st
@@ -112,7 +101,7 @@ def test_autoscaling_grows_refuses_a_too_full_shrink_and_shrinks_when_idle(
     holds(rel, 3 * AUTOSCALE_COOLDOWN_SECONDS, 3)
 
     # The hot blocks, written now, land on all three nodes.
-    rep = run_engine(rel, "hot", [*HOT, "--flush", "--hold"])
+    rep = run_engine(rel, POOL, "hot", [*HOT, "--flush", "--hold"])
     assert rep["put_ok"] == 24 and rep["flushed"], rep
 
     # 2. maxReplicas lowered to 1 while full: down one node at a time, through a drain, until the
@@ -152,7 +141,7 @@ def test_autoscaling_grows_refuses_a_too_full_shrink_and_shrinks_when_idle(
         "scaling from 2 to 1 store nodes", "scaling from 3 to 2 store nodes"], started
 
     # Every hot block reads back byte-exact from the node left (a fresh sidecar: all from the pool).
-    rep = run_engine(rel, "reader", [*HOT, "--read-only", "--hold"])
+    rep = run_engine(rel, POOL, "reader", [*HOT, "--read-only", "--hold"])
     assert rep["hit_blocks"] == 24 and rep["verified"] == 24 and rep["mismatches"] == 0, rep
     rel.kubectl("delete", "kvpools.kvpool.io", POOL, "-n", rel.apps, "--timeout=60s", timeout=90)
     rel.kubectl("delete", "kvtiers.kvpool.io", tier, "--timeout=60s")

@@ -7,8 +7,8 @@ deletion, the intended uid/gid in every kvpool container, and `helm uninstall` l
 Everything is the chart's defaults (webhook through its Service, the chart's own certificate),
 except the image (the local one, never pulled) and a faster reconcile interval.
 
-Not yet here (issue 24 part 3): scale-down draining the hottest objects first, autoscaling, and
-the engine pod's flush of local state at deletion.
+The rest of the path (a scale-down draining the hottest objects first, autoscaling, the engine
+pod's flush of its local state at deletion) is test_realnode_chart.py.
 
 The tests share one release and run in order.
 """
