@@ -20,10 +20,11 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from e2e.cluster import free_port
@@ -150,6 +151,16 @@ class Prometheus:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
+    """A Prometheus of its own per test (the chart's and the harness's scrape tests), stopped after."""
+    prom = Prometheus(tmp_path)
+    try:
+        yield prom
+    finally:
+        prom.stop()
 
 
 def wait_for_series(base: str, exprs: dict[str, str], timeout: float,

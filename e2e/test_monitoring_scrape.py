@@ -41,13 +41,14 @@ import pytest
 import yaml
 
 from e2e.monitors import PodDiscovery, pod_monitor_scrape_configs, pod_target_groups, relabel
-from e2e.prom import (
+from e2e.prom import (  # noqa: F401 (the prometheus fixture)
     PROMETHEUS,
     PROMTOOL,
     ROOT,
     Prometheus,
     api_get,
     live_expressions,
+    prometheus,
     query,
     still_pending,
     wait_for_series,
@@ -240,15 +241,6 @@ def test_store_and_sidecar_series_name_their_pool_in_the_same_labels(tmp_path: P
 # ------------------------------------------------------------------------------- the scrape
 
 
-@pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
-    prom = Prometheus(tmp_path)
-    try:
-        yield prom
-    finally:
-        prom.stop()
-
-
 def _active_targets(base: str, namespace: str) -> list[dict[str, Any]]:
     """The targets of the pool in ``namespace`` (their pods may run in other namespaces)."""
     return [t for t in api_get(base, "targets", state="active")["activeTargets"]
@@ -295,7 +287,7 @@ def test_prometheus_scrapes_a_pool_on_the_harness_during_a_workload(
         scrape_pool(kube, namespace, remote_ns, prometheus, tmp_path, start, operator.metrics_port)
 
 
-def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheus, tmp_path: Path,
+def scrape_pool(api: Kube, namespace: str, remote_ns: str, prometheus: Prometheus, tmp_path: Path,  # noqa: F811
                 start: float, operator_metrics_port: int) -> None:
     """The scrape: an engine beside the pool and one in ``remote_ns`` (labelled
     ``<namespace>.<pool>``), both running the workload, both sidecars scraped and labelled with

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from e2e.prom import (  # noqa: E402
+from e2e.prom import (  # noqa: E402, F401 (the prometheus fixture)
     CERT_EXPIRY,
     PROMETHEUS,
     PROMTOOL,
@@ -40,6 +40,7 @@ from e2e.prom import (  # noqa: E402
     free_port,
     live_expressions,
     live_form,
+    prometheus,
     query,
     rule_groups,
     rules,
@@ -168,15 +169,6 @@ def test_live_form() -> None:
     assert live_form('up{reason!="x"} == 0') == 'up{reason!="x"} == bool 0'
 
 
-@pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
-    prom = Prometheus(tmp_path)
-    try:
-        yield prom
-    finally:
-        prom.stop()
-
-
 def scrape_targets(lc: Any) -> list[dict[str, Any]]:
     """Static targets with the labels the chart's PodMonitors give a pod's endpoint (namespace,
     pod, container, endpoint = the port's name, pool and pool_namespace naming the pool); the
@@ -220,7 +212,7 @@ def operator_exporter(tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not PROMETHEUS.exists(), reason="prometheus is not here: run tools/setup.sh")
-def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus, tmp_path: Path) -> None:
+def test_a_real_prometheus_evaluates_every_expression(prometheus: Prometheus, tmp_path: Path) -> None:  # noqa: F811
     import numpy as np
 
     from kvpool.apps.cluster import LocalCluster
