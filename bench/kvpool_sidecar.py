@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -179,6 +179,18 @@ def _release_views(views: Any) -> None:
         rel()
 
 
+def _timed_get_views(client: Any, keys: list[bytes], check: Callable[[Any], bool]) -> tuple[float, bool]:
+    """The seconds of ``client.get(keys)`` (views) and ``check(views)``; the check and the views'
+    release are untimed (the zero-copy rows)."""
+    t0 = time.perf_counter()
+    views = client.get(keys)
+    dt = time.perf_counter() - t0
+    try:
+        return dt, check(views)
+    finally:
+        _release_views(views)
+
+
 def _wait_match(client: Any, keys: list[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -292,13 +304,8 @@ def _remote_zero_copy(plan: Any, a: Any, b: Any, vals: list[Any], v: int, nb: in
         rkeys = keys32(f"sc-remote-views-{v}-{nb}-{i}", nb)
         a.put(rkeys, vals)
         _wait_match(b, rkeys)
-        t0 = time.perf_counter()
-        views = b.get(rkeys)
-        dt = time.perf_counter() - t0
-        ok = len(views) == nb and all(bytes(x[:64]) == bytes(val[:64]) and len(x) == v
-                                      for x, val in zip(views, vals, strict=True))
-        _release_views(views)  # untimed
-        del views
+        dt, ok = _timed_get_views(b, rkeys, lambda views: len(views) == nb and all(
+            bytes(x[:64]) == bytes(val[:64]) and len(x) == v for x, val in zip(views, vals, strict=True)))
         bad += 0 if ok else 1
         if i >= plan.warmup:
             times.append(dt)
@@ -388,12 +395,7 @@ def _local_zero_copy(plan: Any, a: Any, keys: list[bytes], v: int, nb: int) -> R
     times: list[float] = []
     bad = 0
     for i in range(plan.warmup + plan.reps(v, nb)):
-        t0 = time.perf_counter()
-        views = a.get(keys)
-        dt = time.perf_counter() - t0
-        ok = len(views) == nb and all(len(x) == v for x in views)
-        _release_views(views)  # untimed
-        del views
+        dt, ok = _timed_get_views(a, keys, lambda views: len(views) == nb and all(len(x) == v for x in views))
         bad += 0 if ok else 1
         if i >= plan.warmup:
             times.append(dt)

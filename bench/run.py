@@ -206,9 +206,9 @@ def mode_ratios(system: str, ops: dict[str, tuple[str, ...]], modes: tuple[str, 
     how = {"throughput": ("", "GB/s"), "cpu": ("_cpu", "CPU s/GB"), "time": ("8192", "p50 time of 8192 keys")}
     table: dict[str, R] = {}
     for mode in modes:
-        tls = TLS_MODES[mode]
         if mode == PLAIN:
             continue
+        tls = TLS_MODES[mode]
         for op, kinds in ops.items():
             for kind in kinds:
                 suffix, what = how[kind]

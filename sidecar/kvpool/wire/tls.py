@@ -79,11 +79,10 @@ class TlsConfig:
         Secret or a rewrite changes it): a client holding credentials built from the files
         rebuilds them when it changed (:class:`kvpool.pool.node_client.StoreClient`)."""
         try:
-            return tuple(v for p in (self.cert_file, self.key_file, self.ca_file)
-                         for st in (os.stat(p),) for v in (st.st_ino, st.st_mtime_ns, st.st_size))
+            stats = [os.stat(p) for p in (self.cert_file, self.key_file, self.ca_file)]
         except OSError as exc:
             raise TlsError(f"TLS files unreadable: {exc}") from None
-
+        return tuple(v for st in stats for v in (st.st_ino, st.st_mtime_ns, st.st_size))
 
     def _cached(self, what: str, build: Callable[[], Any]) -> Any:
         """``build()``'s result, built again when a file changed (a rotation)."""
