@@ -411,15 +411,18 @@ def running_cluster(**kwargs: Any) -> Iterator[Cluster]:
         yield cluster
 
 
+def stop_requested(*signums: int) -> Callable[[], bool]:
+    """Install handlers for ``signums``; the returned call says whether one has arrived (the
+    stop condition of a foreground loop: ``python -m e2e.cluster up``, the real node's
+    supervisor)."""
+    got: list[int] = []
+    for signum in signums:
+        signal.signal(signum, lambda n, _frame: got.append(n))
+    return lambda: bool(got)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
-    stop = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = stop_requested(signal.SIGTERM, signal.SIGINT)
     start = time.monotonic()
     cluster = Cluster(Path(args.workdir) if args.workdir else None, with_node=not args.no_node)
     try:
@@ -432,7 +435,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"[e2e.cluster] ready in {time.monotonic() - start:.1f}s; kubeconfig={target}; "
               f"webhook cert={cluster.pki.webhook.cert if cluster.pki else ''}; "
               f"logs={cluster.workdir / 'logs'}", flush=True)
-        while not stop:
+        while not stopping():
             for comp in cluster.components:
                 comp.check_alive()
             time.sleep(0.5)

@@ -40,6 +40,7 @@ from e2e.cluster import (
     RUN_ID_ENV,
     Cluster,
     _http_get,
+    stop_requested,
     tail,
     wait_until,
 )
@@ -311,13 +312,7 @@ def _insecure() -> Any:
 
 def serve(args: argparse.Namespace) -> int:
     """The node's supervisor (inside the namespace): start all, mark ready, wait for SIGTERM."""
-    stop = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
+    stopping = stop_requested(signal.SIGTERM)
     workdir = Path(args.workdir)
     images = Images.from_env(dict(os.environ))
     cluster = Cluster(workdir, node_ip=NODE_IP,
@@ -328,7 +323,7 @@ def serve(args: argparse.Namespace) -> int:
         cluster.start(timeout=180)
         print(f"[realnode] all ready in {time.monotonic() - began:.1f}s", flush=True)
         (workdir / "ready").write_text("ok\n")
-        while not stop:
+        while not stopping():
             time.sleep(0.5)
     finally:
         cluster.stop()
