@@ -242,9 +242,7 @@ class Cluster:
             "--concurrent-deployment-syncs=5",
             "--v=1",
         ])
-        insecure = ssl.create_default_context()
-        insecure.check_hostname = False
-        insecure.verify_mode = ssl.CERT_NONE  # its serving cert is self-signed in cert-dir
+        insecure = insecure_ssl()  # its serving cert is self-signed in cert-dir
         wait_until("kube-controller-manager",
                    lambda: _http_get(f"https://127.0.0.1:{cm_port}/healthz", insecure) == b"ok",
                    timeout, cm.check_alive)
@@ -354,6 +352,15 @@ class Cluster:
         body = json.loads(_http_get(f"{self.server}/api/v1/nodes/{NODE_NAME}", ctx))
         conds = body.get("status", {}).get("conditions", [])
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def insecure_ssl() -> ssl.SSLContext:
+    """A client context for the health endpoint of a component whose serving cert is
+    self-signed (kube-controller-manager, kube-scheduler): no verification."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 def _http_status(url: str, ctx: ssl.SSLContext | None = None) -> tuple[int, bytes]:

@@ -40,6 +40,7 @@ from e2e.cluster import (
     RUN_ID_ENV,
     Cluster,
     _http_get,
+    insecure_ssl,
     stop_requested,
     tail,
     wait_until,
@@ -291,7 +292,7 @@ def start_node(cluster: Cluster, images: Images) -> None:
     wait_until("kubelet: Node Ready", lambda: cluster.node_ready(ctx), timeout,
                kubelet.check_alive)
     took("Node Ready")
-    insecure = _insecure()
+    insecure = insecure_ssl()  # the scheduler's serving cert is self-signed
     wait_until("kube-scheduler", lambda: _http_get("https://127.0.0.1:10259/healthz", insecure)
                == b"ok", timeout, scheduler.check_alive)
     wait_until("kube-proxy", lambda: bool(_http_get("http://127.0.0.1:10256/healthz")),
@@ -299,15 +300,6 @@ def start_node(cluster: Cluster, images: Images) -> None:
     wait_until("coredns", lambda: _http_get("http://127.0.0.1:8181/ready") == b"OK",
                timeout, coredns.check_alive)
     took("scheduler, kube-proxy, CoreDNS ready")
-
-
-def _insecure() -> Any:
-    import ssl
-
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE  # the scheduler's serving cert is self-signed
-    return ctx
 
 
 def serve(args: argparse.Namespace) -> int:
