@@ -183,6 +183,15 @@ def _go_directive(gomod: str) -> str:
     return m.group(1) if m else "1.24"
 
 
+def _fetch_module(src: str, local: str, module: str, version: str) -> tuple[Path, str]:
+    """A build module ``local`` in the cache's ``src/<src>`` that downloads ``module`` at
+    ``version``; returns its directory and ``module``'s go.mod."""
+    workdir = cache_dir() / "src" / src
+    workdir.mkdir(parents=True, exist_ok=True)
+    _write_module(workdir, local, "1.24", "")
+    return workdir, _download_gomod(module, version, workdir)
+
+
 def _atomic_build(workdir: Path, pkgs: list[str], ldflags: str, outdir: Path, log: Path,
                   rename: dict[str, str] | None = None, keep: dict[str, Path] | None = None,
                   ) -> None:
@@ -223,10 +232,8 @@ def build_kubernetes(version: str = K8S_VERSION) -> Path:
     missing = [n for n in K8S_COMMANDS if not (outdir / n).exists()]
     if not missing:
         return outdir
-    workdir = cache / "src" / f"kubernetes-{version}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    _write_module(workdir, "kvpool.local/k8sbuild", "1.24", "")
-    gomod = _download_gomod("k8s.io/kubernetes", version, workdir)
+    workdir, gomod = _fetch_module(f"kubernetes-{version}", "kvpool.local/k8sbuild",
+                                   "k8s.io/kubernetes", version)
     pkgs = [f"k8s.io/kubernetes/cmd/{n}" for n in K8S_COMMANDS]
     body = (
         f"require k8s.io/kubernetes {version}\n\n"
@@ -250,10 +257,8 @@ def build_etcd(version: str = ETCD_VERSION) -> Path:
     outdir = cache / "bin" / f"etcd-{version}"
     if (outdir / "etcd").exists():
         return outdir
-    workdir = cache / "src" / f"etcd-{version}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    _write_module(workdir, "kvpool.local/etcdbuild", "1.24", "")
-    gomod = _download_gomod("go.etcd.io/etcd/server/v3", version, workdir)
+    workdir, gomod = _fetch_module(f"etcd-{version}", "kvpool.local/etcdbuild",
+                                   "go.etcd.io/etcd/server/v3", version)
     # server/v3's go.mod replaces its siblings (api/v3, client/v3, pkg/v3 ...) with ../ paths;
     # they are all released under the same tag, so pin each to the same version.
     replaces = [
@@ -275,10 +280,8 @@ def build_helm(version: str = HELM_VERSION) -> Path:
     outdir = cache / "bin" / f"helm-{version}"
     if (outdir / "helm").exists():
         return outdir
-    workdir = cache / "src" / f"helm-{version}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    _write_module(workdir, "kvpool.local/helmbuild", "1.24", "")
-    gomod = _download_gomod("helm.sh/helm/v3", version, workdir)
+    workdir, gomod = _fetch_module(f"helm-{version}", "kvpool.local/helmbuild",
+                                   "helm.sh/helm/v3", version)
     pkg = "helm.sh/helm/v3/cmd/helm"
     body = f"require helm.sh/helm/v3 {version}\n\n" + _tool_block([pkg])
     _write_module(workdir, "kvpool.local/helmbuild", _go_directive(gomod), body)
@@ -326,10 +329,8 @@ def build_coredns(version: str = COREDNS_VERSION) -> Path:
     outdir = cache / "bin" / f"coredns-{version}"
     if (outdir / "coredns").exists():
         return outdir
-    workdir = cache / "src" / f"coredns-{version}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    _write_module(workdir, "kvpool.local/corednsbuild", "1.24", "")
-    gomod = _download_gomod("github.com/coredns/coredns", version, workdir)
+    workdir, gomod = _fetch_module(f"coredns-{version}", "kvpool.local/corednsbuild",
+                                   "github.com/coredns/coredns", version)
     (workdir / "main.go").write_text(_COREDNS_MAIN % {
         "imports": "\n".join(f'\t_ "github.com/coredns/coredns/plugin/{p}"'
                              for p in COREDNS_PLUGINS),

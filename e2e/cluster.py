@@ -242,9 +242,7 @@ class Cluster:
             "--concurrent-deployment-syncs=5",
             "--v=1",
         ])
-        insecure = ssl.create_default_context()
-        insecure.check_hostname = False
-        insecure.verify_mode = ssl.CERT_NONE  # its serving cert is self-signed in cert-dir
+        insecure = insecure_ssl()  # its serving cert is self-signed in cert-dir
         wait_until("kube-controller-manager",
                    lambda: _http_get(f"https://127.0.0.1:{cm_port}/healthz", insecure) == b"ok",
                    timeout, cm.check_alive)
@@ -356,6 +354,15 @@ class Cluster:
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
+def insecure_ssl() -> ssl.SSLContext:
+    """A client context for the health endpoint of a component whose serving cert is
+    self-signed (kube-controller-manager, kube-scheduler): no verification."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 def _http_status(url: str, ctx: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     """GET ``url``; (status, body). Error responses are closed here: a leaked socket would be a
     ResourceWarning, which the test configuration turns into an error."""
@@ -411,15 +418,18 @@ def running_cluster(**kwargs: Any) -> Iterator[Cluster]:
         yield cluster
 
 
+def stop_requested(*signums: int) -> Callable[[], bool]:
+    """Install handlers for ``signums``; the returned call says whether one has arrived (the
+    stop condition of a foreground loop: ``python -m e2e.cluster up``, the real node's
+    supervisor)."""
+    got: list[int] = []
+    for signum in signums:
+        signal.signal(signum, lambda n, _frame: got.append(n))
+    return lambda: bool(got)
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
-    stop = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = stop_requested(signal.SIGTERM, signal.SIGINT)
     start = time.monotonic()
     cluster = Cluster(Path(args.workdir) if args.workdir else None, with_node=not args.no_node)
     try:
@@ -432,7 +442,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"[e2e.cluster] ready in {time.monotonic() - start:.1f}s; kubeconfig={target}; "
               f"webhook cert={cluster.pki.webhook.cert if cluster.pki else ''}; "
               f"logs={cluster.workdir / 'logs'}", flush=True)
-        while not stop:
+        while not stopping():
             for comp in cluster.components:
                 comp.check_alive()
             time.sleep(0.5)

@@ -48,6 +48,18 @@ def _tier(node: pytest.Item | pytest.Collector) -> str:
     return str(node.config.getoption("--node"))
 
 
+def _started(tier: str, c: Cluster) -> Iterator[Cluster]:
+    """Start ``c``, register it as ``tier``'s running cluster (for the failure reports) for as
+    long as the session uses it, then stop it."""
+    c.start()
+    _running[tier] = c
+    try:
+        yield c
+    finally:
+        _running.pop(tier, None)
+        c.stop()
+
+
 @pytest.fixture(scope="session")
 def _agent_cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
@@ -55,14 +67,7 @@ def _agent_cluster() -> Iterator[Cluster]:
     # A third octet per session, so that a developer's `python -m e2e.cluster up` (127.0.10.x)
     # and a test session can run side by side without sharing pod IPs.
     prefix = f"127.0.{20 + os.getpid() % 200}."
-    c = Cluster(pod_ip_prefix=prefix)
-    c.start()
-    _running["agent"] = c
-    try:
-        yield c
-    finally:
-        _running.pop("agent", None)
-        c.stop()
+    yield from _started("agent", Cluster(pod_ip_prefix=prefix))
 
 
 @pytest.fixture(scope="session")
@@ -79,14 +84,7 @@ def _kubelet_cluster() -> Iterator[Cluster]:
     if images is None:
         pytest.skip("no kvpool image: tools/image.sh is missing and KVPOOL_IMAGE_ARCHIVE, "
                     "KVPOOL_IMAGE, KVPOOL_PAUSE_ARCHIVE, KVPOOL_PAUSE_IMAGE are not set")
-    c = realnode.RealNodeCluster(images)
-    c.start()
-    _running["kubelet"] = c
-    try:
-        yield c
-    finally:
-        _running.pop("kubelet", None)
-        c.stop()
+    yield from _started("kubelet", realnode.RealNodeCluster(images))
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,8 @@ from e2e.cluster import (
     RUN_ID_ENV,
     Cluster,
     _http_get,
+    insecure_ssl,
+    stop_requested,
     tail,
     wait_until,
 )
@@ -290,7 +292,7 @@ def start_node(cluster: Cluster, images: Images) -> None:
     wait_until("kubelet: Node Ready", lambda: cluster.node_ready(ctx), timeout,
                kubelet.check_alive)
     took("Node Ready")
-    insecure = _insecure()
+    insecure = insecure_ssl()  # the scheduler's serving cert is self-signed
     wait_until("kube-scheduler", lambda: _http_get("https://127.0.0.1:10259/healthz", insecure)
                == b"ok", timeout, scheduler.check_alive)
     wait_until("kube-proxy", lambda: bool(_http_get("http://127.0.0.1:10256/healthz")),
@@ -300,24 +302,9 @@ def start_node(cluster: Cluster, images: Images) -> None:
     took("scheduler, kube-proxy, CoreDNS ready")
 
 
-def _insecure() -> Any:
-    import ssl
-
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE  # the scheduler's serving cert is self-signed
-    return ctx
-
-
 def serve(args: argparse.Namespace) -> int:
     """The node's supervisor (inside the namespace): start all, mark ready, wait for SIGTERM."""
-    stop = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
+    stopping = stop_requested(signal.SIGTERM)
     workdir = Path(args.workdir)
     images = Images.from_env(dict(os.environ))
     cluster = Cluster(workdir, node_ip=NODE_IP,
@@ -328,7 +315,7 @@ def serve(args: argparse.Namespace) -> int:
         cluster.start(timeout=180)
         print(f"[realnode] all ready in {time.monotonic() - began:.1f}s", flush=True)
         (workdir / "ready").write_text("ok\n")
-        while not stop:
+        while not stopping():
             time.sleep(0.5)
     finally:
         cluster.stop()
