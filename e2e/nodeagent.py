@@ -54,6 +54,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from e2e import procs
+from kvpool.core.signals import stop_on_signals
 
 log = logging.getLogger("nodeagent")
 
@@ -1392,9 +1393,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_kubelet_api(agent, args.kubelet_port, args.serving_cert, args.serving_key,
                           args.ca_file)
     agent.register()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals(threading.Event())
     threading.Thread(target=agent.heartbeat, name="heartbeat", daemon=True).start()
     threading.Thread(target=agent.watch_pods, name="pod-watch", daemon=True).start()
     threading.Thread(target=agent.housekeeping, name="housekeeping", daemon=True).start()

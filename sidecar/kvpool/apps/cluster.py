@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from kvpool.core import pki
+from kvpool.core.deadlines import ClientDeadlines
 from kvpool.core.push_status import WarmStatus
+from kvpool.core.signals import stop_on_signals
 from kvpool.pool.admin_client import AdminClient
 from kvpool.wire import tls as wtls
 from kvpool.wire.proto import store_pb2 as pb
@@ -160,7 +162,8 @@ class LocalCluster:
                  block_tokens: int = 128, write_back: bool = False, drain_seconds: float = 10.0,
                  quotas: dict[str, int] | None = None, store_config: dict[str, Any] | None = None,
                  handoff: bool = True, replication: int = 1, sidecar_args: Sequence[str] = (),
-                 tls: bool | None = None, store_args: Sequence[str] = (), kube_certs: bool = False) -> None:
+                 tls: bool | None = None, store_args: Sequence[str] = (), kube_certs: bool = False,
+                 client_deadlines: ClientDeadlines | None = None) -> None:
         if tenants is not None and len(tenants) != sidecars:
             raise ValueError(f"tenants names {len(tenants)} tenants for {sidecars} sidecars")
         self.n_stores, self.n_sidecars = stores, sidecars
@@ -175,6 +178,7 @@ class LocalCluster:
         self.replication = replication
         self.sidecar_args = tuple(sidecar_args)  # flags every sidecar starts with (a test's deadlines)
         self.store_args = tuple(store_args)  # flags every store node starts with
+        self.client_deadlines = client_deadlines  # the bounds of :meth:`connect`'s clients (None: defaults)
         self.tls = tls if tls is not None else importlib.util.find_spec("cryptography") is not None
         self.kube_certs = kube_certs
         if kube_certs and not self.tls:
@@ -446,7 +450,7 @@ class LocalCluster:
 
     def connect(self, i: int = 0) -> Any:
         from kvpool.client.client import connect
-        return connect(self.sidecars[i], block_tokens=self.block_tokens)
+        return connect(self.sidecars[i], block_tokens=self.block_tokens, deadlines=self.client_deadlines)
 
     @property
     def store_pids(self) -> list[int]:
@@ -482,8 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`kvpool up`: run a LocalCluster in the foreground and print its addresses until Ctrl-C."""
     args = build_parser().parse_args(argv)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     with LocalCluster(stores=args.stores, sidecars=args.sidecars, store_bytes=args.store_bytes,
                       local_bytes=args.local_bytes, ssd_bytes=args.ssd_bytes) as lc:
         for a, pid in zip(lc.stores, lc.store_pids, strict=True):

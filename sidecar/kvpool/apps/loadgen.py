@@ -37,6 +37,7 @@ import numpy as np
 
 from kvpool.core import errors
 from kvpool.core.keys import KeySpace
+from kvpool.core.signals import stop_on_signals
 from kvpool.core.traffic import DEFAULT_TRAFFIC_CLASS
 
 VOCAB = 32000
@@ -186,12 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    stop = threading.Event()
-
-    def on_term(_sig: int, _frame: object) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_term)
+    stop = stop_on_signals(threading.Event(), [signal.SIGTERM])
     space = KeySpace(args.model, block_tokens=args.block_tokens)
     keys = [prompt_keys(space, args.seed, i, args.prompt_blocks) for i in range(args.prompts)]
     client = connect(args.address, args.block_tokens, args.connect_timeout)

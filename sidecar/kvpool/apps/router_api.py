@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ import numpy as np
 
 from kvpool.core import errors
 from kvpool.core.keys import KEY_BYTES, KeySpace, pack_keys
+from kvpool.core.signals import stop_on_signals
 from kvpool.pool.fanout import Pool
 from kvpool.wire.proto import router_pb2 as rpb
 from kvpool.wire.proto import router_pb2_grpc as rpbg
@@ -343,8 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         threading.Thread(target=httpd.serve_forever, name="router-http", daemon=True).start()
         http_addr = f"{_split(args.http)[0]}:{httpd.server_port}"
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     print(f"READY {host}:{bound} http={http_addr}", flush=True)
     stop.wait()
     if httpd is not None:

@@ -11,12 +11,12 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
+from kvpool.core.signals import stop_on_signals
 from kvpool.core.units import parse_bytes
 from kvpool.sidecar.config import DEFAULTS as D
 from kvpool.sidecar.config import SidecarConfig
@@ -188,8 +188,7 @@ def serve(cfg: SidecarConfig) -> int:
     sidecar = Sidecar(cfg)
     sidecar.start()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     print(_ready_line(sidecar), flush=True)
     stop.wait()
     sidecar.stop_serving()

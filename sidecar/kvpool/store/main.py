@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvpool.core.signals import stop_on_signals
 from kvpool.core.tickets import TicketBook
 from kvpool.core.units import parse_bytes
 from kvpool.store.admin_service import AdminGate, StoreAdminService
@@ -132,8 +132,7 @@ def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin
         watcher = MasterKeyWatcher(running.node, cfg.master_key_file, cfg.previous_master_keys_file,
                                    cfg.master_key_reload_seconds).start()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     print(f"READY {running.address} transfer={running.transfer_address} node={cfg.node_id}"
           + (f" metrics={running.metrics.address}" if running.metrics is not None else ""), flush=True)
     while not stop.wait(expire_interval):
