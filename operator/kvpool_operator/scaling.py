@@ -33,8 +33,12 @@ class ScaleDecision:
 
 def autoscale_target(pool: PoolSpec, current: int, used_bytes: int, node_capacity_bytes: int) -> int:
     """Nodes for used/capacity ≈ target, clamped to [min, max]; one node down at a time (each step
-    is a drain), any number up."""
+    is a drain), any number up.  A pool with no nodes yet starts at spec.storage.replicas (within
+    [min, max]), as a Deployment under a HorizontalPodAutoscaler starts at its own replicas: the
+    autoscaler moves it from there once the nodes report their usage."""
     a = pool.autoscaling
+    if current == 0:
+        return max(a.min_replicas, min(a.max_replicas, pool.replicas))
     if node_capacity_bytes <= 0:
         return max(a.min_replicas, min(a.max_replicas, current))
     need = math.ceil(used_bytes / (node_capacity_bytes * a.target_utilization)) if used_bytes else 0

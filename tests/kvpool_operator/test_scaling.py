@@ -50,6 +50,18 @@ def test_custom_limit() -> None:
     assert d.action == "down"
 
 
+def test_an_autoscaled_pool_starts_at_its_replicas_within_the_bounds() -> None:
+    """No nodes yet: spec.storage.replicas, clamped to [min, max] (the CRD's rule keeps it inside
+    when both are set; replicas left at its default 1 is lifted to minReplicas)."""
+    auto = {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetUtilization": 0.5}
+    assert autoscale_target(_pool(4, autoscaling=auto), 0, 0, GI) == 4
+    assert decide(_pool(4, autoscaling=auto), 0, 0, GI).target == 4
+    assert autoscale_target(_pool(1, autoscaling=auto), 0, 0, GI) == 2
+    assert autoscale_target(_pool(9, autoscaling=auto), 0, 0, GI) == 6
+    # Once it has nodes, the load decides: idle, it steps down towards minReplicas.
+    assert autoscale_target(_pool(4, autoscaling=auto), 4, 0, GI) == 3
+
+
 def test_autoscaler() -> None:
     p = _pool(3, autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetUtilization": 0.5})
     assert autoscale_target(p, 3, 0, GI) == 2
