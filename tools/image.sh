@@ -72,6 +72,8 @@ main() {
   names
 
   emit() {
+    # Marked as in use: the clean-up below leaves what a run used within two hours.
+    touch -c "$ARCHIVE" "$PAUSE_ARCHIVE" "$BASE_TAR" 2>/dev/null || true
     printf 'KVPOOL_IMAGE_ARCHIVE=%s\nKVPOOL_IMAGE=%s\nKVPOOL_PAUSE_ARCHIVE=%s\nKVPOOL_PAUSE_IMAGE=%s\n' \
       "$ARCHIVE" "$IMAGE" "$PAUSE_ARCHIVE" "$PAUSE_IMAGE" >&3
   }
@@ -166,11 +168,13 @@ main() {
   export -f build step
   export OUT BASE_REF base_hash BASE_TAR IMAGE ARCHIVE PAUSE_IMAGE PAUSE_ARCHIVE PAUSE_CFLAGS tmp
   unshare --mount --propagation private bash -c build
-  # Older archives of the same kind go: each build leaves one (about 125 MB).
-  find "$OUT" -maxdepth 1 \( -name 'kvpool-*.oci.tar' -a -not -name "${ARCHIVE##*/}" \
+  emit
+  # Older archives of the same kind go (each build leaves one, about 105 MB), but only those no
+  # run has used for two hours (emit touches what it hands out): another checkout on the same
+  # machine and cache (a CI clone beside a working tree) may be importing its own right now.
+  find "$OUT" -maxdepth 1 -mmin +120 \( -name 'kvpool-*.oci.tar' -a -not -name "${ARCHIVE##*/}" \
     -o -name 'pause-*.oci.tar' -a -not -name "${PAUSE_ARCHIVE##*/}" \
     -o -name 'base-*.tar' -a -not -name "${BASE_TAR##*/}" \) -delete
-  emit
 }
 main "$@"
 exit
