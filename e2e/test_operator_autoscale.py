@@ -3,8 +3,11 @@ chart, driven by `kvpool loadgen` engines through their injected sidecars, and c
 API only (the pool's status, its conditions and Events, the StatefulSet).
 
 One pool of 16Mi store nodes aiming at 35 % use, at most 4 nodes:
-  1. a load of 12.5Mi on its one node (78 %) grows it to three in one step, and it stays there
-     while the load is unchanged (the copies the scale-up's warm-up leaves behind are no new load);
+  1. a load of 12.5Mi on its one node (78 %), written while maxReplicas holds the pool at one,
+     grows it to three in one step once maxReplicas allows four, and it stays there while the
+     load is unchanged (the copies the scale-up's warm-up leaves behind are no new load).  Left
+     free during the load, the autoscaler would follow it as it ramps (1 -> 2 -> 3, seen on the
+     real node, whose engine pod writes slower): right too, but not one step;
   2. lowering autoscaling.maxReplicas to 1 while full: the pool steps down one node at a time
      through a drain (3 → 2, the two left 44 % full), and the next step is refused with a reason:
      one node would be 88 % full, above the 80 % limit (ScaleDownBlocked UtilizationTooHigh, a
@@ -77,7 +80,7 @@ def test_autoscaling_grows_refuses_a_too_full_shrink_and_shrinks_when_idle(
     rel.kubectl("apply", "-f", "-", input=kvtier(tier, "16Mi"))
     rel.kubectl("apply", "-n", rel.apps, "-f", "-", input=kvpool_doc(
         POOL, storage={"replicas": 1, "tiers": [tier]},
-        autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetUtilization": 0.35},
+        autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 1, "targetUtilization": 0.35},
         ttl={"agent": "1h", "chatbot": "7d"}, scaleDown={"gracePeriodSeconds": 30},
         sidecar={"localBytes": "4Mi"}, tenancy={"defaultTenant": "public"}))
     st = rel.wait_pool(POOL, lambda s: cond(s, "Ready") == ("True", "NodesReady"), 120, "one store node Ready")
@@ -87,6 +90,8 @@ def test_autoscaling_grows_refuses_a_too_full_shrink_and_shrinks_when_idle(
     # 1. The load fills the node past the target: the autoscaler grows the pool, in one step.
     rep = run_engine(rel, POOL, "cold", [*COLD, "--flush", "--hold"])
     assert rep["put_ok"] == 200 and rep["flushed"] and not rep["refused"], rep
+    assert sts_replicas(rel, STORE) == 1  # held there by maxReplicas while the load was written
+    patch_pool(rel, {"autoscaling": {"maxReplicas": 4}})
     st = rel.wait_pool(POOL, lambda s: s.get("desiredReplicas") == 3, 60, "the autoscaler asking for three nodes")
     assert st["usedBytes"] >= 200 * BLOCK, st
     wait_for(lambda: sts_replicas(rel, STORE) == 3, 30, "the StatefulSet grown", interval=0.5)

@@ -1,9 +1,11 @@
-"""A stop signal that lands inside ``Event.wait`` still stops the command (kvpool.core.signals).
+"""A stop signal stops a command's serving loop wherever it lands (kvpool.core.signals).
 
-A handler calling ``stop.set()`` deadlocks when Python runs it between the bytecodes of the
-main thread's own ``stop.wait`` that hold the event's (non-reentrant) lock.  A main thread that
-loops on ``stop.wait(0)`` spends most of its time there: with that handler, 4 of 10 SIGTERMs
-hung it here.  Real processes, real signals.
+Two ways a Python handler calling ``stop.set()`` fails, each reproduced here: the signal lands on
+another thread than the main one, which then sleeps on in ``Event.wait()`` (a handler runs only
+on the main thread); or the handler runs between the bytecodes of the main thread's own
+``stop.wait`` that hold the event's non-reentrant lock, and deadlocks.  With such a handler put
+back, the first test hung every time and the second on some attempts.  Real processes, real
+signals.
 """
 
 from __future__ import annotations
@@ -24,6 +26,34 @@ while not stop.wait(0):  # as much time as possible inside Event.wait's lock
     pass
 print("stopped", flush=True)
 """
+
+
+ON_ANOTHER_THREAD = """
+import signal, threading, time
+from kvpool.core.signals import stop_on_signals
+stop = stop_on_signals(threading.Event())
+
+def poke() -> None:  # the signal lands on this thread, as the kernel may choose (gRPC's threads)
+    time.sleep(0.2)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+threading.Thread(target=poke).start()
+stop.wait()  # as the commands wait: no timeout
+print("stopped", flush=True)
+"""
+
+
+def test_a_stop_signal_on_another_thread_wakes_the_main_thread() -> None:
+    child = subprocess.Popen([sys.executable, "-c", ON_ANOTHER_THREAD], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = child.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("still waiting 10 s after a SIGTERM delivered to another thread")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert child.returncode == 0 and out.strip() == "stopped"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
