@@ -309,6 +309,7 @@ def test_tenant_namespace_secrets(operator: Operator, kube: Kube, namespace: str
 
 def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespace: str,
                                         trust: Callable[[str], None]) -> None:
+    from kvpool.core.ring import owners
     from kvpool.pool.node_client import StoreClient
 
     kube.apply({"apiVersion": API, "kind": "KVTier", "metadata": {"name": f"small-{namespace}"},
@@ -317,12 +318,22 @@ def test_scale_down_refused_then_forced(operator: Operator, kube: Kube, namespac
                         scaleDown={"gracePeriodSeconds": 10}, tenancy={"defaultTenant": "public"}), namespace)
     st = wait_status(kube, namespace, "s", lambda s: s.get("readyReplicas") == 2, 120, "two ready store nodes")
     trust("s")
-    # Fill each node to ~7Mi: 14Mi on the 16Mi that one node would have left is 87 % > 80 %.
+    # Fill each node to ~7Mi: 14Mi on the 16Mi that one node would have left is 87 % > 80 %.  Each
+    # node gets keys it owns under the ring, as a sidecar writes them: a copy put straight to a
+    # non-owner is foreign there, and the check counts owned bytes (a warm-up's copies are
+    # duplicates), so random keys made the outcome hang on when each node had counted its foreign
+    # bytes (a CI run saw the scale-down go ahead).
+    ids = [m["id"] for m in st["ring"]["members"]]
+    mine: dict[str, list[bytes]] = {i: [] for i in ids}
+    while any(len(k) < 28 for k in mine.values()):
+        key = os.urandom(32)
+        owner = ids[int(owners(key, ids)[0, 0])]
+        if len(mine[owner]) < 28:
+            mine[owner].append(key)
     block = os.urandom(256 << 10)
     for m in st["ring"]["members"]:
         with StoreClient(m["address"]) as c:
-            keys = [os.urandom(32) for _ in range(28)]
-            codes = c.put(keys, [block] * len(keys))
+            codes = c.put(mine[m["id"]], [block] * 28)
             assert all(code == 0 for code in codes), codes
     wait_for(lambda: pool_status(kube, namespace, "s").get("usedBytes", 0) >= 14 << 20, 30, "usage in status")
     kube.merge_patch(API, "KVPool", "s", namespace, {"spec": {"storage": {"replicas": 1}}})
