@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e import build, pki, procs
+from kvpool.core.signals import stop_on_signals
 
 SERVICE_CIDR = "10.96.0.0/16"
 FIRST_SERVICE_IP = "10.96.0.1"
@@ -419,13 +420,10 @@ def running_cluster(**kwargs: Any) -> Iterator[Cluster]:
 
 
 def stop_requested(*signums: int) -> Callable[[], bool]:
-    """Install handlers for ``signums``; the returned call says whether one has arrived (the
+    """The returned call says whether one of ``signums`` has arrived (the
     stop condition of a foreground loop: ``python -m e2e.cluster up``, the real node's
     supervisor)."""
-    got: list[int] = []
-    for signum in signums:
-        signal.signal(signum, lambda n, _frame: got.append(n))
-    return lambda: bool(got)
+    return stop_on_signals(signums).is_set
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

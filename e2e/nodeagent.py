@@ -1393,7 +1393,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_kubelet_api(agent, args.kubelet_port, args.serving_cert, args.serving_key,
                           args.ca_file)
     agent.register()
-    stop = stop_on_signals(threading.Event())
+    stop = stop_on_signals()
     threading.Thread(target=agent.heartbeat, name="heartbeat", daemon=True).start()
     threading.Thread(target=agent.watch_pods, name="pod-watch", daemon=True).start()
     threading.Thread(target=agent.housekeeping, name="housekeeping", daemon=True).start()

@@ -20,7 +20,7 @@ import pytest
 CHILD = """
 import threading
 from kvpool.core.signals import stop_on_signals
-stop = stop_on_signals(threading.Event())
+stop = stop_on_signals()
 print("up", flush=True)
 while not stop.wait(0):  # as much time as possible inside Event.wait's lock
     pass
@@ -31,7 +31,7 @@ print("stopped", flush=True)
 ON_ANOTHER_THREAD = """
 import signal, threading, time
 from kvpool.core.signals import stop_on_signals
-stop = stop_on_signals(threading.Event())
+stop = stop_on_signals()
 
 def poke() -> None:  # the signal lands on this thread, as the kernel may choose (gRPC's threads)
     time.sleep(0.2)

@@ -485,8 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """`kvpool up`: run a LocalCluster in the foreground and print its addresses until Ctrl-C."""
     args = build_parser().parse_args(argv)
-    stop = threading.Event()
-    stop_on_signals(stop)
+    stop = stop_on_signals()
     with LocalCluster(stores=args.stores, sidecars=args.sidecars, store_bytes=args.store_bytes,
                       local_bytes=args.local_bytes, ssd_bytes=args.ssd_bytes) as lc:
         for a, pid in zip(lc.stores, lc.store_pids, strict=True):

@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -187,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    stop = stop_on_signals(threading.Event(), [signal.SIGTERM])
+    stop = stop_on_signals([signal.SIGTERM])
     space = KeySpace(args.model, block_tokens=args.block_tokens)
     keys = [prompt_keys(space, args.seed, i, args.prompt_blocks) for i in range(args.prompts)]
     client = connect(args.address, args.block_tokens, args.connect_timeout)

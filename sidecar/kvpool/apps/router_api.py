@@ -342,8 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 httpd.socket, server_side=True, do_handshake_on_connect=False)
         threading.Thread(target=httpd.serve_forever, name="router-http", daemon=True).start()
         http_addr = f"{_split(args.http)[0]}:{httpd.server_port}"
-    stop = threading.Event()
-    stop_on_signals(stop)
+    stop = stop_on_signals()
     print(f"READY {host}:{bound} http={http_addr}", flush=True)
     stop.wait()
     if httpd is not None:

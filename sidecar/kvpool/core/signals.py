@@ -32,11 +32,11 @@ from collections.abc import Sequence
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def stop_on_signals(stop: threading.Event, signums: Sequence[int] = STOP_SIGNALS) -> threading.Event:
-    """Set ``stop`` when one of ``signums`` arrives.  From the main thread, once per process (it
+def stop_on_signals(signums: Sequence[int] = STOP_SIGNALS) -> threading.Event:
+    """An event set when one of ``signums`` arrives.  From the main thread, once per process (it
     takes the process's one wakeup fd, and the handlers stay for the life of the process, as a
-    command's main wants; not for a thread running an asyncio loop, which wants that fd).
-    Returns ``stop``."""
+    command's main wants; not for a thread running an asyncio loop, which wants that fd)."""
+    stop = threading.Event()
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)  # the C handler never blocks; a full pipe drops the byte
     wanted = {int(s) for s in signums}

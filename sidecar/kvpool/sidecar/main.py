@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -187,8 +186,7 @@ def serve(cfg: SidecarConfig) -> int:
         os.unlink(cfg.socket)  # a stale socket of a previous life
     sidecar = Sidecar(cfg)
     sidecar.start()
-    stop = threading.Event()
-    stop_on_signals(stop)
+    stop = stop_on_signals()
     print(_ready_line(sidecar), flush=True)
     stop.wait()
     sidecar.stop_serving()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from concurrent import futures
@@ -131,8 +130,7 @@ def serve_forever(cfg: NodeConfig, listen: str, transfer_port: int | None, admin
         from kvpool.store.keywatch import MasterKeyWatcher
         watcher = MasterKeyWatcher(running.node, cfg.master_key_file, cfg.previous_master_keys_file,
                                    cfg.master_key_reload_seconds).start()
-    stop = threading.Event()
-    stop_on_signals(stop)
+    stop = stop_on_signals()
     print(f"READY {running.address} transfer={running.transfer_address} node={cfg.node_id}"
           + (f" metrics={running.metrics.address}" if running.metrics is not None else ""), flush=True)
     while not stop.wait(expire_interval):
