@@ -37,12 +37,14 @@ def autoscale_target(pool: PoolSpec, current: int, used_bytes: int, node_capacit
     [min, max]), as a Deployment under a HorizontalPodAutoscaler starts at its own replicas: the
     autoscaler moves it from there once the nodes report their usage."""
     a = pool.autoscaling
+
+    def bounded(n: int) -> int:
+        return max(a.min_replicas, min(a.max_replicas, n))
     if current == 0:
-        return max(a.min_replicas, min(a.max_replicas, pool.replicas))
+        return bounded(pool.replicas)
     if node_capacity_bytes <= 0:
-        return max(a.min_replicas, min(a.max_replicas, current))
-    need = math.ceil(used_bytes / (node_capacity_bytes * a.target_utilization)) if used_bytes else 0
-    need = max(a.min_replicas, min(a.max_replicas, need))
+        return bounded(current)
+    need = bounded(math.ceil(used_bytes / (node_capacity_bytes * a.target_utilization)) if used_bytes else 0)
     if need < current:
         smaller = current - 1
         if current > a.max_replicas:
